@@ -1,0 +1,46 @@
+"""The attention-backend seam: metadata every backend reads, and the choice of backend."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """The flat batch as attention sees it. Requests are ordered decodes first."""
+
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] physical KV slot each token writes
+    query_start_loc: torch.Tensor  # [num_reqs + 1] where each request starts in the flat batch
+    seq_lens: torch.Tensor  # [num_reqs] context length after this step (cached + new)
+    block_table: torch.Tensor  # [num_reqs, max_blocks] physical block ids, padded with 0
+    num_decodes: int  # requests [0, num_decodes) have exactly one query token
+    # Host copies, so backends never synchronise with the device to read them.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+
+class AttentionBackend:
+    """One call per layer: write this step's K/V into the paged cache, then attend."""
+
+    name = "base"
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def get_attn_backend(name: str) -> AttentionBackend:
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    backends = {"torch": TorchAttentionBackend}
+    if name not in backends:
+        raise ValueError(f"attention_backend must be one of {sorted(backends)}, got {name!r}.")
+    return backends[name]()

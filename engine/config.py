@@ -1,0 +1,88 @@
+"""EngineArgs: every engine setting, with vLLM's names, defaults and command-line flags."""
+
+import argparse
+import dataclasses
+import os
+import re
+import typing
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_memory_size(value: str | int) -> int:
+    """'4GiB', '512MiB', '1.5GB' or a plain byte count -> bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    unit = match.group(2).lower() if match else None
+    if unit not in _UNITS:
+        raise ValueError(f"kv_cache_memory must be a size in bytes, optionally with a GiB/MiB/KiB/GB/MB/KB suffix, got {value!r}.")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _scalar_type(t) -> type:
+    """int for `int` and `int | None`, and so on."""
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    return args[0] if args else t
+
+
+@dataclass
+class EngineArgs:
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    # CPU: bytes for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE). GPU: ignored unless set.
+    kv_cache_memory: str | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    prefix_caching_hash_seed: str | None = None
+    enable_kv_cache_events: bool = False
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    scheduling_policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0
+    watermark: float = 0.0
+    attention_backend: str = "torch"
+    download_dir: str | None = None  # where converted weights are cached
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
+        if self.kv_cache_memory is not None:
+            parse_memory_size(self.kv_cache_memory)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """One --flag-name per field (bools get --no- forms); LLMMESH_FLAG_NAME env vars set defaults."""
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            env = os.environ.get("LLMMESH_" + f.name.upper())
+            if f.type is bool:
+                default = f.default if env is None else env.lower() in ("1", "true", "yes")
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+                continue
+            base = _scalar_type(f.type)
+            default = f.default if env is None else base(env)
+            parser.add_argument(flag, type=base, default=default)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

@@ -1,0 +1,130 @@
+"""BlockPool: every KV block, the free queue, and the prefix-cache lookup table."""
+
+from dataclasses import dataclass
+
+from engine.kv.block import FreeKVCacheBlockQueue, KVCacheBlock
+
+
+@dataclass
+class BlockStored:
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+
+
+@dataclass
+class BlockRemoved:
+    block_hashes: list[bytes]
+
+
+@dataclass
+class AllBlocksCleared:
+    pass
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class BlockPool:
+    """Hands out blocks, counts references, and keeps freed full blocks findable by hash.
+
+    A freed block that holds a cached prefix stays in the hash table until it is reused:
+    eviction is lazy and happens when get_new_blocks() pops it off the free queue.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool, enable_kv_cache_events: bool = False):
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_queue: list[KVCacheEvent] = []
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def cache_full_blocks(
+        self,
+        blocks: list[KVCacheBlock],
+        block_hashes: list[bytes],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        token_ids: list[int],
+    ) -> None:
+        """Register blocks[num_cached_blocks:num_full_blocks] under their chained hashes."""
+        stored = []
+        for i in range(num_cached_blocks, num_full_blocks):
+            block, block_hash = blocks[i], block_hashes[i]
+            if block.block_hash is not None:  # already cached (a prefix hit)
+                continue
+            if block_hash in self.cached_block_hash_to_block:
+                # Another request computed the same block at the same time; keep the first copy.
+                continue
+            block.block_hash = block_hash
+            self.cached_block_hash_to_block[block_hash] = block
+            stored.append(i)
+        if self.enable_kv_cache_events and stored:
+            first = stored[0]
+            self.kv_event_queue.append(
+                BlockStored(
+                    block_hashes=[block_hashes[i] for i in stored],
+                    parent_block_hash=block_hashes[first - 1] if first > 0 else None,
+                    token_ids=token_ids[first * block_size : (stored[-1] + 1) * block_size],
+                    block_size=block_size,
+                )
+            )
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
+            self._maybe_evict_cached_block(block)
+            block.ref_cnt += 1
+        return blocks
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        del self.cached_block_hash_to_block[block.block_hash]
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(BlockRemoved(block_hashes=[block.block_hash]))
+        block.block_hash = None
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on prefix-hit blocks, pulling free ones out of the eviction queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks) -> None:
+        """Drop a reference; blocks reaching zero join the queue tail in the given order."""
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no request holds a block."""
+        if self.get_num_free_blocks() != self.num_blocks:
+            return False
+        self.cached_block_hash_to_block.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+        return True
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        return 1.0 - self.get_num_free_blocks() / self.num_blocks
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events

@@ -1,0 +1,52 @@
+"""Chained block hashes for prefix caching.
+
+hash(block i) = H(hash(block i-1) || canonical bytes of block i's tokens || extra keys).
+The encoding is fixed-width little-endian, so the same tokens give the same hash in every
+process and on every machine; that is what lets a KV store share blocks across engines.
+Never Python's hash() (salted per process) and never pickle.
+"""
+
+import hashlib
+import struct
+from typing import Callable
+
+import numpy as np
+
+HashFn = Callable[[bytes], bytes]
+
+HASH_FUNCTIONS: dict[str, HashFn] = {
+    "sha256": lambda data: hashlib.sha256(data).digest(),
+    "blake2b": lambda data: hashlib.blake2b(data, digest_size=32).digest(),
+}
+
+
+def get_hash_fn(algo: str) -> HashFn:
+    if algo not in HASH_FUNCTIONS:
+        raise ValueError(f"prefix_caching_hash_algo must be one of {sorted(HASH_FUNCTIONS)}, got {algo!r}.")
+    return HASH_FUNCTIONS[algo]
+
+
+def root_hash(hash_fn: HashFn, seed: str | None = None) -> bytes:
+    """The parent of every first block; a seed makes one deployment's hashes its own."""
+    return hash_fn(b"llmmesh-prefix-cache-v1" + (seed or "").encode())
+
+
+def hash_block_tokens(hash_fn: HashFn, parent_hash: bytes, token_ids: list[int], extra: bytes = b"") -> bytes:
+    tokens = np.asarray(token_ids, dtype="<i4").tobytes()
+    return hash_fn(parent_hash + struct.pack("<I", len(token_ids)) + tokens + struct.pack("<I", len(extra)) + extra)
+
+
+def request_extra_key(cache_salt: str | None) -> bytes:
+    return b"" if cache_salt is None else b"salt:" + cache_salt.encode()
+
+
+def update_block_hashes(request, block_size: int, hash_fn: HashFn, root: bytes) -> None:
+    """Append hashes for every newly full block of `request` (salt mixed into block 0 only)."""
+    hashes = request.block_hashes
+    num_full = request.num_tokens // block_size
+    while len(hashes) < num_full:
+        i = len(hashes)
+        parent = hashes[-1] if hashes else root
+        extra = request_extra_key(request.cache_salt) if i == 0 else b""
+        tokens = request.all_token_ids[i * block_size : (i + 1) * block_size]
+        hashes.append(hash_block_tokens(hash_fn, parent, tokens, extra))

@@ -1,0 +1,138 @@
+"""KVCacheManager: which blocks each request holds, prefix-cache lookups, allocation."""
+
+from dataclasses import dataclass
+
+from engine.kv.block import KVCacheBlock
+from engine.kv.block_pool import BlockPool, KVCacheEvent
+from engine.kv.hashing import get_hash_fn, root_hash, update_block_hashes
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted in tokens, as vLLM's prefix-cache hit rate is."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        hash_seed: str | None = None,
+        watermark: float = 0.0,
+        enable_kv_cache_events: bool = False,
+    ):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
+        self.hash_fn = get_hash_fn(hash_algo)
+        self.root_hash = root_hash(self.hash_fn, hash_seed)
+        # Blocks held back from admissions so running requests can keep growing.
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many of a request's blocks are already registered in the prefix cache.
+        self.num_cached_block: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of full blocks, capped so at least one token is computed."""
+        if not self.enable_caching:
+            return [], 0
+        update_block_hashes(request, self.block_size, self.hash_fn, self.root_hash)
+        # The last token must run through the model to produce logits.
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_computed_tokens = len(blocks) * self.block_size
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += num_computed_tokens
+        return blocks, num_computed_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        apply_watermark: bool = False,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens; None (allocating nothing) if the pool is short."""
+        new_computed_blocks = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_required_blocks = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
+        num_new_blocks = max(0, num_required_blocks - len(req_blocks) - len(new_computed_blocks))
+        # Prefix hits sitting in the free queue stop being free once touched.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        watermark = self.watermark_blocks if apply_watermark else 0
+        if num_new_blocks + num_evictable_hits + watermark > self.block_pool.get_num_free_blocks():
+            if not req_blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+
+        self.block_pool.touch(new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            # Register the blocks this step fills; only tokens already known can be hashed.
+            update_block_hashes(request, self.block_size, self.hash_fn, self.root_hash)
+            num_full = min(num_computed_tokens + num_new_tokens, request.num_tokens) // self.block_size
+            num_cached = self.num_cached_block.get(request.request_id, 0)
+            if num_full > num_cached:
+                self.block_pool.cache_full_blocks(
+                    req_blocks,
+                    request.block_hashes,
+                    num_cached,
+                    num_full,
+                    self.block_size,
+                    request.all_token_ids,
+                )
+                self.num_cached_block[request.request_id] = num_full
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks tail-first, so its unique tail is evicted before shared prefix."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.block_pool.free_blocks(reversed(blocks))
+        self.num_cached_block.pop(request.request_id, None)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.block_pool.take_events()

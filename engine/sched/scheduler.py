@@ -1,0 +1,212 @@
+"""The continuous-batching scheduler: a token budget per step, running requests first.
+
+There is no separate prefill phase: a request owes `num_tokens - num_computed_tokens`
+tokens, and each step gives it as many as the budget allows. A prompt larger than the
+budget is therefore chunked across steps, and decodes ride in the same batch.
+"""
+
+from engine.kv.manager import KVCacheManager
+from engine.request import EngineCoreEventType, Request, RequestStatus
+from engine.sched.output import EngineCoreOutput, SchedulerOutput
+from engine.sched.request_queue import create_request_queue
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        scheduling_policy: str = "fcfs",
+        long_prefill_token_threshold: int = 0,
+    ):
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.policy = scheduling_policy
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(scheduling_policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def finish_requests(self, request_ids, finished_status: RequestStatus) -> list[Request]:
+        """End requests in any state (abort); their blocks return to the pool now."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove_request(request)
+            request.status = finished_status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    # ---- one step ------------------------------------------------------------
+
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        if 0 < self.long_prefill_token_threshold < num_new_tokens:
+            num_new_tokens = self.long_prefill_token_threshold
+        return min(num_new_tokens, token_budget)
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_batched_tokens
+        scheduled: list[Request] = []
+        num_scheduled_tokens: dict[str, int] = {}
+        preempted: list[Request] = []
+
+        # Running requests first: decodes and unfinished prefill chunks.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, token_budget)
+            if num_new_tokens == 0:
+                req_index += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                # Out of blocks: preempt until this request fits, or it is the victim itself.
+                victim = self._pick_victim()
+                if victim.request_id in num_scheduled_tokens:
+                    scheduled.remove(victim)
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    req_index -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            scheduled.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # Then waiting requests, but never in a step that had to preempt.
+        while not preempted and len(self.waiting) and token_budget > 0:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            request = self.waiting.peek_request()
+            computed_blocks, num_cached = [], 0
+            if request.num_computed_tokens == 0:
+                computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = self._num_new_tokens(request, num_cached, token_budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request,
+                num_new_tokens,
+                num_cached,
+                computed_blocks,
+                apply_watermark=bool(self.running),
+            )
+            if new_blocks is None:
+                break
+            self.waiting.pop_request()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.record_event(EngineCoreEventType.SCHEDULED)
+            scheduled.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+        output = SchedulerOutput(
+            scheduled_requests=scheduled,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
+            block_ids={r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r in scheduled},
+            preempted_req_ids={r.request_id for r in preempted},
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        return output
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            # The least important running request: largest (priority, arrival).
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            self.running.remove(victim)
+            return victim
+        # FCFS: the most recently admitted.
+        return self.running.pop()
+
+    def _preempt(self, request: Request) -> None:
+        # Recompute preemption: drop the KV cache and start the request over later.
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        request.record_event(EngineCoreEventType.PREEMPTED)
+        self.waiting.prepend_request(request)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: list[int]) -> list[EngineCoreOutput]:
+        """Advance each scheduled request; those whose chunk reached the end get their token."""
+        outputs = []
+        for request, token_id in zip(scheduler_output.scheduled_requests, sampled_token_ids):
+            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a partial prefill chunk emits nothing
+            request.append_output_token_ids(token_id)
+            stopped = self.check_stop(request)
+            if stopped:
+                self.running.remove(request)
+                self._free_request(request)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[token_id],
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=request.stop_reason,
+                    events=request.take_events(),
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        return outputs
+
+    def check_stop(self, request: Request) -> bool:
+        params = request.sampling_params
+        if request.num_tokens >= self.max_model_len or (
+            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if request.num_output_tokens < params.min_tokens:
+            return False
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and last in request.eos_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+        return False
