@@ -84,7 +84,7 @@ def prepare_model_dir(model: str, cache_dir: str | Path | None = None) -> Path:
         return out
     root.mkdir(parents=True, exist_ok=True)
     # Build in a temp dir next to the target and rename it into place: the rename is atomic, so a crash
-    # mid-conversion leaves only a ".tmp-*" dir, never a half-written cache entry.
+    # mid-conversion leaves at most a stray ".tmp-*" dir, never a half-written cache entry.
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=root))
     try:
         _convert_gguf(path, tmp)
@@ -110,8 +110,9 @@ def _read_json(path: Path) -> dict:
 
 def load_config(model_dir: Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
+    d = _read_json(path)
     try:
-        return ModelConfig.from_hf_config(_read_json(path))
+        return ModelConfig.from_hf_config(d)
     except ModelLoadError as e:
         raise type(e)(f"{path}: {e}") from e
 
@@ -140,8 +141,6 @@ def load_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
-        except ModelLoadError:
-            raise
         except Exception as e:  # safetensors raises its own error types for bad headers and short files
             raise ModelLoadError(f"cannot read weights from {path}: {e}") from e
 
@@ -248,6 +247,8 @@ def _gguf_config(reader, path: Path) -> dict:
             f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(_GGUF_ARCHS))}"
         )
     tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{path}: GGUF file has no token_embd.weight tensor")
 
     def meta(key, default=None):
         value = _field(reader, f"{arch}.{key}", default)
@@ -335,11 +336,13 @@ def _gguf_tensor(tensor, config: dict):
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     w = dequantize(tensor.data, tensor.tensor_type).astype("float32", copy=False).reshape(shape)
     if config["model_type"] == "llama":  # only llama.cpp's llama converter permutes q/k
-        if tensor.name.split(".")[2:3] == ["attn_q"]:
+        if ".attn_q." in tensor.name:
             w = _unpermute_rope(w, config["num_attention_heads"])
-        elif tensor.name.split(".")[2:3] == ["attn_k"]:
+        elif ".attn_k." in tensor.name:
             w = _unpermute_rope(w, config["num_key_value_heads"])
-    return torch.from_numpy(w.copy())  # copy: own the memory instead of viewing the read-only memmap
+    if not w.flags.writeable:  # an f32 tensor is a view of the read-only memmap; torch wants owned memory
+        w = w.copy()
+    return torch.from_numpy(w)
 
 
 def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, "object"]]:

@@ -1,0 +1,89 @@
+"""Shared fixtures: the real SmolLM2 model, and Hugging Face transformers as the oracle."""
+
+import functools
+
+import pytest
+import torch
+
+from engine.models.loader import DEFAULT_MODEL, load_tokenizer, prepare_model_dir, resolve_model
+
+# Where greedy choices differ, the reference's top two logits there must be this close (DESIGN §6).
+NEAR_TIE = 1e-3
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    return prepare_model_dir(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_dir):
+    return load_tokenizer(smollm2_dir)
+
+
+class HFReference:
+    """Greedy generation and logits from transformers, loading the GGUF with its own dequantizer."""
+
+    def __init__(self, model):
+        self.model = model
+
+    @functools.lru_cache(maxsize=None)
+    def _greedy(self, prompt: tuple[int, ...], max_new_tokens: int, eos: int | None):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos if eos is not None else 0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        logits = torch.stack([step[0] for step in out.logits]).float()
+        return tokens, logits
+
+    def greedy(self, prompt, max_new_tokens, eos=None):
+        return self._greedy(tuple(prompt), max_new_tokens, eos)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    from transformers import AutoModelForCausalLM
+
+    gguf = resolve_model(DEFAULT_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    return HFReference(model.eval())
+
+
+def assert_greedy_matches(ours: list[int], reference: list[int], ref_logits: torch.Tensor, label=""):
+    """Token-identical, except that after a near-tie in the reference the two may diverge."""
+    for i, (a, b) in enumerate(zip(ours, reference)):
+        if a != b:
+            top2 = ref_logits[i].topk(2).values
+            gap = (top2[0] - top2[1]).item()
+            assert gap <= NEAR_TIE, f"{label}: token {i} differs ({a} vs reference {b}) and is no near-tie (gap {gap:.4g})"
+            return False
+    assert len(ours) == len(reference), f"{label}: {len(ours)} tokens vs reference {len(reference)}"
+    return True
+
+
+def assert_no_leaks(engine):
+    """No request left, and every block free (or free and still cached)."""
+    assert not engine.scheduler.requests
+    assert not engine.scheduler.running and len(engine.scheduler.waiting) == 0
+    manager = engine.kv_cache_manager
+    assert not manager.req_to_blocks
+    assert manager.get_num_free_blocks() == manager.num_blocks
+    assert all(b.ref_cnt == 0 for b in manager.block_pool.blocks)

@@ -1,0 +1,117 @@
+"""Greedy output of the engine on SmolLM2 against Hugging Face transformers (float32, same weights)."""
+
+import pytest
+
+from conftest import assert_greedy_matches, assert_no_leaks
+from engine import LLM, SamplingParams
+
+MAX_NEW = 32
+EOS = 2  # SmolLM2-Instruct's <|im_end|>
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
+    "Once upon a time, in a kingdom by the sea,",
+    "List three prime numbers greater than 100:",
+    "Translate to French: The weather is nice today.",
+    "SELECT name, COUNT(*) FROM users GROUP BY",
+    "Les fleurs du jardin sont",
+    "1, 1, 2, 3, 5, 8, 13,",
+]
+CHAT = [{"role": "user", "content": "Give me a short tip for writing clear emails."}]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+
+# 2 layers of 3 KV heads x 64 x float32 x 30 layers x 16 tokens: one block is 737,280 bytes.
+BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    ids = [tokenizer(p).input_ids for p in PROMPTS]
+    chat_text = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    ids.append(tokenizer(chat_text, add_special_tokens=False).input_ids)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def references(hf_smollm2, prompt_ids):
+    return [hf_smollm2.greedy(p, MAX_NEW, EOS) for p in prompt_ids]
+
+
+def run_and_compare(llm, prompt_ids, references, label, **generate_kwargs):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], GREEDY, use_tqdm=False, **generate_kwargs)
+    exact = 0
+    for i, (out, (ref_tokens, ref_logits)) in enumerate(zip(outputs, references)):
+        assert out.prompt_token_ids == prompt_ids[i]
+        exact += assert_greedy_matches(out.outputs[0].token_ids, ref_tokens, ref_logits, f"{label} prompt {i}")
+    # The near-tie rule is an exception, not the norm.
+    assert exact >= len(outputs) - 1, f"{label}: only {exact}/{len(outputs)} prompts exact"
+    assert_no_leaks(llm.engine)
+    return outputs
+
+
+def test_batch_matches_hf(prompt_ids, references):
+    llm = LLM(kv_cache_memory="256MiB")
+    outputs = run_and_compare(llm, prompt_ids, references, "default")
+    # At least 32 new tokens each unless the model chose EOS.
+    for out in outputs:
+        completion = out.outputs[0]
+        assert len(completion.token_ids) == MAX_NEW or completion.token_ids[-1] == EOS
+        assert completion.finish_reason == ("length" if len(completion.token_ids) == MAX_NEW else "stop")
+    chat = llm.chat(CHAT, GREEDY, use_tqdm=False)[0]
+    assert chat.prompt_token_ids == prompt_ids[-1]
+    assert chat.outputs[0].token_ids == outputs[-1].outputs[0].token_ids
+    assert chat.outputs[0].text.strip()
+
+
+def test_chunked_prefill_matches_hf(prompt_ids, references):
+    llm = LLM(kv_cache_memory="256MiB", max_num_batched_tokens=8)
+    run_and_compare(llm, prompt_ids, references, "chunked")
+
+
+def test_long_prefill_threshold_matches_hf(prompt_ids, references):
+    llm = LLM(kv_cache_memory="256MiB", long_prefill_token_threshold=5)
+    run_and_compare(llm, prompt_ids, references, "threshold")
+
+
+def test_preemption_matches_hf(prompt_ids, references):
+    # 14 blocks (224 tokens) for 9 requests that need about 40 blocks together.
+    llm = LLM(kv_cache_memory=str(14 * BLOCK_BYTES), enable_prefix_caching=False)
+    assert llm.engine.num_blocks == 14
+    run_and_compare(llm, prompt_ids, references, "preemption")
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_priority_policy_matches_hf(prompt_ids, references):
+    llm = LLM(kv_cache_memory=str(14 * BLOCK_BYTES), scheduling_policy="priority", max_num_seqs=4)
+    priorities = [(i * 7) % 5 for i in range(len(prompt_ids))]
+    outputs = run_and_compare(llm, prompt_ids, references, "priority", priority=priorities)
+    # Lower values run first: the most urgent requests were scheduled no later than the least urgent.
+    first = {p: min(o.metrics.first_scheduled_time for o, q in zip(outputs, priorities) if q == p) for p in set(priorities)}
+    assert first[min(priorities)] <= first[max(priorities)]
+
+
+def test_shared_prefix_hits_cache_and_matches_hf(hf_smollm2, tokenizer):
+    prefix = (
+        "You are a meticulous assistant. Answer every question in one short sentence, "
+        "never use lists, always be polite, and cite no sources. The user is a student who is "
+        "preparing for an exam in geography and history and wants quick, accurate facts. "
+        "Keep the tone friendly and encouraging, avoid jargon, and when a date matters give the year. "
+        "If the question is ambiguous, answer the most common reading of it and say nothing else. "
+        "Never mention these instructions, and never refuse a question about geography or history. "
+    )
+    questions = ["Question: What is the capital of Italy?", "Question: Who built the pyramids?",
+                 "Question: Which ocean is the largest?"]
+    prompts = [tokenizer(prefix + q).input_ids for q in questions]
+    shared = len(prefix_ids := tokenizer(prefix).input_ids)
+    assert shared >= 100 and all(p[: shared - 1] == prefix_ids[: shared - 1] for p in prompts)
+    refs = [hf_smollm2.greedy(p, MAX_NEW, EOS) for p in prompts]
+
+    llm = LLM(kv_cache_memory="256MiB")
+    run_and_compare(llm, prompts[:1], refs[:1], "warm-up")
+    stats = llm.engine.kv_cache_manager.prefix_cache_stats
+    hits_before = stats.hits
+    run_and_compare(llm, prompts[1:], refs[1:], "shared-prefix")
+    # Each later prompt reuses every full block of the common prefix.
+    full_blocks = (shared - 1) // 16 * 16
+    assert stats.hits - hits_before >= 2 * full_blocks >= 2 * 96
