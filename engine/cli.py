@@ -1,0 +1,58 @@
+"""The `llmmesh` command."""
+
+import argparse
+import sys
+import time
+
+DEMO_PROMPTS = [
+    "The capital of France is",
+    "def quicksort(items):",
+    "Three facts about the Moon:",
+]
+DEMO_CHAT = [{"role": "user", "content": "Write a haiku about paged memory."}]
+
+
+def run_offline(args: argparse.Namespace) -> None:
+    """Generate from a few prompts through the offline LLM API and print them."""
+    from engine import LLM, SamplingParams
+    from engine.config import EngineArgs
+
+    engine_args = EngineArgs.from_cli_args(args)
+    start = time.perf_counter()
+    llm = LLM(**vars(engine_args))
+    print(f"Loaded {engine_args.model} in {time.perf_counter() - start:.1f} s")
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed)
+    prompts = args.prompt or DEMO_PROMPTS
+    outputs = llm.generate(prompts, params)
+    if not args.prompt:
+        outputs += llm.chat(DEMO_CHAT, params, use_tqdm=False)
+    for out in outputs:
+        completion = out.outputs[0]
+        print("-" * 72)
+        print(f"prompt: {out.prompt!r}")
+        print(f"output: {completion.text!r}")
+        print(f"        {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from engine.config import EngineArgs
+
+    parser = argparse.ArgumentParser(prog="llmmesh", description="llmmesh: an LLM inference server.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    offline = sub.add_parser("run-offline", help="generate from a few prompts with the offline engine")
+    offline.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in demos")
+    offline.add_argument("--max-tokens", type=int, default=48)
+    offline.add_argument("--temperature", type=float, default=0.0)
+    offline.add_argument("--sampling-seed", type=int, default=None)
+    EngineArgs.add_cli_args(offline)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run-offline":
+            run_offline(args)
+    except ValueError as e:  # bad flags or input: a clear message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
