@@ -32,8 +32,9 @@ class EngineCore:
         self.model_config = load_config(self.model_dir)
         torch.manual_seed(args.seed)
 
+        self.attn_backend = get_attn_backend(args.attention_backend)
         with torch.device(self.device):
-            model = LlamaForCausalLM(self.model_config, get_attn_backend(args.attention_backend))
+            model = LlamaForCausalLM(self.model_config, self.attn_backend)
         model.load_weights(load_weights(self.model_dir))
         self.model = model.to(self.dtype).eval()
 
@@ -46,7 +47,7 @@ class EngineCore:
             )
         self.num_blocks = self._determine_num_blocks()
         block_size = args.block_size
-        shape = (self.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = self.attn_backend.get_kv_cache_shape(self.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(cfg.num_hidden_layers)
@@ -104,7 +105,7 @@ class EngineCore:
 
         cfg, bs = self.model_config, self.args.block_size
         n = min(self.args.max_num_batched_tokens, self.max_model_len)
-        shape = (cdiv(n, bs), bs, cfg.num_key_value_heads, cfg.head_dim)
+        shape = self.attn_backend.get_kv_cache_shape(cdiv(n, bs), bs, cfg.num_key_value_heads, cfg.head_dim)
         caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2 for _ in range(cfg.num_hidden_layers)]
         dev = self.device
         metadata = AttentionMetadata(
@@ -112,7 +113,7 @@ class EngineCore:
             slot_mapping=torch.arange(n, device=dev),
             query_start_loc=torch.tensor([0, n], device=dev),
             seq_lens=torch.tensor([n], device=dev),
-            block_table=torch.arange(shape[0], device=dev)[None, :],
+            block_table=torch.arange(cdiv(n, bs), device=dev)[None, :],
             num_decodes=0,
             query_start_loc_cpu=[0, n],
             seq_lens_cpu=[n],

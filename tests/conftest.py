@@ -38,7 +38,7 @@ class HFReference:
 
     @functools.lru_cache(maxsize=None)
     def _greedy(self, prompt: tuple[int, ...], max_new_tokens: int, eos: int | None):
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=self.model.device)
         with torch.inference_mode():
             out = self.model.generate(
                 ids,
@@ -51,7 +51,7 @@ class HFReference:
                 return_dict_in_generate=True,
             )
         tokens = out.sequences[0, len(prompt) :].tolist()
-        logits = torch.stack([step[0] for step in out.logits]).float()
+        logits = torch.stack([step[0] for step in out.logits]).float().cpu()
         return tokens, logits
 
     def greedy(self, prompt, max_new_tokens, eos=None):
@@ -77,6 +77,19 @@ def assert_greedy_matches(ours: list[int], reference: list[int], ref_logits: tor
             return False
     assert len(ours) == len(reference), f"{label}: {len(ours)} tokens vs reference {len(reference)}"
     return True
+
+
+def run_greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Drive an EngineCore step by step over greedy requests; the tokens of each, in order."""
+    from engine.request import Request, SamplingParams
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(Request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
+    tokens = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    return [tokens[str(i)] for i in range(len(prompts))]
 
 
 def assert_no_leaks(engine):

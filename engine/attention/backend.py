@@ -25,12 +25,17 @@ class AttentionBackend:
 
     name = "base"
 
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Layout of one layer's K (and V) cache; each backend picks what its kernels read fastest."""
+        raise NotImplementedError
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # (K, V), each of get_kv_cache_shape()
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:

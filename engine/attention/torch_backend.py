@@ -1,52 +1,102 @@
-"""Reference attention backend in plain torch; runs anywhere, CPU included."""
+"""Reference attention backend in plain torch; runs anywhere, CPU included.
+
+The cache is laid out [num_kv_heads, num_blocks, block_size, head_dim] per layer, so gathering
+a batch's blocks gives [num_kv_heads, num_reqs, tokens, head_dim] in one contiguous copy, with
+no transpose. Decode steps are memory-bound on that gather, so it is done once, for as few
+padded tokens as possible.
+"""
+
+import bisect
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 
+# Decodes are grouped by context length so a short request is not padded to the longest one.
+MAX_DECODE_GROUPS = 4
+
+
+def decode_groups(seq_lens: list[int], block_size: int) -> list[list[int]]:
+    """Decode rows sorted by length, cut where a cut saves the most padded blocks.
+
+    Cuts stop when one would save under a tenth of the padded total: each group costs
+    another round of small ops per layer.
+    """
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    blocks = [-(seq_lens[i] // -block_size) for i in order]
+    cuts = [0, len(order)]
+    for _ in range(MAX_DECODE_GROUPS - 1):
+        padded = sum((hi - lo) * blocks[hi - 1] for lo, hi in zip(cuts, cuts[1:]))
+        best_saved, best_cut = 0, None
+        for lo, hi in zip(cuts, cuts[1:]):
+            for cut in range(lo + 1, hi):
+                saved = (cut - lo) * (blocks[hi - 1] - blocks[cut - 1])
+                if saved > best_saved:
+                    best_saved, best_cut = saved, cut
+        if best_cut is None or best_saved * 10 < padded:
+            break
+        bisect.insort(cuts, best_cut)
+    return [order[lo:hi] for lo, hi in zip(cuts, cuts[1:])]
+
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim):
+        return (num_kv_heads, num_blocks, block_size, head_dim)
+
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float):
         k_cache, v_cache = kv_cache
-        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        num_kv_heads, _, block_size, head_dim = k_cache.shape
         n = metadata.num_actual_tokens
         # reshape_and_cache: each token's K/V goes to its slot.
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key[:n])
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value[:n])
+        k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, metadata.slot_mapping, key[:n].transpose(0, 1))
+        v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, metadata.slot_mapping, value[:n].transpose(0, 1))
 
         output = torch.empty_like(query)
-        qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
         nd = metadata.num_decodes
         if nd:
-            # All decodes in one padded call: gather each request's blocks, mask past its length.
-            max_blocks = -(max(seq_lens[:nd]) // -block_size)
-            table = metadata.block_table[:nd, :max_blocks]
-            k = k_cache[table].flatten(1, 2).transpose(1, 2)  # [nd, kv_heads, L, D]
-            v = v_cache[table].flatten(1, 2).transpose(1, 2)
-            positions = torch.arange(k.shape[2], device=k.device)
-            mask = (positions[None, :] < metadata.seq_lens[:nd, None])[:, None, None, :]
-            q = query[:nd].unsqueeze(2)  # [nd, heads, 1, D]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-            output[:nd] = out.squeeze(2)
-
-        for i in range(nd, len(seq_lens)):
-            start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
-            q = query[start:end].transpose(0, 1)  # [heads, q_len, D]
-            num_cached = seq_len - (end - start)
-            if num_cached == 0:
-                # A whole prompt in this step: attend over the fresh K/V, plain causal.
-                k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-            else:
-                # A later chunk or a prefix-cache hit: read the cached context from the pages.
-                blocks = metadata.block_table[i, : -(seq_len // -block_size)]
-                k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
-                v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
-                q_pos = torch.arange(num_cached, seq_len, device=q.device)
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-            output[start:end] = out.transpose(0, 1)
+            for rows in decode_groups(metadata.seq_lens_cpu[:nd], block_size):
+                self._decode(query, output, k_cache, v_cache, metadata, rows, scale)
+        for i in range(nd, len(metadata.seq_lens_cpu)):
+            self._prefill(query, key, value, output, k_cache, v_cache, metadata, i, scale)
         return output
+
+    @staticmethod
+    def _decode(query, output, k_cache, v_cache, metadata, rows, scale):
+        """One query token per request. GQA is folded: a KV head's G query heads act as G queries."""
+        num_kv_heads, _, block_size, head_dim = k_cache.shape
+        num_heads = query.shape[1]
+        max_len = max(metadata.seq_lens_cpu[r] for r in rows)
+        index = torch.tensor(rows, device=query.device)
+        table = metadata.block_table[index, : -(max_len // -block_size)]
+        k = k_cache[:, table].flatten(2, 3)  # [kv_heads, R, L, D]
+        v = v_cache[:, table].flatten(2, 3)
+        q = query[index].view(len(rows), num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+        positions = torch.arange(k.shape[2], device=k.device)
+        mask = (positions[None, :] < metadata.seq_lens[index, None])[None, :, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [kv_heads, R, G, D]
+        output[index] = out.transpose(0, 1).reshape(len(rows), num_heads, head_dim)
+
+    @staticmethod
+    def _prefill(query, key, value, output, k_cache, v_cache, metadata, i, scale):
+        block_size = k_cache.shape[2]
+        start, end = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
+        seq_len = metadata.seq_lens_cpu[i]
+        q = query[start:end].transpose(0, 1)  # [heads, q_len, D]
+        num_cached = seq_len - (end - start)
+        if num_cached == 0:
+            # A whole prompt in this step: attend over the fresh K/V, plain causal.
+            k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # A later chunk or a prefix-cache hit: read the cached context from the pages.
+            blocks = metadata.block_table[i, : -(seq_len // -block_size)]
+            k = k_cache[:, blocks].flatten(1, 2)[:, :seq_len]
+            v = v_cache[:, blocks].flatten(1, 2)[:, :seq_len]
+            q_pos = torch.arange(num_cached, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        output[start:end] = out.transpose(0, 1)

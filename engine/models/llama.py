@@ -63,10 +63,13 @@ class RotaryEmbedding(nn.Module):
         # Plain attributes, not buffers: model.to(dtype) must not round them (HF keeps them float32).
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def forward(self, positions, q, k):
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for this step's positions, looked up once and shared by every layer."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def apply_rotary(q, k, cos, sin):
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -87,12 +90,12 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.backend = backend
 
-    def forward(self, positions, x, kv_cache, metadata: AttentionMetadata, rotary: RotaryEmbedding):
+    def forward(self, x, kv_cache, metadata: AttentionMetadata, cos_sin):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *cos_sin)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -116,8 +119,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, positions, x, kv_cache, metadata, rotary):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, metadata, rotary)
+    def forward(self, x, kv_cache, metadata, cos_sin):
+        x = x + self.self_attn(self.input_layernorm(x), kv_cache, metadata, cos_sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -135,8 +138,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_caches) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, metadata, self.rotary)
+            x = layer(x, kv_cache, metadata, cos_sin)
         return self.norm(x)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
