@@ -32,7 +32,7 @@ class EngineCore:
         self.model_config = load_config(self.model_dir)
         torch.manual_seed(args.seed)
 
-        self.attn_backend = get_attn_backend(args.attention_backend)
+        self.attn_backend = get_attn_backend(args.attention_backend, args.block_size)
         with torch.device(self.device):
             model = LlamaForCausalLM(self.model_config, self.attn_backend)
         model.load_weights(load_weights(self.model_dir))

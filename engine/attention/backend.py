@@ -1,6 +1,7 @@
 """The attention-backend seam: metadata every backend reads, and the choice of backend."""
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,6 +19,8 @@ class AttentionMetadata:
     # Host copies, so backends never synchronise with the device to read them.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # What the backend's prepare() derived from the above once per step, for every layer to share.
+    plan: Any = None
 
 
 class AttentionBackend:
@@ -29,6 +32,9 @@ class AttentionBackend:
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """Layout of one layer's K (and V) cache; each backend picks what its kernels read fastest."""
         raise NotImplementedError
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Per-step work that depends only on the metadata; called once before the first layer."""
 
     def forward(
         self,
@@ -42,10 +48,10 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-def get_attn_backend(name: str) -> AttentionBackend:
+def get_attn_backend(name: str, block_size: int) -> AttentionBackend:
     from engine.attention.torch_backend import TorchAttentionBackend
 
     backends = {"torch": TorchAttentionBackend}
     if name not in backends:
         raise ValueError(f"attention_backend must be one of {sorted(backends)}, got {name!r}.")
-    return backends[name]()
+    return backends[name](block_size)

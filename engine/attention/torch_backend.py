@@ -7,6 +7,7 @@ padded tokens as possible.
 """
 
 import bisect
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,12 +41,53 @@ def decode_groups(seq_lens: list[int], block_size: int) -> list[list[int]]:
     return [order[lo:hi] for lo, hi in zip(cuts, cuts[1:])]
 
 
+@dataclass
+class DecodeGroup:
+    index: torch.Tensor  # [R] rows of the batch
+    table: torch.Tensor  # [R, blocks] their block tables, cut to the group's longest
+    mask: torch.Tensor  # [1, R, 1, L] key positions each row may see
+
+
+@dataclass
+class PrefillRow:
+    start: int
+    end: int
+    blocks: torch.Tensor | None  # None: a whole prompt this step, attend to the fresh K/V
+    mask: torch.Tensor | None  # [q_len, seq_len] causal mask over cached + new tokens
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     @staticmethod
     def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim):
         return (num_kv_heads, num_blocks, block_size, head_dim)
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Groups, block tables and masks for the step; every layer reuses them."""
+        bs, dev, nd = self.block_size, metadata.block_table.device, metadata.num_decodes
+        decodes = []
+        for rows in decode_groups(metadata.seq_lens_cpu[:nd], bs) if nd else []:
+            index = torch.tensor(rows, device=dev)
+            max_len = max(metadata.seq_lens_cpu[r] for r in rows)
+            positions = torch.arange(-(max_len // -bs) * bs, device=dev)
+            mask = (positions[None, :] < metadata.seq_lens[index, None])[None, :, None, :]
+            decodes.append(DecodeGroup(index, metadata.block_table[index, : -(max_len // -bs)], mask))
+        prefills = []
+        for i in range(nd, len(metadata.seq_lens_cpu)):
+            start, end = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
+            seq_len = metadata.seq_lens_cpu[i]
+            num_cached = seq_len - (end - start)
+            if num_cached == 0:
+                prefills.append(PrefillRow(start, end, None, None))
+                continue
+            q_pos = torch.arange(num_cached, seq_len, device=dev)
+            mask = torch.arange(seq_len, device=dev)[None, :] <= q_pos[:, None]
+            prefills.append(PrefillRow(start, end, metadata.block_table[i, : -(seq_len // -bs)], mask))
+        metadata.plan = (decodes, prefills)
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float):
         k_cache, v_cache = kv_cache
@@ -56,47 +98,35 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, metadata.slot_mapping, value[:n].transpose(0, 1))
 
         output = torch.empty_like(query)
-        nd = metadata.num_decodes
-        if nd:
-            for rows in decode_groups(metadata.seq_lens_cpu[:nd], block_size):
-                self._decode(query, output, k_cache, v_cache, metadata, rows, scale)
-        for i in range(nd, len(metadata.seq_lens_cpu)):
-            self._prefill(query, key, value, output, k_cache, v_cache, metadata, i, scale)
+        decodes, prefills = metadata.plan
+        for group in decodes:
+            self._decode(query, output, k_cache, v_cache, group, scale)
+        for row in prefills:
+            self._prefill(query, key, value, output, k_cache, v_cache, row, scale)
         return output
 
     @staticmethod
-    def _decode(query, output, k_cache, v_cache, metadata, rows, scale):
+    def _decode(query, output, k_cache, v_cache, group: DecodeGroup, scale):
         """One query token per request. GQA is folded: a KV head's G query heads act as G queries."""
-        num_kv_heads, _, block_size, head_dim = k_cache.shape
-        num_heads = query.shape[1]
-        max_len = max(metadata.seq_lens_cpu[r] for r in rows)
-        index = torch.tensor(rows, device=query.device)
-        table = metadata.block_table[index, : -(max_len // -block_size)]
-        k = k_cache[:, table].flatten(2, 3)  # [kv_heads, R, L, D]
-        v = v_cache[:, table].flatten(2, 3)
-        q = query[index].view(len(rows), num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
-        positions = torch.arange(k.shape[2], device=k.device)
-        mask = (positions[None, :] < metadata.seq_lens[index, None])[None, :, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [kv_heads, R, G, D]
-        output[index] = out.transpose(0, 1).reshape(len(rows), num_heads, head_dim)
+        num_kv_heads, _, _, head_dim = k_cache.shape
+        rows, num_heads = len(group.index), query.shape[1]
+        k = k_cache[:, group.table].flatten(2, 3)  # [kv_heads, R, L, D]
+        v = v_cache[:, group.table].flatten(2, 3)
+        q = query[group.index].view(rows, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)  # [kv_heads, R, G, D]
+        output[group.index] = out.transpose(0, 1).reshape(rows, num_heads, head_dim)
 
     @staticmethod
-    def _prefill(query, key, value, output, k_cache, v_cache, metadata, i, scale):
-        block_size = k_cache.shape[2]
-        start, end = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
-        seq_len = metadata.seq_lens_cpu[i]
-        q = query[start:end].transpose(0, 1)  # [heads, q_len, D]
-        num_cached = seq_len - (end - start)
-        if num_cached == 0:
+    def _prefill(query, key, value, output, k_cache, v_cache, row: PrefillRow, scale):
+        q = query[row.start : row.end].transpose(0, 1)  # [heads, q_len, D]
+        if row.blocks is None:
             # A whole prompt in this step: attend over the fresh K/V, plain causal.
-            k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
+            k, v = key[row.start : row.end].transpose(0, 1), value[row.start : row.end].transpose(0, 1)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             # A later chunk or a prefix-cache hit: read the cached context from the pages.
-            blocks = metadata.block_table[i, : -(seq_len // -block_size)]
-            k = k_cache[:, blocks].flatten(1, 2)[:, :seq_len]
-            v = v_cache[:, blocks].flatten(1, 2)[:, :seq_len]
-            q_pos = torch.arange(num_cached, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        output[start:end] = out.transpose(0, 1)
+            seq_len = row.mask.shape[1]
+            k = k_cache[:, row.blocks].flatten(1, 2)[:, :seq_len]
+            v = v_cache[:, row.blocks].flatten(1, 2)[:, :seq_len]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=row.mask, scale=scale, enable_gqa=True)
+        output[row.start : row.end] = out.transpose(0, 1)

@@ -132,6 +132,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
+        self.attn_backend = backend
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -139,6 +140,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_caches) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary(positions, x.dtype)
+        self.attn_backend.prepare(metadata)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, kv_cache, metadata, cos_sin)
         return self.norm(x)
