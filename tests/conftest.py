@@ -7,6 +7,9 @@ import torch
 
 from engine.models.loader import DEFAULT_MODEL, load_tokenizer, prepare_model_dir, resolve_model
 
+# One float32 KV block of SmolLM2: K and V x 30 layers x 16 tokens x 3 KV heads x 64 dims x 4 bytes.
+SMOLLM2_BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4
+
 # Where greedy choices differ, the reference's top two logits there must be this close (DESIGN §6).
 NEAR_TIE = 1e-3
 
@@ -31,13 +34,13 @@ def tokenizer(smollm2_dir):
 
 
 class HFReference:
-    """Greedy generation and logits from transformers, loading the GGUF with its own dequantizer."""
+    """Greedy generation (EOS off, so exactly max_new_tokens) and the logits behind each choice."""
 
     def __init__(self, model):
         self.model = model
 
     @functools.lru_cache(maxsize=None)
-    def _greedy(self, prompt: tuple[int, ...], max_new_tokens: int, eos: int | None):
+    def _greedy(self, prompt: tuple[int, ...], max_new_tokens: int):
         ids = torch.tensor([prompt], device=self.model.device)
         with torch.inference_mode():
             out = self.model.generate(
@@ -45,8 +48,8 @@ class HFReference:
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=eos if eos is not None else 0,
+                eos_token_id=None,
+                pad_token_id=0,
                 output_logits=True,
                 return_dict_in_generate=True,
             )
@@ -54,12 +57,13 @@ class HFReference:
         logits = torch.stack([step[0] for step in out.logits]).float().cpu()
         return tokens, logits
 
-    def greedy(self, prompt, max_new_tokens, eos=None):
-        return self._greedy(tuple(prompt), max_new_tokens, eos)
+    def greedy(self, prompt, max_new_tokens):
+        return self._greedy(tuple(prompt), max_new_tokens)
 
 
 @pytest.fixture(scope="session")
 def hf_smollm2():
+    """transformers loading the GGUF with its own dequantizer, independent of our converter."""
     from transformers import AutoModelForCausalLM
 
     gguf = resolve_model(DEFAULT_MODEL)

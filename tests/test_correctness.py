@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import assert_greedy_matches, assert_no_leaks
+from conftest import SMOLLM2_BLOCK_BYTES, assert_greedy_matches, assert_no_leaks
 from engine import LLM, SamplingParams
 
 MAX_NEW = 32
@@ -21,8 +21,6 @@ CHAT = [{"role": "user", "content": "Give me a short tip for writing clear email
 # Exactly MAX_NEW tokens from every prompt: EOS is ignored here and off in the reference.
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
-# 2 layers of 3 KV heads x 64 x float32 x 30 layers x 16 tokens: one block is 737,280 bytes.
-BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +71,14 @@ def test_long_prefill_threshold_matches_hf(prompt_ids, references):
 
 def test_preemption_matches_hf(prompt_ids, references):
     # 14 blocks (224 tokens) for 9 requests that need about 40 blocks together.
-    llm = LLM(kv_cache_memory=str(14 * BLOCK_BYTES), enable_prefix_caching=False)
+    llm = LLM(kv_cache_memory=str(14 * SMOLLM2_BLOCK_BYTES), enable_prefix_caching=False)
     assert llm.engine.num_blocks == 14
     run_and_compare(llm, prompt_ids, references, "preemption")
     assert llm.engine.scheduler.num_preemptions > 0
 
 
 def test_priority_policy_matches_hf(prompt_ids, references):
-    llm = LLM(kv_cache_memory=str(14 * BLOCK_BYTES), scheduling_policy="priority", max_num_seqs=4)
+    llm = LLM(kv_cache_memory=str(14 * SMOLLM2_BLOCK_BYTES), scheduling_policy="priority", max_num_seqs=4)
     priorities = [(i * 7) % 5 for i in range(len(prompt_ids))]
     outputs = run_and_compare(llm, prompt_ids, references, "priority", priority=priorities)
     # Lower values run first: the most urgent requests were scheduled no later than the least urgent.

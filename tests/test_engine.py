@@ -2,19 +2,18 @@
 
 import pytest
 
-from conftest import assert_no_leaks
+from conftest import SMOLLM2_BLOCK_BYTES, assert_no_leaks
 from engine import LLM, SamplingParams
 from engine.kv.block_pool import BlockStored
 from engine.request import Request, RequestStatus
 
-BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # one float32 block of SmolLM2
 
 
 @pytest.fixture(scope="module")
 def llm():
     # 8 blocks = 128 tokens of KV, max_model_len 100: a 110-token prompt passes the length check
     # but can never fit the pool.
-    return LLM(kv_cache_memory=str(8 * BLOCK_BYTES), max_model_len=100)
+    return LLM(kv_cache_memory=str(8 * SMOLLM2_BLOCK_BYTES), max_model_len=100)
 
 
 def run_to_completion(engine, first_outputs=(), max_steps=500):
@@ -60,7 +59,7 @@ def test_refused_prompt_leaves_others_running(llm, prompt, message):
 
 
 def test_prompt_that_can_never_fit_the_pool_is_refused():
-    small = LLM(kv_cache_memory=str(4 * BLOCK_BYTES), max_model_len=200)  # 64 tokens of KV
+    small = LLM(kv_cache_memory=str(4 * SMOLLM2_BLOCK_BYTES), max_model_len=200)  # 64 tokens of KV
     with pytest.raises(ValueError, match="can never fit the KV cache, which holds 64 tokens"):
         small.engine.add_request(Request("big", list(range(20, 90)), greedy(2)))
     # A request that would outgrow the pool is capped at its size instead of livelocking.
