@@ -170,3 +170,10 @@ def test_bfloat16_runs_on_cpu():
     assert llm.engine.kv_caches[0][0].dtype.is_floating_point and str(llm.engine.dtype) == "torch.bfloat16"
     out = llm.generate(["The capital of France is"], greedy(6), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 6 and "Paris" in out.text
+
+
+def test_startup_reports_blocks_and_token_capacity(caplog):
+    with caplog.at_level("INFO", logger="llmmesh.engine"):
+        llm = LLM(kv_cache_memory=str(10 * SMOLLM2_BLOCK_BYTES))
+    assert llm.engine.num_blocks == 10
+    assert "KV cache: 10 blocks of 16 tokens = 160 tokens" in caplog.text
