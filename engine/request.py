@@ -1,5 +1,6 @@
 """Requests, their states and sampling parameters (vLLM's names)."""
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -55,47 +56,137 @@ class EngineCoreEvent:
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
+# logit_bias values are clamped to this range, as vLLM does.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
 class SamplingParams:
-    """The generation subset of vllm.SamplingParams, with vLLM's defaults."""
+    """vllm.SamplingParams for generation: the same fields, defaults and meaning."""
 
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None  # -1: the whole vocabulary
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: max_model_len
+    # Token-id sequences of bad_words, filled in from the tokenizer (update_from_tokenizer).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {
+                    int(t): min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(b))) for t, b in self.logit_bias.items()
+                }
+            except (TypeError, ValueError, AttributeError) as e:
+                raise ValueError(f"logit_bias must map token ids (integers) to numbers: {e}") from None
         self.verify()
+        if self.greedy:
+            # Greedy sampling ignores the truncation knobs, as in vLLM.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def verify(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (got {self.n}); n > 1 is not supported yet.")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."
+        _check(self.n >= 1, "n", "must be at least 1", self.n)
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", "must be greater than 0", self.repetition_penalty)
+        _check(self.temperature >= 0.0, "temperature", "must be non-negative", self.temperature)
+        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
+        _check(self.top_k >= 0, "top_k", "must be -1 or 0 (disable), or at least 1", self.top_k)
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1", self.max_tokens)
+        _check(self.min_tokens >= 0, "min_tokens", "must be greater than or equal to 0", self.min_tokens)
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}", self.min_tokens,
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or value >= -1, name, "must be non-negative, or -1 for the whole vocabulary", value)
+        _check(
+            self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1,
+            "truncate_prompt_tokens", "must be at least 1, or -1 for the model's maximum length", self.truncate_prompt_tokens,
+        )
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings", self.stop)
+        _check(not self.stop or self.detokenize, "stop", "needs detokenize=True (stop strings are found in text)", self.stop)
+        _check(all(isinstance(w, str) and w for w in self.bad_words), "bad_words", "must be non-empty strings", self.bad_words)
+        _check(
+            self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+            "allowed_token_ids", "must not be empty (None allows every token)", self.allowed_token_ids,
+        )
+
+    def verify_for_model(self, vocab_size: int, max_logprobs: int) -> None:
+        """The checks that need the model: token ids inside the vocabulary, logprobs under --max-logprobs."""
+        ids = {
+            "logit_bias": list(self.logit_bias or ()),
+            "allowed_token_ids": list(self.allowed_token_ids or ()),
+            "stop_token_ids": self.stop_token_ids,
+        }
+        for name, token_ids in ids.items():
+            bad = [t for t in token_ids if not 0 <= t < vocab_size]
+            _check(not bad, name, f"token ids must be in [0, {vocab_size})", bad)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            num = vocab_size if value == -1 else value
+            _check(
+                max_logprobs == -1 or num <= max_logprobs,
+                name, f"must be at most --max-logprobs={max_logprobs}", value,
+            )
+
+    def update_from_tokenizer(self, encode) -> None:
+        """Token ids of each bad word, both at the start of text and after a space (vLLM's rule).
+
+        `encode(text) -> list[int]` without special tokens.
+        """
+        self.bad_words_token_ids = []
+        for word in self.bad_words:
+            plain = encode(word.lstrip())
+            self.bad_words_token_ids.append(plain)
+            spaced = encode(" " + word.lstrip())
+            # Keep the spaced form only when it is a different word of the same length in tokens.
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                self.bad_words_token_ids.append(spaced)
+
+    def clone(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+
+def _check(ok: bool, name: str, rule: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{name} {rule}, got {value!r}.")
 
 
 class Request:
