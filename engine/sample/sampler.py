@@ -1,50 +1,109 @@
-"""Sampler: greedy, temperature, top-k/top-p and per-request seeds, batched over rows."""
+"""Sampler: vLLM v1's order over one batch of logits, each row with its own settings.
+
+    raw logprobs -> float32 -> allowed / bad words -> min_tokens, logit_bias -> penalties
+    -> greedy argmax | temperature -> min_p -> top-k, then top-p -> softmax -> Gumbel-max draw
+
+Everything that can move the argmax comes before the greedy/random split; greedy rows skip the
+rest. Nothing here reads a tensor back to the host: the metadata decided every branch already.
+"""
+
+from dataclasses import dataclass
 
 import torch
 
-from engine.request import SamplingParams
+from engine.sample.metadata import SamplingMetadata
+from engine.sample.ops import apply_min_p, apply_penalties, apply_top_k_top_p, apply_top_p, random_sample
 
 
-def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
-    """Mask everything outside each row's top-k and top-p nucleus with -inf (k = vocab, p = 1 disable)."""
-    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
-    if k is not None:
-        # The k-th largest logit is the threshold; ties with it stay in.
-        kth = logits_sort.gather(1, (logits_sort.size(1) - k).unsqueeze(1))
-        logits_sort.masked_fill_(logits_sort < kth, float("-inf"))
-    if p is not None:
-        cum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
-        mask = cum <= 1 - p.unsqueeze(1)
-        mask[:, -1] = False  # always keep the most likely token
-        logits_sort.masked_fill_(mask, float("-inf"))
-    return logits.scatter(1, logits_idx, logits_sort)
+@dataclass
+class LogprobsTensors:
+    token_ids: torch.Tensor  # [rows, k+1] int64: column 0 the sampled (or given) token, then the top k ids
+    logprobs: torch.Tensor  # [rows, k+1] float32
+    ranks: torch.Tensor  # [rows] int64: rank of column 0's token in its row
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [num_reqs] int64
+    logprobs: LogprobsTensors | None  # all rows, None when no row asked for logprobs
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """float32 log_softmax over the vocab."""
+    return logits.log_softmax(dim=-1, dtype=torch.float32)
+
+
+def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> LogprobsTensors:
+    """Each row's token_ids entry and its rank, then the row's num_logprobs best (-1: all)."""
+    if num_logprobs == -1:
+        num_logprobs = logprobs.size(-1)
+    token_ids = token_ids.to(torch.int64).unsqueeze(1)
+    token_logprobs = logprobs.gather(1, token_ids)
+    # vLLM's rank: how many tokens are at least as likely (1 = the most likely).
+    ranks = (logprobs >= token_logprobs).sum(dim=-1)
+    top = logprobs.topk(num_logprobs, dim=-1)
+    return LogprobsTensors(
+        token_ids=torch.cat([token_ids, top.indices], dim=1),
+        logprobs=torch.cat([token_logprobs, top.values], dim=1),
+        ranks=ranks,
+    )
+
+
+def _on_rows(fn, logits: torch.Tensor, rows: torch.Tensor | None, *args) -> torch.Tensor:
+    """fn on the given rows only (None: all of them), written back into logits."""
+    if rows is None:
+        return fn(logits, *args)
+    logits[rows] = fn(logits[rows], *args)
+    return logits
+
+
+def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Everything that can move the argmax, on float32 logits: bans, bias, penalties (in place where it can)."""
+    if md.allowed_mask is not None:
+        logits[md.allowed_rows] = logits[md.allowed_rows].masked_fill_(md.allowed_mask, float("-inf"))
+    if md.banned_rows is not None:
+        logits[md.banned_rows, md.banned_token_ids] = float("-inf")
+    if md.bias_rows is not None:
+        logits.index_put_((md.bias_rows, md.bias_token_ids), md.bias_values, accumulate=True)
+    if md.output_token_counts is not None:
+        logits = _on_rows(
+            apply_penalties, logits, md.penalty_rows,
+            md.output_token_counts, md.seen_token_mask,
+            md.presence_penalties, md.frequency_penalties, md.repetition_penalties,
+        )
+    return logits
 
 
 class Sampler:
-    def __call__(
-        self,
-        logits: torch.Tensor,  # [num_reqs, vocab]
-        params: list[SamplingParams],
-        generators: dict[int, torch.Generator],  # row -> generator, for seeded rows
-    ) -> torch.Tensor:
-        logits = logits.float()
-        greedy = [p.greedy for p in params]
-        argmax = logits.argmax(dim=-1)
-        if all(greedy):
-            return argmax
-        device, vocab = logits.device, logits.shape[-1]
-        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
-        logits = logits / temperature.unsqueeze(1)
-        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        top_p = [p.top_p for p in params]
-        k = torch.tensor(top_k, device=device) if any(x < vocab for x in top_k) else None
-        p = torch.tensor(top_p, device=device) if any(x < 1.0 for x in top_p) else None
-        if k is not None or p is not None:
-            logits = apply_top_k_top_p(logits, k, p)
-        probs = logits.softmax(dim=-1)
-        # Gumbel-max in its exponential form: argmax(p / E) with E ~ Exp(1) draws from p.
-        noise = torch.empty_like(probs).exponential_()
-        for row, generator in generators.items():
-            noise[row].exponential_(generator=generator)
-        sampled = probs.div_(noise).argmax(dim=-1)
-        return torch.where(torch.tensor(greedy, device=device), argmax, sampled)
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """One token per row of logits [num_reqs, vocab]. float32 logits are modified in place."""
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            # Logprobs describe the model's own distribution, before any processing.
+            raw_logprobs = compute_logprobs(logits)
+        logits = apply_logits_processors(logits.to(torch.float32), metadata)
+        sampled = self.sample(logits, metadata)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        greedy = None if md.all_random else logits.argmax(dim=-1)
+        if md.all_greedy:
+            return greedy
+        # Only the random rows go on; their settings are indexed by position among them.
+        x = logits if md.random_rows is None else logits[md.random_rows]
+        if md.temperature is not None:
+            x.div_(md.temperature.unsqueeze(1))
+        if md.min_p is not None:
+            x = _on_rows(apply_min_p, x, md.min_p_rows, md.min_p)
+        if md.top_k is not None:
+            x = _on_rows(apply_top_k_top_p, x, md.top_k_rows, md.top_k, md.top_k_top_p, md.max_top_k)
+        if md.top_p is not None:
+            x = _on_rows(apply_top_p, x, md.top_p_rows, md.top_p)
+        drawn = random_sample(x.softmax(dim=-1), md.generators)
+        if greedy is None:
+            return drawn
+        return greedy.index_copy_(0, md.random_rows, drawn)

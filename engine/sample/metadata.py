@@ -1,0 +1,216 @@
+"""SamplingMetadata: one step's sampling settings as device tensors, built once on the host.
+
+Every decision that depends on the settings (which rows need penalties, a sort, a seed...) is
+made here from Python values, so the sampler itself never has to read a tensor back to the host.
+Row subsets are int64 index tensors. A feature no row uses has None for all its tensors; a subset
+that is every row is None too, so the sampler works on the whole block without gathering.
+"""
+
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.request import Request, SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    num_reqs: int
+    vocab_size: int
+
+    # Greedy rows take the argmax, random rows draw.
+    all_greedy: bool
+    all_random: bool
+    random_rows: torch.Tensor | None = None  # rows that draw; None when all_random or all_greedy
+
+    # Settings of the random rows. Rows here are positions among the random rows, not batch rows.
+    temperature: torch.Tensor | None = None  # [r] float32; None when every random row has temperature 1
+    min_p_rows: torch.Tensor | None = None  # random rows with min_p > 0
+    min_p: torch.Tensor | None = None  # [len(min_p_rows)] float32
+    # Rows with a top-k (and maybe a top-p): a topk(max_top_k) stands in for sorting the vocabulary.
+    top_k_rows: torch.Tensor | None = None  # random rows with 0 < top_k < vocab
+    top_k: torch.Tensor | None = None  # [len(top_k_rows)] int64
+    top_k_top_p: torch.Tensor | None = None  # [len(top_k_rows)] float32, those rows' top_p (1 = off); None if all 1
+    max_top_k: int = 0
+    # Rows with a top-p and no top-k: these need the sort.
+    top_p_rows: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None  # [len(top_p_rows)] float32
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # random row -> its generator
+
+    # Logits processors, on batch rows.
+    allowed_rows: torch.Tensor | None = None  # rows with allowed_token_ids
+    allowed_mask: torch.Tensor | None = None  # [len(allowed_rows), vocab] bool, True = not allowed
+    banned_rows: torch.Tensor | None = None  # (row, token) pairs that get -inf: bad words and min_tokens
+    banned_token_ids: torch.Tensor | None = None
+    bias_rows: torch.Tensor | None = None  # (row, token, bias) triples of logit_bias
+    bias_token_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None  # float32
+
+    # Penalties, only on the rows that have one.
+    penalty_rows: torch.Tensor | None = None  # [m]; None when every row has one
+    presence_penalties: torch.Tensor | None = None  # [m] float32
+    frequency_penalties: torch.Tensor | None = None  # [m] float32
+    repetition_penalties: torch.Tensor | None = None  # [m] float32
+    output_token_counts: torch.Tensor | None = None  # [m, vocab] float32: count of each token in the output
+    seen_token_mask: torch.Tensor | None = None  # [m, vocab] bool: in prompt or output; None: no repetition penalty
+
+    # The largest logprobs asked for in the batch (-1 made vocab_size); None when no row asks.
+    max_num_logprobs: int | None = None
+
+    @classmethod
+    def from_requests(
+        cls,
+        requests: list["Request"],
+        generators: dict[int, torch.Generator],
+        vocab_size: int,
+        device: torch.device,
+    ) -> "SamplingMetadata":
+        """Row i is requests[i]. generators maps row -> that row's torch.Generator (only seeded, non-greedy rows)."""
+        params = [r.sampling_params for r in requests]
+        random = [i for i, p in enumerate(params) if not p.greedy]
+        asked = [vocab_size if p.logprobs == -1 else p.logprobs for p in params if p.logprobs is not None]
+        md = cls(
+            num_reqs=len(requests),
+            vocab_size=vocab_size,
+            all_greedy=not random,
+            all_random=bool(random) and len(random) == len(requests),
+            max_num_logprobs=max(asked) if asked else None,
+        )
+        if random and not md.all_random:
+            md.random_rows = _tensor(random, torch.int64, device)
+        if random:
+            _set_random_row_settings(md, [params[i] for i in random], device)
+            position = {row: j for j, row in enumerate(random)}
+            md.generators = {position[row]: g for row, g in generators.items() if row in position}
+        _set_bans_and_bias(md, requests, vocab_size, device)
+        _set_penalties(md, requests, vocab_size, device)
+        return md
+
+
+def _tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Built on the host, then an async copy: nothing waits for work already queued on the device.
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _subset(rows: list[int], total: int, device: torch.device) -> torch.Tensor | None:
+    return None if len(rows) == total else _tensor(rows, torch.int64, device)
+
+
+def _set_random_row_settings(md: SamplingMetadata, random: list["SamplingParams"], device: torch.device) -> None:
+    n = len(random)
+    if any(p.temperature != 1.0 for p in random):
+        md.temperature = _tensor([p.temperature for p in random], torch.float32, device)
+    min_p = [j for j, p in enumerate(random) if p.min_p > 0]
+    if min_p:
+        md.min_p_rows = _subset(min_p, n, device)
+        md.min_p = _tensor([random[j].min_p for j in min_p], torch.float32, device)
+    top_k = [j for j, p in enumerate(random) if 0 < p.top_k < md.vocab_size]
+    if top_k:
+        md.top_k_rows = _subset(top_k, n, device)
+        md.top_k = _tensor([random[j].top_k for j in top_k], torch.int64, device)
+        md.max_top_k = max(random[j].top_k for j in top_k)
+        if any(random[j].top_p < 1.0 for j in top_k):
+            md.top_k_top_p = _tensor([random[j].top_p for j in top_k], torch.float32, device)
+    top_p = [j for j, p in enumerate(random) if p.top_p < 1.0 and not 0 < p.top_k < md.vocab_size]
+    if top_p:
+        md.top_p_rows = _subset(top_p, n, device)
+        md.top_p = _tensor([random[j].top_p for j in top_p], torch.float32, device)
+
+
+def _set_bans_and_bias(md: SamplingMetadata, requests: list["Request"], vocab_size: int, device: torch.device) -> None:
+    allowed = [i for i, r in enumerate(requests) if r.sampling_params.allowed_token_ids is not None]
+    if allowed:
+        mask = torch.ones(len(allowed), vocab_size, dtype=torch.bool)
+        for j, i in enumerate(allowed):
+            mask[j, requests[i].sampling_params.allowed_token_ids] = False
+        md.allowed_rows = _tensor(allowed, torch.int64, device)
+        md.allowed_mask = mask.to(device, non_blocking=True)
+
+    banned_rows, banned_tokens = [], []
+    for i, request in enumerate(requests):
+        tokens = sorted(_banned_bad_words(request) | _banned_before_min_tokens(request))
+        banned_rows += [i] * len(tokens)
+        banned_tokens += tokens
+    if banned_rows:
+        md.banned_rows = _tensor(banned_rows, torch.int64, device)
+        md.banned_token_ids = _tensor(banned_tokens, torch.int64, device)
+
+    bias = [
+        (i, token, value)
+        for i, r in enumerate(requests)
+        for token, value in (r.sampling_params.logit_bias or {}).items()
+    ]
+    if bias:
+        rows, tokens, values = zip(*bias)
+        md.bias_rows = _tensor(rows, torch.int64, device)
+        md.bias_token_ids = _tensor(tokens, torch.int64, device)
+        md.bias_values = _tensor(values, torch.float32, device)
+
+
+def _banned_bad_words(request: "Request") -> set[int]:
+    """A bad word's last token is banned when the output so far ends with the rest of the word."""
+    output = request.output_token_ids
+    banned = set()
+    for word in request.sampling_params.bad_words_token_ids:
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and output[len(output) - len(prefix) :] == prefix:
+            banned.add(word[-1])
+    return banned
+
+
+def _banned_before_min_tokens(request: "Request") -> set[int]:
+    """Until min_tokens are out, no stop token may be sampled (EOS too, unless ignore_eos)."""
+    p = request.sampling_params
+    if len(request.output_token_ids) >= p.min_tokens:
+        return set()
+    stop = set(p.stop_token_ids)
+    if not p.ignore_eos:
+        stop.update(request.eos_token_ids)
+    return stop
+
+
+def _set_penalties(md: SamplingMetadata, requests: list["Request"], vocab_size: int, device: torch.device) -> None:
+    rows = [i for i, r in enumerate(requests) if _has_penalty(r.sampling_params)]
+    if not rows:
+        return
+    params = [requests[i].sampling_params for i in rows]
+    md.penalty_rows = _subset(rows, len(requests), device)
+    md.presence_penalties = _tensor([p.presence_penalty for p in params], torch.float32, device)
+    md.frequency_penalties = _tensor([p.frequency_penalty for p in params], torch.float32, device)
+    md.repetition_penalties = _tensor([p.repetition_penalty for p in params], torch.float32, device)
+    md.output_token_counts = _token_counts([requests[i].output_token_ids for i in rows], vocab_size, device)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = [requests[i].prompt_token_ids + requests[i].output_token_ids for i in rows]
+        md.seen_token_mask = _token_mask(seen, vocab_size, device)
+
+
+def _has_penalty(p: "SamplingParams") -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def _flat_token_index(sequences: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """row * vocab + token for every token of every sequence, as a host tensor.
+
+    Built on the host so that the device never has to report an output size back.
+    """
+    lengths = torch.tensor([len(s) for s in sequences])
+    tokens = torch.tensor(list(chain.from_iterable(sequences)), dtype=torch.int64)
+    return torch.arange(len(sequences)).repeat_interleave(lengths) * vocab_size + tokens
+
+
+def _token_counts(sequences: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[len(sequences), vocab] float32: how often each token occurs in each sequence."""
+    index = _flat_token_index(sequences, vocab_size).to(device, non_blocking=True)
+    counts = torch.zeros(len(sequences) * vocab_size, dtype=torch.float32, device=device)
+    counts.index_add_(0, index, torch.ones(len(index), dtype=torch.float32, device=device))
+    return counts.view(len(sequences), vocab_size)
+
+
+def _token_mask(sequences: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[len(sequences), vocab] bool: which tokens occur in each sequence."""
+    index = _flat_token_index(sequences, vocab_size).to(device, non_blocking=True)
+    mask = torch.zeros(len(sequences) * vocab_size, dtype=torch.bool, device=device)
+    return mask.index_fill_(0, index, True).view(len(sequences), vocab_size)

@@ -1,0 +1,79 @@
+"""The sampler's tensor operations, each on a [rows, vocab] float32 block (in place where it can)."""
+
+import torch
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    output_token_counts: torch.Tensor,  # [rows, vocab] float32
+    seen_token_mask: torch.Tensor | None,  # [rows, vocab] bool: in prompt or output; None: no repetition penalty
+    presence_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    repetition_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's (and OpenAI's / CTRL's) repetition, frequency and presence penalties."""
+    if seen_token_mask is not None:
+        # Repetition pushes a seen token towards "less likely" whatever its sign.
+        rep = repetition_penalties.unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen_token_mask, penalized, logits)
+    logits -= frequency_penalties.unsqueeze(1) * output_token_counts
+    logits -= presence_penalties.unsqueeze(1) * (output_token_counts > 0)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than min_p times the most likely one."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    k: torch.Tensor,  # [rows] int64, each in [1, max_k]
+    p: torch.Tensor | None,  # [rows] float32, 1 = off; None: no row has a top-p
+    max_k: int,
+) -> torch.Tensor:
+    """Keep each row's k most likely tokens, then the top-p nucleus of those; the rest get -inf.
+
+    Only the top max_k tokens can survive, so a partial topk replaces a sort of the whole vocabulary.
+    Tokens tied with the k-th may stay.
+    """
+    top_values, top_ids = logits.topk(max_k, dim=-1)  # most likely first
+    kth = top_values.gather(1, (k - 1).unsqueeze(1))
+    top_values.masked_fill_(top_values < kth, float("-inf"))
+    if p is not None:
+        # Top-p over the top-k, renormalised: keep a token while the more likely ones hold less than p.
+        probs = top_values.softmax(dim=-1)
+        more_likely_mass = probs.cumsum(dim=-1) - probs  # 0 for the first token: it always stays
+        top_values.masked_fill_(more_likely_mass >= p.unsqueeze(1), float("-inf"))
+    return logits.fill_(float("-inf")).scatter_(1, top_ids, top_values)
+
+
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top-p nucleus: the most likely tokens until their mass reaches p."""
+    logits_sort, logits_idx = logits.sort(dim=-1)  # ascending: the most likely token is last
+    # Drop the least likely tokens while their total mass stays within 1 - p.
+    cum_probs = logits_sort.softmax(dim=-1).cumsum_(dim=-1)
+    drop = cum_probs <= 1 - p.unsqueeze(1)
+    drop[:, -1] = False  # the most likely token always stays
+    logits_sort.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(1, logits_idx, logits_sort)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One draw per row from probs, without torch.multinomial (it makes the host wait).
+
+    Gumbel-max in its exponential form: argmax(p / E) with E ~ Exp(1) is a draw from p.
+    E is made as -log(U), U ~ Uniform[0, 1): on CPU that is several times faster than
+    exponential_. U = 0 gives E = inf, which only makes that token lose (p / inf = 0), never nan.
+    Seeded rows take their U from their own generator, so their draws do not depend on what
+    else is in the batch.
+    """
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.size(0):
+        noise.uniform_()
+    for row, generator in generators.items():
+        noise[row].uniform_(generator=generator)
+    return probs.div_(noise.log_().neg_()).argmax(dim=-1)
