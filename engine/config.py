@@ -48,6 +48,8 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     watermark: float = 0.0
     attention_backend: str = "torch"
+    # Most logprobs (or prompt_logprobs) a request may ask for; -1: no limit.
+    max_logprobs: int = 20
     download_dir: str | None = None  # where converted weights are cached
 
     def __post_init__(self):
@@ -65,6 +67,8 @@ class EngineArgs:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0, got {self.max_logprobs}.")
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory)
 

@@ -10,7 +10,7 @@ from engine.config import EngineArgs, parse_memory_size
 from engine.kv.manager import KVCacheManager, cdiv
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import check_dtype, load_config, load_weights, prepare_model_dir
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, SamplingParams
 from engine.sched.output import EngineCoreOutput
 from engine.sched.scheduler import Scheduler
 from engine.worker.model_runner import ModelRunner
@@ -134,6 +134,7 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Admit a request, or raise ValueError naming what is wrong; nothing else is affected."""
         self.validate_prompt(request.prompt_token_ids)
+        self.validate_params(request.sampling_params)
         request.eos_token_ids = request.eos_token_ids or tuple(self.model_config.eos_token_ids)
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
@@ -158,6 +159,9 @@ class EngineCore:
                 f"({self.num_blocks} blocks of {self.args.block_size}); raise --kv-cache-memory."
             )
 
+    def validate_params(self, params: SamplingParams) -> None:
+        params.verify_for_model(self.model_config.vocab_size, self.args.max_logprobs)
+
     def abort_requests(self, request_ids) -> None:
         """End requests in any state; their blocks go back to the pool immediately."""
         for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
@@ -170,8 +174,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         outputs, self._aborted = self._aborted, []
         scheduler_output = self.scheduler.schedule()
-        sampled = self.model_runner.execute_model(scheduler_output)
-        return outputs + self.scheduler.update_from_output(scheduler_output, sampled)
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        return outputs + self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._aborted)

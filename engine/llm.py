@@ -8,9 +8,11 @@ from tqdm import tqdm
 
 from engine.config import EngineArgs
 from engine.core import EngineCore
-from engine.models.loader import DEFAULT_MODEL, load_tokenizer
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.request import EngineCoreEventType, Request, SamplingParams
+from engine.models.loader import DEFAULT_MODEL
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
+from engine.text.tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict
 
@@ -18,11 +20,13 @@ PromptType = str | list[int] | dict
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args):
         self.engine = EngineCore(EngineArgs(model=model, **engine_args))
-        self.tokenizer = load_tokenizer(self.engine.model_dir)
+        self.tokenizer = Tokenizer.from_pretrained(self.engine.model_dir)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
 
     def get_tokenizer(self):
-        return self.tokenizer
+        """The Hugging Face tokenizer, as vllm.LLM returns it."""
+        return self.tokenizer.hf
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
@@ -41,19 +45,23 @@ class LLM:
         params = self._as_params_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries, expected one per prompt ({len(prompts)}).")
-        texts, token_lists = zip(*(self._tokenize(p) for p in prompts)) if prompts else ((), ())
-        # Check every prompt before adding any, so a bad one leaves the engine untouched.
-        for token_ids in token_lists:
+        inputs = [self._tokenize(p, sp) for p, sp in zip(prompts, params)]
+        # Check every request before adding any, so a bad one leaves the engine untouched.
+        for (_, token_ids), sp in zip(inputs, params):
             self.engine.validate_prompt(token_ids)
+            self.engine.validate_params(sp)
+            if sp.bad_words:
+                sp.update_from_tokenizer(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
 
-        states: dict[str, _RequestState] = {}
+        index: dict[str, int] = {}
         now = time.monotonic()
-        for i, (text, token_ids, sp) in enumerate(zip(texts, token_lists, params)):
+        for i, ((text, token_ids), sp) in enumerate(zip(inputs, params)):
             request_id = str(next(self._counter))
-            request = Request(request_id, token_ids, sp, arrival_time=now, priority=priority[i] if priority else 0)
-            self.engine.add_request(request)
-            states[request_id] = _RequestState(i, text, token_ids, RequestMetrics(arrival_time=now))
-        return self._run_engine(states, use_tqdm)
+            index[request_id] = i
+            for request in self.output_processor.add_request(request_id, text, token_ids, sp, now):
+                request.priority = priority[i] if priority else 0
+                self.engine.add_request(request)
+        return self._run_engine(index, use_tqdm)
 
     def chat(
         self,
@@ -68,11 +76,10 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
+                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt
             )
             # The template already holds the special tokens.
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ---- helpers ---------------------------------------------------------------
@@ -97,73 +104,41 @@ class LLM:
             raise ValueError(f"Got {len(sampling_params)} sampling_params for {n} prompts; pass one or one per prompt.")
         return sampling_params
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, dict):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer(prompt["prompt"]).input_ids
-            raise ValueError("A prompt dict needs a 'prompt' or 'prompt_token_ids' key.")
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
+                text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                text, token_ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            else:
+                raise ValueError("A prompt dict needs a 'prompt' or 'prompt_token_ids' key.")
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            text, token_ids = None, list(prompt)
+        else:
+            raise ValueError(f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            # Keep the end of the prompt, as vLLM does (-1: as much as the model takes).
+            token_ids = token_ids[-(self.engine.max_model_len if keep == -1 else keep) :]
+        return text, token_ids
 
-    def _run_engine(self, states: dict[str, "_RequestState"], use_tqdm: bool) -> list[RequestOutput]:
-        results: list[RequestOutput | None] = [None] * len(states)
-        bar = tqdm(total=len(states), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+    def _run_engine(self, index: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(index)
+        bar = tqdm(total=len(index), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    state = states[out.request_id]
-                    state.update(out)
-                    if out.finished:
-                        results[state.index] = state.to_output(out.request_id, self.tokenizer)
-                        bar.update(1)
+            while any(r is None for r in results) and self.engine.has_unfinished_requests():
+                finished, reqs_to_abort = self.output_processor.process_outputs(self.engine.step())
+                # A stop string ended these: free their blocks before the next step.
+                self.engine.abort_requests(reqs_to_abort)
+                for output in finished:
+                    results[index[output.request_id]] = output
+                    bar.update(1)
         finally:
             bar.close()
             # If anything went wrong mid-run, leave no request behind in the engine.
-            unfinished = [rid for rid, s in states.items() if results[s.index] is None]
+            unfinished = [rid for rid, i in index.items() if results[i] is None]
             if unfinished:
-                self.engine.abort_requests(unfinished)
-                self.engine.step()
+                self.engine.abort_requests(self.output_processor.abort_requests(unfinished))
         return results
-
-
-class _RequestState:
-    def __init__(self, index: int, prompt: str | None, prompt_token_ids: list[int], metrics: RequestMetrics):
-        self.index = index
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.metrics = metrics
-        self.token_ids: list[int] = []
-        self.finish_reason = None
-        self.stop_reason = None
-        self.num_cached_tokens = 0
-
-    def update(self, out) -> None:
-        now = time.monotonic()
-        m = self.metrics
-        for event in out.events:
-            if event.type == EngineCoreEventType.SCHEDULED and m.first_scheduled_time is None:
-                m.first_scheduled_time = event.timestamp
-            elif event.type == EngineCoreEventType.PREEMPTED:
-                m.num_preemptions += 1
-        if out.new_token_ids:
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.last_token_time = now
-            self.token_ids.extend(out.new_token_ids)
-            m.num_generation_tokens = len(self.token_ids)
-        self.num_cached_tokens = out.num_cached_tokens
-        if out.finished:
-            m.finished_time = now
-            self.finish_reason, self.stop_reason = str(out.finish_reason), out.stop_reason
-
-    def to_output(self, request_id: str, tokenizer) -> RequestOutput:
-        text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        completion = CompletionOutput(0, text, self.token_ids, None, None, self.finish_reason, self.stop_reason)
-        return RequestOutput(
-            request_id, self.prompt, self.prompt_token_ids, [completion], True, self.metrics, self.num_cached_tokens
-        )

@@ -1,6 +1,21 @@
 """What the offline API returns, shaped like vllm.RequestOutput."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+
+@dataclass
+class Logprob:
+    """One candidate token's log probability, its rank in the vocabulary (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per generated token: {token_id: Logprob}, the sampled token first, then the top k.
+SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt token: None for the first (nothing predicts it), then as above.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -9,7 +24,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -51,4 +66,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
-    prompt_logprobs: list | None = field(default=None)
+    prompt_logprobs: PromptLogprobs | None = None

@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 
 from engine.request import EngineCoreEvent, FinishReason, Request
+from engine.sample.sampler import LogprobsTensors
 
 
 @dataclass
@@ -23,6 +24,18 @@ class SchedulerOutput:
 
 
 @dataclass
+class ModelRunnerOutput:
+    """What one forward pass produced, per scheduled request (in scheduled_requests order)."""
+
+    # The sampled token, or None for a row still in the middle of its prompt.
+    sampled_token_ids: list[int | None]
+    # request_id -> one row: the sampled token's logprob and rank, then the request's top k.
+    logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
+    # request_id -> one row per prompt token after the first; sent once the whole prompt has run.
+    prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
+
+
+@dataclass
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
@@ -30,6 +43,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     events: list[EngineCoreEvent] = field(default_factory=list)
     num_cached_tokens: int = 0
+    new_logprobs: LogprobsTensors | None = None
+    new_prompt_logprobs: LogprobsTensors | None = None
 
     @property
     def finished(self) -> bool:

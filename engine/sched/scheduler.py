@@ -7,7 +7,7 @@ budget is therefore chunked across steps, and decodes ride in the same batch.
 
 from engine.kv.manager import KVCacheManager
 from engine.request import EngineCoreEventType, Request, RequestStatus
-from engine.sched.output import EngineCoreOutput, SchedulerOutput
+from engine.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from engine.sched.request_queue import create_request_queue
 
 
@@ -115,7 +115,8 @@ class Scheduler:
                 break
             request = self.waiting.peek_request()
             computed_blocks, num_cached = [], 0
-            if request.num_computed_tokens == 0:
+            # Prompt logprobs need every prompt position to run, so such requests skip cache hits.
+            if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
                 computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, num_cached, token_budget)
             new_blocks = self.kv_cache_manager.allocate_slots(
@@ -168,10 +169,10 @@ class Scheduler:
         request.record_event(EngineCoreEventType.PREEMPTED)
         self.waiting.prepend_request(request)
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: list[int]) -> list[EngineCoreOutput]:
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance each scheduled request; those whose chunk reached the end get their token."""
         outputs = []
-        for request, token_id in zip(scheduler_output.scheduled_requests, sampled_token_ids):
+        for request, token_id in zip(scheduler_output.scheduled_requests, runner_output.sampled_token_ids):
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a partial prefill chunk emits nothing
@@ -188,6 +189,8 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     events=request.take_events(),
                     num_cached_tokens=request.num_cached_tokens,
+                    new_logprobs=runner_output.logprobs.get(request.request_id),
+                    new_prompt_logprobs=runner_output.prompt_logprobs.get(request.request_id),
                 )
             )
         return outputs

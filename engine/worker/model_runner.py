@@ -4,8 +4,9 @@ import numpy as np
 import torch
 
 from engine.attention.backend import AttentionMetadata
-from engine.sample.sampler import Sampler
-from engine.sched.output import SchedulerOutput
+from engine.sample.metadata import SamplingMetadata
+from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
+from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 
 
 class ModelRunner:
@@ -17,6 +18,8 @@ class ModelRunner:
         self.sampler = Sampler()
         # Seeded requests keep one generator for their whole life.
         self.generators: dict[str, torch.Generator] = {}
+        # Prompt logprobs of requests whose prompt is still being prefilled in chunks.
+        self.prompt_logprobs_in_progress: dict[str, list[LogprobsTensors]] = {}
 
     def prepare_inputs(self, so: SchedulerOutput):
         """The flat super-sequence: every scheduled token of every request, decodes first."""
@@ -62,33 +65,72 @@ class ModelRunner:
         return requests, order, input_ids, positions, metadata, logits_indices
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> list[int | None]:
-        """Sampled token per scheduled request, in so.scheduled_requests order.
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Sampled tokens (and any logprobs) per scheduled request, in so.scheduled_requests order.
 
         Rows that are mid-prefill get None: they are not sampled, so a seeded request's
         generator advances only when it really emits a token.
         """
         for request_id in so.finished_req_ids:
             self.generators.pop(request_id, None)
+            self.prompt_logprobs_in_progress.pop(request_id, None)
         if so.is_empty:
-            return []
+            return ModelRunnerOutput([])
         requests, order, input_ids, positions, metadata, logits_indices = self.prepare_inputs(so)
         hidden = self.model(input_ids, positions, metadata, self.kv_caches)
+        output = ModelRunnerOutput([None] * len(order))
+        self._compute_prompt_logprobs(requests, metadata, hidden, output)
         rows = [i for i, r in enumerate(requests) if metadata.seq_lens_cpu[i] >= r.num_tokens]
-        result: list[int | None] = [None] * len(order)
         if not rows:
-            return result
+            return output
         logits = self.model.compute_logits(hidden[logits_indices[rows]])
-        params, generators = [], {}
-        for row, i in enumerate(rows):
-            request = requests[i]
-            params.append(request.sampling_params)
-            seed = request.sampling_params.seed
-            if seed is not None and not request.sampling_params.greedy:
+        sampled_requests = [requests[i] for i in rows]
+        generators = {}
+        for row, request in enumerate(sampled_requests):
+            params = request.sampling_params
+            if params.seed is not None and not params.greedy:
                 if request.request_id not in self.generators:
-                    self.generators[request.request_id] = torch.Generator(self.device).manual_seed(seed)
+                    self.generators[request.request_id] = torch.Generator(self.device).manual_seed(params.seed)
                 generators[row] = self.generators[request.request_id]
-        sampled = self.sampler(logits, params, generators).tolist()
-        for row, i in enumerate(rows):
-            result[order[i]] = sampled[row]
-        return result
+        sampling_metadata = SamplingMetadata.from_requests(sampled_requests, generators, logits.shape[-1], self.device)
+        sampler_output = self.sampler(logits, sampling_metadata)
+        for row, token_id in enumerate(sampler_output.sampled_token_ids.tolist()):
+            output.sampled_token_ids[order[rows[row]]] = token_id
+        if sampler_output.logprobs is not None:
+            lp, vocab = sampler_output.logprobs, logits.shape[-1]
+            for row, request in enumerate(sampled_requests):
+                k = request.sampling_params.logprobs
+                if k is not None:
+                    k = vocab if k == -1 else k
+                    output.logprobs[request.request_id] = LogprobsTensors(
+                        lp.token_ids[row : row + 1, : k + 1].clone(),
+                        lp.logprobs[row : row + 1, : k + 1].clone(),
+                        lp.ranks[row : row + 1].clone(),
+                    )
+        return output
+
+    def _compute_prompt_logprobs(self, requests, metadata, hidden, output: ModelRunnerOutput) -> None:
+        """Raw logprobs of each prompt token after the first, collected chunk by chunk."""
+        for i, request in enumerate(requests):
+            k = request.sampling_params.prompt_logprobs
+            # After a preemption the prompt runs again, but its logprobs were already sent.
+            if k is None or request.num_output_tokens > 0:
+                continue
+            start, q_start = request.num_computed_tokens, metadata.query_start_loc_cpu[i]
+            n = metadata.query_start_loc_cpu[i + 1] - q_start
+            chunks = self.prompt_logprobs_in_progress.setdefault(request.request_id, [])
+            if start == 0:
+                chunks.clear()
+            # Position p predicts token p + 1; only predictions of prompt tokens count.
+            end = min(start + n, request.num_prompt_tokens - 1)
+            if end > start:
+                logits = self.model.compute_logits(hidden[q_start : q_start + end - start])
+                vocab = logits.shape[-1]
+                targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], device=self.device)
+                chunks.append(gather_logprobs(compute_logprobs(logits), vocab if k == -1 else k, targets))
+            if start + n >= request.num_prompt_tokens:
+                del self.prompt_logprobs_in_progress[request.request_id]
+                if chunks:
+                    output.prompt_logprobs[request.request_id] = LogprobsTensors(
+                        *(torch.cat(parts) for parts in zip(*((c.token_ids, c.logprobs, c.ranks) for c in chunks)))
+                    )
