@@ -68,7 +68,8 @@ class RequestState:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.metrics = RequestMetrics(arrival_time=arrival_time)
-        self.prompt_logprobs = None
+        # The first prompt token has no logprob (nothing predicts it): a lone None for a 1-token prompt.
+        self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         self.num_cached_tokens = 0
         self.completions: dict[str, CompletionState] = {}
         self.engine_requests: list[Request] = []

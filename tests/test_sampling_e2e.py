@@ -205,6 +205,11 @@ def test_repetition_penalty_matches_transformers(llm, hf_smollm2):
     assert_greedy_matches(ours, ref_tokens, torch.stack([s[0] for s in ref.scores]), "repetition_penalty")
 
 
+def test_one_token_prompt_has_one_empty_prompt_logprob(llm):
+    out = llm.generate([[42]], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    assert out.prompt_logprobs == [None]
+
+
 def test_truncate_prompt_tokens_keeps_the_end(llm):
     prompt = list(range(500, 550))
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, truncate_prompt_tokens=10),
