@@ -4,10 +4,23 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
+# Python generated from protos/ (a build product, never edited by hand); a .pth puts it on the venv's path.
+PROTO_OUT := build/proto
+PROTOS := $(wildcard protos/llmmesh/v1/*.proto)
+PROTO_STAMP := $(PROTO_OUT)/.generated
 
-.PHONY: setup test run bench clean
+.PHONY: setup protos test run bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(PROTO_STAMP)
+
+protos: $(PROTO_STAMP)
+
+$(PROTO_STAMP): $(PROTOS) $(STAMP)
+	rm -rf $(PROTO_OUT) && mkdir -p $(PROTO_OUT)
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=$(PROTO_OUT) --pyi_out=$(PROTO_OUT) \
+		--grpc_python_out=$(PROTO_OUT) $(PROTOS)
+	echo "$(abspath $(PROTO_OUT))" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/llmmesh-protos.pth"
+	touch $(PROTO_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,4 +48,4 @@ bench: setup
 	$(BIN)/python benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache build

@@ -1,8 +1,13 @@
 """The `llmmesh` command."""
 
 import argparse
+import importlib
 import sys
 import time
+
+# Modules that add their own subcommands: each has add_subcommands(subparsers), and every parser it
+# adds sets `func` (called with the parsed args) through set_defaults.
+SERVICE_MODULES: tuple[str, ...] = ()
 
 DEMO_PROMPTS = [
     "The capital of France is",
@@ -45,10 +50,12 @@ def main(argv: list[str] | None = None) -> None:
     offline.add_argument("--temperature", type=float, default=0.0)
     offline.add_argument("--sampling-seed", type=int, default=None)
     EngineArgs.add_cli_args(offline)
+    offline.set_defaults(func=run_offline)
+    for module in SERVICE_MODULES:
+        importlib.import_module(module).add_subcommands(sub)
     args = parser.parse_args(argv)
     try:
-        if args.command == "run-offline":
-            run_offline(args)
+        args.func(args)
     except ValueError as e:  # bad flags or input: a clear message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -19,6 +19,29 @@ def child_request_id(index: int, parent_id: str) -> str:
     return f"{index}_{parent_id}"
 
 
+def fan_out(request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time=None) -> list[Request]:
+    """The engine requests behind one user request: itself when n == 1, else n children `i_<id>`.
+
+    vLLM's rule: child i of a seeded request draws with seed + i. Only the first child asks for
+    prompt logprobs, so the others can share the prompt's cached blocks.
+    """
+    if params.n == 1:
+        return [Request(request_id, prompt_token_ids, params, arrival_time=arrival_time)]
+    return [
+        Request(
+            child_request_id(index, request_id),
+            prompt_token_ids,
+            params.clone(
+                n=1,
+                seed=None if params.seed is None else params.seed + index,
+                prompt_logprobs=params.prompt_logprobs if index == 0 else None,
+            ),
+            arrival_time=arrival_time,
+        )
+        for index in range(params.n)
+    ]
+
+
 def logprob_dicts(tensors: LogprobsTensors, token_text) -> list[dict[int, Logprob]]:
     """One {token_id: Logprob} per row: column 0's token (with its own rank) first, then the top k."""
     result = []
@@ -71,21 +94,11 @@ class RequestState:
         # The first prompt token has no logprob (nothing predicts it): a lone None for a 1-token prompt.
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         self.num_cached_tokens = 0
-        self.completions: dict[str, CompletionState] = {}
-        self.engine_requests: list[Request] = []
-        for index in range(params.n):
-            child_params = params
-            if params.n > 1:
-                # vLLM's rule: child i of a seeded request draws with seed + i. Only the first
-                # child asks for prompt logprobs, so the others can share the prompt's cached blocks.
-                child_params = params.clone(
-                    n=1,
-                    seed=None if params.seed is None else params.seed + index,
-                    prompt_logprobs=params.prompt_logprobs if index == 0 else None,
-                )
-            engine_id = request_id if params.n == 1 else child_request_id(index, request_id)
-            self.completions[engine_id] = CompletionState(index, prompt_token_ids, child_params, tokenizer)
-            self.engine_requests.append(Request(engine_id, prompt_token_ids, child_params, arrival_time=arrival_time))
+        self.engine_requests = fan_out(request_id, prompt_token_ids, params, arrival_time)
+        self.completions = {
+            r.request_id: CompletionState(index, prompt_token_ids, r.sampling_params, tokenizer)
+            for index, r in enumerate(self.engine_requests)
+        }
 
     @property
     def finished(self) -> bool:
