@@ -7,7 +7,11 @@ import time
 
 # Modules that add their own subcommands: each has add_subcommands(subparsers), and every parser it
 # adds sets `func` (called with the parsed args) through set_defaults.
-SERVICE_MODULES: tuple[str, ...] = ()
+SERVICE_MODULES: tuple[str, ...] = (
+    "services.grpc_server",
+    "services.tokenizer_service",
+    "services.detokenizer_service",
+)
 
 DEMO_PROMPTS = [
     "The capital of France is",
@@ -39,7 +43,7 @@ def run_offline(args: argparse.Namespace) -> None:
         print(f"        {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     from engine.config import EngineArgs
 
     parser = argparse.ArgumentParser(prog="llmmesh", description="llmmesh: an LLM inference server.")
@@ -53,7 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     offline.set_defaults(func=run_offline)
     for module in SERVICE_MODULES:
         importlib.import_module(module).add_subcommands(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     try:
         args.func(args)
     except ValueError as e:  # bad flags or input: a clear message, not a traceback

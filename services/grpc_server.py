@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import signal
+import sys
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -34,6 +35,11 @@ class Server:
             await self.health.set(name, status)
 
     async def start(self) -> None:
+        # Signal handlers first: a caller may send SIGTERM as soon as it sees the server listen.
+        self.stop_requested = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop_requested.set)
         await self.set_serving(False)
         await self.server.start()
         logger.info("listening on %s (%s)", self.address, ", ".join(self.service_names))
@@ -45,10 +51,26 @@ class Server:
 
 async def wait_for_termination(server: Server, shutdown_timeout: float) -> None:
     """Serve until SIGINT/SIGTERM, then stop taking requests and give in-flight ones shutdown_timeout s."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await server.stop_requested.wait()
     logger.info("shutting down (up to %.0f s for in-flight requests)", shutdown_timeout)
     await server.stop(shutdown_timeout)
+
+
+def check_health(address: str, service: str = "", timeout: float = 2.0) -> bool:
+    """True when the server at address reports SERVING for service ("" = the whole server)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def add_subcommands(subparsers) -> None:
+    parser = subparsers.add_parser("health", help="exit 0 when a service's gRPC health check says SERVING")
+    parser.add_argument("address", help="HOST:PORT")
+    parser.add_argument("--service", default="", help="a full service name; empty means the whole server")
+    parser.add_argument("--timeout", type=float, default=2.0)
+    parser.set_defaults(func=lambda args: sys.exit(0 if check_health(args.address, args.service, args.timeout) else 1))
