@@ -8,10 +8,13 @@ STAMP := $(VENV)/.setup-done
 PROTO_OUT := build/proto
 PROTOS := $(wildcard protos/llmmesh/v1/*.proto)
 PROTO_STAMP := $(PROTO_OUT)/.generated
+# The Node.js client for the interop test (tests/test_interop.py), from the npm registry at setup only.
+NODE_DIR := tests/interop/node
+NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 
-.PHONY: setup protos test run bench clean
+.PHONY: setup protos test run serve bench clean
 
-setup: $(STAMP) $(PROTO_STAMP)
+setup: $(STAMP) $(PROTO_STAMP) $(NODE_STAMP)
 
 protos: $(PROTO_STAMP)
 
@@ -38,14 +41,24 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	touch $(STAMP)
 
+$(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
+	@if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then \
+		npm ci --prefix $(NODE_DIR) --ignore-scripts --no-audit --no-fund && touch $(NODE_STAMP); \
+	else echo "node/npm missing: the Node.js interop test will be skipped"; fi
+
 test: setup
 	$(BIN)/python -m pytest -q
 
+# Start the mesh, stream a few generations through the gateway, stop it.
 run: setup
-	$(BIN)/llmmesh run-offline
+	$(BIN)/llmmesh demo
+
+# The whole mesh on loopback until Ctrl-C; the gateway on port 8000.
+serve: setup
+	$(BIN)/llmmesh serve
 
 bench: setup
 	$(BIN)/python benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache build
+	rm -rf $(VENV) *.egg-info .pytest_cache build $(NODE_DIR)/node_modules

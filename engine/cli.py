@@ -9,8 +9,7 @@ import time
 # adds sets `func` (called with the parsed args) through set_defaults.
 SERVICE_MODULES: tuple[str, ...] = (
     "services.grpc_server",
-    "services.tokenizer_service",
-    "services.detokenizer_service",
+    "services.tokenizer_service", "services.detokenizer_service", "services.engine_service", "services.gateway", "services.mesh",
 )
 
 DEMO_PROMPTS = [

@@ -1,0 +1,304 @@
+"""Online serving benchmark through the gateway, like `vllm bench serve`.
+
+    .venv/bin/python benchmarks/serve.py --address HOST:PORT | --launch
+        [--dataset synthetic|PATH.json] [--num-prompts 64] [--input-len 32 512] [--output-len 16 256]
+        [--request-rate inf] [--burstiness 1.0] [--max-concurrency 32] [--seed 0]
+        [--goodput ttft:MS tpot:MS] [--offline] [--output-json PATH] [engine flags with --launch]
+
+Requests arrive at --request-rate per second (inf: all at once) with gamma-distributed gaps
+(shape --burstiness; 1 is Poisson), at most --max-concurrency in flight. Each streams from the
+gateway's Generate; the client stamps every chunk that carries tokens. Reported (mean, p50, p90,
+p99): TTFT (first token), ITL (gap between token-bearing chunks), TPOT ((e2e - ttft) / (tokens - 1))
+and end-to-end latency; request, output and total token throughput; goodput (requests per second
+meeting every --goodput SLO).
+
+Datasets: `synthetic` (seeded: random token ids from the ordinary vocabulary, decoded to text, with
+lengths uniform in --input-len; max_tokens uniform in --output-len), or a ShareGPT-format JSON file
+(the first human turn is the prompt, the reply's token count is max_tokens). Generation is greedy
+with ignore_eos, so every system does the same work.
+
+--offline runs the same requests in-process through the offline `LLM` (all at once, its own
+RequestMetrics for TTFT) and reports the mesh/offline throughput ratio and the median TTFT the
+mesh adds. --launch starts the whole mesh (`llmmesh serve`'s processes) on loopback first.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from engine.config import EngineArgs
+from engine.models.loader import prepare_model_dir
+from engine.text.tokenizer import Tokenizer
+from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+FIRST_REGULAR_ID = 17  # SmolLM2's special tokens are ids 0..16
+
+
+@dataclass
+class BenchRequest:
+    prompt: str
+    prompt_len: int
+    max_tokens: int
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def synthetic_requests(tokenizer: Tokenizer, n, input_len, output_len, seed) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(n):
+        ids = [rng.randrange(FIRST_REGULAR_ID, tokenizer.vocab_size) for _ in range(rng.randint(*input_len))]
+        text = tokenizer.decode(ids)
+        # Re-encoding decoded random ids gives a prompt of about the same length; count the real one.
+        requests.append(BenchRequest(text, len(tokenizer.encode(text)), rng.randint(*output_len)))
+    return requests
+
+
+def sharegpt_requests(tokenizer: Tokenizer, path: str, n, seed) -> list[BenchRequest]:
+    data = json.loads(Path(path).read_text())
+    rng = random.Random(seed)
+    rng.shuffle(data)
+    requests = []
+    for item in data:
+        turns = item.get("conversations") or item.get("conversation") or []
+        if len(turns) < 2:
+            continue
+        prompt, reply = turns[0]["value"], turns[1]["value"]
+        prompt_len, output_len = len(tokenizer.encode(prompt)), len(tokenizer.encode(reply, add_special_tokens=False))
+        if prompt_len < 4 or output_len < 4 or prompt_len > 1024 or prompt_len + output_len > 2048:
+            continue  # vLLM's filter for ShareGPT
+        requests.append(BenchRequest(prompt, prompt_len, output_len))
+        if len(requests) == n:
+            break
+    return requests
+
+
+async def arrivals(n: int, rate: float, burstiness: float, seed: int):
+    """Yield request indices at gamma-distributed gaps (mean 1/rate)."""
+    rng = random.Random(seed + 1)
+    for i in range(n):
+        yield i
+        if rate != float("inf") and i < n - 1:
+            await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
+
+
+async def one_request(stub, request: BenchRequest, model: str, api_key: str | None) -> RequestResult:
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
+    message = gateway_pb2.GenerateRequest(model=model, text=request.prompt, sampling_params=params, stream=True)
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+    result = RequestResult(ok=False, prompt_len=request.prompt_len)
+    start = last = time.perf_counter()
+    try:
+        async for response in stub.Generate(message, metadata=metadata):
+            now = time.perf_counter()
+            if response.HasField("chunk"):
+                n = sum(len(c.token_ids) for c in response.chunk.choices)
+                if n == 0:
+                    continue
+                if result.output_tokens == 0:
+                    result.ttft = now - start
+                else:
+                    result.itls.append(now - last)
+                result.output_tokens += n
+                last = now
+            else:
+                result.output_tokens = response.complete.usage.completion_tokens
+                result.prompt_len = response.complete.usage.prompt_tokens
+        result.e2e = time.perf_counter() - start
+        result.ok = True
+    except grpc.aio.AioRpcError as e:
+        result.error = f"{e.code().name}: {e.details()}"
+    return result
+
+
+async def run_mesh(address, requests, rate, burstiness, max_concurrency, seed, model, api_key):
+    limit = asyncio.Semaphore(max_concurrency)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        async def limited(request):
+            async with limit:
+                return await one_request(stub, request, model, api_key)
+
+        # One warm-up request, untimed.
+        await one_request(stub, BenchRequest("Hello", 2, 2), model, api_key)
+        start = time.perf_counter()
+        tasks = []
+        async for i in arrivals(len(requests), rate, burstiness, seed):
+            tasks.append(asyncio.create_task(limited(requests[i])))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def run_offline(engine_args: EngineArgs, requests: list[BenchRequest]):
+    from engine import LLM, SamplingParams
+
+    llm = LLM(**vars(engine_args))
+    llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    results = []
+    for out in outputs:
+        m = out.metrics
+        n = len(out.outputs[0].token_ids)
+        results.append(RequestResult(True, len(out.prompt_token_ids), n, m.time_to_first_token, m.e2e_latency))
+    return results, elapsed
+
+
+def stats_ms(values: list[float]) -> dict:
+    if not values:
+        return {}
+    values = sorted(v * 1e3 for v in values)
+
+    def pct(p):
+        return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+
+    return {"mean": statistics.fmean(values), "p50": statistics.median(values), "p90": pct(90), "p99": pct(99)}
+
+
+def summarize(results: list[RequestResult], elapsed: float, goodput: dict[str, float]) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+
+    def meets(r):
+        tpot = r.tpot or 0.0
+        return r.ttft * 1e3 <= goodput.get("ttft", float("inf")) and tpot * 1e3 <= goodput.get("tpot", float("inf"))
+
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": elapsed,
+        "request_throughput": len(ok) / elapsed,
+        "output_token_throughput": out_tokens / elapsed,
+        "total_token_throughput": (in_tokens + out_tokens) / elapsed,
+        "goodput": sum(1 for r in ok if meets(r)) / elapsed if goodput else None,
+        "ttft_ms": stats_ms([r.ttft for r in ok]),
+        "tpot_ms": stats_ms([r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": stats_ms([x for r in ok for x in r.itls]),
+        "e2e_ms": stats_ms([r.e2e for r in ok]),
+    }
+
+
+def print_table(name: str, s: dict) -> None:
+    print(f"\n{name}: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f} s")
+    for error in s["errors"]:
+        print(f"  error: {error}")
+    print(f"  requests/s {s['request_throughput']:.2f}   output tok/s {s['output_token_throughput']:.1f}   "
+          f"total tok/s {s['total_token_throughput']:.1f}" +
+          (f"   goodput {s['goodput']:.2f} req/s" if s["goodput"] is not None else ""))
+    print("  | metric (ms) | mean | p50 | p90 | p99 |")
+    print("  | --- | ---: | ---: | ---: | ---: |")
+    for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        v = s[metric]
+        if v:
+            print(f"  | {metric[:-3].upper()} | {v['mean']:.1f} | {v['p50']:.1f} | {v['p90']:.1f} | {v['p99']:.1f} |")
+
+
+def parse_goodput(items: list[str]) -> dict[str, float]:
+    slos = {}
+    for item in items or []:
+        name, _, value = item.partition(":")
+        if name not in ("ttft", "tpot") or not value:
+            raise SystemExit(f"--goodput takes ttft:MS and/or tpot:MS, got {item!r}")
+        slos[name] = float(value)
+    return slos
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = ap.add_mutually_exclusive_group(required=True)
+    target.add_argument("--address", help="a running gateway's HOST:PORT")
+    target.add_argument("--launch", action="store_true", help="start the mesh on loopback for the run")
+    ap.add_argument("--dataset", default="synthetic", help="'synthetic' or a ShareGPT-format JSON file")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
+    ap.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    ap.add_argument("--request-rate", type=float, default=float("inf"))
+    ap.add_argument("--burstiness", type=float, default=1.0)
+    ap.add_argument("--max-concurrency", type=int, default=32)
+    ap.add_argument("--goodput", nargs="*", help="SLOs, e.g. ttft:2000 tpot:500 (ms)")
+    ap.add_argument("--offline", action="store_true", help="also run the same requests in-process and compare")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--output-json", default="benchmarks/results/serve.json")
+    EngineArgs.add_cli_args(ap)
+    args = ap.parse_args()
+    goodput = parse_goodput(args.goodput)
+    engine_args = EngineArgs.from_cli_args(args)
+    tokenizer = Tokenizer.from_pretrained(prepare_model_dir(engine_args.model))
+
+    if args.dataset == "synthetic":
+        requests = synthetic_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, args.seed)
+    else:
+        requests = sharegpt_requests(tokenizer, args.dataset, args.num_prompts, args.seed)
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
+    print(f"workload: {len(requests)} requests, {sum(r.prompt_len for r in requests)} prompt tokens, "
+          f"{sum(r.max_tokens for r in requests)} output tokens; rate {args.request_rate}, "
+          f"burstiness {args.burstiness}, max concurrency {args.max_concurrency}")
+
+    report = {"args": {k: v for k, v in vars(args).items() if k != "api_key"}}
+    mesh = None
+    address = args.address
+    if args.launch:
+        from services.mesh import Mesh
+
+        gateway_args = ["--max-waiting-requests", str(max(1024, args.num_prompts))]
+        mesh = Mesh(engine_args, gateway_args)
+        address = mesh.start()
+        print(f"mesh up, gateway at {address}")
+    try:
+        results, elapsed = asyncio.run(run_mesh(
+            address, requests, args.request_rate, args.burstiness, args.max_concurrency, args.seed,
+            engine_args.model if args.launch else "", args.api_key,
+        ))
+    finally:
+        if mesh is not None:
+            mesh.stop()
+    report["mesh"] = summarize(results, elapsed, goodput)
+    print_table("mesh (through the gateway)", report["mesh"])
+
+    if args.offline:
+        if args.request_rate != float("inf") or args.max_concurrency < len(requests):
+            print("\nnote: the offline run admits every request at once; compare with --request-rate inf "
+                  "and --max-concurrency >= --num-prompts")
+        results, elapsed = run_offline(engine_args, requests)
+        report["offline"] = summarize(results, elapsed, goodput)
+        print_table("offline LLM.generate (in-process)", report["offline"])
+        ratio = report["mesh"]["output_token_throughput"] / report["offline"]["output_token_throughput"]
+        added = report["mesh"]["ttft_ms"]["p50"] - report["offline"]["ttft_ms"]["p50"]
+        report["mesh_over_offline"] = {"output_throughput_ratio": ratio, "median_ttft_added_ms": added}
+        print(f"\nmesh / offline output tok/s: {ratio:.3f}x;  median TTFT added by the mesh: {added:.1f} ms")
+
+    Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output_json).write_text(json.dumps(report, indent=2, default=str))
+    print(f"wrote {args.output_json}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

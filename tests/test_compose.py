@@ -1,0 +1,70 @@
+"""compose.yaml is well-formed, and every llmmesh command in it is a real subcommand with flags it accepts.
+
+This machine has no Docker engine, so the stack itself is not started here.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def substitute_defaults(value: str) -> str:
+    """Compose's ${VAR:-default} with the default, as compose does when VAR is unset."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+
+def llmmesh_commands(compose):
+    for name, service in compose["services"].items():
+        commands = [service.get("command")]
+        commands.append((service.get("healthcheck") or {}).get("test", [None])[1:] or None)
+        for command in commands:
+            if command and command[0] == "llmmesh":
+                yield name, [substitute_defaults(str(part)) for part in command]
+
+
+def test_every_service_is_an_image_or_our_build(compose):
+    assert {"engine", "tokenizer", "detokenizer", "gateway", "redis", "jaeger"} <= set(compose["services"])
+    for name, service in compose["services"].items():
+        assert "image" in service or "build" in service, name
+    for name in ("engine", "tokenizer", "detokenizer", "gateway"):
+        assert compose["services"][name]["build"] == "."
+        assert compose["services"][name]["healthcheck"]["test"][1:3] == ["llmmesh", "health"]
+    assert (ROOT / "Dockerfile").is_file()
+
+
+def test_commands_parse_with_our_cli(compose):
+    parser = build_parser()
+    seen = set()
+    for name, command in llmmesh_commands(compose):
+        args = parser.parse_args(command[1:])  # argparse exits (a test failure) on an unknown flag
+        seen.add(args.command)
+        assert callable(args.func), name
+    assert seen == {"engine", "tokenizer", "detokenizer", "gateway", "health"}
+
+
+def test_gateway_points_at_the_other_services(compose):
+    command = [substitute_defaults(str(p)) for p in compose["services"]["gateway"]["command"]]
+    args = build_parser().parse_args(command[1:])
+    ports = {
+        name: substitute_defaults(str(compose["services"][name]["command"][compose["services"][name]["command"].index("--port") + 1]))
+        for name in ("engine", "tokenizer", "detokenizer")
+    }
+    assert args.engine == [f"engine:{ports['engine']}"]
+    assert args.tokenizer == f"tokenizer:{ports['tokenizer']}"
+    assert args.detokenizer == f"detokenizer:{ports['detokenizer']}"
+
+
+def test_a_wrong_flag_would_be_caught():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["engine", "--no-such-flag", "1"])

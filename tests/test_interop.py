@@ -1,0 +1,220 @@
+"""Clients and routers that are not ours, against the real mesh on loopback.
+
+- Node.js: a client generated from our protos by @grpc/grpc-js's own loader streams a greedy Generate
+  through the gateway; its text equals the offline LLM's and the Python client's.
+- smg (the PyPI router, `smg launch --worker-urls grpc://…`): it speaks vLLM's gRPC engine protocol
+  (vllm.grpc.engine.VllmEngine) to our engine and serves OpenAI-compatible chat completions over
+  HTTP; its greedy text equals our own gateway's Chat text for the same messages.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import EngineArgs
+from engine.models.loader import DEFAULT_MODEL, prepare_model_dir
+from services.mesh import Mesh, chat, collect, generate
+
+pytestmark = pytest.mark.slow
+
+KV = "256MiB"
+NODE_DIR = Path(__file__).parent / "interop" / "node"
+PROMPT = "def quicksort(items):"
+MAX_TOKENS = 24
+CHAT = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Name three colours of the rainbow."},
+]
+CHAT_MAX_TOKENS = 16
+# smg's console script sits beside this Python (the venv's bin/), which need not be on PATH.
+SMG = shutil.which("smg", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    with Mesh(EngineArgs(kv_cache_memory=KV)) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(kv_cache_memory=KV)
+
+
+# ---- Node.js --------------------------------------------------------------------------------------
+
+
+def node_missing() -> str | None:
+    if shutil.which("node") is None:
+        return "node is not installed: the Node.js interop client cannot run"
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir() or not (
+        NODE_DIR / "node_modules" / "@grpc" / "proto-loader"
+    ).is_dir():
+        return f"{NODE_DIR}/node_modules is missing: run `make setup` (npm ci --prefix {NODE_DIR})"
+    return None
+
+
+def node_generate(address: str, prompt: str, max_tokens: int) -> dict:
+    done = subprocess.run(
+        ["node", str(NODE_DIR / "generate.js"), address, prompt, str(max_tokens)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, f"node client failed ({done.returncode}): {done.stderr}"
+    return json.loads(done.stdout)
+
+
+@pytest.mark.skipif(node_missing() is not None, reason=str(node_missing()))
+def test_node_client_streams_generate(mesh, llm):
+    node = node_generate(mesh.address, PROMPT, MAX_TOKENS)
+    python = collect(generate(mesh.address, PROMPT, temperature=0.0, max_tokens=MAX_TOKENS))
+    offline = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)[0].outputs[0]
+
+    assert offline.text, "the offline reference produced no text"
+    assert node["text"] == offline.text
+    assert node["text"] == python.text()
+    assert node["token_ids"] == list(offline.token_ids)
+    assert node["finish_reason"] == offline.finish_reason == python.choice().finish_reason
+    assert node["chunks"] > 1, "the Node client got the whole text in one message: it did not stream"
+
+
+# ---- smg ------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+class SmgRouter:
+    """`smg launch` in front of one engine, on free loopback ports."""
+
+    def __init__(self, engine_address: str, model_dir: Path, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.popen = subprocess.Popen(
+            [
+                SMG, "launch",
+                "--worker-urls", f"grpc://{engine_address}",
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                "--model-path", str(model_dir),
+                "--log-level", "info",
+            ],
+            stdout=log.open("w"), stderr=subprocess.STDOUT,
+        )
+
+    def wait_ready(self, timeout: float = 90.0) -> str:
+        """Wait until the router lists the engine's model and has its tokenizer (a one-token chat
+        completes: smg registers the tokenizer after the worker); returns the model id."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"smg exited with {self.popen.returncode}:\n{self.log.read_text()[-4000:]}")
+            try:
+                models = http_json(f"{self.url}/v1/models", timeout=5.0).get("data", [])
+                if models:
+                    model = models[0]["id"]
+                    http_json(f"{self.url}/v1/chat/completions", {
+                        "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                    }, timeout=30.0)
+                    return model
+            except urllib.error.HTTPError as e:  # e.g. 503 tokenizer_not_ready while it registers
+                last = f"HTTP {e.code}: {e.read().decode(errors='replace')[:500]}"
+            except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError) as e:
+                last = repr(e)
+            time.sleep(0.5)
+        raise TimeoutError(f"smg was not ready after {timeout:.0f} s ({last}):\n{self.log.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        self.popen.terminate()
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+
+def smg_missing() -> str | None:
+    if importlib.util.find_spec("services.vllm_engine") is None:
+        return "VllmEngine is missing: services/vllm_engine.py (the engine's vllm.grpc.engine.VllmEngine) does not exist"
+    if SMG is None:
+        return "smg is not installed: pip install smg==1.13.0 (in the dev extra)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def smg(mesh, tmp_path_factory):
+    reason = smg_missing()
+    if reason:
+        pytest.skip(reason)
+    router = SmgRouter(mesh.services["engine"].address, prepare_model_dir(DEFAULT_MODEL),
+                       tmp_path_factory.mktemp("smg") / "smg.log")
+    try:
+        model = router.wait_ready()
+        yield router, model
+    finally:
+        router.stop()
+
+
+def sse_events(url: str, body: dict, timeout: float = 60.0) -> list[dict]:
+    """POST with stream=true; the JSON of each `data:` event up to [DONE]."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        for line in response:
+            line = line.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data:"):]))
+    return events
+
+
+def smg_chat(model: str, **extra) -> dict:
+    return {"model": model, "messages": CHAT, "temperature": 0, "max_tokens": CHAT_MAX_TOKENS, **extra}
+
+
+def test_smg_chat_completion_matches_gateway(mesh, smg):
+    router, model = smg
+    reply = http_json(f"{router.url}/v1/chat/completions", smg_chat(model, stream=False))
+    ours = collect(chat(mesh.address, CHAT, temperature=0.0, max_tokens=CHAT_MAX_TOKENS))
+
+    choice = reply["choices"][0]
+    assert ours.text(), "our gateway produced no text"
+    assert choice["message"]["content"] == ours.text()
+    assert choice["finish_reason"] == ours.choice().finish_reason
+    # The same chat template on both sides: the same prompt, token for token.
+    assert reply["usage"]["prompt_tokens"] == ours.complete.usage.prompt_tokens
+    assert reply["usage"]["completion_tokens"] == ours.complete.usage.completion_tokens
+
+
+def test_smg_streamed_chat_matches_gateway(mesh, smg):
+    """Streaming goes through the engine's chunk + complete messages: no token lost or doubled."""
+    router, model = smg
+    events = sse_events(f"{router.url}/v1/chat/completions", smg_chat(model, stream=True))
+    ours = collect(chat(mesh.address, CHAT, temperature=0.0, max_tokens=CHAT_MAX_TOKENS))
+
+    deltas = [c["delta"].get("content") or "" for e in events for c in e.get("choices", [])]
+    finish = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+    assert sum(1 for d in deltas if d) > 1, "smg sent the whole text in one event: it did not stream"
+    assert "".join(deltas) == ours.text()
+    assert finish == [ours.choice().finish_reason]

@@ -1,0 +1,346 @@
+"""The whole mesh as real processes on loopback (engine, tokenizer, detokenizer, gateway), driven through
+the public llmmesh.v1.Gateway and checked against the offline LLM on the real SmolLM2."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import EngineArgs
+from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, tokenizer_pb2
+from services.grpc_server import check_health
+from services.mesh import Mesh, chat, collect, gateway_stub, generate
+
+pytestmark = pytest.mark.slow
+
+KV = "256MiB"
+PROMPTS = [
+    "The capital of France is",
+    "def quicksort(items):",
+    "Three facts about the Moon:",
+    "Once upon a time, in a small village,",
+]
+CHAT = [{"role": "user", "content": "Write a haiku about paged memory."}]
+GREEDY = dict(temperature=0.0, max_tokens=16)
+LONG = dict(temperature=0.0, max_tokens=1000, ignore_eos=True)  # runs far longer than any check needs
+
+
+@pytest.fixture(scope="module")
+def mesh(request):
+    m = Mesh(EngineArgs(kv_cache_memory=KV))
+    m.launch()
+    try:
+        request.getfixturevalue("refs")  # the offline references, while the services load
+        m.wait()
+        yield m
+    finally:
+        m.stop()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(kv_cache_memory=KV)
+
+
+# Every reference output, from one batched offline run: (prompt, params) by name.
+VARIANTS = PROMPTS + [f"{PROMPTS[i % 4]} (variant {i})" for i in range(4, 32)]
+N2 = dict(temperature=0.8, seed=7, n=2, max_tokens=12, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def refs(llm):
+    tok = llm.tokenizer
+    # What LLM.chat sends to the engine: the rendered template, tokenized without extra special tokens.
+    chat_ids = tok.encode(tok.apply_chat_template(CHAT), add_special_tokens=False)
+    jobs = {f"greedy{i}": (p, GREEDY) for i, p in enumerate(VARIANTS)}
+    jobs["chat"] = ({"prompt_token_ids": chat_ids}, GREEDY)
+    jobs["n2"] = (PROMPTS[0], N2)
+    outputs = llm.generate(
+        [p for p, _ in jobs.values()], [SamplingParams(**params) for _, params in jobs.values()], use_tqdm=False
+    )
+    return {name: out.outputs if name == "n2" else out.outputs[0] for name, out in zip(jobs, outputs)}
+
+
+@pytest.fixture(scope="module")
+def engine(mesh):
+    return engine_pb2_grpc.EngineStub(grpc.insecure_channel(mesh.services["engine"].address))
+
+
+def wait_idle(engine, timeout=2.0) -> None:
+    """Wait until the engine runs nothing and every KV block is free; fail after timeout."""
+    start = time.monotonic()
+    while True:
+        load = engine.GetLoad(engine_pb2.GetLoadRequest())
+        if load.num_running == 0 and load.num_waiting == 0 and load.kv_cache_usage == 0.0:
+            return
+        assert time.monotonic() - start < timeout, f"engine still busy after {timeout} s: {load}"
+        time.sleep(0.01)
+
+
+def wait_running(engine, count=1, timeout=30.0):
+    start = time.monotonic()
+    while True:
+        load = engine.GetLoad(engine_pb2.GetLoadRequest())
+        if load.num_running >= count and load.kv_cache_usage > 0:
+            return load
+        assert time.monotonic() - start < timeout, f"engine never ran {count} requests: {load}"
+        time.sleep(0.01)
+
+
+def first_chunks(stream, n=2):
+    """Read the first n chunks (the request is then running in the engine)."""
+    seen = 0
+    for response in stream:
+        assert response.HasField("chunk")
+        seen += 1
+        if seen == n:
+            return
+
+
+def expect_error(code, call):
+    with pytest.raises(grpc.RpcError) as info:
+        collect(call())
+    assert info.value.code() == code, info.value.details()
+    return info.value.details()
+
+
+# ---- correctness -------------------------------------------------------------------------------
+
+
+def test_greedy_stream_matches_offline(mesh, llm, refs, engine):
+    for i, prompt in enumerate(PROMPTS[:2]):
+        ref = refs[f"greedy{i}"]
+        result = collect(generate(mesh.address, prompt, **GREEDY))
+        assert len(result.deltas[0]) > 1  # streamed, not all at once
+        assert result.text() == ref.text
+        assert result.token_ids[0] == ref.token_ids
+        choice = result.choice()
+        assert choice.finish_reason == ref.finish_reason
+        usage = result.complete.usage
+        assert usage.completion_tokens == len(ref.token_ids)
+        assert usage.prompt_tokens == len(llm.tokenizer.encode(prompt))
+        assert 0 < result.complete.timings.time_to_first_token <= result.complete.timings.e2e_latency
+    wait_idle(engine)
+
+
+def test_32_concurrent_streams_match_offline(mesh, refs, engine):
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda p: collect(generate(mesh.address, p, **GREEDY)), VARIANTS))
+    for i, (prompt, result) in enumerate(zip(VARIANTS, results)):
+        assert result.text() == refs[f"greedy{i}"].text, prompt
+        assert result.token_ids[0] == refs[f"greedy{i}"].token_ids, prompt
+    wait_idle(engine)
+
+
+def test_chat_matches_offline(mesh, llm, refs):
+    ref = refs["chat"]
+    tok = llm.tokenizer
+    chat_input = tokenizer_pb2.ChatInput(messages=[common_pb2.ChatMessage(**m) for m in CHAT])
+    rendered = gateway_stub(mesh.address).Tokenize(tokenizer_pb2.TokenizeRequest(chat=chat_input))
+    assert rendered.prompt == tok.apply_chat_template(CHAT)  # the template LLM.chat applies
+    result = collect(chat(mesh.address, CHAT, **GREEDY))
+    assert result.text() == ref.text
+    assert result.token_ids[0] == ref.token_ids
+
+
+def test_tokenize_and_detokenize_pass_through(mesh, llm):
+    gateway = gateway_stub(mesh.address)
+    text = "Paged attention keeps KV blocks in a pool. 🚀"
+    ids = gateway.Tokenize(tokenizer_pb2.TokenizeRequest(text=text)).token_ids
+    assert list(ids) == llm.tokenizer.encode(text)
+    assert gateway.Detokenize(tokenizer_pb2.DetokenizeTextRequest(token_ids=ids)).text == text
+    with pytest.raises(grpc.RpcError) as info:
+        gateway.Detokenize(tokenizer_pb2.DetokenizeTextRequest(token_ids=[-5]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_non_streaming_n2_logprobs_match_offline(mesh, refs):
+    """One final message with everything; seeded n=2 draws and logprobs (with their text) as offline."""
+    ref = refs["n2"]
+    responses = list(generate(mesh.address, PROMPTS[0], stream=False, **N2))
+    assert len(responses) == 1 and responses[0].HasField("complete")
+    choices = sorted(responses[0].complete.choices, key=lambda c: c.index)
+    assert [c.text for c in choices] == [r.text for r in ref]
+    assert [list(c.token_ids) for c in choices] == [r.token_ids for r in ref]
+    for choice, r in zip(choices, ref):
+        assert choice.cumulative_logprob == pytest.approx(r.cumulative_logprob, abs=1e-4)
+        assert len(choice.logprobs) == len(r.logprobs)
+        for position, entry in zip(choice.logprobs, r.logprobs):
+            assert [e.token_id for e in position.entries] == list(entry)
+            assert [e.decoded_token for e in position.entries] == [lp.decoded_token for lp in entry.values()]
+            assert position.entries[0].logprob == pytest.approx(next(iter(entry.values())).logprob, abs=1e-4)
+
+
+def test_stop_string_split_across_tokens(mesh, llm, refs, engine):
+    prompt, ref = PROMPTS[2], refs["greedy2"]
+    tok = llm.tokenizer
+    texts = [tok.decode(ref.token_ids[: i + 1]) for i in range(len(ref.token_ids))]
+    # A stop string made of the end of one token's text and the start of the next's.
+    for i in range(3, len(texts) - 1):
+        cut = len(texts[i])
+        stop = texts[i + 1][cut - 2 : cut + 2]
+        if len(stop) == 4 and stop.strip() == stop and texts[-1].find(stop) == cut - 2:
+            break
+    else:
+        pytest.fail(f"no stop string across tokens found in {ref.text!r}")
+    expected = texts[-1][: cut - 2]  # greedy text up to the stop string
+
+    result = collect(generate(mesh.address, prompt, stop=[stop], **LONG))
+    # The deltas add up to the text before the stop string: the stop string's first half, streamed with
+    # its token before the second half came, was held back and never shown.
+    assert len(result.deltas[0]) > 1 and result.text() == expected
+    assert result.token_ids[0] == ref.token_ids[: i + 2]  # nothing after the token that completed it
+    choice = result.choice()
+    assert (choice.finish_reason, choice.stop_str) == ("stop", stop)
+    # The engine request ended at the hit, not after 1000 tokens.
+    wait_idle(engine, timeout=1.0)
+
+
+# ---- cancellation and deadlines -----------------------------------------------------------------
+
+
+def test_client_cancel_frees_blocks(mesh, engine):
+    stream = generate(mesh.address, PROMPTS[1], **LONG)
+    first_chunks(stream)
+    wait_running(engine)
+    stream.cancel()
+    wait_idle(engine, timeout=1.0)
+
+
+def test_deadline_frees_blocks(mesh, engine):
+    errors = []
+
+    def run():
+        try:
+            collect(generate(mesh.address, PROMPTS[1], timeout=1.5, **LONG))
+        except grpc.RpcError as e:
+            errors.append((e.code(), time.monotonic()))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_running(engine)
+    thread.join(10)
+    assert errors and errors[0][0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_idle(engine, timeout=1.0)
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+
+def bad_requests(max_model_len):
+    """(what the error message must say, the call)."""
+    return [
+        ("temperature must be non-negative", lambda a: generate(a, "hi", temperature=-1.0)),
+        ("top_p must be in (0, 1]", lambda a: generate(a, "hi", top_p=2.0)),
+        ("prompt is empty", lambda a: generate(a, "")),
+        ("prompt is empty", lambda a: generate(a, [])),
+        (f"prompt is {max_model_len} tokens long", lambda a: generate(a, [42] * max_model_len)),
+        ("n must be at least 1", lambda a: generate(a, "hi", n=0)),
+        ("model 'gpt-9' is not served here; the served model is 'smollm2-135m-instruct'",
+         lambda a: generate(a, "hi", model="gpt-9")),
+        ("messages[0].role must be one of", lambda a: chat(a, [{"role": "", "content": "hi"}])),
+        ("messages[1].role must be one of",
+         lambda a: chat(a, [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}])),
+        ("messages is empty", lambda a: chat(a, [])),
+    ]
+
+
+def test_bad_input_is_invalid_argument_and_others_go_on(mesh, refs):
+    card = gateway_stub(mesh.address).ListModels(gateway_pb2.ListModelsRequest()).models[0]
+    assert card.id == "smollm2-135m-instruct" and card.max_model_len > 0
+    ref = refs["greedy3"]
+    good = generate(mesh.address, PROMPTS[3], **GREEDY)
+    shown = [next(good)]  # running while the bad ones come in
+    for message, call in bad_requests(card.max_model_len):
+        details = expect_error(grpc.StatusCode.INVALID_ARGUMENT, lambda: call(mesh.address))
+        assert message in details, (message, details)
+    result = collect(shown + list(good))
+    assert result.text() == ref.text
+
+
+# ---- admission, keys, drain -----------------------------------------------------------------------
+
+
+def test_resource_exhausted_unauthenticated_and_drain(mesh, engine):
+    # Also an engine address where nothing listens: the gateway routes around it (it fails its health checks).
+    gateway = mesh.start_gateway(
+        ["--max-waiting-requests", "1", "--api-key", "s3cret", "--shutdown-timeout", "20", "--engine", "127.0.0.1:1"]
+    )
+    try:
+        address = gateway.address
+        details = expect_error(grpc.StatusCode.UNAUTHENTICATED, lambda: generate(address, "hi", max_tokens=2))
+        assert "authorization" in details
+        expect_error(grpc.StatusCode.UNAUTHENTICATED, lambda: generate(address, "hi", max_tokens=2, api_key="wrong"))
+
+        running = generate(address, PROMPTS[0], api_key="s3cret", **LONG)
+        first_chunks(running)
+        details = expect_error(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: generate(address, "hi", max_tokens=2, api_key="s3cret")
+        )
+        assert "max-waiting-requests" in details
+        running.cancel()
+        wait_idle(engine)
+
+        # SIGTERM: the request in flight finishes, new ones get UNAVAILABLE.
+        in_flight = generate(address, PROMPTS[0], api_key="s3cret", temperature=0.0, max_tokens=40, ignore_eos=True)
+        first_chunks(in_flight, 1)
+        gateway.popen.terminate()
+        time.sleep(0.5)
+        expect_error(grpc.StatusCode.UNAVAILABLE, lambda: generate(address, "hi", max_tokens=2, api_key="s3cret"))
+        result = collect(in_flight)
+        assert result.choice().finish_reason == "length" and result.complete.usage.completion_tokens == 40
+        assert gateway.popen.wait(20) == 0
+    finally:
+        gateway.kill()
+
+
+# ---- a dependency that dies ---------------------------------------------------------------------
+
+
+def wait_health(address, serving: bool, timeout: float):
+    deadline = time.monotonic() + timeout
+    while check_health(address, timeout=1) != serving:
+        assert time.monotonic() < deadline, f"the gateway's health is not {'SERVING' if serving else 'NOT_SERVING'}"
+        time.sleep(0.1)
+
+
+def test_detokenizer_killed_then_restarted(mesh, refs, engine):
+    streams = [generate(mesh.address, p, **LONG) for p in PROMPTS]
+    for s in streams:
+        first_chunks(s)
+    wait_running(engine, len(PROMPTS))
+    mesh.services["detokenizer"].kill()
+    killed = time.monotonic()
+    for s in streams:
+        with pytest.raises(grpc.RpcError) as info:
+            collect(s)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+        assert "detokenizer" in info.value.details()
+    assert time.monotonic() - killed < 3.0
+    wait_idle(engine)
+    # While it is down: UNAVAILABLE at once, and the gateway's health says so.
+    start = time.monotonic()
+    expect_error(grpc.StatusCode.UNAVAILABLE, lambda: generate(mesh.address, PROMPTS[0], max_tokens=4))
+    assert time.monotonic() - start < 3.0
+    wait_idle(engine)
+    wait_health(mesh.address, serving=False, timeout=5)
+
+    mesh.restart("detokenizer")
+    wait_health(mesh.address, serving=True, timeout=10)
+    assert collect(generate(mesh.address, PROMPTS[0], **GREEDY)).text() == refs["greedy0"].text
+    wait_idle(engine)
+
+
+def test_tokenizer_killed_then_restarted(mesh, refs, engine):
+    mesh.services["tokenizer"].kill()
+    start = time.monotonic()
+    details = expect_error(grpc.StatusCode.UNAVAILABLE, lambda: generate(mesh.address, PROMPTS[0], max_tokens=4))
+    assert "tokenizer" in details and time.monotonic() - start < 3.0
+    wait_health(mesh.address, serving=False, timeout=5)
+    mesh.restart("tokenizer")
+    wait_health(mesh.address, serving=True, timeout=10)
+    assert collect(generate(mesh.address, PROMPTS[0], **GREEDY)).text() == refs["greedy0"].text
+    wait_idle(engine)
