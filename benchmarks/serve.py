@@ -17,8 +17,8 @@ lengths uniform in --input-len; max_tokens uniform in --output-len), or a ShareG
 (the first human turn is the prompt, the reply's token count is max_tokens). Generation is greedy
 with ignore_eos, so every system does the same work.
 
---offline runs the same requests in-process through the offline `LLM` (all at once, its own
-RequestMetrics for TTFT) and reports the mesh/offline throughput ratio and the median TTFT the
+--offline runs the same requests in-process through the offline `LLM` (all at once, or one at a
+time with --max-concurrency 1; its own RequestMetrics for TTFT) and reports the mesh/offline throughput ratio and the median TTFT the
 mesh adds. --launch starts the whole mesh (`llmmesh serve`'s processes) on loopback first.
 """
 
@@ -153,14 +153,19 @@ async def run_mesh(address, requests, rate, burstiness, max_concurrency, seed, m
         return results, time.perf_counter() - start
 
 
-def run_offline(engine_args: EngineArgs, requests: list[BenchRequest]):
+def run_offline(engine_args: EngineArgs, requests: list[BenchRequest], one_at_a_time: bool):
+    """All requests in one generate() call, or (one_at_a_time) each alone, as the mesh ran them."""
     from engine import LLM, SamplingParams
 
     llm = LLM(**vars(engine_args))
     llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    prompts = [r.prompt for r in requests]
     start = time.perf_counter()
-    outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
+    if one_at_a_time:
+        outputs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     results = []
     for out in outputs:
@@ -284,10 +289,11 @@ def main():
     print_table("mesh (through the gateway)", report["mesh"])
 
     if args.offline:
-        if args.request_rate != float("inf") or args.max_concurrency < len(requests):
+        one_at_a_time = args.max_concurrency == 1
+        if not one_at_a_time and (args.request_rate != float("inf") or args.max_concurrency < len(requests)):
             print("\nnote: the offline run admits every request at once; compare with --request-rate inf "
-                  "and --max-concurrency >= --num-prompts")
-        results, elapsed = run_offline(engine_args, requests)
+                  "and --max-concurrency >= --num-prompts (or --max-concurrency 1)")
+        results, elapsed = run_offline(engine_args, requests, one_at_a_time)
         report["offline"] = summarize(results, elapsed, goodput)
         print_table("offline LLM.generate (in-process)", report["offline"])
         ratio = report["mesh"]["output_token_throughput"] / report["offline"]["output_token_throughput"]
