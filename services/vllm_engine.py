@@ -356,6 +356,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             )
         queue: asyncio.Queue = asyncio.Queue()
         engine.kv_event_subscribers.add(queue)
+        # Answer at once (response headers), not at the first event: a router treats a silent
+        # subscription as an unreachable worker.
+        await context.send_initial_metadata(())
         try:
             # Replay what the history still holds from the requested sequence number on.
             start = request.start_sequence_number
