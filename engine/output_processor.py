@@ -59,7 +59,6 @@ class CompletionState:
 
     def __init__(self, index: int, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Tokenizer):
         self.index = index
-        self.params = params
         self.detokenizer = RequestDetokenizer(tokenizer, prompt_token_ids, params)
         self.token_ids: list[int] = []
         self.logprobs = [] if params.logprobs is not None else None

@@ -29,23 +29,6 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
     )
 
 
-def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(
-        stop=params.stop,
-        stop_token_ids=params.stop_token_ids,
-        bad_words=params.bad_words,
-        ignore_eos=params.ignore_eos,
-        include_stop_str_in_output=params.include_stop_str_in_output,
-        logit_bias=params.logit_bias or {},
-        allowed_token_ids=params.allowed_token_ids or [],
-    )
-    for name in _OPTIONAL_FIELDS:
-        value = getattr(params, name)
-        if value is not None:
-            setattr(msg, name, value)
-    return msg
-
-
 def logprobs_to_proto(positions: list[dict[int, Logprob] | None]) -> list[common_pb2.PositionLogprobs]:
     """vLLM-style [{token_id: Logprob}] -> PositionLogprobs; a None position (the first prompt token) is skipped."""
     return [

@@ -163,10 +163,8 @@ async def serve_text_service(name: str, full_service_name: str, add_servicer, on
                 time.perf_counter() - t0)
     on_loaded(model)
     await server.set_serving(True)
-    serving = asyncio.create_task(wait_for_termination(server, args.shutdown_timeout))
-    await asyncio.sleep(0)  # let it install its SIGTERM handler first: whoever reads the line may stop us at once
     print(f"llmmesh {name} listening on {server.address}", flush=True)
-    await serving
+    await wait_for_termination(server, args.shutdown_timeout)
 
 
 def run_tokenizer(args: argparse.Namespace) -> None:

@@ -12,8 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from engine import LLM, SamplingParams
-from test_engine_service import KV_CACHE_MEMORY, start_engine, stop_engine
+from engine import SamplingParams
+from test_engine_service import llm, start_engine, stop_engine  # noqa: F401 (llm is a fixture)
 
 PROMPT = "Write one sentence about the sea:"
 
@@ -23,11 +23,6 @@ def engine_address():
     proc, address = start_engine("--enable-kv-cache-events")
     yield address
     stop_engine(proc)
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(kv_cache_memory=KV_CACHE_MEMORY)
 
 
 @pytest.fixture(scope="module")
