@@ -171,13 +171,15 @@ async def serve(args: argparse.Namespace) -> None:
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(servicer), server.server)
     await server.start()  # health answers NOT_SERVING while the model loads
+    engine = AsyncEngine(lambda: EngineCore(engine_args))
     try:
-        core = await asyncio.to_thread(EngineCore, engine_args)
-        tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, core.model_dir)
+        core = await engine.loaded()
+        engine.tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, core.model_dir)
     except BaseException:
+        engine.shutdown(timeout=0)
         await server.stop(0)
         raise
-    servicer.engine = AsyncEngine(core, tokenizer)
+    servicer.engine = engine
     await server.set_serving(True)
     print(f"llmmesh engine listening on {server.address}", flush=True)
     try:

@@ -403,19 +403,24 @@ def test_engine_thread_survives_failing_requests(llm, monkeypatch):
         real_add(request)
 
     def execute(scheduler_output):
+        step_threads.add(threading.get_ident())
         if any(r.request_id == "explode" for r in scheduler_output.scheduled_requests):
             raise RuntimeError("exploding step")
         return real_execute(scheduler_output)
 
     monkeypatch.setattr(core, "add_request", add)
     monkeypatch.setattr(core.model_runner, "execute_model", execute)
+    step_threads = set()
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
     async def drain(stream):
         return [out async for _, outs in stream for out in outs]
 
     async def scenario():
-        engine = AsyncEngine(core)
+        built_on = []
+        # Built and stepped on the engine thread alone, so torch's OpenMP pool is only that thread's.
+        engine = AsyncEngine(lambda: built_on.append(threading.get_ident()) or core)
+        assert await engine.loaded() is core and built_on == [engine.thread.ident]
         try:
             good = engine.add_request("good", prompt, greedy.clone())
             bad = engine.add_request("poison", prompt, greedy.clone())
@@ -438,6 +443,7 @@ def test_engine_thread_survives_failing_requests(llm, monkeypatch):
         finally:
             engine.shutdown()
         assert not engine.thread.is_alive()
+        assert step_threads == set(built_on)
 
     asyncio.run(scenario())
     assert_no_leaks(core)
