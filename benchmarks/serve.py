@@ -17,9 +17,12 @@ lengths uniform in --input-len; max_tokens uniform in --output-len), or a ShareG
 (the first human turn is the prompt, the reply's token count is max_tokens). Generation is greedy
 with ignore_eos, so every system does the same work.
 
---offline runs the same requests in-process through the offline `LLM` (all at once, or one at a
-time with --max-concurrency 1; its own RequestMetrics for TTFT) and reports the mesh/offline throughput ratio and the median TTFT the
-mesh adds. --launch starts the whole mesh (`llmmesh serve`'s processes) on loopback first.
+--offline runs the same requests in-process through the offline `LLM` (its own RequestMetrics for
+TTFT): all at once after the mesh run, or with --max-concurrency 1 paired, each request through the
+mesh and then offline) and reports the mesh/offline
+throughput ratio and the median TTFT the mesh adds. --rounds N alternates the two N times, each
+round with new prompts (seed + round), and reports the median of the per-round figures. --launch
+starts the whole mesh (`llmmesh serve`'s processes) on loopback first.
 """
 
 import argparse
@@ -153,26 +156,43 @@ async def run_mesh(address, requests, rate, burstiness, max_concurrency, seed, m
         return results, time.perf_counter() - start
 
 
-def run_offline(engine_args: EngineArgs, requests: list[BenchRequest], one_at_a_time: bool):
-    """All requests in one generate() call, or (one_at_a_time) each alone, as the mesh ran them."""
+def load_offline(engine_args: EngineArgs):
     from engine import LLM, SamplingParams
 
     llm = LLM(**vars(engine_args))
     llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    return llm
+
+
+def offline_results(llm, requests: list[BenchRequest]) -> list[RequestResult]:
+    """The requests in one generate() call; TTFT and E2E from the engine's own RequestMetrics."""
+    from engine import SamplingParams
+
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
-    prompts = [r.prompt for r in requests]
+    outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
+    return [
+        RequestResult(True, len(out.prompt_token_ids), len(out.outputs[0].token_ids),
+                      out.metrics.time_to_first_token, out.metrics.e2e_latency)
+        for out in outputs
+    ]
+
+
+def run_offline(llm, requests: list[BenchRequest]):
     start = time.perf_counter()
-    if one_at_a_time:
-        outputs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
-    else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    results = []
-    for out in outputs:
-        m = out.metrics
-        n = len(out.outputs[0].token_ids)
-        results.append(RequestResult(True, len(out.prompt_token_ids), n, m.time_to_first_token, m.e2e_latency))
-    return results, elapsed
+    results = offline_results(llm, requests)
+    return results, time.perf_counter() - start
+
+
+async def run_paired(address, llm, requests, model, api_key):
+    """One request at a time, each through the mesh and then offline, so the machine's drifts hit both."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        await one_request(stub, BenchRequest("Hello", 2, 2), model, api_key)  # warm-up, untimed
+        mesh, offline = [], []
+        for request in requests:
+            mesh.append(await one_request(stub, request, model, api_key))
+            offline += offline_results(llm, [request])
+    return (mesh, sum(r.e2e for r in mesh)), (offline, sum(r.e2e for r in offline))
 
 
 def stats_ms(values: list[float]) -> dict:
@@ -250,6 +270,7 @@ def main():
     ap.add_argument("--max-concurrency", type=int, default=32)
     ap.add_argument("--goodput", nargs="*", help="SLOs, e.g. ttft:2000 tpot:500 (ms)")
     ap.add_argument("--offline", action="store_true", help="also run the same requests in-process and compare")
+    ap.add_argument("--rounds", type=int, default=1, help="alternate mesh and offline runs this many times")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--output-json", default="benchmarks/results/serve.json")
     EngineArgs.add_cli_args(ap)
@@ -258,16 +279,27 @@ def main():
     engine_args = EngineArgs.from_cli_args(args)
     tokenizer = Tokenizer.from_pretrained(prepare_model_dir(engine_args.model))
 
-    if args.dataset == "synthetic":
-        requests = synthetic_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, args.seed)
-    else:
-        requests = sharegpt_requests(tokenizer, args.dataset, args.num_prompts, args.seed)
+    def make_requests(seed: int) -> list[BenchRequest]:
+        if args.dataset == "synthetic":
+            return synthetic_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, seed)
+        return sharegpt_requests(tokenizer, args.dataset, args.num_prompts, seed)
+
+    requests = make_requests(args.seed)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
     print(f"workload: {len(requests)} requests, {sum(r.prompt_len for r in requests)} prompt tokens, "
           f"{sum(r.max_tokens for r in requests)} output tokens; rate {args.request_rate}, "
           f"burstiness {args.burstiness}, max concurrency {args.max_concurrency}")
 
-    report = {"args": {k: v for k, v in vars(args).items() if k != "api_key"}}
+    report = {"args": {k: v for k, v in vars(args).items() if k != "api_key"}, "rounds": []}
+    one_at_a_time = args.max_concurrency == 1
+    if args.offline and not one_at_a_time and (
+        args.request_rate != float("inf") or args.max_concurrency < len(requests)
+    ):
+        print("\nnote: the offline run admits every request at once; compare with --request-rate inf "
+              "and --max-concurrency >= --num-prompts (or --max-concurrency 1)")
+    # Loaded before the mesh starts and kept between rounds, so mesh and offline rounds alternate
+    # on a warm machine and share its slow drifts.
+    llm = load_offline(engine_args) if args.offline else None
     mesh = None
     address = args.address
     if args.launch:
@@ -278,28 +310,49 @@ def main():
         address = mesh.start()
         print(f"mesh up, gateway at {address}")
     try:
-        results, elapsed = asyncio.run(run_mesh(
-            address, requests, args.request_rate, args.burstiness, args.max_concurrency, args.seed,
-            engine_args.model if args.launch else "", args.api_key,
-        ))
+        for i in range(args.rounds):
+            # New prompts each round, so neither side's prefix cache holds them from an earlier one.
+            requests = make_requests(args.seed + i)
+            entry = {}
+            model = engine_args.model if args.launch else ""
+            if llm is not None and one_at_a_time:
+                (mesh_results, mesh_s), (offline_out, offline_s) = asyncio.run(
+                    run_paired(address, llm, requests, model, args.api_key)
+                )
+            else:
+                mesh_results, mesh_s = asyncio.run(run_mesh(
+                    address, requests, args.request_rate, args.burstiness, args.max_concurrency, args.seed,
+                    model, args.api_key,
+                ))
+                if llm is not None:
+                    offline_out, offline_s = run_offline(llm, requests)
+            entry["mesh"] = summarize(mesh_results, mesh_s, goodput)
+            print_table(f"round {i + 1}: mesh (through the gateway)", entry["mesh"])
+            if llm is not None:
+                entry["offline"] = summarize(offline_out, offline_s, goodput)
+                print_table(f"round {i + 1}: offline LLM.generate (in-process)", entry["offline"])
+                ratio = entry["mesh"]["output_token_throughput"] / entry["offline"]["output_token_throughput"]
+                added = entry["mesh"]["ttft_ms"]["p50"] - entry["offline"]["ttft_ms"]["p50"]
+                entry["mesh_over_offline"] = {"output_throughput_ratio": ratio, "median_ttft_added_ms": added}
+                print(f"\nround {i + 1}: mesh / offline output tok/s {ratio:.3f}x; "
+                      f"median TTFT added by the mesh {added:.1f} ms")
+                if one_at_a_time:  # the same request's two TTFTs, taken seconds apart
+                    paired = statistics.median(m.ttft - o.ttft for m, o in zip(mesh_results, offline_out)) * 1e3
+                    entry["mesh_over_offline"]["paired_ttft_added_ms_p50"] = paired
+                    print(f"round {i + 1}: median over requests of (mesh TTFT - offline TTFT) {paired:.1f} ms")
+            report["rounds"].append(entry)
     finally:
         if mesh is not None:
             mesh.stop()
-    report["mesh"] = summarize(results, elapsed, goodput)
-    print_table("mesh (through the gateway)", report["mesh"])
-
-    if args.offline:
-        one_at_a_time = args.max_concurrency == 1
-        if not one_at_a_time and (args.request_rate != float("inf") or args.max_concurrency < len(requests)):
-            print("\nnote: the offline run admits every request at once; compare with --request-rate inf "
-                  "and --max-concurrency >= --num-prompts (or --max-concurrency 1)")
-        results, elapsed = run_offline(engine_args, requests, one_at_a_time)
-        report["offline"] = summarize(results, elapsed, goodput)
-        print_table("offline LLM.generate (in-process)", report["offline"])
-        ratio = report["mesh"]["output_token_throughput"] / report["offline"]["output_token_throughput"]
-        added = report["mesh"]["ttft_ms"]["p50"] - report["offline"]["ttft_ms"]["p50"]
-        report["mesh_over_offline"] = {"output_throughput_ratio": ratio, "median_ttft_added_ms": added}
-        print(f"\nmesh / offline output tok/s: {ratio:.3f}x;  median TTFT added by the mesh: {added:.1f} ms")
+    if llm is not None:
+        ratios = [r["mesh_over_offline"]["output_throughput_ratio"] for r in report["rounds"]]
+        added = [r["mesh_over_offline"]["median_ttft_added_ms"] for r in report["rounds"]]
+        report["median_over_rounds"] = {
+            "output_throughput_ratio": statistics.median(ratios), "median_ttft_added_ms": statistics.median(added),
+        }
+        print(f"\nover {len(ratios)} rounds: mesh / offline output tok/s {statistics.median(ratios):.3f}x "
+              f"(each: {', '.join(f'{r:.3f}' for r in ratios)}); median TTFT added by the mesh "
+              f"{statistics.median(added):.1f} ms (each: {', '.join(f'{a:.1f}' for a in added)})")
 
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output_json).write_text(json.dumps(report, indent=2, default=str))
