@@ -155,7 +155,8 @@ class AsyncEngine:
         return stream
 
     def abort(self, request_ids) -> int:
-        """Abort user requests (all their completions); their streams end with finish_reason "abort".
+        """Abort user requests (all their completions) or single live engine requests (one child `i_<id>`
+        of an n > 1 request, the others going on); what is aborted ends with finish_reason "abort".
 
         Returns how many of the ids were running."""
         engine_ids, found = [], 0
@@ -164,6 +165,9 @@ class AsyncEngine:
             if stream is not None:
                 found += 1
                 engine_ids.extend(stream.unfinished)
+            elif request_id in self.streams:  # an engine request id; add_request keeps the two kinds apart
+                found += 1
+                engine_ids.append(request_id)
         if engine_ids:
             self.inbox.put(("abort", engine_ids))
         return found

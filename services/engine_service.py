@@ -29,7 +29,7 @@ def tensors_to_proto(tensors: LogprobsTensors) -> list[common_pb2.PositionLogpro
 
 
 class CompletionTracker:
-    """What the final message of one completion reports: usage and timings."""
+    """What one completion's messages report: usage (on the final one) and timings (first tokens and final)."""
 
     def __init__(self, arrival_time: float):
         self.arrival_time = arrival_time
@@ -77,6 +77,9 @@ def to_response(index: int, out: EngineCoreOutput, tracker: CompletionTracker, n
                 cached_tokens=tracker.num_cached_tokens,
             )
         )
+    # The first tokens' message carries the timings too (queue time and time to first token are known
+    # then): a caller that stops reading early, at a stop string, still has them.
+    if out.finished or (out.new_token_ids and tracker.num_tokens == len(out.new_token_ids)):
         msg.timings.CopyFrom(tracker.timings(step_end))
     return msg
 

@@ -3,8 +3,9 @@
 One request's path: check access and admission, validate the sampling parameters and the model name,
 tokenize (the Tokenizer service), pick the engine with the fewest in-flight requests, open its Generate
 stream, and pass every step's token ids through the shared Detokenizer stream, which returns text deltas
-and stop-string hits. A stop-string hit, a client that goes away or a passed deadline cancels the engine
-call, which aborts the engine request and frees its blocks.
+and stop-string hits. A client that goes away, a passed deadline or a stop-string hit that ends the last
+unfinished completion cancels the engine call, which aborts the engine request and frees its blocks; a
+stop-string hit in one of n > 1 completions while others go on aborts just its engine request (Abort).
 """
 
 import argparse
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.output_processor import child_request_id
 from llmmesh.v1 import (
     common_pb2,
     detokenizer_pb2,
@@ -227,7 +229,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self.channels[tokenizer])
         self.detokenizer_stub = detokenizer_pb2_grpc.DetokenizerStub(self.channels[detokenizer])
         self.detokenizer: DetokenizerStream | None = None
-        self.max_model_len: int | None = None
+        self.max_model_len: int | None = None  # set with vocab_size, from the engines' GetModelInfo
+        self.vocab_size: int | None = None
         self.num_in_flight = 0
         self.draining = False
         self.ready = asyncio.Event()  # set the first time every dependency answered its health check
@@ -268,15 +271,16 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             await asyncio.sleep(HEALTH_INTERVAL)
 
     async def _load_model_info(self) -> int:
-        """The smallest max_model_len across the healthy engines (the prompt limit)."""
-        lengths = []
+        """The smallest max_model_len (the prompt limit) and vocab_size across the healthy engines."""
+        infos = []
         for address in self.healthy_engines or self.engines:
+            engine = self.engines[address]
             try:
-                info = await self.engines[address].GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=UNARY_TIMEOUT)
+                infos.append(await engine.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=UNARY_TIMEOUT))
             except grpc.aio.AioRpcError as e:
                 raise dependency_error("engine", address, e) from None
-            lengths.append(info.max_model_len)
-        self.max_model_len = min(lengths)
+        self.vocab_size = min(info.vocab_size for info in infos)
+        self.max_model_len = min(info.max_model_len for info in infos)
         return self.max_model_len
 
     async def _get_max_model_len(self) -> int:
@@ -352,7 +356,14 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     async def _tokenize_prompt(self, request) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "token_ids":
-            return list(request.token_ids.ids)
+            ids = list(request.token_ids.ids)
+            await self._get_max_model_len()  # and vocab_size
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise invalid(
+                    f"token_ids: token id {bad[0]} is out of vocabulary; token ids must be in [0, {self.vocab_size})"
+                )
+            return ids
         if not request.text:
             raise invalid("prompt is empty: set prompt text or token_ids")
         return await self._tokenize(tokenizer_pb2.TokenizeRequest(text=request.text))
@@ -453,9 +464,11 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                         queue_time = out.timings.queue_time
                     if result.stop_str:
                         choice.finish_reason, choice.stop_str = "stop", result.stop_str
-                        # With n > 1 the engine goes on generating this completion until the others end (its
-                        # Abort ends whole requests); its outputs are skipped above.
                         detokenizer.close(choice.detok_id, forget_remote=True)
+                        if n > 1 and not out.finish_reason and not all(c.finished for c in choices):
+                            # End this completion's engine request alone (its blocks are free next step);
+                            # the others go on. Its outputs until then are skipped above.
+                            await self._abort_engine_request(address, child_request_id(choice.index, engine_request_id))
                     elif out.finish_reason:
                         choice.finish_reason = out.finish_reason
                         if out.WhichOneof("stop_reason") == "stop_token_id":
@@ -479,7 +492,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                     cached_tokens=cached_tokens,
                 ),
                 # Time to first token and end to end as the client sees them from the gateway; time in the
-                # engine's queue as the engine measured it.
+                # engine's queue as the engine measured it (sent with the first tokens).
                 timings=common_pb2.Timings(
                     queue_time=queue_time or 0.0,
                     time_to_first_token=(first_token_time or now) - arrival,
@@ -494,6 +507,13 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             self.engine_in_flight[address] -= 1
             for c in choices:
                 detokenizer.close(c.detok_id, forget_remote=c.started and not c.finished)
+
+    async def _abort_engine_request(self, address: str, engine_request_id: str) -> None:
+        request = engine_pb2.AbortRequest(request_ids=[engine_request_id])
+        try:
+            await self.engines[address].Abort(request, timeout=UNARY_TIMEOUT)
+        except grpc.aio.AioRpcError as e:  # not the request's failure: it still ends when the engine call does
+            logger.warning("could not abort %s at the engine %s: %s", engine_request_id, address, e.details())
 
     # ---- the rest of the API ---------------------------------------------------------------------
 

@@ -183,6 +183,8 @@ class GenerateState:
         chunk = vllm_engine_pb2.GenerateStreamChunk(
             token_ids=out.new_token_ids,
             prompt_tokens=len(self.prompt_ids),
+            # This chunk's tokens, not the total so far: vLLM's servicer sends the delta count, and the
+            # smg router reads vLLM chunks as deltas and adds them up.
             completion_tokens=len(out.new_token_ids),
             cached_tokens=self.cached_tokens,
             index=c.index,

@@ -176,6 +176,11 @@ def test_greedy_single_request_equals_llm(stub, llm):
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(prompt), 16)
     t = final.timings
     assert 0 <= t.queue_time <= t.time_to_first_token <= t.e2e_latency < 60
+    # The first tokens' message carries the timings known then (for a caller that stops reading early).
+    first = result[0]["messages"][0]
+    assert not any(m.HasField("timings") for m in result[0]["messages"][1:-1])
+    assert first.timings.queue_time == t.queue_time and first.timings.time_to_first_token == t.time_to_first_token
+    assert first.timings.e2e_latency == t.time_to_first_token and not first.HasField("usage")
 
 
 def test_32_concurrent_greedy_streams_equal_llm(engine_address, llm):
@@ -297,6 +302,20 @@ def test_abort_rpc_ends_stream_with_abort(stub, llm):
     assert final.finish_reason == "abort" and all(not m.finish_reason for m in got[:-1])
     assert final.usage.completion_tokens == sum(len(m.token_ids) for m in got) < 2000
     assert stub.Abort(engine_pb2.AbortRequest(request_ids=["abort-me"])).num_aborted == 0
+    wait_idle(stub, 0.0)
+
+
+def test_abort_rpc_with_a_child_id_ends_that_child_alone(stub, llm):
+    prompt = llm.tokenizer.encode(PROMPTS[3])
+    [expected] = reference_ids(llm, [prompt], 48)
+    request = engine_pb2.EngineGenerateRequest(request_id="pair", prompt_token_ids=prompt, sampling_params=greedy_proto(48, n=2))
+    call = stub.Generate(request)
+    got = [next(call)]
+    # Child 1 of "pair" (engine/output_processor.child_request_id) by its engine request id.
+    assert stub.Abort(engine_pb2.AbortRequest(request_ids=["1_pair"])).num_aborted == 1
+    result = collect([*got, *call])
+    assert result[1]["final"].finish_reason == "abort" and len(result[1]["ids"]) < 48
+    assert result[0]["final"].finish_reason == "length" and result[0]["ids"] == expected
     wait_idle(stub, 0.0)
 
 

@@ -48,6 +48,8 @@ def llm():
 # Every reference output, from one batched offline run: (prompt, params) by name.
 VARIANTS = PROMPTS + [f"{PROMPTS[i % 4]} (variant {i})" for i in range(4, 32)]
 N2 = dict(temperature=0.8, seed=7, n=2, max_tokens=12, logprobs=2)
+# Two seeded samples that differ within a few tokens; a stop string in one alone ends it early.
+N2_LONG = dict(temperature=1.0, seed=3, n=2, max_tokens=64, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +60,11 @@ def refs(llm):
     jobs = {f"greedy{i}": (p, GREEDY) for i, p in enumerate(VARIANTS)}
     jobs["chat"] = ({"prompt_token_ids": chat_ids}, GREEDY)
     jobs["n2"] = (PROMPTS[0], N2)
+    jobs["n2_long"] = (PROMPTS[2], N2_LONG)
     outputs = llm.generate(
         [p for p, _ in jobs.values()], [SamplingParams(**params) for _, params in jobs.values()], use_tqdm=False
     )
-    return {name: out.outputs if name == "n2" else out.outputs[0] for name, out in zip(jobs, outputs)}
+    return {name: out.outputs if name.startswith("n2") else out.outputs[0] for name, out in zip(jobs, outputs)}
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +200,44 @@ def test_stop_string_split_across_tokens(mesh, llm, refs, engine):
     assert (choice.finish_reason, choice.stop_str) == ("stop", stop)
     # The engine request ended at the hit, not after 1000 tokens.
     wait_idle(engine, timeout=1.0)
+    # The gateway stopped reading before the engine's final message: the queue time came with the first tokens.
+    t = result.complete.timings
+    assert 0 < t.queue_time < t.time_to_first_token <= t.e2e_latency
+
+
+def test_n2_stop_string_ends_only_its_choice(mesh, llm, refs, engine):
+    """A stop string in one of two seeded choices ends that choice, and its engine request, alone; the
+    other runs to max_tokens, as offline."""
+    ref = refs["n2_long"]
+    tok = llm.tokenizer
+    # A word early in one choice's text that the other's never holds; k: the tokens that complete it.
+    hit, stop = next(
+        (i, word) for i in (0, 1) for word in ref[i].text.split()[1:6] if len(word) >= 3 and word not in ref[1 - i].text
+    )
+    k = next(k for k in range(1, N2_LONG["max_tokens"]) if stop in tok.decode(ref[hit].token_ids[:k]))
+    assert k <= 16, (stop, k)
+    other = 1 - hit
+
+    stream = generate(mesh.address, PROMPTS[2], stop=[stop], **N2_LONG)
+    shown = []
+    for response in stream:
+        shown.append(response)
+        if sum(len(d.token_ids) for r in shown for d in r.chunk.choices if d.index == other) >= k + 4:
+            break
+    # The stopped choice's engine request is gone (aborted by then, freed the next step) while the other runs.
+    deadline = time.monotonic() + 2.0
+    while (load := engine.GetLoad(engine_pb2.GetLoadRequest())).num_running != 1:
+        assert load.num_running == 2 and time.monotonic() < deadline, f"the stopped choice still runs: {load}"
+        time.sleep(0.005)
+    result = collect(shown + list(stream))
+
+    stopped, full = result.choice(hit), result.choice(other)
+    assert (stopped.finish_reason, stopped.stop_str) == ("stop", stop)
+    assert result.text(hit) == ref[hit].text[: ref[hit].text.index(stop)]
+    assert result.token_ids[hit] == ref[hit].token_ids[:k]
+    assert full.finish_reason == "length" and len(result.token_ids[other]) == N2_LONG["max_tokens"]
+    assert result.token_ids[other] == ref[other].token_ids and result.text(other) == ref[other].text
+    wait_idle(engine)
 
 
 # ---- cancellation and deadlines -----------------------------------------------------------------
@@ -230,14 +271,18 @@ def test_deadline_frees_blocks(mesh, engine):
 # ---- bad input ------------------------------------------------------------------------------------
 
 
-def bad_requests(max_model_len):
+def bad_requests(max_model_len, vocab_size):
     """(what the error message must say, the call)."""
+    out_of_vocab = f"is out of vocabulary; token ids must be in [0, {vocab_size})"
     return [
         ("temperature must be non-negative", lambda a: generate(a, "hi", temperature=-1.0)),
         ("top_p must be in (0, 1]", lambda a: generate(a, "hi", top_p=2.0)),
         ("prompt is empty", lambda a: generate(a, "")),
         ("prompt is empty", lambda a: generate(a, [])),
         (f"prompt is {max_model_len} tokens long", lambda a: generate(a, [42] * max_model_len)),
+        # Named as the client's field, not the engine's prompt_token_ids.
+        (f"token_ids: token id {vocab_size} {out_of_vocab}", lambda a: generate(a, [1, vocab_size, 2])),
+        (f"token_ids: token id -1 {out_of_vocab}", lambda a: generate(a, [-1, 1])),
         ("n must be at least 1", lambda a: generate(a, "hi", n=0)),
         ("model 'gpt-9' is not served here; the served model is 'smollm2-135m-instruct'",
          lambda a: generate(a, "hi", model="gpt-9")),
@@ -248,13 +293,14 @@ def bad_requests(max_model_len):
     ]
 
 
-def test_bad_input_is_invalid_argument_and_others_go_on(mesh, refs):
+def test_bad_input_is_invalid_argument_and_others_go_on(mesh, refs, engine):
     card = gateway_stub(mesh.address).ListModels(gateway_pb2.ListModelsRequest()).models[0]
     assert card.id == "smollm2-135m-instruct" and card.max_model_len > 0
+    vocab_size = engine.GetModelInfo(engine_pb2.GetModelInfoRequest()).vocab_size
     ref = refs["greedy3"]
     good = generate(mesh.address, PROMPTS[3], **GREEDY)
     shown = [next(good)]  # running while the bad ones come in
-    for message, call in bad_requests(card.max_model_len):
+    for message, call in bad_requests(card.max_model_len, vocab_size):
         details = expect_error(grpc.StatusCode.INVALID_ARGUMENT, lambda: call(mesh.address))
         assert message in details, (message, details)
     result = collect(shown + list(good))

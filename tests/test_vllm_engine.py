@@ -72,6 +72,9 @@ def test_greedy_stream_and_unary_equal_llm(stub, llm):
     completes = [m.complete for m in messages if m.WhichOneof("response") == "complete"]
     assert [t for c in chunks for t in c.token_ids] == expected
     assert all(c.prompt_tokens == len(prompt) and c.index == 0 for c in chunks)
+    # completion_tokens counts each chunk's own tokens, as vLLM's servicer does (the router adds them up).
+    assert len(chunks) > 1 and all(c.completion_tokens == len(c.token_ids) for c in chunks)
+    assert sum(c.completion_tokens for c in chunks) == 16
     # The complete comes last and carries the final step's tokens, as vLLM's servicer sends it.
     assert messages[-1].WhichOneof("response") == "complete" and len(completes) == 1
     assert completes[0].finish_reason == "length" and list(completes[0].output_ids) == expected[-1:]
