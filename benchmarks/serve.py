@@ -18,9 +18,9 @@ lengths uniform in --input-len; max_tokens uniform in --output-len), or a ShareG
 with ignore_eos, so every system does the same work.
 
 --offline runs the same requests in-process through the offline `LLM` (its own RequestMetrics for
-TTFT): all at once after the mesh run, or with --max-concurrency 1 paired, each request through the
-mesh and then offline) and reports the mesh/offline
-throughput ratio and the median TTFT the mesh adds. --rounds N alternates the two N times, each
+TTFT): all at once after the mesh run, or, with --max-concurrency 1, paired: each request through
+the mesh and then offline. It reports the mesh/offline throughput ratio and the median TTFT the
+mesh adds. --rounds N alternates the two N times, each
 round with new prompts (seed + round), and reports the median of the per-round figures. --launch
 starts the whole mesh (`llmmesh serve`'s processes) on loopback first.
 """
@@ -309,12 +309,12 @@ def main():
         mesh = Mesh(engine_args, gateway_args)
         address = mesh.start()
         print(f"mesh up, gateway at {address}")
+    model = engine_args.model if args.launch else ""
     try:
         for i in range(args.rounds):
             # New prompts each round, so neither side's prefix cache holds them from an earlier one.
             requests = make_requests(args.seed + i)
             entry = {}
-            model = engine_args.model if args.launch else ""
             if llm is not None and one_at_a_time:
                 (mesh_results, mesh_s), (offline_out, offline_s) = asyncio.run(
                     run_paired(address, llm, requests, model, args.api_key)

@@ -93,7 +93,6 @@ class AsyncEngine:
         self.streams: dict[str, RequestStream] = {}
         self.requests: dict[str, RequestStream] = {}
         self.load = Load()  # replaced (not mutated) by the engine thread after every step
-        self.step_times: deque[tuple[float, float]] = deque(maxlen=4096)  # (start, end) of recent steps
         self.dead: str | None = None
         # KV cache events (with --enable-kv-cache-events), numbered one batch per step, for subscribers.
         self.kv_event_seq = 0
@@ -230,11 +229,13 @@ class AsyncEngine:
             self.dead = f"{type(e).__name__}: {e}"
             self._call_soon(self._fail_all, self.dead)
 
-    def _call_soon(self, callback, *args) -> None:
+    def _call_soon(self, callback, *args) -> bool:
+        """Run callback on the event loop; False when the loop is closed and nobody listens any more."""
         try:
             self.loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+        except RuntimeError:
+            return False
+        return True
 
     def _serve(self) -> None:
         core = self.core
@@ -256,21 +257,18 @@ class AsyncEngine:
                     core.abort_requests(payload)
             outputs = []
             if core.has_unfinished_requests():
-                start = time.monotonic()
                 try:
                     outputs = core.step()
                 except Exception as e:  # a bug hit by this batch: fail its requests, keep serving
                     logger.exception("engine step failed")
                     outputs = self._fail_running(e)
-                self.step_times.append((start, time.monotonic()))
             sched = core.scheduler
             self.load = Load(len(sched.running), len(sched.waiting), core.kv_cache_manager.usage())
             kv_events = core.take_kv_events()  # always empty without --enable-kv-cache-events
-            if failed or outputs or kv_events:
-                try:
-                    self.loop.call_soon_threadsafe(self._deliver, time.monotonic(), failed + outputs, kv_events)
-                except RuntimeError:  # the event loop is closed: nobody is listening any more
-                    return
+            if (failed or outputs or kv_events) and not self._call_soon(
+                self._deliver, time.monotonic(), failed + outputs, kv_events
+            ):
+                return
 
     def _add(self, requests: list[Request]) -> list[EngineError]:
         failed = []
