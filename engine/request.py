@@ -1,7 +1,8 @@
 """Requests, their states and sampling parameters (vLLM's names)."""
 
-import dataclasses
+import copy
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -101,17 +102,20 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias is not None:
             try:
-                self.logit_bias = {
-                    int(t): min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(b))) for t, b in self.logit_bias.items()
-                }
+                bias = {int(t): float(b) for t, b in self.logit_bias.items()}
             except (TypeError, ValueError, AttributeError) as e:
                 raise ValueError(f"logit_bias must map token ids (integers) to numbers: {e}") from None
+            _check(all(math.isfinite(b) for b in bias.values()), "logit_bias", "values must be finite numbers",
+                   [b for b in bias.values() if not math.isfinite(b)][:1])
+            self.logit_bias = {t: min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, b)) for t, b in bias.items()}
         self.verify()
         if self.greedy:
             # Greedy sampling ignores the truncation knobs, as in vLLM.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def verify(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            _check(math.isfinite(getattr(self, name)), name, "must be a finite number", getattr(self, name))
         _check(self.n >= 1, "n", "must be at least 1", self.n)
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
@@ -151,7 +155,7 @@ class SamplingParams:
         }
         for name, token_ids in ids.items():
             bad = [t for t in token_ids if not 0 <= t < vocab_size]
-            _check(not bad, name, f"token ids must be in [0, {vocab_size})", bad)
+            _check(not bad, name, f"token ids must be in [0, {vocab_size})", bad[:3])
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is None:
@@ -177,7 +181,11 @@ class SamplingParams:
                 self.bad_words_token_ids.append(spaced)
 
     def clone(self, **changes) -> "SamplingParams":
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields changed, not verified again (the n children of a verified request)."""
+        params = copy.copy(self)
+        for name, value in changes.items():
+            setattr(params, name, value)
+        return params
 
     @property
     def greedy(self) -> bool:

@@ -9,21 +9,26 @@ stop string hit the result says finished with stop_str; the caller aborts the en
 `close`; steps still in flight until then give no text.
 
 A bad item gets a result with `error` set and finished, and its request is dropped; never a stream error, so
-on a shared stream the other requests' work goes on.
+on a shared stream the other requests' work goes on. A batch over the configured size is refused whole
+(INVALID_ARGUMENT), since answering it item by item would be the allocation the limit is there to stop.
 """
 
-import argparse
-import asyncio
 import logging
 
 import grpc
 
+from engine.limits import RequestLimits
 from engine.request import SamplingParams
-from engine.text import RequestDetokenizer, Tokenizer
+from engine.text import RequestDetokenizer
+from engine.text.detokenizer import MAX_PROMPT_CONTEXT
 from llmmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc
-from services.tokenizer_service import TextModel, add_text_service_args, check_token_ids, serve_text_service
+from services import config
+from services.text_model import TextModel, check_token_ids
+from services.tokenizer_service import serve_text_service, text_service_parser
 
 logger = logging.getLogger("llmmesh.detokenizer")
+
+SERVICE_NAME = detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name
 
 
 def params_from_start(start: detokenizer_pb2.DetokenizeStart) -> SamplingParams:
@@ -43,18 +48,21 @@ def params_from_start(start: detokenizer_pb2.DetokenizeStart) -> SamplingParams:
 class DetokenizeStream:
     """The requests of one stream, by request id."""
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, model: TextModel, limits: RequestLimits):
+        self.tokenizer = model.tokenizer
+        self.max_tokens = model.max_model_len
+        self.limits = limits
         self.requests: dict[str, RequestDetokenizer] = {}
 
     def handle(self, batch: detokenizer_pb2.DetokenizeBatch) -> detokenizer_pb2.DetokenizeResultBatch:
+        self.limits.check_count("items", len(batch.items), "max_batch")
         results = []
         for i, item in enumerate(batch.items):
             try:
                 results.append(self.handle_item(item, f"items[{i}]"))
             except Exception as e:  # ValueError: bad input; anything else is a bug, but it stays this request's
                 if not isinstance(e, ValueError):
-                    logger.exception("detokenizing %s failed", item.request_id)
+                    logger.exception("detokenizing %s failed", item.request_id[:256])
                 self.requests.pop(item.request_id, None)
                 error = detokenizer_pb2.DetokenizeResult(request_id=item.request_id, finished=True, error=str(e))
                 results.append(error)
@@ -64,17 +72,26 @@ class DetokenizeStream:
         rid = item.request_id
         if not rid:
             raise ValueError(f"{field}.request_id must not be empty")
+        self.limits.check_id(f"{field}.request_id", rid)
         kind = item.WhichOneof("kind")
         if kind == "start":
             if rid in self.requests:
                 raise ValueError(f"{field}.start: request {rid!r} was already started on this stream")
+            if len(self.requests) >= self.limits.max_open_requests:
+                raise ValueError(
+                    f"{field}.start: this stream already has {len(self.requests)} open requests, its limit "
+                    f"(--max-open-requests={self.limits.max_open_requests})"
+                )
             start = item.start
-            check_token_ids(start.prompt_token_ids, self.tokenizer.vocab_size, f"{field}.start.prompt_token_ids")
+            # Only the prompt's tail is read (the decoder starts a few tokens before the output).
+            prompt_tail = list(start.prompt_token_ids[-MAX_PROMPT_CONTEXT:])
+            check_token_ids(prompt_tail, self.tokenizer.vocab_size, f"{field}.start.prompt_token_ids")
             try:
                 params = params_from_start(start)
-            except ValueError as e:  # SamplingParams' message starts with the field name
+                self.limits.check_params(params)
+            except ValueError as e:  # the message starts with the field name
                 raise ValueError(f"{field}.start.{e}") from None
-            self.requests[rid] = RequestDetokenizer(self.tokenizer, list(start.prompt_token_ids), params)
+            self.requests[rid] = RequestDetokenizer(self.tokenizer, prompt_tail, params)
             return detokenizer_pb2.DetokenizeResult(request_id=rid)
         if kind == "close":
             self.requests.pop(rid, None)  # closing twice, or after finished, is fine
@@ -83,9 +100,10 @@ class DetokenizeStream:
             raise ValueError(f"{field}: set one of start, step or close")
         detok = self.requests.get(rid)
         if detok is None:
-            raise ValueError(f"{field}.step: request {rid!r} is not open on this stream (start it first)")
+            raise ValueError(f"{field}.step: request {rid[:256]!r} is not open on this stream (start it first)")
         step = item.step
-        check_token_ids(step.token_ids, self.tokenizer.vocab_size, f"{field}.step.token_ids")
+        check_token_ids(step.token_ids, self.tokenizer.vocab_size, f"{field}.step.token_ids", self.max_tokens)
+        check_token_ids(step.text_of_token_ids, self.tokenizer.vocab_size, f"{field}.step.text_of_token_ids")
         detok.update(list(step.token_ids), step.stop_terminated)
         finished = step.finished or detok.matched_stop is not None
         text = detok.get_next_output_text(finished, delta=True)
@@ -101,30 +119,27 @@ class DetokenizeStream:
 
 
 class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
-    def __init__(self):
-        self.tokenizer: Tokenizer | None = None  # set once loaded
+    def __init__(self, limits: RequestLimits):
+        self.model: TextModel | None = None  # set once loaded
+        self.limits = limits
 
     async def Detokenize(self, request_iterator, context):
-        if self.tokenizer is None:
+        if self.model is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the tokenizer is still loading")
-        stream = DetokenizeStream(self.tokenizer)
+        stream = DetokenizeStream(self.model, self.limits)
         async for batch in request_iterator:
-            yield stream.handle(batch)
-
-
-def run_detokenizer(args: argparse.Namespace) -> None:
-    service = DetokenizerService()
-
-    def loaded(model: TextModel) -> None:
-        service.tokenizer = model.tokenizer
-
-    asyncio.run(serve_text_service(
-        "detokenizer", detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name,
-        lambda s: detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(service, s), loaded, args,
-    ))
+            try:
+                yield stream.handle(batch)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
 
 def add_subcommands(subparsers) -> None:
-    parser = subparsers.add_parser("detokenizer", help="serve llmmesh.v1.Detokenizer (token ids -> text deltas)")
-    add_text_service_args(parser, default_port=50053)
-    parser.set_defaults(func=run_detokenizer)
+    parser = text_service_parser(subparsers, "detokenizer", "serve llmmesh.v1.Detokenizer (token ids -> text deltas)")
+
+    def run(args):
+        service = DetokenizerService(config.limits_from_args(args))
+        config.run(serve_text_service("detokenizer", SERVICE_NAME,
+                                      detokenizer_pb2_grpc.add_DetokenizerServicer_to_server, service, args), args)
+
+    parser.set_defaults(func=run)

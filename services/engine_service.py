@@ -1,139 +1,107 @@
-"""The engine service: `llmmesh.v1.Engine` over gRPC, a thin adapter over EngineCore (via AsyncEngine)."""
+"""The engine service: `llmmesh.v1.Engine` and vLLM's `VllmEngine` on one port, thin adapters over AsyncLLM."""
 
-import argparse
 import asyncio
-import os
 import time
 
 import grpc
 
+from engine.async_llm import AsyncLLM, EngineRequestError
 from engine.config import EngineArgs
 from engine.core import EngineCore
-from engine.output_processor import logprob_dicts
-from engine.request import EngineCoreEventType
-from engine.sample.sampler import LogprobsTensors
-from engine.sched.output import EngineCoreOutput
+from engine.outputs import RequestOutput
 from engine.text.tokenizer import Tokenizer
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from services.async_engine import AsyncEngine, EngineError, llmmesh_version
+from services import config
 from services.convert import logprobs_to_proto, sampling_params_from_proto
-from services.grpc_server import Server, wait_for_termination
+from services.server import Server, llmmesh_version
 from services.vllm_engine import VLLM_ENGINE_SERVICE, VllmEngineServicer, vllm_engine_pb2_grpc
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 
 
-def tensors_to_proto(tensors: LogprobsTensors) -> list[common_pb2.PositionLogprobs]:
-    """Engine logprob rows -> PositionLogprobs; decoded_token stays empty (the text services fill it)."""
-    return logprobs_to_proto(logprob_dicts(tensors, lambda token_id: ""))
+def timings(out: RequestOutput) -> common_pb2.Timings:
+    m = out.metrics
+    return common_pb2.Timings(
+        queue_time=m.time_in_queue or 0.0,
+        time_to_first_token=m.time_to_first_token or 0.0,
+        e2e_latency=time.monotonic() - m.arrival_time,
+    )
 
 
-class CompletionTracker:
-    """What one completion's messages report: usage (on the final one) and timings (first tokens and final)."""
-
-    def __init__(self, arrival_time: float):
-        self.arrival_time = arrival_time
-        self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
-        self.num_tokens = 0
-        self.num_cached_tokens = 0
-
-    def update(self, out: EngineCoreOutput, step_end: float) -> None:
-        for event in out.events:
-            if event.type == EngineCoreEventType.SCHEDULED and self.first_scheduled_time is None:
-                self.first_scheduled_time = event.timestamp
-        if out.new_token_ids and self.first_token_time is None:
-            self.first_token_time = step_end
-        self.num_tokens += len(out.new_token_ids)
-        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
-
-    def timings(self, now: float) -> common_pb2.Timings:
-        def since_arrival(t):
-            return 0.0 if t is None else t - self.arrival_time
-
-        return common_pb2.Timings(
-            queue_time=since_arrival(self.first_scheduled_time),
-            time_to_first_token=since_arrival(self.first_token_time),
-            e2e_latency=now - self.arrival_time,
-        )
-
-
-def to_response(index: int, out: EngineCoreOutput, tracker: CompletionTracker, num_prompt_tokens: int, step_end: float):
-    msg = engine_pb2.EngineGenerateResponse(index=index, token_ids=out.new_token_ids)
-    if out.new_logprobs is not None:
-        msg.logprobs.extend(tensors_to_proto(out.new_logprobs))
-    if out.new_prompt_logprobs is not None:
-        msg.prompt_logprobs.extend(tensors_to_proto(out.new_prompt_logprobs))
+def to_response(out: RequestOutput, first_tokens: bool) -> engine_pb2.EngineGenerateResponse:
+    """One step's RequestOutput (delta) -> one message with every completion that moved."""
+    msg = engine_pb2.EngineGenerateResponse()
+    for c in out.outputs:
+        delta = msg.outputs.add(index=c.index, token_ids=c.token_ids, finish_reason=c.finish_reason or "")
+        if c.logprobs:
+            delta.logprobs.extend(logprobs_to_proto(c.logprobs))
+        if isinstance(c.stop_reason, str):
+            delta.stop_str = c.stop_reason
+        elif c.stop_reason is not None:
+            delta.stop_token_id = c.stop_reason
+    if out.prompt_logprobs:
+        msg.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs))
+    if first_tokens:
+        msg.num_prompt_tokens = len(out.prompt_token_ids)
     if out.finished:
-        msg.finish_reason = str(out.finish_reason)
-        if isinstance(out.stop_reason, int):
-            msg.stop_token_id = out.stop_reason
-        elif isinstance(out.stop_reason, str):
-            msg.stop_str = out.stop_reason
-        msg.usage.CopyFrom(
-            common_pb2.Usage(
-                prompt_tokens=num_prompt_tokens,
-                completion_tokens=tracker.num_tokens,
-                cached_tokens=tracker.num_cached_tokens,
-            )
-        )
-    # The first tokens' message carries the timings too (queue time and time to first token are known
-    # then): a caller that stops reading early, at a stop string, still has them.
-    if out.finished or (out.new_token_ids and tracker.num_tokens == len(out.new_token_ids)):
-        msg.timings.CopyFrom(tracker.timings(step_end))
+        msg.usage.CopyFrom(common_pb2.Usage(
+            prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=out.metrics.num_generation_tokens,
+            cached_tokens=out.num_cached_tokens,
+        ))
+    # The first tokens' message carries the timings too: a caller that stops reading early, at a stop
+    # string, still has the queue time and the time to first token.
+    if out.finished or first_tokens:
+        msg.timings.CopyFrom(timings(out))
     return msg
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     """llmmesh.v1.Engine. `engine` is None until the model is loaded; RPCs then get UNAVAILABLE."""
 
-    def __init__(self, engine: AsyncEngine | None = None):
+    def __init__(self, engine: AsyncLLM | None = None):
         self.engine = engine
 
-    async def _ready(self, context) -> AsyncEngine:
+    async def ready(self, context) -> AsyncLLM:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still loading its model; retry shortly")
+        if self.engine.dead is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.engine.dead)
         return self.engine
 
     async def Generate(self, request: engine_pb2.EngineGenerateRequest, context):
-        engine = await self._ready(context)
-        arrival = time.monotonic()
+        engine = await self.ready(context)
         try:
             params = sampling_params_from_proto(request.sampling_params)
+            params.detokenize = bool(params.stop)  # token ids travel; text only to find stop strings
             stream = engine.add_request(
-                request.request_id,
-                list(request.prompt_token_ids),
-                params,
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-                arrival_time=arrival,
+                request.request_id, list(request.prompt_token_ids), params,
+                priority=request.priority, cache_salt=request.cache_salt, arrival_time=time.monotonic(),
             )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RuntimeError as e:  # the engine thread is gone
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        # One message per step per completion, until all n have finished. If the handler is cancelled
-        # (client gone, deadline passed) or fails, the unfinished completions are aborted here: their
-        # blocks are free before the next step.
-        num_prompt_tokens = len(stream.requests[0].prompt_token_ids)
-        trackers = {engine_id: CompletionTracker(arrival) for engine_id in stream.index}
+        # If the handler is cancelled (client gone, deadline passed) or fails, the unfinished completions
+        # are aborted by close_stream: their blocks are free before the next step.
+        first_tokens = True
         try:
-            async for step_end, outputs in stream:
-                for out in outputs:
-                    if isinstance(out, EngineError):
-                        await context.abort(grpc.StatusCode.INTERNAL, f"request {out.request_id}: {out.message}")
-                    tracker = trackers[out.request_id]
-                    tracker.update(out, step_end)
-                    yield to_response(stream.index[out.request_id], out, tracker, num_prompt_tokens, step_end)
+            async for out in stream:
+                moved = any(c.token_ids for c in out.outputs)
+                yield to_response(out, first_tokens and moved)
+                first_tokens = first_tokens and not moved
+        except EngineRequestError as e:
+            code = grpc.StatusCode.UNAVAILABLE if engine.dead else grpc.StatusCode.INTERNAL
+            await context.abort(code, f"request {request.request_id}: {e}")
         finally:
             engine.close_stream(stream)
 
     async def Abort(self, request: engine_pb2.AbortRequest, context):
-        engine = await self._ready(context)
+        engine = await self.ready(context)
         return engine_pb2.AbortResponse(num_aborted=engine.abort(request.request_ids))
 
     async def GetModelInfo(self, request, context):
-        core = (await self._ready(context)).core
+        core = (await self.ready(context)).core
         return engine_pb2.ModelInfo(
             model=core.args.model,
             architecture=core.model_config.architecture,
@@ -144,7 +112,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         )
 
     async def GetServerInfo(self, request, context):
-        core = (await self._ready(context)).core
+        core = (await self.ready(context)).core
         args = core.args
         return engine_pb2.ServerInfo(
             version=llmmesh_version(),
@@ -157,54 +125,35 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         )
 
     async def GetLoad(self, request, context):
-        load = (await self._ready(context)).load
+        stats = (await self.ready(context)).stats
         return engine_pb2.Load(
-            num_running=load.num_running, num_waiting=load.num_waiting, kv_cache_usage=load.kv_cache_usage
+            num_running=stats.num_running_reqs, num_waiting=stats.num_waiting_reqs, kv_cache_usage=stats.kv_cache_usage
         )
 
 
 # ---- the process -----------------------------------------------------------------
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args) -> None:
     engine_args = EngineArgs.from_cli_args(args)
-    # Both protocols on one port, over one AsyncEngine.
-    server = Server([ENGINE_SERVICE, VLLM_ENGINE_SERVICE], args.host, args.port)
+    # Both protocols on one port, over one AsyncLLM.
+    server = Server("engine", [ENGINE_SERVICE, VLLM_ENGINE_SERVICE], args)
     servicer = EngineServicer()
-    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server.server)
-    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(servicer), server.server)
+    server.add(engine_pb2_grpc.add_EngineServicer_to_server, servicer)
+    server.add(vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer))
     await server.start()  # health answers NOT_SERVING while the model loads
-    engine = AsyncEngine(lambda: EngineCore(engine_args))
+    engine = AsyncLLM(lambda: EngineCore(engine_args), config.limits_from_args(args))
     try:
         core = await engine.loaded()
-        engine.tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, core.model_dir)
+        engine.set_tokenizer(await asyncio.to_thread(Tokenizer.from_pretrained, core.model_dir))
     except BaseException:
         engine.shutdown(timeout=0)
         await server.stop(0)
         raise
     servicer.engine = engine
     await server.set_serving(True)
-    print(f"llmmesh engine listening on {server.address}", flush=True)
+    server.watch(engine.died)  # health turns NOT_SERVING if the engine thread dies
     try:
-        await wait_for_termination(server, args.shutdown_timeout)
+        await server.serve_until_stopped()
     finally:
-        servicer.engine.shutdown()
-
-
-def run(args: argparse.Namespace) -> None:
-    asyncio.run(serve(args))
-
-
-def add_subcommands(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "engine", help="serve an EngineCore over gRPC (llmmesh.v1.Engine and vllm.grpc.engine.VllmEngine)"
-    )
-    env = os.environ.get
-    parser.add_argument("--host", default=env("LLMMESH_HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(env("LLMMESH_PORT", "50051")), help="0: any free port")
-    parser.add_argument(
-        "--shutdown-timeout", type=float, default=float(env("LLMMESH_SHUTDOWN_TIMEOUT", "30")),
-        help="seconds in-flight requests get to finish after SIGTERM",
-    )
-    EngineArgs.add_cli_args(parser)
-    parser.set_defaults(func=run)
+        engine.shutdown()

@@ -1,202 +1,40 @@
-"""The public API, llmmesh.v1.Gateway: validate, tokenize, send to an engine, detokenize, stream text back.
+"""The public API, llmmesh.v1.Gateway: check, tokenize, send to an engine, detokenize, stream text back.
 
-One request's path: check access and admission, validate the sampling parameters and the model name,
-tokenize (the Tokenizer service), pick the engine with the fewest in-flight requests, open its Generate
-stream, and pass every step's token ids through the shared Detokenizer stream, which returns text deltas
-and stop-string hits. A client that goes away, a passed deadline or a stop-string hit that ends the last
-unfinished completion cancels the engine call, which aborts the engine request and frees its blocks; a
-stop-string hit in one of n > 1 completions while others go on aborts just its engine request (Abort).
+One request's path: check access and admission, check the request against the configured limits,
+tokenize (the Tokenizer service), open a Generate stream on the least-loaded healthy engine, and pass its
+steps to the shared Detokenizer stream without waiting for the answers (a reader task per request); the
+answers come back in order and are merged with the tokens into the client's chunks, one per engine step.
+The request's state (its n completions, stop strings, timings) is the engine library's RequestState, the
+same lifecycle the offline LLM and the engine service use. A client that goes away, a passed deadline or
+a stop-string hit that ends the last unfinished completion cancels the engine call, which aborts the engine
+request and frees its blocks; a stop-string hit in one of n > 1 completions aborts just its engine request.
 """
 
-import argparse
 import asyncio
+import collections
 import hmac
 import logging
-import os
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.output_processor import child_request_id
-from llmmesh.v1 import (
-    common_pb2,
-    detokenizer_pb2,
-    detokenizer_pb2_grpc,
-    engine_pb2,
-    engine_pb2_grpc,
-    gateway_pb2,
-    gateway_pb2_grpc,
-    tokenizer_pb2,
-    tokenizer_pb2_grpc,
-)
+from engine.limits import RequestLimits
+from engine.output_processor import RequestOutputKind, RequestState
+from engine.text.detokenizer import MAX_PROMPT_CONTEXT
+from llmmesh.v1 import common_pb2, detokenizer_pb2, engine_pb2, gateway_pb2, gateway_pb2_grpc, tokenizer_pb2
+from services import config
 from services.convert import sampling_params_from_proto
-from services.grpc_server import CHANNEL_OPTIONS, Server
+from services.dependencies import UNARY_TIMEOUT, Dependencies
+from services.errors import RequestError, dependency_error, invalid, unavailable
+from services.server import Server
+from services.text_model import check_messages
 
 logger = logging.getLogger("llmmesh.gateway")
 
-SERVICE_NAME = "llmmesh.v1.Gateway"
-DEFAULT_MODEL = "smollm2-135m-instruct"
-# gRPC's reconnect backoff grows to two minutes; a dependency restarted at the same address must be found
-# again within a second or so.
-DEPENDENCY_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-]
-UNARY_TIMEOUT = 10.0  # s for a unary call to a dependency: a stuck one must not hang a request
-DETOKENIZE_TIMEOUT = 10.0  # s to wait for the detokenizer's answer to one step
-HEALTH_INTERVAL = 0.5  # s between dependency health checks
-HEALTH_TIMEOUT = 1.0
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-# Codes a dependency may answer that are about the request, not the dependency: passed on as they are.
-REQUEST_CODES = (
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.INTERNAL,  # the engine failed this request (its step raised)
-)
-
-
-class RequestError(Exception):
-    """Ends a request with this gRPC status."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def dependency_error(name: str, address: str, err: grpc.aio.AioRpcError) -> RequestError:
-    if err.code() in REQUEST_CODES:
-        return RequestError(err.code(), err.details() or f"{name}: {err.code().name}")
-    return RequestError(grpc.StatusCode.UNAVAILABLE, f"the {name} at {address} is unavailable: {err.details()}")
-
-
-def invalid(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
-# ---- the detokenizer link ------------------------------------------------------------------------
-
-
-class DetokenizerStream:
-    """One bidirectional stream to the Detokenizer, shared by the requests that started on it.
-
-    Items queued in the same event-loop turn leave as one DetokenizeBatch, so concurrent requests'
-    steps travel together. The detokenizer answers every item with one result, in order, so a
-    request waits for as many results as it sent items. When the stream breaks (the detokenizer went away), every
-    request on it fails with UNAVAILABLE; the gateway opens a new stream for the next requests.
-    """
-
-    def __init__(self, stub: detokenizer_pb2_grpc.DetokenizerStub, address: str):
-        self.address = address
-        self.error: RequestError | None = None
-        self.outbox: list[detokenizer_pb2.DetokenizeItem] = []
-        self.has_items = asyncio.Event()
-        self.results: dict[str, asyncio.Queue] = {}
-        self.call = stub.Detokenize(self._batches())
-        self.reader = asyncio.get_running_loop().create_task(self._read())
-
-    async def _batches(self):
-        while True:
-            await self.has_items.wait()
-            self.has_items.clear()
-            items, self.outbox = self.outbox, []
-            yield detokenizer_pb2.DetokenizeBatch(items=items)
-
-    async def _read(self) -> None:
-        reason = "the stream ended"
-        try:
-            async for batch in self.call:
-                for result in batch.results:
-                    queue = self.results.get(result.request_id)
-                    if queue is not None:
-                        queue.put_nowait(result)
-        except grpc.aio.AioRpcError as e:
-            reason = f"{e.code().name}: {e.details()}"
-        except asyncio.CancelledError:
-            reason = "the stream was cancelled"
-        self.error = RequestError(grpc.StatusCode.UNAVAILABLE, f"the detokenizer at {self.address} is unavailable: {reason}")
-        for queue in self.results.values():  # wake every waiting request: its state is gone with the stream
-            queue.put_nowait(self.error)
-
-    def _send(self, items: list[detokenizer_pb2.DetokenizeItem]) -> None:
-        self.outbox.extend(items)
-        self.has_items.set()
-
-    async def step(self, request_id: str, items: list[detokenizer_pb2.DetokenizeItem]) -> detokenizer_pb2.DetokenizeResult:
-        """Send items for one request (ending in a step) and return the step's result.
-
-        The detokenizer answers every item (start and close too) with one result, in order."""
-        if self.error is not None:
-            raise self.error
-        queue = self.results.setdefault(request_id, asyncio.Queue())
-        self._send(items)
-        for _ in items:
-            try:
-                result = await asyncio.wait_for(queue.get(), DETOKENIZE_TIMEOUT)
-            except TimeoutError:
-                raise RequestError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"the detokenizer at {self.address} did not answer within {DETOKENIZE_TIMEOUT:.0f} s",
-                ) from None
-            if isinstance(result, RequestError):
-                raise result
-            if result.error:  # the detokenizer refused an item: a request it cannot decode
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"detokenizer: {result.error}")
-        return result
-
-    def close(self, request_id: str, forget_remote: bool) -> None:
-        """Stop tracking a request; forget_remote: also tell the detokenizer to drop its state."""
-        if self.results.pop(request_id, None) is not None and forget_remote and self.error is None:
-            self._send([detokenizer_pb2.DetokenizeItem(request_id=request_id, close=True)])
-
-    def cancel(self) -> None:
-        self.call.cancel()
-
-
-# ---- one request ---------------------------------------------------------------------------------
-
-
-@dataclass
-class ChoiceState:
-    """One of the n completions: what came so far and how it ended."""
-
-    index: int
-    detok_id: str
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[common_pb2.PositionLogprobs] = field(default_factory=list)
-    cumulative_logprob: float | None = None
-    started: bool = False  # the detokenizer knows it
-    finish_reason: str = ""
-    stop_token_id: int | None = None
-    stop_str: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return bool(self.finish_reason)
-
-    def to_proto(self, with_output: bool) -> gateway_pb2.Choice:
-        choice = gateway_pb2.Choice(index=self.index, finish_reason=self.finish_reason)
-        if with_output:
-            choice.text = "".join(self.text)
-            choice.token_ids.extend(self.token_ids)
-            choice.logprobs.extend(self.logprobs)
-        if self.stop_str is not None:
-            choice.stop_str = self.stop_str
-        elif self.stop_token_id is not None:
-            choice.stop_token_id = self.stop_token_id
-        if self.cumulative_logprob is not None:
-            choice.cumulative_logprob = self.cumulative_logprob
-        return choice
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+DETOKENIZE_TIMEOUT = 10.0  # s to wait for the detokenizer's answer to a step already sent
+_ENGINE_DONE = object()  # queued by the engine reader after the engine's last message
 
 
 def fill_decoded_tokens(positions, texts) -> None:
@@ -207,97 +45,33 @@ def fill_decoded_tokens(positions, texts) -> None:
             entry.decoded_token = next(texts, "")
 
 
-# ---- the service -------------------------------------------------------------------------------
-
-
 class Gateway(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, model: str, engines: list[str], tokenizer: str, detokenizer: str,
-                 max_waiting_requests: int = 1024, api_key: str | None = None):
-        if not engines:
-            raise ValueError("engine: give at least one engine address (--engine HOST:PORT).")
-        self.model = model
-        self.max_waiting_requests = max_waiting_requests
+    def __init__(self, deps: Dependencies, served_model_name: str, limits: RequestLimits,
+                 max_requests_in_flight: int = 1024, api_key: str | None = None,
+                 trust_request_chat_template: bool = False):
+        self.deps = deps
+        self.model = served_model_name
+        self.limits = limits
+        self.max_requests_in_flight = max_requests_in_flight
         self.api_key = api_key or None
-        self.channels = {
-            address: grpc.aio.insecure_channel(address, options=DEPENDENCY_CHANNEL_OPTIONS)
-            for address in dict.fromkeys([*engines, tokenizer, detokenizer])
-        }
-        self.engines = {address: engine_pb2_grpc.EngineStub(self.channels[address]) for address in dict.fromkeys(engines)}
-        self.engine_in_flight = dict.fromkeys(self.engines, 0)
-        self.healthy_engines: set[str] = set()
-        self.tokenizer_address, self.detokenizer_address = tokenizer, detokenizer
-        self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self.channels[tokenizer])
-        self.detokenizer_stub = detokenizer_pb2_grpc.DetokenizerStub(self.channels[detokenizer])
-        self.detokenizer: DetokenizerStream | None = None
-        self.max_model_len: int | None = None  # set with vocab_size, from the engines' GetModelInfo
-        self.vocab_size: int | None = None
+        self.trust_request_chat_template = trust_request_chat_template
         self.num_in_flight = 0
         self.draining = False
-        self.ready = asyncio.Event()  # set the first time every dependency answered its health check
 
-    # ---- health ----------------------------------------------------------------------------------
-
-    async def _healthy(self, address: str) -> bool:
-        try:
-            reply = await health_pb2_grpc.HealthStub(self.channels[address]).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT
-            )
-        except grpc.aio.AioRpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-    async def check_dependencies(self) -> bool:
-        engines = list(self.engines)
-        results = await asyncio.gather(*(self._healthy(a) for a in [self.tokenizer_address, self.detokenizer_address, *engines]))
-        self.healthy_engines = {a for a, ok in zip(engines, results[2:]) if ok}
-        if self.healthy_engines and self.max_model_len is None:
-            try:
-                await self._load_model_info()
-            except RequestError:
-                return False
-        return all(results[:2]) and bool(self.healthy_engines)
-
-    async def monitor(self, server: Server) -> None:
-        """Keep the gateway's health in step with its dependencies' (NOT_SERVING until all answer)."""
-        serving = None
-        while not self.draining:
-            ok = await self.check_dependencies()
-            if ok != serving and not self.draining:
-                await server.set_serving(ok)
-                serving = ok
-                logger.info("dependencies %s", "healthy: SERVING" if ok else "not all healthy: NOT_SERVING")
-            if ok:
-                self.ready.set()
-            await asyncio.sleep(HEALTH_INTERVAL)
-
-    async def _load_model_info(self) -> int:
-        """The smallest max_model_len (the prompt limit) and vocab_size across the healthy engines."""
-        infos = []
-        for address in self.healthy_engines or self.engines:
-            engine = self.engines[address]
-            try:
-                infos.append(await engine.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=UNARY_TIMEOUT))
-            except grpc.aio.AioRpcError as e:
-                raise dependency_error("engine", address, e) from None
-        self.vocab_size = min(info.vocab_size for info in infos)
-        self.max_model_len = min(info.max_model_len for info in infos)
-        return self.max_model_len
-
-    async def _get_max_model_len(self) -> int:
-        return self.max_model_len if self.max_model_len is not None else await self._load_model_info()
-
-    # ---- access ----------------------------------------------------------------------------------
+    # ---- access and admission --------------------------------------------------------------------
 
     def _check_access(self, context) -> None:
         if self.api_key is not None:
             metadata = dict(context.invocation_metadata() or ())
             given = metadata.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                raise RequestError(
-                    grpc.StatusCode.UNAUTHENTICATED, "authorization metadata must be 'Bearer <api key>'"
-                )
+                raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "authorization metadata must be 'Bearer <api key>'")
         if self.draining:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down")
+            raise unavailable("the gateway is shutting down")
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.model:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"model {model[:256]!r} is not served here; the served model is {self.model!r}")
 
     async def _unary(self, context, call):
         try:
@@ -320,33 +94,29 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         arrival = time.monotonic()
         try:
             self._check_access(context)
-            if self.num_in_flight >= self.max_waiting_requests:
+            if self.num_in_flight >= self.max_requests_in_flight:
                 raise RequestError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"the gateway has {self.num_in_flight} requests in flight, its limit "
-                    f"(--max-waiting-requests={self.max_waiting_requests}); retry later",
+                    f"(--max-requests-in-flight={self.max_requests_in_flight}); retry later",
                 )
             self.num_in_flight += 1
             try:
-                if request.model and request.model != self.model:
-                    raise invalid(f"model {request.model!r} is not served here; the served model is {self.model!r}")
+                self._check_model(request.model)
+                try:
+                    self.limits.check_id("request_id", request.request_id)
+                    self.limits.check_id("cache_salt", request.cache_salt)
+                except ValueError as e:
+                    raise invalid(str(e)) from None
                 try:
                     params = sampling_params_from_proto(request.sampling_params)
+                    self.limits.check_params(params)
                 except ValueError as e:
                     raise invalid(f"sampling_params: {e}") from None
                 prompt_ids = await tokenize()
-                max_model_len = await self._get_max_model_len()
-                if params.truncate_prompt_tokens is not None:
-                    keep = max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-                    prompt_ids = prompt_ids[-keep:]
                 if not prompt_ids:
                     raise invalid("prompt is empty: it must hold at least one token")
-                if len(prompt_ids) >= max_model_len:
-                    raise invalid(
-                        f"prompt is {len(prompt_ids)} tokens long; the model takes at most {max_model_len - 1} "
-                        f"(max_model_len={max_model_len}, and one token must be generated)"
-                    )
-                async for response in self._generate(request, context, params.n, prompt_ids, arrival):
+                async for response in self._generate(request, context, params, prompt_ids, arrival):
                     yield response
             finally:
                 self.num_in_flight -= 1
@@ -356,69 +126,60 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     async def _tokenize_prompt(self, request) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "token_ids":
-            ids = list(request.token_ids.ids)
-            await self._get_max_model_len()  # and vocab_size
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
+            ids = request.token_ids.ids
+            info = await self.deps.get_model_info()
+            if len(ids) >= info.max_model_len:
                 raise invalid(
-                    f"token_ids: token id {bad[0]} is out of vocabulary; token ids must be in [0, {self.vocab_size})"
+                    f"token_ids: the prompt is {len(ids)} tokens long; the model takes at most {info.max_model_len - 1}"
                 )
-            return ids
+            bad = [t for t in ids if not 0 <= t < info.vocab_size]
+            if bad:
+                raise invalid(f"token_ids: token id {bad[0]} is out of vocabulary; token ids must be in [0, {info.vocab_size})")
+            return list(ids)
         if not request.text:
             raise invalid("prompt is empty: set prompt text or token_ids")
-        return await self._tokenize(tokenizer_pb2.TokenizeRequest(text=request.text))
+        try:
+            self.limits.check_chars("text", request.text, "max_prompt_chars")
+        except ValueError as e:
+            raise invalid(str(e)) from None
+        return list((await self.deps.tokenize(tokenizer_pb2.TokenizeRequest(text=request.text))).token_ids)
 
     async def _tokenize_chat(self, request) -> list[int]:
-        if not request.messages:
-            raise invalid("messages is empty: a chat needs at least one message")
-        for i, message in enumerate(request.messages):
-            if message.role not in CHAT_ROLES:
-                raise invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}")
+        try:
+            check_messages(request.messages, self.limits)
+        except ValueError as e:
+            raise invalid(str(e)) from None
+        if request.chat_template and not self.trust_request_chat_template:
+            raise invalid(
+                "chat_template: a request may not bring its own chat template here (start the gateway and the "
+                "tokenizer with --trust-request-chat-template to allow it); leave it empty for the model's own"
+            )
         chat = tokenizer_pb2.ChatInput(messages=request.messages, chat_template=request.chat_template)
         if request.HasField("add_generation_prompt"):
             chat.add_generation_prompt = request.add_generation_prompt
-        return await self._tokenize(tokenizer_pb2.TokenizeRequest(chat=chat))
+        return list((await self.deps.tokenize(tokenizer_pb2.TokenizeRequest(chat=chat))).token_ids)
 
-    async def _tokenize(self, tokenize_request) -> list[int]:
-        try:
-            reply = await self.tokenizer.Tokenize(tokenize_request, timeout=UNARY_TIMEOUT)
-        except grpc.aio.AioRpcError as e:
-            raise dependency_error("tokenizer", self.tokenizer_address, e) from None
-        return list(reply.token_ids)
-
-    def _detokenizer_stream(self) -> DetokenizerStream:
-        if self.detokenizer is None or self.detokenizer.error is not None:
-            self.detokenizer = DetokenizerStream(self.detokenizer_stub, self.detokenizer_address)
-        return self.detokenizer
-
-    def _pick_engine(self) -> str:
-        candidates = self.healthy_engines or self.engines
-        return min(candidates, key=lambda address: self.engine_in_flight[address])
-
-    async def _generate(self, request, context, n: int, prompt_ids: list[int], arrival: float):
+    async def _generate(self, request, context, params, prompt_ids: list[int], arrival: float):
         request_id = request.request_id or uuid.uuid4().hex
         # Unique at the engine even when clients reuse ids.
         engine_request_id = f"{request_id}-{uuid.uuid4().hex[:8]}" if request.request_id else request_id
+        state = RequestState(engine_request_id, None, prompt_ids, params, arrival, RequestOutputKind.DELTA)
         sp = request.sampling_params
         engine_params = common_pb2.SamplingParams()
         engine_params.CopyFrom(sp)
         del engine_params.stop[:]  # stop strings are the detokenizer's job
-        choices = [ChoiceState(i, f"{engine_request_id}/{i}") for i in range(n)]
-        if sp.HasField("logprobs"):
-            for c in choices:
-                c.cumulative_logprob = 0.0
+        # The detokenizer reads only the prompt's tail (truncate_prompt_tokens keeps the tail too).
         start = detokenizer_pb2.DetokenizeStart(
-            prompt_token_ids=prompt_ids, stop=sp.stop, include_stop_str_in_output=sp.include_stop_str_in_output,
-            min_tokens=sp.min_tokens,
+            prompt_token_ids=prompt_ids[-MAX_PROMPT_CONTEXT:], stop=sp.stop,
+            include_stop_str_in_output=sp.include_stop_str_in_output, min_tokens=sp.min_tokens,
         )
         for name in ("skip_special_tokens", "spaces_between_special_tokens"):
             if sp.HasField(name):
                 setattr(start, name, getattr(sp, name))
 
-        address = self._pick_engine()
-        self.engine_in_flight[address] += 1
-        engine = self.engines[address]
-        call = engine.Generate(
+        address = self.deps.pick_engine()
+        self.deps.engine_in_flight[address] += 1
+        call = self.deps.engines[address].Generate(
             engine_pb2.EngineGenerateRequest(
                 request_id=engine_request_id, prompt_token_ids=prompt_ids, sampling_params=engine_params,
                 priority=request.priority, cache_salt=request.cache_salt,
@@ -426,183 +187,239 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             timeout=context.time_remaining(),  # the client's deadline ends the engine request too
         )
         context.add_done_callback(lambda _: call.cancel())  # even if this generator is never resumed
-        detokenizer = self._detokenizer_stream()
+        detok_ids = [f"{engine_request_id}/{c.index}" for c in state.completions]
+        # Per choice, what was sent to the detokenizer and awaits its answer: (delta, prompt logprobs) per step.
+        pending = {detok_id: collections.deque() for detok_id in detok_ids}
+        results: asyncio.Queue = asyncio.Queue()
+        detokenizer = self.deps.detokenizer_stream()
+        detokenizer.open(detok_ids, results)
+        engine_info = {"usage": None, "queue_time": None}
+        reader = asyncio.create_task(
+            self._read_engine(call, address, state, detok_ids, start, pending, results, detokenizer, engine_info)
+        )
         prompt_logprobs: list[common_pb2.PositionLogprobs] = []
-        cached_tokens, queue_time, first_token_time = 0, None, None
         try:
-            try:
-                async for out in call:
-                    choice = choices[out.index]
-                    if choice.finished:
-                        continue  # a stop string ended it; the engine abort is on its way
-                    ids = list(out.token_ids)
-                    if ids and first_token_time is None:
-                        first_token_time = time.monotonic()
-                    positions = [*out.logprobs, *out.prompt_logprobs]
-                    items = []
-                    if not choice.started:
-                        items.append(detokenizer_pb2.DetokenizeItem(request_id=choice.detok_id, start=start))
-                        choice.started = True
-                    items.append(detokenizer_pb2.DetokenizeItem(request_id=choice.detok_id, step=detokenizer_pb2.DetokenizeStep(
-                        token_ids=ids,
-                        finished=bool(out.finish_reason),
-                        stop_terminated=out.finish_reason == "stop",  # the engine stops on tokens only
-                        text_of_token_ids=[e.token_id for p in positions for e in p.entries],
-                    )))
-                    result = await detokenizer.step(choice.detok_id, items)
-                    fill_decoded_tokens(positions, result.token_texts)
-
-                    choice.text.append(result.text)
-                    choice.token_ids.extend(ids)
-                    choice.logprobs.extend(out.logprobs)
-                    if choice.cumulative_logprob is not None:
-                        choice.cumulative_logprob += sum(p.entries[0].logprob for p in out.logprobs if p.entries)
-                    prompt_logprobs.extend(out.prompt_logprobs)
-                    if out.HasField("usage"):
-                        cached_tokens = max(cached_tokens, out.usage.cached_tokens)
-                    if out.HasField("timings") and queue_time is None:
-                        queue_time = out.timings.queue_time
-                    if result.stop_str:
-                        choice.finish_reason, choice.stop_str = "stop", result.stop_str
-                        detokenizer.close(choice.detok_id, forget_remote=True)
-                        if n > 1 and not out.finish_reason and not all(c.finished for c in choices):
-                            # End this completion's engine request alone (its blocks are free next step);
-                            # the others go on. Its outputs until then are skipped above.
-                            await self._abort_engine_request(address, child_request_id(choice.index, engine_request_id))
-                    elif out.finish_reason:
-                        choice.finish_reason = out.finish_reason
-                        if out.WhichOneof("stop_reason") == "stop_token_id":
-                            choice.stop_token_id = out.stop_token_id
-                        detokenizer.close(choice.detok_id, forget_remote=False)
-                    if request.stream and (ids or result.text):
-                        delta = gateway_pb2.ChoiceDelta(index=choice.index, text=result.text, token_ids=ids, logprobs=out.logprobs)
-                        yield gateway_pb2.GenerateResponse(request_id=request_id, chunk=gateway_pb2.Chunk(choices=[delta]))
-                    if all(c.finished for c in choices):
-                        break
-            except grpc.aio.AioRpcError as e:
-                raise dependency_error("engine", address, e) from None
-            for c in choices:
-                c.finish_reason = c.finish_reason or "abort"  # the engine stream ended without finishing it
-            now = time.monotonic()
-            complete = gateway_pb2.Complete(
-                choices=[c.to_proto(with_output=not request.stream) for c in choices],
-                usage=common_pb2.Usage(
-                    prompt_tokens=len(prompt_ids),
-                    completion_tokens=sum(len(c.token_ids) for c in choices),
-                    cached_tokens=cached_tokens,
-                ),
-                # Time to first token and end to end as the client sees them from the gateway; time in the
-                # engine's queue as the engine measured it (sent with the first tokens).
-                timings=common_pb2.Timings(
-                    queue_time=queue_time or 0.0,
-                    time_to_first_token=(first_token_time or now) - arrival,
-                    e2e_latency=now - arrival,
-                ),
-                prompt_logprobs=prompt_logprobs,
+            engine_done = False
+            while not state.finished and not (engine_done and not any(pending.values())):
+                # The engine may take its time; the detokenizer, once it has something to answer, may not.
+                timeout = DETOKENIZE_TIMEOUT if any(pending.values()) else None
+                try:
+                    item = await asyncio.wait_for(results.get(), timeout)
+                except TimeoutError:
+                    raise unavailable(f"the detokenizer at {detokenizer.address} did not answer within {DETOKENIZE_TIMEOUT:.0f} s") from None
+                batch = [item]
+                while not results.empty():
+                    batch.append(results.get_nowait())
+                deltas = []
+                for item in batch:
+                    if item is _ENGINE_DONE:
+                        engine_done = True
+                        continue
+                    if isinstance(item, RequestError):
+                        raise item
+                    delta = self._apply(item, state, pending, detokenizer, address, prompt_logprobs)
+                    if delta is not None:
+                        deltas.append(delta)
+                if request.stream and deltas:
+                    yield gateway_pb2.GenerateResponse(request_id=request_id, chunk=gateway_pb2.Chunk(choices=deltas))
+            for c in state.completions:
+                if not c.finished:  # the engine stream ended without finishing it
+                    state.finish(c, "abort")
+            yield gateway_pb2.GenerateResponse(
+                request_id=request_id,
+                complete=self._complete(state, request.stream, engine_info, prompt_logprobs, len(prompt_ids)),
             )
-            yield gateway_pb2.GenerateResponse(request_id=request_id, complete=complete)
         finally:
             # Finished, failed, cancelled by the client or past its deadline: end the engine request now.
             call.cancel()
-            self.engine_in_flight[address] -= 1
-            for c in choices:
-                detokenizer.close(c.detok_id, forget_remote=c.started and not c.finished)
+            reader.cancel()
+            self.deps.engine_in_flight[address] -= 1
+            for c, detok_id in zip(state.completions, detok_ids):
+                detokenizer.close(detok_id, forget_remote=not c.finished)
 
-    async def _abort_engine_request(self, address: str, engine_request_id: str) -> None:
-        request = engine_pb2.AbortRequest(request_ids=[engine_request_id])
+    async def _read_engine(self, call, address, state, detok_ids, start, pending, results, detokenizer, engine_info):
+        """Pass every engine step to the detokenizer at once (one item per choice that moved), not waiting
+        for its answers; then queue _ENGINE_DONE (or the engine's error)."""
+        started = [False] * len(detok_ids)
         try:
-            await self.engines[address].Abort(request, timeout=UNARY_TIMEOUT)
-        except grpc.aio.AioRpcError as e:  # not the request's failure: it still ends when the engine call does
-            logger.warning("could not abort %s at the engine %s: %s", engine_request_id, address, e.details())
+            async for msg in call:
+                items = []
+                prompt_positions = list(msg.prompt_logprobs)
+                for d in msg.outputs:
+                    if not 0 <= d.index < len(detok_ids):
+                        raise unavailable(f"the engine at {address} sent completion index {d.index} of {len(detok_ids)}")
+                    detok_id = detok_ids[d.index]
+                    if state.completions[d.index].finished:
+                        continue  # a stop string ended it; the engine abort is on its way
+                    if not started[d.index]:
+                        items.append(detokenizer_pb2.DetokenizeItem(request_id=detok_id, start=start))
+                        pending[detok_id].append(None)
+                        started[d.index] = True
+                    positions = [*d.logprobs, *prompt_positions]
+                    items.append(detokenizer_pb2.DetokenizeItem(request_id=detok_id, step=detokenizer_pb2.DetokenizeStep(
+                        token_ids=d.token_ids,
+                        finished=bool(d.finish_reason),
+                        stop_terminated=d.finish_reason == "stop" and d.WhichOneof("stop_reason") != "stop_str",
+                        text_of_token_ids=[e.token_id for p in positions for e in p.entries],
+                    )))
+                    pending[detok_id].append((d, prompt_positions))
+                    prompt_positions = []  # their texts ride on the first step of the message
+                if msg.HasField("usage"):
+                    engine_info["usage"] = msg.usage
+                if msg.HasField("timings") and engine_info["queue_time"] is None:
+                    engine_info["queue_time"] = msg.timings.queue_time
+                detokenizer.send(items)
+            results.put_nowait(_ENGINE_DONE)
+        except grpc.aio.AioRpcError as e:
+            results.put_nowait(dependency_error("engine", address, e))
+        except RequestError as e:
+            results.put_nowait(e)
+
+    def _apply(self, result, state: RequestState, pending, detokenizer, address, prompt_logprobs):
+        """One detokenizer answer, matched with the engine step it answers; the choice's delta for the client."""
+        queue = pending.get(result.request_id)
+        if not queue:
+            return None  # a choice already closed (its stop string), or an answer to nothing sent
+        sent = queue.popleft()
+        if result.error:  # the detokenizer refused an item: a request it cannot decode
+            raise invalid(f"detokenizer: {result.error}")
+        if sent is None:
+            return None  # the answer to a start
+        d, prompt_positions = sent
+        index = d.index
+        c = state.completions[index]
+        if c.finished:
+            return None
+        fill_decoded_tokens([*d.logprobs, *prompt_positions], result.token_texts)
+        prompt_logprobs.extend(prompt_positions)
+        sampled = sum(p.entries[0].logprob for p in d.logprobs if p.entries)
+        state.add_tokens(c, list(d.token_ids), list(d.logprobs), sampled)
+        c.text += result.text
+        if result.stop_str:
+            abort = state.stop_at_string(c, result.stop_str, engine_finished=bool(d.finish_reason))
+            detokenizer.close(result.request_id, forget_remote=True)
+            pending.pop(result.request_id, None)
+            if abort is not None and not state.finished:
+                # End this completion's engine request alone (its blocks are free next step); the others go on.
+                asyncio.get_running_loop().create_task(self.deps.abort(address, abort))
+        elif d.finish_reason:
+            stop_token = d.stop_token_id if d.WhichOneof("stop_reason") == "stop_token_id" else None
+            state.finish(c, d.finish_reason, stop_token if stop_token is not None else (d.stop_str or None))
+        if not d.token_ids and not result.text:
+            return None
+        return gateway_pb2.ChoiceDelta(index=index, text=result.text, token_ids=d.token_ids, logprobs=d.logprobs)
+
+    def _complete(self, state: RequestState, stream: bool, engine_info, prompt_logprobs, num_prompt_ids) -> gateway_pb2.Complete:
+        choices = []
+        for c in state.completions:
+            choice = gateway_pb2.Choice(index=c.index, finish_reason=c.finish_reason)
+            if not stream:
+                choice.text = c.text
+                choice.token_ids.extend(c.token_ids)
+                choice.logprobs.extend(c.logprobs or ())
+            if isinstance(c.stop_reason, str):
+                choice.stop_str = c.stop_reason
+            elif c.stop_reason is not None:
+                choice.stop_token_id = c.stop_reason
+            if c.cumulative_logprob is not None:
+                choice.cumulative_logprob = c.cumulative_logprob
+            choices.append(choice)
+        usage = engine_info["usage"]
+        m = state.metrics
+        now = time.monotonic()
+        return gateway_pb2.Complete(
+            choices=choices,
+            usage=common_pb2.Usage(
+                prompt_tokens=usage.prompt_tokens if usage is not None else num_prompt_ids,
+                completion_tokens=m.num_generation_tokens,
+                cached_tokens=usage.cached_tokens if usage is not None else 0,
+            ),
+            # Time to first token and end to end as the client sees them from the gateway; time in the
+            # engine's queue as the engine measured it (sent with the first tokens).
+            timings=common_pb2.Timings(
+                queue_time=engine_info["queue_time"] or 0.0,
+                time_to_first_token=(m.first_token_time or now) - m.arrival_time,
+                e2e_latency=now - m.arrival_time,
+            ),
+            prompt_logprobs=prompt_logprobs,
+        )
 
     # ---- the rest of the API ---------------------------------------------------------------------
 
     async def ListModels(self, request, context):
         async def list_models():
-            return gateway_pb2.ListModelsResponse(models=[
-                gateway_pb2.ModelCard(id=self.model, max_model_len=await self._get_max_model_len(), owned_by="llmmesh")
-            ])
+            info = await self.deps.get_model_info()
+            return gateway_pb2.ListModelsResponse(
+                models=[gateway_pb2.ModelCard(id=self.model, max_model_len=info.max_model_len, owned_by="llmmesh")]
+            )
+
         return await self._unary(context, list_models)
 
     async def Tokenize(self, request, context):
-        return await self._unary(context, lambda: self._pass_through(self.tokenizer.Tokenize, request))
+        async def tokenize():
+            if request.HasField("chat") and request.chat.chat_template and not self.trust_request_chat_template:
+                raise invalid("chat.chat_template: a request may not bring its own chat template here")
+            return await self.deps.tokenize(request)
+
+        return await self._unary(context, tokenize)
 
     async def Detokenize(self, request, context):
-        return await self._unary(context, lambda: self._pass_through(self.tokenizer.Detokenize, request))
+        async def detokenize():
+            try:
+                return await self.deps.tokenizer.Detokenize(request, timeout=UNARY_TIMEOUT)
+            except grpc.aio.AioRpcError as e:
+                raise dependency_error("tokenizer", self.deps.tokenizer_address, e) from None
 
-    async def _pass_through(self, method, request):
-        try:
-            return await method(request, timeout=UNARY_TIMEOUT)
-        except grpc.aio.AioRpcError as e:
-            raise dependency_error("tokenizer", self.tokenizer_address, e) from None
-
-    async def close(self) -> None:
-        if self.detokenizer is not None:
-            self.detokenizer.cancel()
-        for channel in self.channels.values():
-            await channel.close()
+        return await self._unary(context, detokenize)
 
 
 # ---- the process ---------------------------------------------------------------------------------
 
 
-async def serve(args: argparse.Namespace) -> None:
-    gateway = Gateway(args.model, args.engine, args.tokenizer, args.detokenizer, args.max_waiting_requests, args.api_key)
-    server = Server([SERVICE_NAME], args.host, args.port)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(gateway, server.server)
+async def serve(args) -> None:
+    limits = config.limits_from_args(args)
+    deps = Dependencies(args.engine, args.tokenizer, args.detokenizer)
+    gateway = Gateway(deps, args.served_model_name, limits, args.max_requests_in_flight, args.api_key,
+                      args.trust_request_chat_template)
+    # The public port takes prompts of up to --max-prompt-chars (4 bytes a character at most) and no more.
+    server = Server("gateway", [SERVICE_NAME], args, max_receive_bytes=4 * limits.max_prompt_chars + 2**20)
+    server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, gateway)
     await server.start()  # from here SIGINT/SIGTERM set server.stop_requested
-    monitor = asyncio.create_task(gateway.monitor(server))
-    ready = asyncio.create_task(gateway.ready.wait())
-    stopping = asyncio.create_task(server.stop_requested.wait())
-    await asyncio.wait([ready, stopping], return_when=asyncio.FIRST_COMPLETED)
-    if ready.done():
-        print(f"llmmesh gateway listening on {server.address}", flush=True)
-    await stopping
+    monitor = asyncio.create_task(deps.monitor(server, server.stop_requested))  # announces once all are healthy
+    await server.stop_requested.wait()
     # Drain: new requests get UNAVAILABLE, in-flight ones have shutdown_timeout seconds to finish.
     logger.info("shutting down (up to %.0f s for %d in-flight requests)", args.shutdown_timeout, gateway.num_in_flight)
     gateway.draining = True
     monitor.cancel()
-    ready.cancel()
     await server.stop(args.shutdown_timeout)
-    await gateway.close()
+    await deps.close()
 
 
-def _env(name: str, default):
-    return os.environ.get("LLMMESH_" + name.upper(), default)
-
-
-def add_gateway_args(parser: argparse.ArgumentParser) -> None:
-    """The gateway's own flags (not the addresses of its dependencies), each with an LLMMESH_ variable."""
-    parser.add_argument("--max-waiting-requests", type=int, default=int(_env("max_waiting_requests", 1024)),
+def add_gateway_args(parser) -> None:
+    """The gateway's own flags (not the addresses of its dependencies)."""
+    parser.add_argument("--served-model-name", default=config.DEFAULT_MODEL, help="the model name clients may ask for")
+    parser.add_argument("--max-requests-in-flight", type=int, default=1024,
                         help="requests in flight past which new ones get RESOURCE_EXHAUSTED")
-    parser.add_argument("--api-key", default=_env("api_key", None),
-                        help="require metadata 'authorization: Bearer KEY'")
-    parser.add_argument("--shutdown-timeout", type=float, default=float(_env("shutdown_timeout", 30.0)),
-                        help="seconds in-flight requests get to finish on SIGTERM")
-
-
-def _addresses(value: str | None) -> list[str]:
-    return [a for a in (value or "").split(",") if a]
+    parser.add_argument("--api-key", default=None, help="require metadata 'authorization: Bearer KEY'")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="pass a request's own chat template on to the tokenizer (which must trust it too)")
+    config.add_limit_args(parser)
 
 
 def add_subcommands(subparsers) -> None:
-    p = subparsers.add_parser("gateway", help="run the public llmmesh.v1.Gateway service")
-    p.add_argument("--host", default=_env("host", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(_env("port", 8000)))
+    p = config.service_parser(subparsers, "gateway", "run the public llmmesh.v1.Gateway service")
     p.add_argument("--engine", action="append", default=None,
-                   help="an engine address HOST:PORT (repeatable; LLMMESH_ENGINE takes a comma-separated list)")
-    p.add_argument("--tokenizer", default=_env("tokenizer", None), help="the tokenizer service's HOST:PORT")
-    p.add_argument("--detokenizer", default=_env("detokenizer", None), help="the detokenizer service's HOST:PORT")
-    p.add_argument("--model", default=_env("model", DEFAULT_MODEL), help="the model name clients may ask for")
+                   help="an engine address HOST:PORT (repeatable; in the environment, a comma-separated list)")
+    p.add_argument("--tokenizer", default=None, help="the tokenizer service's HOST:PORT")
+    p.add_argument("--detokenizer", default=None, help="the detokenizer service's HOST:PORT")
     add_gateway_args(p)
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> None:
-    args.engine = args.engine or _addresses(_env("engine", None))
+def run(args) -> None:
     for name in ("engine", "tokenizer", "detokenizer"):
         if not getattr(args, name):
             raise ValueError(f"--{name} is required (the {name} service's HOST:PORT, or LLMMESH_{name.upper()}).")
-    if args.max_waiting_requests < 1:
-        raise ValueError(f"max_waiting_requests must be at least 1, got {args.max_waiting_requests}.")
-    asyncio.run(serve(args))
+    if args.max_requests_in_flight < 1:
+        raise ValueError(f"max_requests_in_flight must be at least 1, got {args.max_requests_in_flight}.")
+    config.run(serve(args), args)

@@ -1,61 +1,27 @@
-"""llmmesh.v1.Tokenizer: text and chat messages -> token ids and back, over engine.text.Tokenizer.
+"""llmmesh.v1.Tokenizer: text and chat messages -> token ids and back, over engine.text.Tokenizer."""
 
-Also holds what both text services share: their command-line flags and their serve loop.
-"""
-
-import argparse
 import asyncio
 import logging
-import os
 import time
 
 import grpc
 
-from engine.models.loader import load_config, prepare_model_dir
-from engine.text import Tokenizer
+from engine.limits import RequestLimits
 from llmmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.grpc_server import Server, wait_for_termination
+from services import config
+from services.server import Server
+from services.text_model import TextModel, check_messages, check_token_ids
 
 logger = logging.getLogger("llmmesh.tokenizer")
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-
-
-class TextModel:
-    """The model's tokenizer plus the few config facts the text services report."""
-
-    def __init__(self, model: str):
-        model_dir = prepare_model_dir(model)
-        config = load_config(model_dir)
-        self.tokenizer = Tokenizer.from_pretrained(model_dir)
-        self.max_model_len = config.max_position_embeddings
-        hf = self.tokenizer.hf
-        # The engine stops on the config's eos ids; the tokenizer's own eos is added in case it differs.
-        eos = list(config.eos_token_ids) + [hf.eos_token_id]
-        self.eos_token_ids = list(dict.fromkeys(i for i in eos if i is not None))
-        self.bos_token_id = config.bos_token_id if config.bos_token_id is not None else hf.bos_token_id
-
-
-def check_messages(messages, field: str = "messages") -> list[dict]:
-    """Chat messages as dicts for the template; ValueError naming the bad field."""
-    if not messages:
-        raise ValueError(f"{field} must hold at least one message")
-    for i, m in enumerate(messages):
-        if m.role not in CHAT_ROLES:
-            got = f"got {m.role!r}" if m.role else "it is empty"
-            raise ValueError(f"{field}[{i}].role must be one of {', '.join(CHAT_ROLES)}; {got}")
-    return [{"role": m.role, "content": m.content} for m in messages]
-
-
-def check_token_ids(token_ids, vocab_size: int, field: str = "token_ids") -> None:
-    for i, t in enumerate(token_ids):
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"{field}[{i}] = {t} is not a token id: the vocabulary is [0, {vocab_size})")
+SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
 
 class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
-    def __init__(self):
+    def __init__(self, limits: RequestLimits, trust_request_chat_template: bool = False):
         self.model: TextModel | None = None  # set once loaded; until then every call answers UNAVAILABLE
+        self.limits = limits
+        self.trust_request_chat_template = trust_request_chat_template
 
     def tokenize(self, request: tokenizer_pb2.TokenizeRequest, field: str = "") -> tokenizer_pb2.TokenizeResponse:
         """One request; ValueError naming the field (prefixed with `field`, e.g. requests[2].) on bad input."""
@@ -63,10 +29,16 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         kind = request.WhichOneof("input")
         if kind == "text":
             prompt = request.text
+            self.limits.check_chars(f"{field}text", prompt, "max_prompt_chars")
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         elif kind == "chat":
             chat = request.chat
-            messages = check_messages(chat.messages, f"{field}chat.messages")
+            messages = check_messages(chat.messages, self.limits, f"{field}chat.messages")
+            if chat.chat_template and not self.trust_request_chat_template:
+                raise ValueError(
+                    f"{field}chat.chat_template: a request may not bring its own chat template here "
+                    "(the service runs with --no-trust-request-chat-template); leave it empty for the model's own"
+                )
             add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
             try:
                 prompt = tok.apply_chat_template(messages, chat.chat_template or None, add_generation_prompt)
@@ -103,6 +75,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     async def TokenizeBatch(self, request, context):
         await self._ready(context)
         try:
+            self.limits.check_count("requests", len(request.requests), "max_batch")
             responses = [self.tokenize(r, f"requests[{i}].") for i, r in enumerate(request.requests)]
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -112,7 +85,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         await self._ready(context)
         tok = self.model.tokenizer
         try:
-            check_token_ids(request.token_ids, tok.vocab_size)
+            check_token_ids(request.token_ids, tok.vocab_size, max_len=self.model.max_model_len)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
@@ -133,53 +106,39 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         )
 
 
-# ---------------------------------------------------------------------------------------------- running
+# ---- the process -------------------------------------------------------------------------------
 
 
-def _env(name: str, default, type_=str):
-    value = os.environ.get("LLMMESH_" + name.upper())
-    return default if value is None else type_(value)
-
-
-def add_text_service_args(parser: argparse.ArgumentParser, default_port: int) -> None:
-    """The flags of both text services; each reads its default from LLMMESH_<FLAG_NAME>."""
-    parser.add_argument("--host", default=_env("host", "127.0.0.1"), help="address to bind (0.0.0.0: all)")
-    parser.add_argument("--port", type=int, default=_env("port", default_port, int), help="0: any free port")
-    parser.add_argument("--model", default=_env("model", "smollm2-135m-instruct"),
-                        help="HF model directory, .gguf file, or smollm2-135m-instruct")
-    parser.add_argument("--shutdown-timeout", type=float, default=_env("shutdown_timeout", 10.0, float),
-                        help="seconds in-flight calls get after SIGTERM")
-
-
-async def serve_text_service(name: str, full_service_name: str, add_servicer, on_loaded, args) -> None:
-    """Start the server (NOT_SERVING), load the model's tokenizer, go SERVING, print the listening line, and
-    serve until SIGINT/SIGTERM. add_servicer(server) registers the servicer; on_loaded(TextModel) arms it."""
-    server = Server([full_service_name], args.host, args.port)
-    add_servicer(server.server)
+async def serve_text_service(name: str, service_name: str, add_servicer_to_server, servicer, args) -> None:
+    """The text services' life: start NOT_SERVING, load the model's tokenizer, arm the servicer (its
+    `model` attribute), go SERVING, and serve until SIGINT/SIGTERM."""
+    server = Server(name, [service_name], args)
+    server.add(add_servicer_to_server, servicer)
     await server.start()
     t0 = time.perf_counter()
-    model = await asyncio.to_thread(TextModel, args.model)
-    logger.info("loaded the tokenizer of %s (%d tokens) in %.1f s", args.model, model.tokenizer.vocab_size,
+    servicer.model = await asyncio.to_thread(TextModel, args.model)
+    logger.info("loaded the tokenizer of %s (%d tokens) in %.1f s", args.model, servicer.model.tokenizer.vocab_size,
                 time.perf_counter() - t0)
-    on_loaded(model)
     await server.set_serving(True)
-    print(f"llmmesh {name} listening on {server.address}", flush=True)
-    await wait_for_termination(server, args.shutdown_timeout)
+    await server.serve_until_stopped()
 
 
-def run_tokenizer(args: argparse.Namespace) -> None:
-    service = TokenizerService()
-
-    def loaded(model: TextModel) -> None:
-        service.model = model
-
-    asyncio.run(serve_text_service(
-        "tokenizer", tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name,
-        lambda s: tokenizer_pb2_grpc.add_TokenizerServicer_to_server(service, s), loaded, args,
-    ))
+def text_service_parser(subparsers, name: str, help: str):
+    parser = config.service_parser(subparsers, name, help)
+    parser.add_argument("--model", default=config.DEFAULT_MODEL,
+                        help=f"HF model directory, .gguf file, or {config.DEFAULT_MODEL}")
+    config.add_limit_args(parser)
+    return parser
 
 
 def add_subcommands(subparsers) -> None:
-    parser = subparsers.add_parser("tokenizer", help="serve llmmesh.v1.Tokenizer (text and chat -> token ids)")
-    add_text_service_args(parser, default_port=50052)
-    parser.set_defaults(func=run_tokenizer)
+    parser = text_service_parser(subparsers, "tokenizer", "serve llmmesh.v1.Tokenizer (text and chat -> token ids)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let requests bring their own chat template (it runs inside this process)")
+
+    def run(args):
+        service = TokenizerService(config.limits_from_args(args), args.trust_request_chat_template)
+        config.run(serve_text_service("tokenizer", SERVICE_NAME, tokenizer_pb2_grpc.add_TokenizerServicer_to_server,
+                                      service, args), args)
+
+    parser.set_defaults(func=run)

@@ -1,4 +1,4 @@
-"""`vllm.grpc.engine.VllmEngine` (from the pinned `smg-grpc-proto` package) over the same AsyncEngine.
+"""`vllm.grpc.engine.VllmEngine` (from the pinned `smg-grpc-proto` package) over the same AsyncLLM.
 
 This is the engine protocol vLLM and the smg router speak, so an existing router can front this engine.
 Its conventions, followed here: in streaming mode each step sends one chunk per completion with the new
@@ -21,11 +21,12 @@ import grpc
 from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from engine.async_llm import AsyncLLM, EngineRequestError
 from engine.kv.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
-from engine.request import FinishReason, SamplingParams
-from engine.sample.sampler import LogprobsTensors
-from engine.text.detokenizer import RequestDetokenizer
-from services.async_engine import AsyncEngine, EngineError, llmmesh_version
+from engine.output_processor import RequestOutputKind
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
+from services.server import llmmesh_version
 
 VLLM_ENGINE_SERVICE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 TOKENIZER_FILES = (
@@ -67,31 +68,38 @@ def sampling_params_from_vllm(msg: vllm_engine_pb2.SamplingParams) -> SamplingPa
     )
 
 
-def output_logprobs(tensors: LogprobsTensors, num_top: int) -> vllm_engine_pb2.OutputLogProbs:
+def _top(entry: dict, num_top: int) -> tuple[list[int], list[float]]:
+    """The top num_top of one position's {token_id: Logprob}, by rank."""
+    top = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None and lp.rank <= num_top)
+    return [t for _, t, _ in top], [v for _, _, v in top]
+
+
+def output_logprobs(positions: list[dict], num_top: int) -> vllm_engine_pb2.OutputLogProbs:
+    """Each position: the sampled token's logprob (its first entry), then (when asked for) the top k."""
     msg = vllm_engine_pb2.OutputLogProbs()
-    append_output_logprobs(msg, tensors, num_top)
+    for entry in positions:
+        token_id, lp = next(iter(entry.items()))
+        msg.token_ids.append(token_id)
+        msg.token_logprobs.append(lp.logprob)
+        if num_top:
+            ids, values = _top(entry, num_top)
+            msg.top_logprobs.add(token_ids=ids, values=values)
     return msg
 
 
-def append_output_logprobs(msg: vllm_engine_pb2.OutputLogProbs, tensors: LogprobsTensors, num_top: int) -> None:
-    """Each row: the sampled token's logprob, then (when asked for) the row's top k."""
-    for ids, lps in zip(tensors.token_ids.tolist(), tensors.logprobs.tolist()):
-        msg.token_ids.append(ids[0])
-        msg.token_logprobs.append(lps[0])
-        if num_top:
-            msg.top_logprobs.add(token_ids=ids[1 : num_top + 1], values=lps[1 : num_top + 1])
-
-
-def input_logprobs(prompt_ids: list[int], tensors: LogprobsTensors, num_top: int) -> vllm_engine_pb2.InputLogProbs:
-    """The first prompt token has no logprob (an empty value); rows cover the rest."""
+def input_logprobs(prompt_ids: list[int], positions: list, num_top: int) -> vllm_engine_pb2.InputLogProbs:
+    """The first prompt token has no logprob (an empty value); positions cover the rest."""
     msg = vllm_engine_pb2.InputLogProbs(token_ids=prompt_ids)
-    msg.token_logprobs.add()
-    if num_top:
-        msg.top_logprobs.add()
-    for ids, lps in zip(tensors.token_ids.tolist(), tensors.logprobs.tolist()):
-        msg.token_logprobs.add(value=lps[0])
+    for entry in positions:
+        if entry is None:
+            msg.token_logprobs.add()
+            if num_top:
+                msg.top_logprobs.add()
+            continue
+        msg.token_logprobs.add(value=next(iter(entry.values())).logprob)
         if num_top:
-            msg.top_logprobs.add(token_ids=ids[1 : num_top + 1], values=lps[1 : num_top + 1])
+            ids, values = _top(entry, num_top)
+            msg.top_logprobs.add(token_ids=ids, values=values)
     return msg
 
 
@@ -120,117 +128,59 @@ def kv_event_batch(seq: int, timestamp: float, events: list, load=None) -> smg_c
     return batch
 
 
-class Completion:
-    """One of the n completions: its tokens so far and, with stop strings, its detokenizer."""
-
-    def __init__(self, index: int, detokenizer: RequestDetokenizer | None):
-        self.index = index
-        self.detokenizer = detokenizer
-        self.token_ids: list[int] = []
-        self.logprobs = vllm_engine_pb2.OutputLogProbs()
-        self.finished = False
-
-
-class GenerateState:
-    """One Generate call: turns its engine outputs into VllmEngine messages, finding stop strings."""
-
-    def __init__(self, engine: AsyncEngine, stream, params: SamplingParams, streaming: bool):
-        self.engine, self.stream, self.params, self.streaming = engine, stream, params, streaming
-        self.prompt_ids = stream.requests[0].prompt_token_ids  # after truncate_prompt_tokens
-        self.completions = {
-            r.request_id: Completion(
-                i, RequestDetokenizer(engine.tokenizer, self.prompt_ids, r.sampling_params) if params.stop else None
+def to_messages(out: RequestOutput, streaming: bool, num_logprobs: int, num_prompt_logprobs: int):
+    """One RequestOutput -> VllmEngine messages. Streaming: per step one chunk per completion that moved, and a
+    `complete` (with that last step's tokens; the router accumulates the chunks) for each that finished.
+    Otherwise (FINAL_ONLY) one `complete` per completion with everything."""
+    prompt_ids = out.prompt_token_ids
+    for c in out.outputs:
+        if streaming:
+            chunk = vllm_engine_pb2.GenerateStreamChunk(
+                token_ids=c.token_ids,
+                prompt_tokens=len(prompt_ids),
+                # This chunk's tokens, not the total so far: vLLM's servicer sends the delta count, and the
+                # smg router reads vLLM chunks as deltas and adds them up.
+                completion_tokens=len(c.token_ids),
+                cached_tokens=out.num_cached_tokens,
+                index=c.index,
             )
-            for i, r in enumerate(stream.requests)
-        }
-        vocab = engine.core.model_config.vocab_size
-        self.num_logprobs = vocab if params.logprobs == -1 else params.logprobs or 0
-        self.num_prompt_logprobs = vocab if params.prompt_logprobs == -1 else params.prompt_logprobs or 0
-        self.cached_tokens = 0
-        self.prompt_logprobs: vllm_engine_pb2.InputLogProbs | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finished for c in self.completions.values())
-
-    def on_output(self, out) -> list[vllm_engine_pb2.GenerateResponse]:
-        c = self.completions[out.request_id]
-        if c.finished:
-            return []  # the abort that follows a stop string: already reported
-        self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
-        finish_reason, stop_reason = out.finish_reason, out.stop_reason
-        if c.detokenizer is not None:
-            stop_str = c.detokenizer.update(out.new_token_ids, finish_reason == FinishReason.STOP)
-            if stop_str is not None:
-                if finish_reason is None:  # end it in the engine now: its blocks are free next step
-                    self.engine.abort_engine_requests([out.request_id])
-                finish_reason, stop_reason = FinishReason.STOP, stop_str
-        c.token_ids += out.new_token_ids
-        c.finished = finish_reason is not None
-        messages = []
-        if self.streaming:
-            messages.append(vllm_engine_pb2.GenerateResponse(chunk=self._chunk(c, out)))
-        else:
-            if out.new_logprobs is not None:
-                append_output_logprobs(c.logprobs, out.new_logprobs, self.num_logprobs)
-            if out.new_prompt_logprobs is not None:
-                self.prompt_logprobs = input_logprobs(self.prompt_ids, out.new_prompt_logprobs, self.num_prompt_logprobs)
-        if c.finished:
-            messages.append(vllm_engine_pb2.GenerateResponse(complete=self._complete(c, out, finish_reason, stop_reason)))
-        return messages
-
-    def _chunk(self, c: Completion, out) -> vllm_engine_pb2.GenerateStreamChunk:
-        chunk = vllm_engine_pb2.GenerateStreamChunk(
-            token_ids=out.new_token_ids,
-            prompt_tokens=len(self.prompt_ids),
-            # This chunk's tokens, not the total so far: vLLM's servicer sends the delta count, and the
-            # smg router reads vLLM chunks as deltas and adds them up.
-            completion_tokens=len(out.new_token_ids),
-            cached_tokens=self.cached_tokens,
-            index=c.index,
-        )
-        if out.new_logprobs is not None:
-            chunk.output_logprobs.CopyFrom(output_logprobs(out.new_logprobs, self.num_logprobs))
-        if out.new_prompt_logprobs is not None:  # once, with the first token of completion 0
-            chunk.input_logprobs.CopyFrom(input_logprobs(self.prompt_ids, out.new_prompt_logprobs, self.num_prompt_logprobs))
-        return chunk
-
-    def _complete(self, c: Completion, out, finish_reason, stop_reason) -> vllm_engine_pb2.GenerateComplete:
-        # Streaming: the last step's tokens (the router accumulates chunks); otherwise all of them.
-        token_ids = out.new_token_ids if self.streaming else c.token_ids
+            if c.logprobs:
+                chunk.output_logprobs.CopyFrom(output_logprobs(c.logprobs, num_logprobs))
+            if out.prompt_logprobs and c.index == 0:  # once, with the first token of completion 0
+                chunk.input_logprobs.CopyFrom(input_logprobs(prompt_ids, out.prompt_logprobs, num_prompt_logprobs))
+            yield vllm_engine_pb2.GenerateResponse(chunk=chunk)
+        if c.finish_reason is None:
+            continue
         complete = vllm_engine_pb2.GenerateComplete(
-            output_ids=token_ids,
-            finish_reason=str(finish_reason),
-            prompt_tokens=len(self.prompt_ids),
-            completion_tokens=len(token_ids),
-            cached_tokens=self.cached_tokens,
+            output_ids=c.token_ids,
+            finish_reason=c.finish_reason,
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=len(c.token_ids),
+            cached_tokens=out.num_cached_tokens,
             index=c.index,
         )
-        if isinstance(stop_reason, int):
-            complete.matched_token_id = stop_reason
-        elif isinstance(stop_reason, str):
-            complete.matched_stop_str = stop_reason
-        if not self.streaming:
-            if self.params.logprobs is not None:
-                complete.output_logprobs.CopyFrom(c.logprobs)
-            if self.prompt_logprobs is not None and c.index == 0:
-                complete.input_logprobs.CopyFrom(self.prompt_logprobs)
-        return complete
+        if isinstance(c.stop_reason, str):
+            complete.matched_stop_str = c.stop_reason
+        elif c.stop_reason is not None:
+            complete.matched_token_id = c.stop_reason
+        if not streaming:
+            if c.logprobs is not None:
+                complete.output_logprobs.CopyFrom(output_logprobs(c.logprobs, num_logprobs))
+            if out.prompt_logprobs is not None and c.index == 0:
+                complete.input_logprobs.CopyFrom(input_logprobs(prompt_ids, out.prompt_logprobs, num_prompt_logprobs))
+        yield vllm_engine_pb2.GenerateResponse(complete=complete)
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
-    """`owner.engine` is the AsyncEngine, None while the model loads (RPCs then answer UNAVAILABLE)."""
+    """`owner.engine` is the AsyncLLM, None while the model loads (RPCs then answer UNAVAILABLE)."""
 
     def __init__(self, owner):
         self.owner = owner
         self.start_time = time.time()
         self.last_receive_timestamp = 0.0
 
-    async def _ready(self, context) -> AsyncEngine:
-        engine = self.owner.engine
-        if engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still loading its model; retry shortly")
-        return engine
+    async def _ready(self, context) -> AsyncLLM:
+        return await self.owner.ready(context)
 
     # ---- Generate -------------------------------------------------------------------
 
@@ -241,28 +191,31 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "multimodal inputs: this engine serves text-only models")
         try:
             params = sampling_params_from_vllm(request.sampling_params)
+            params.detokenize = bool(params.stop)  # token ids travel; text only to find stop strings
             if request.WhichOneof("input") == "text":
+                engine.limits.check_chars("text", request.text, "max_prompt_chars")
                 prompt_ids = engine.tokenizer.encode(request.text)
             else:
                 prompt_ids = list(request.tokenized.input_ids)
-            stream = engine.add_request(request.request_id, prompt_ids, params, arrival_time=time.monotonic())
+            kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+            stream = engine.add_request(request.request_id, prompt_ids, params, arrival_time=time.monotonic(),
+                                        output_kind=kind)
         except NotImplementedError as e:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-
-        state = GenerateState(engine, stream, params, request.stream)
+        vocab = engine.core.model_config.vocab_size
+        num_logprobs = vocab if params.logprobs == -1 else params.logprobs or 0
+        num_prompt_logprobs = vocab if params.prompt_logprobs == -1 else params.prompt_logprobs or 0
         try:
-            async for _, outputs in stream:
-                for out in outputs:
-                    if isinstance(out, EngineError):
-                        await context.abort(grpc.StatusCode.INTERNAL, f"request {out.request_id}: {out.message}")
-                    for message in state.on_output(out):
-                        yield message
-                if state.finished:
-                    break  # a stop string may end the last completion before its abort comes back
+            async for out in stream:
+                for message in to_messages(out, request.stream, num_logprobs, num_prompt_logprobs):
+                    yield message
+        except EngineRequestError as e:
+            code = grpc.StatusCode.UNAVAILABLE if engine.dead else grpc.StatusCode.INTERNAL
+            await context.abort(code, f"request {request.request_id}: {e}")
         finally:
             engine.close_stream(stream)
 
@@ -278,7 +231,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if engine is None:
             return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="loading the model")
         if engine.dead is not None:
-            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=f"engine thread died: {engine.dead}")
+            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=engine.dead)
         return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="Health")
 
     async def GetModelInfo(self, request, context):
@@ -305,7 +258,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         engine = await self._ready(context)
         core = engine.core
         return vllm_engine_pb2.GetServerInfoResponse(
-            active_requests=len(engine.requests),
+            active_requests=len(engine.streams),
             is_paused=False,
             last_receive_timestamp=self.last_receive_timestamp,
             uptime_seconds=time.time() - self.start_time,
@@ -318,18 +271,18 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             max_num_seqs=core.args.max_num_seqs,
         )
 
-    def _scheduler_load(self, engine: AsyncEngine) -> vllm_engine_pb2.SchedulerLoad:
-        load, core = engine.load, engine.core
+    def _scheduler_load(self, engine: AsyncLLM) -> vllm_engine_pb2.SchedulerLoad:
+        stats, core = engine.stats, engine.core
         capacity = core.num_blocks * core.args.block_size
         return vllm_engine_pb2.SchedulerLoad(
             dp_rank=0,
-            num_running_reqs=load.num_running,
-            num_waiting_reqs=load.num_waiting,
-            num_total_reqs=load.num_running + load.num_waiting,
-            num_used_tokens=round(load.kv_cache_usage * capacity),
+            num_running_reqs=stats.num_running_reqs,
+            num_waiting_reqs=stats.num_waiting_reqs,
+            num_total_reqs=stats.num_running_reqs + stats.num_waiting_reqs,
+            num_used_tokens=round(stats.kv_cache_usage * capacity),
             max_total_num_tokens=capacity,
-            token_usage=load.kv_cache_usage,
-            cache_hit_rate=core.kv_cache_manager.prefix_cache_stats.hit_rate,
+            token_usage=stats.kv_cache_usage,
+            cache_hit_rate=stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1),
             max_running_requests=core.args.max_num_seqs,
         )
 
@@ -375,12 +328,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         finally:
             engine.kv_event_subscribers.discard(queue)
 
-    def _engine_load(self, engine: AsyncEngine) -> smg_common_pb2.EngineLoad:
-        load = engine.load
+    def _engine_load(self, engine: AsyncLLM) -> smg_common_pb2.EngineLoad:
+        stats = engine.stats
         return smg_common_pb2.EngineLoad(
-            running_requests=load.num_running,
-            waiting_requests=load.num_waiting,
-            token_usage=load.kv_cache_usage,
+            running_requests=stats.num_running_reqs,
+            waiting_requests=stats.num_waiting_reqs,
+            token_usage=stats.kv_cache_usage,
             max_running_requests=engine.core.args.max_num_seqs,
         )
 

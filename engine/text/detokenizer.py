@@ -22,7 +22,7 @@ logger = logging.getLogger("llmmesh.detokenizer")
 REPLACEMENT_CHAR = "\ufffd"  # what decoding gives for bytes that are not (yet) a whole character
 # The decoders start from the end of the prompt, so that the first output token is decoded in context.
 _MIN_PROMPT_CONTEXT = 4
-_MAX_PROMPT_CONTEXT = 24
+MAX_PROMPT_CONTEXT = 24
 
 
 def prompt_context(tokenizer: Tokenizer, prompt_token_ids: list[int]) -> list[int]:
@@ -33,7 +33,7 @@ def prompt_context(tokenizer: Tokenizer, prompt_token_ids: list[int]) -> list[in
     completed: the whole character, and anything else in those tokens (e.g. a space before it).
     """
     ids = list(prompt_token_ids)
-    for n in range(_MIN_PROMPT_CONTEXT, min(len(ids), _MAX_PROMPT_CONTEXT) + 1):
+    for n in range(_MIN_PROMPT_CONTEXT, min(len(ids), MAX_PROMPT_CONTEXT) + 1):
         if not tokenizer.decode(ids[-n:], skip_special_tokens=False).startswith(REPLACEMENT_CHAR):
             return ids[-n:]
     return ids[-_MIN_PROMPT_CONTEXT:]

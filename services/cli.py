@@ -1,23 +1,12 @@
-"""The `llmmesh` command."""
+"""The `llmmesh` command: every service, the mesh supervisor, the client commands and the offline demo."""
 
 import argparse
-import importlib
 import sys
 import time
 
-# Modules that add their own subcommands: each has add_subcommands(subparsers), and every parser it
-# adds sets `func` (called with the parsed args) through set_defaults.
-SERVICE_MODULES: tuple[str, ...] = (
-    "services.grpc_server",
-    "services.tokenizer_service", "services.detokenizer_service", "services.engine_service", "services.gateway", "services.mesh",
-)
+from services import client, config, detokenizer_service, gateway, server, supervisor, tokenizer_service
 
-DEMO_PROMPTS = [
-    "The capital of France is",
-    "def quicksort(items):",
-    "Three facts about the Moon:",
-]
-DEMO_CHAT = [{"role": "user", "content": "Write a haiku about paged memory."}]
+from services.supervisor import DEMO_CHAT, DEMO_PROMPTS
 
 
 def run_offline(args: argparse.Namespace) -> None:
@@ -42,6 +31,12 @@ def run_offline(args: argparse.Namespace) -> None:
         print(f"        {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}")
 
 
+def run_engine(args: argparse.Namespace) -> None:
+    from services import engine_service  # torch loads here, in the engine process only
+
+    config.run(engine_service.serve(args), args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engine.config import EngineArgs
 
@@ -54,8 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--sampling-seed", type=int, default=None)
     EngineArgs.add_cli_args(offline)
     offline.set_defaults(func=run_offline)
-    for module in SERVICE_MODULES:
-        importlib.import_module(module).add_subcommands(sub)
+    engine = config.service_parser(
+        sub, "engine", "serve an EngineCore over gRPC (llmmesh.v1.Engine and vllm.grpc.engine.VllmEngine)"
+    )
+    EngineArgs.add_cli_args(engine)
+    config.add_limit_args(engine)
+    engine.set_defaults(func=run_engine)
+    for module in (server, tokenizer_service, detokenizer_service, gateway, supervisor, client):
+        module.add_subcommands(sub)
+    config.apply_env(parser)
     return parser
 
 

@@ -1,0 +1,264 @@
+"""AsyncLLM: one EngineCore stepping in its own thread, fed and read from asyncio (vLLM's AsyncLLM).
+
+The asyncio side validates a request, registers it with the OutputProcessor and puts an "add" command
+in the inbox; the engine thread drains the inbox (adds and aborts) before every step, steps while
+there is work, sleeps on the inbox when there is none, and hands each step's outputs to the event loop
+in one call_soon_threadsafe. There the OutputProcessor turns them into one RequestOutput per request
+(n completions, stop strings, timings), which goes to that request's stream. gRPC handling never waits
+for a step, and a step never waits for gRPC.
+
+The engine thread also builds the EngineCore, so every torch op runs on that one thread. Each thread
+that enters an OpenMP region gets its own pool of workers, and once there are more pooled threads
+than cores, libgomp stops spinning between regions: a core loaded on one thread and stepped on
+another went from 0.2 to about 180 sleeps of the stepping thread per decode step (measured on 2 cores).
+"""
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from engine.core import EngineCore
+from engine.limits import RequestLimits
+from engine.output_processor import OutputProcessor, RequestOutputKind, truncate_prompt
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
+
+logger = logging.getLogger("llmmesh.engine")
+
+_STOP = object()
+
+
+class EngineRequestError(Exception):
+    """The engine failed this request (its step raised, or the engine thread died); it is gone from the engine."""
+
+
+class RequestStream:
+    """The RequestOutputs of one user request (all its n completions), one per step that moved it."""
+
+    def __init__(self, request_id: str, state):
+        self.request_id = request_id
+        self.state = state  # the OutputProcessor's RequestState
+        self.queue: asyncio.Queue[RequestOutput | EngineRequestError] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished and self.queue.empty():
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, EngineRequestError):
+            raise item
+        return item
+
+
+class AsyncLLM:
+    def __init__(self, build_core: Callable[[], EngineCore], limits: RequestLimits | None = None):
+        """Start the engine thread, which calls build_core; await loaded() before adding requests."""
+        self.core: EngineCore | None = None
+        self.limits = limits or RequestLimits()
+        self.output_processor = OutputProcessor(tokenizer=None)  # set_tokenizer() arms text and bad_words
+        self.loop = asyncio.get_running_loop()
+        self._loaded: asyncio.Future = self.loop.create_future()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.streams: dict[str, RequestStream] = {}  # user request id -> its stream, until its last output
+        self.stats = None  # the core's SchedulerStats, replaced (not mutated) after every step
+        self.dead: str | None = None  # why the engine thread stopped
+        self.died = asyncio.Event()
+        # KV cache events (with --enable-kv-cache-events), numbered one batch per step, for subscribers.
+        self.kv_event_seq = 0
+        self.kv_event_history: deque[tuple[int, float, list]] = deque(maxlen=1024)
+        self.kv_event_subscribers: set[asyncio.Queue] = set()
+        self._ids = itertools.count()
+        self.thread = threading.Thread(target=self._run, args=(build_core,), name="engine-core", daemon=True)
+        self.thread.start()
+
+    async def loaded(self) -> EngineCore:
+        """The core, once the engine thread has built it; raises what building it raised."""
+        return await asyncio.shield(self._loaded)
+
+    def set_tokenizer(self, tokenizer) -> None:
+        self.output_processor.tokenizer = tokenizer
+
+    @property
+    def tokenizer(self):
+        return self.output_processor.tokenizer
+
+    # ---- asyncio side ------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+    ) -> RequestStream:
+        """Check and queue a request (n engine requests when n > 1); ValueError names what is wrong."""
+        if self.dead is not None:
+            raise RuntimeError(f"the engine thread has stopped: {self.dead}")
+        core = self.core
+        request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
+        self.limits.check_id("request_id", request_id)
+        self.limits.check_id("cache_salt", cache_salt or "")
+        self.limits.check_params(params, core.max_model_len)
+        prompt_token_ids = truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens, core.max_model_len)
+        try:
+            core.validate_prompt(prompt_token_ids)
+        except ValueError as e:
+            raise ValueError(f"prompt_token_ids: {e}") from None
+        core.validate_params(params)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs the engine's tokenizer, which is not loaded.")
+            params.update_from_tokenizer(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        if request_id in self.streams:
+            raise ValueError(f"request_id {request_id!r} is already in use by a running request.")
+        state = self.output_processor.add_request(request_id, None, prompt_token_ids, params, arrival_time, output_kind)
+        eos = tuple(core.model_config.eos_token_ids)
+        for r in state.engine_requests:
+            r.priority, r.cache_salt, r.eos_token_ids = priority, cache_salt or None, eos
+        stream = self.streams[request_id] = RequestStream(request_id, state)
+        self.inbox.put(("add", state.engine_requests))
+        return stream
+
+    def abort(self, request_ids) -> int:
+        """Abort user requests (all their completions) or single engine requests (one child `i_<id>` of an
+        n > 1 request, the others going on); what is aborted ends with finish_reason "abort" on its stream.
+        Returns how many of the ids were running."""
+        engine_ids, found = [], 0
+        for request_id in request_ids:
+            stream = self.streams.get(request_id)
+            if stream is not None:
+                engine_ids += stream.state.unfinished_engine_ids()
+                found += 1
+            elif request_id in self.output_processor.parent_of:
+                engine_ids.append(request_id)
+                found += 1
+        if engine_ids:
+            self.inbox.put(("abort", engine_ids))
+        return found
+
+    def close_stream(self, stream: RequestStream) -> None:
+        """The reader is gone (done, cancelled, deadline, error): forget the request and abort what is unfinished."""
+        if self.streams.get(stream.request_id) is stream:
+            del self.streams[stream.request_id]
+        engine_ids = self.output_processor.abort_requests([stream.request_id])
+        if engine_ids:
+            self.inbox.put(("abort", engine_ids))
+
+    def _deliver(self, step_end: float, outputs: list, failed: dict[str, str], kv_events: list) -> None:
+        """On the loop, once per step: each request's stream gets one RequestOutput."""
+        if kv_events:
+            self.kv_event_seq += 1
+            batch = (self.kv_event_seq, time.time(), kv_events)
+            self.kv_event_history.append(batch)
+            for subscriber in self.kv_event_subscribers:
+                subscriber.put_nowait(batch)
+        for engine_id, message in failed.items():
+            state = self.output_processor.parent_of.get(engine_id)
+            if state is not None:
+                self._fail(self.streams.get(state.request_id), state.request_id, message)
+        request_outputs, reqs_to_abort = self.output_processor.process_outputs(outputs, step_end)
+        if reqs_to_abort:  # stop strings: free their blocks before the next step
+            self.inbox.put(("abort", reqs_to_abort))
+        for output in request_outputs:
+            stream = self.streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream.queue.put_nowait(output)
+            if output.finished:
+                stream.finished = True
+                del self.streams[output.request_id]
+
+    def _fail(self, stream: RequestStream | None, request_id: str, message: str) -> None:
+        """End a request with an error: its other completions are aborted, its stream raises."""
+        engine_ids = self.output_processor.abort_requests([request_id])
+        if engine_ids:
+            self.inbox.put(("abort", engine_ids))
+        if stream is not None:
+            stream.finished = True
+            stream.queue.put_nowait(EngineRequestError(message))
+            self.streams.pop(request_id, None)
+
+    def _fail_all(self, message: str) -> None:
+        self.died.set()
+        for request_id, stream in list(self.streams.items()):
+            self._fail(stream, request_id, message)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self.inbox.put((_STOP, None))
+        self.thread.join(timeout)
+
+    # ---- engine thread -------------------------------------------------------------
+
+    def _run(self, build_core: Callable[[], EngineCore]) -> None:
+        try:
+            self.core = build_core()
+            self.stats = self.core.get_stats()
+        except BaseException as e:
+            error = e if isinstance(e, Exception) else RuntimeError(f"loading the engine was interrupted: {e!r}")
+            self.dead = f"{type(e).__name__}: {e}"
+            self._call_soon(self._loaded.set_exception, error)
+            return
+        self._call_soon(self._loaded.set_result, self.core)
+        try:
+            self._serve()
+        except BaseException as e:  # a bug outside any one request: fail everyone rather than hang them
+            logger.exception("the engine thread died")
+            self.dead = f"the engine thread died: {type(e).__name__}: {e}"
+            self._call_soon(self._fail_all, self.dead)
+
+    def _call_soon(self, callback, *args) -> bool:
+        """Run callback on the event loop; False when the loop is closed and nobody listens any more."""
+        try:
+            self.loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            return False
+        return True
+
+    def _serve(self) -> None:
+        core = self.core
+        while True:
+            # Sleep on the inbox only when there is nothing to step.
+            commands = [self.inbox.get()] if not core.has_unfinished_requests() else []
+            while True:
+                try:
+                    commands.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
+            failed: dict[str, str] = {}
+            for kind, payload in commands:
+                if kind is _STOP:
+                    return
+                if kind == "add":
+                    for request in payload:
+                        try:
+                            core.add_request(request)
+                        except Exception as e:  # checked already; this is a last line of defence
+                            logger.warning("request %s refused in the engine thread: %s", request.request_id, e)
+                            failed[request.request_id] = str(e)
+                else:  # "abort": the blocks are free before the next step
+                    core.abort_requests(payload)
+            outputs = []
+            if core.has_unfinished_requests():
+                try:
+                    outputs = core.step()
+                except Exception as e:  # a bug hit by this batch: fail its requests, keep serving
+                    logger.exception("engine step failed")
+                    message = f"the engine step failed: {type(e).__name__}: {e}"
+                    failed.update(dict.fromkeys(core.fail_running_requests(), message))
+            self.stats = core.get_stats()
+            kv_events = core.take_kv_events()  # always empty without --enable-kv-cache-events
+            if (failed or outputs or kv_events) and not self._call_soon(
+                self._deliver, time.monotonic(), outputs, failed, kv_events
+            ):
+                return

@@ -1,0 +1,58 @@
+"""RequestLimits: the configured caps a request is checked against before anything is allocated for it.
+
+Every number a client sends that something is sized by (n completions, stop strings, logit_bias
+entries, ...) has a cap here, so one request can never grow a process without bound. A process
+checks a request once, where it enters (the gateway, the engine's gRPC protocols, the text services);
+the offline LLM trusts its caller and checks only the model's own limits.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestLimits:
+    max_n: int = 128  # completions per request (OpenAI's cap)
+    max_stop: int = 64  # stop strings per request
+    max_stop_chars: int = 1024  # characters in one stop string
+    max_stop_token_ids: int = 1024
+    max_bad_words: int = 1024
+    max_bad_word_chars: int = 1024
+    max_logit_bias: int = 1024  # logit_bias entries
+    max_allowed_token_ids: int = 65536
+    max_messages: int = 1024  # chat messages per request
+    max_prompt_chars: int = 1 << 20  # prompt text, or all chat messages' content together
+    max_id_chars: int = 256  # request ids and cache salts
+    max_batch: int = 1024  # requests in one TokenizeBatch, items in one detokenizer batch
+    max_open_requests: int = 16384  # requests open at once on one detokenizer stream
+
+    def check_count(self, field: str, count: int, limit_name: str) -> None:
+        limit = getattr(self, limit_name)
+        if count > limit:
+            flag = "--" + limit_name.replace("_", "-")
+            raise ValueError(f"{field} has {count} entries; at most {limit} are allowed ({flag}={limit}).")
+
+    def check_chars(self, field: str, text: str, limit_name: str) -> None:
+        limit = getattr(self, limit_name)
+        if len(text) > limit:
+            flag = "--" + limit_name.replace("_", "-")
+            raise ValueError(f"{field} is {len(text)} characters long; at most {limit} are allowed ({flag}={limit}).")
+
+
+    def check_params(self, params, max_model_len: int | None = None) -> None:
+        """The caps on what a request's SamplingParams make a process hold; ValueError names the field."""
+        if params.n > self.max_n:
+            raise ValueError(f"n must be at most {self.max_n} (--max-n), got {params.n}.")
+        if max_model_len is not None and params.max_tokens is not None and params.max_tokens > max_model_len:
+            raise ValueError(f"max_tokens must be at most the model's length, {max_model_len}, got {params.max_tokens}.")
+        self.check_count("stop", len(params.stop), "max_stop")
+        for i, stop in enumerate(params.stop):
+            self.check_chars(f"stop[{i}]", stop, "max_stop_chars")
+        self.check_count("stop_token_ids", len(params.stop_token_ids), "max_stop_token_ids")
+        self.check_count("bad_words", len(params.bad_words), "max_bad_words")
+        for i, word in enumerate(params.bad_words):
+            self.check_chars(f"bad_words[{i}]", word, "max_bad_word_chars")
+        self.check_count("logit_bias", len(params.logit_bias or ()), "max_logit_bias")
+        self.check_count("allowed_token_ids", len(params.allowed_token_ids or ()), "max_allowed_token_ids")
+
+    def check_id(self, field: str, value: str) -> None:
+        self.check_chars(field, value, "max_id_chars")

@@ -1,0 +1,163 @@
+"""The client of the public API: `generate()`, `chat()` and `collect()` for programs, tests and benchmarks,
+and the `llmmesh generate` / `llmmesh chat` commands that stream from a running gateway to the terminal."""
+
+import argparse
+import functools
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.config import DEFAULT_PORTS
+
+DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORTS['gateway']}"
+
+
+# ---- the client ----------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def gateway_stub(address: str) -> gateway_pb2_grpc.GatewayStub:
+    """A stub on one shared channel per address."""
+    return gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(address))
+
+
+def sampling_params(**kwargs) -> common_pb2.SamplingParams:
+    """SamplingParams from keyword arguments (vLLM's names); None leaves a field at its default."""
+    return common_pb2.SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+def _metadata(api_key: str | None):
+    return [("authorization", f"Bearer {api_key}")] if api_key else None
+
+
+def generate(address: str, prompt: str | list[int], *, stream: bool = True, api_key: str | None = None,
+             timeout: float | None = None, model: str = "", request_id: str = "", priority: int = 0,
+             **sampling) -> Iterator[gateway_pb2.GenerateResponse]:
+    """Stream a Generate: the responses as they come (grpc.RpcError on failure; .cancel() ends it)."""
+    request = gateway_pb2.GenerateRequest(
+        model=model, stream=stream, request_id=request_id, priority=priority, sampling_params=sampling_params(**sampling)
+    )
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    return gateway_stub(address).Generate(request, timeout=timeout, metadata=_metadata(api_key))
+
+
+def chat(address: str, messages: list[dict], *, stream: bool = True, api_key: str | None = None,
+         timeout: float | None = None, model: str = "", **sampling) -> Iterator[gateway_pb2.GenerateResponse]:
+    """Stream a Chat; messages are {"role", "content"} dicts."""
+    request = gateway_pb2.ChatRequest(
+        model=model, stream=stream, sampling_params=sampling_params(**sampling),
+        messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+    )
+    return gateway_stub(address).Chat(request, timeout=timeout, metadata=_metadata(api_key))
+
+
+@dataclass
+class GenerateResult:
+    """A whole response: the text deltas per choice as they came, and the final message."""
+
+    deltas: dict[int, list[str]] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    complete: gateway_pb2.Complete | None = None
+
+    def text(self, index: int = 0) -> str:
+        if self.deltas:
+            return "".join(self.deltas.get(index, []))
+        return next(c.text for c in self.complete.choices if c.index == index)  # stream=False
+
+    def choice(self, index: int = 0) -> gateway_pb2.Choice:
+        return next(c for c in self.complete.choices if c.index == index)
+
+
+def collect(responses) -> GenerateResult:
+    result = GenerateResult()
+    for response in responses:
+        if response.HasField("chunk"):
+            for delta in response.chunk.choices:
+                result.deltas.setdefault(delta.index, []).append(delta.text)
+                result.token_ids.setdefault(delta.index, []).extend(delta.token_ids)
+        else:
+            result.complete = response.complete
+    return result
+
+
+# ---- the client commands -------------------------------------------------------------------------
+
+
+def print_stream(responses) -> None:
+    started = time.perf_counter()
+    first = None
+    try:
+        for response in responses:
+            if response.HasField("chunk"):
+                for delta in response.chunk.choices:
+                    if delta.index == 0 and delta.text:
+                        first = first or time.perf_counter()
+                        print(delta.text, end="", flush=True)
+            else:
+                print(flush=True)
+                choice = response.complete.choices[0]
+                stop = choice.WhichOneof("stop_reason")
+                usage = response.complete.usage
+                elapsed = time.perf_counter() - started
+                print(
+                    f"[finish_reason={choice.finish_reason}"
+                    + (f", stop_reason={getattr(choice, stop)!r}" if stop else "")
+                    + f", {usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens"
+                    + (f", first text after {first - started:.2f} s" if first else "")
+                    + f", {elapsed:.2f} s in all]",
+                    file=sys.stderr,
+                )
+    except grpc.RpcError as e:
+        print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _sampling_args(args) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                seed=args.seed, stop=args.stop or None)
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    print_stream(generate(args.address, args.prompt, api_key=args.api_key, timeout=args.timeout,
+                           model=args.request_model, **_sampling_args(args)))
+
+
+def run_chat(args: argparse.Namespace) -> None:
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.message}
+    ]
+    print_stream(chat(args.address, messages, api_key=args.api_key, timeout=args.timeout,
+                       model=args.request_model, **_sampling_args(args)))
+
+
+def _add_client_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="the gateway's HOST:PORT")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--model", dest="request_model", default="", help="the model to ask for; empty: the served one")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=None, help="default 1.0; 0: greedy")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+
+
+def add_subcommands(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="stream a completion from a running gateway")
+    p.add_argument("prompt")
+    _add_client_args(p)
+    p.set_defaults(func=run_generate)
+
+    p = subparsers.add_parser("chat", help="stream a chat reply from a running gateway")
+    p.add_argument("message")
+    p.add_argument("--system", default=None, help="a system message to put first")
+    _add_client_args(p)
+    p.set_defaults(func=run_chat)

@@ -1,0 +1,81 @@
+"""One way to configure a service: command-line flags, each also settable as LLMMESH_<FLAG_NAME>.
+
+Every parser of the `llmmesh` command goes through `apply_env` once it is built, so a flag `--max-n`
+reads LLMMESH_MAX_N whatever service defines it, and a variable means the same flag everywhere.
+The flags every service has (--host, --port, --shutdown-timeout, --log-level) are defined here.
+"""
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+
+from engine.config import DEFAULT_MODEL  # noqa: F401 (the one name of the default model, for every service)
+from engine.limits import RequestLimits
+
+ENV_PREFIX = "LLMMESH_"
+# Each service's own port, so the mesh runs on one machine with every default.
+DEFAULT_PORTS = {"engine": 50051, "tokenizer": 50052, "detokenizer": 50053, "gateway": 8000}
+
+
+def env_name(dest: str) -> str:
+    return ENV_PREFIX + dest.upper()
+
+
+def _from_env(action: argparse.Action, value: str):
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    convert = action.type or str
+    if isinstance(action, argparse._AppendAction):  # a list: comma-separated
+        return [convert(v) for v in value.split(",") if v]
+    return convert(value)
+
+
+def apply_env(parser: argparse.ArgumentParser) -> None:
+    """Defaults from LLMMESH_<DEST> for every flag of the parser and its subcommands' parsers."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in set(action.choices.values()):
+                apply_env(sub)
+        elif action.option_strings and action.dest not in ("help",):
+            value = os.environ.get(env_name(action.dest))
+            if value is not None:
+                try:
+                    action.default = _from_env(action, value)
+                except ValueError as e:
+                    raise SystemExit(f"error: {env_name(action.dest)}={value!r}: {e}") from None
+            action.help = f"{action.help or ''} [env {env_name(action.dest)}]".strip()
+
+
+def service_parser(subparsers, name: str, help: str, port_of: str | None = None) -> argparse.ArgumentParser:
+    """A service's subcommand with the flags every service has; --port defaults to that of `port_of`."""
+    parser = subparsers.add_parser(name, help=help)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORTS[port_of or name], help="0: any free port")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight calls get to finish after SIGTERM")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """RequestLimits as flags (--max-n, --max-stop, ...)."""
+    group = parser.add_argument_group("request limits")
+    for f in dataclasses.fields(RequestLimits):
+        group.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
+
+
+def limits_from_args(args) -> RequestLimits:
+    limits = RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)})
+    for f in dataclasses.fields(RequestLimits):
+        if getattr(limits, f.name) < 1:
+            raise ValueError(f"--{f.name.replace('_', '-')} must be at least 1, got {getattr(limits, f.name)}.")
+    return limits
+
+
+def run(main, args=None) -> None:
+    """Run a service's asyncio main with logging set up (importing the library configures none)."""
+    level = getattr(args, "log_level", "INFO") if args is not None else "INFO"
+    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    asyncio.run(main)

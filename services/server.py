@@ -1,0 +1,250 @@
+"""What every service's gRPC server and client channel share, defined once.
+
+The server: health (NOT_SERVING until ready, and again when the service breaks or drains), reflection,
+SIGINT/SIGTERM with a drain, one keepalive policy, and requests that do not decode answered with
+INVALID_ARGUMENT. The channels: the same keepalive policy, so neither end ever sends more pings than
+the other accepts, and a quick reconnect to a dependency restarted at the same address.
+"""
+
+import asyncio
+import importlib.metadata
+import logging
+import signal
+import sys
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger("llmmesh.server")
+
+# Internal messages carry whole-vocabulary logprobs at most: lift gRPC's 4 MiB default.
+MAX_MESSAGE_BYTES = 64 * 2**20
+# One keepalive policy for every link: clients ping an idle connection every KEEPALIVE_TIME_MS, and
+# servers accept pings that often (a server that accepts fewer answers GOAWAY too_many_pings and breaks
+# every stream on the connection).
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = _KEEPALIVE + [
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+CHANNEL_OPTIONS = _KEEPALIVE + [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # gRPC's reconnect backoff grows to two minutes; a dependency restarted at the same address must be
+    # found again within a second or so.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    """An asyncio channel to another service of the mesh."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def llmmesh_version() -> str:
+    try:
+        return importlib.metadata.version("llmmesh")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+# ---- requests that do not decode --------------------------------------------------------------------
+
+
+class _Undecodable:
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _lenient(deserializer):
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except (DecodeError, ValueError, RuntimeError) as e:  # protobuf's parse errors
+            return _Undecodable(e)
+
+    return deserialize
+
+
+async def _refuse(context, bad: _Undecodable):
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request message does not decode: {bad.error}")
+
+
+async def _checked(request_iterator, context):
+    async for request in request_iterator:
+        if isinstance(request, _Undecodable):
+            await _refuse(context, request)
+        yield request
+
+
+def _harden(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
+    """A handler whose undecodable requests get INVALID_ARGUMENT (gRPC itself would answer INTERNAL)."""
+    if handler is None or handler.request_deserializer is None:
+        return handler
+    if handler.unary_unary:
+        inner = handler.unary_unary
+
+        async def unary_unary(request, context):
+            if isinstance(request, _Undecodable):
+                await _refuse(context, request)
+            return await inner(request, context)
+
+        changes = {"unary_unary": unary_unary}
+    elif handler.unary_stream:
+        inner = handler.unary_stream
+
+        async def unary_stream(request, context):
+            if isinstance(request, _Undecodable):
+                await _refuse(context, request)
+            async for response in inner(request, context):
+                yield response
+
+        changes = {"unary_stream": unary_stream}
+    elif handler.stream_unary:
+        inner = handler.stream_unary
+
+        async def stream_unary(request_iterator, context):
+            return await inner(_checked(request_iterator, context), context)
+
+        changes = {"stream_unary": stream_unary}
+    else:
+        inner = handler.stream_stream
+
+        async def stream_stream(request_iterator, context):
+            async for response in inner(_checked(request_iterator, context), context):
+                yield response
+
+        changes = {"stream_stream": stream_stream}
+    return handler._replace(request_deserializer=_lenient(handler.request_deserializer), **changes)
+
+
+class _HardenedGeneric(grpc.GenericRpcHandler):
+    def __init__(self, inner: grpc.GenericRpcHandler):
+        self.inner = inner
+
+    def service(self, handler_call_details):
+        return _harden(self.inner.service(handler_call_details))
+
+
+class _Registrar:
+    """What the generated add_*Servicer_to_server functions are given: it hardens every handler."""
+
+    def __init__(self, server: grpc.aio.Server):
+        self.server = server
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self.server.add_generic_rpc_handlers([_HardenedGeneric(h) for h in handlers])
+
+    def add_registered_method_handlers(self, service_name, method_handlers) -> None:
+        # Registered handlers skip the generic lookup: leave them unregistered so the hardened generic
+        # handlers, added next by the same generated function, serve every method.
+        pass
+
+
+# ---- the server ---------------------------------------------------------------------------------
+
+
+class Server:
+    """A grpc.aio server on args.host:args.port with health and reflection for the given full service names.
+
+    `add(add_servicer_fn, servicer)` registers a servicer; start(), set_serving(True) (which announces the
+    address on stdout), then serve_until_stopped() drains on SIGINT/SIGTERM."""
+
+    def __init__(self, name: str, service_names: list[str], args, max_receive_bytes: int = MAX_MESSAGE_BYTES,
+                 interceptors=()):
+        self.name = name
+        self.shutdown_timeout = args.shutdown_timeout
+        self.server = grpc.aio.server(
+            interceptors=list(interceptors),
+            options=SERVER_OPTIONS + [
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", max_receive_bytes),
+            ],
+        )
+        self.registrar = _Registrar(self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = list(service_names)
+        reflection.enable_server_reflection(
+            self.service_names + [health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
+        self.port = self.server.add_insecure_port(f"{args.host}:{args.port}")
+        self.address = f"{args.host}:{self.port}"
+        self.stop_requested = asyncio.Event()
+        self.broken: str | None = None  # why the service can no longer serve (health stays NOT_SERVING)
+        self.announced = False
+        self._watchers: list[asyncio.Task] = []
+
+    def add(self, add_servicer_to_server, servicer) -> None:
+        add_servicer_to_server(servicer, self.registrar)
+
+    async def set_serving(self, serving: bool) -> None:
+        serving = serving and self.broken is None and not self.stop_requested.is_set()
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:  # "" is the whole server
+            await self.health.set(name, status)
+        if serving and not self.announced:
+            self.announced = True
+            print(f"llmmesh {self.name} listening on {self.address}", flush=True)
+
+    def watch(self, broken: asyncio.Event, reason: str = "") -> None:
+        """Once `broken` is set, health says NOT_SERVING for good."""
+
+        async def wait():
+            await broken.wait()
+            self.broken = reason or "broken"
+            logger.error("the %s can no longer serve: health is NOT_SERVING", self.name)
+            await self.set_serving(False)
+
+        self._watchers.append(asyncio.create_task(wait()))
+
+    async def start(self) -> None:
+        # Signal handlers first: a caller may send SIGTERM as soon as it sees the server listen.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop_requested.set)
+        await self.set_serving(False)
+        await self.server.start()
+        logger.info("listening on %s (%s)", self.address, ", ".join(self.service_names))
+
+    async def stop(self, grace: float | None = None) -> None:
+        self.stop_requested.set()
+        await self.set_serving(False)
+        for task in self._watchers:
+            task.cancel()
+        await self.server.stop(grace)
+
+    async def serve_until_stopped(self) -> None:
+        """Serve until SIGINT/SIGTERM, then refuse new calls and give in-flight ones shutdown_timeout s."""
+        await self.stop_requested.wait()
+        logger.info("shutting down (up to %.0f s for in-flight calls)", self.shutdown_timeout)
+        await self.stop(self.shutdown_timeout)
+
+
+def check_health(address: str, service: str = "", timeout: float = 2.0) -> bool:
+    """True when the server at address reports SERVING for service ("" = the whole server)."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def add_subcommands(subparsers) -> None:
+    parser = subparsers.add_parser("health", help="exit 0 when a service's gRPC health check says SERVING")
+    parser.add_argument("address", help="HOST:PORT")
+    parser.add_argument("--service", default="", help="a full service name; empty means the whole server")
+    parser.add_argument("--timeout", type=float, default=2.0)
+    parser.set_defaults(func=lambda args: sys.exit(0 if check_health(args.address, args.service, args.timeout) else 1))

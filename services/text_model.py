@@ -1,0 +1,53 @@
+"""What the two text services share: the model's tokenizer and config facts, and checks of their input.
+
+Loads no torch: the text services never need it.
+"""
+
+from engine.limits import RequestLimits
+from engine.models.loader import load_config, prepare_model_dir
+from engine.text import Tokenizer
+
+# The roles a chat message may have, for every service that takes chat messages.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+class TextModel:
+    """The model's tokenizer plus the few config facts the text services report."""
+
+    def __init__(self, model: str):
+        model_dir = prepare_model_dir(model)
+        config = load_config(model_dir)
+        self.tokenizer = Tokenizer.from_pretrained(model_dir)
+        self.max_model_len = config.max_position_embeddings
+        hf = self.tokenizer.hf
+        # The engine stops on the config's eos ids; the tokenizer's own eos is added in case it differs.
+        eos = list(config.eos_token_ids) + [hf.eos_token_id]
+        self.eos_token_ids = list(dict.fromkeys(i for i in eos if i is not None))
+        self.bos_token_id = config.bos_token_id if config.bos_token_id is not None else hf.bos_token_id
+
+
+def check_messages(messages, limits: RequestLimits, field: str = "messages") -> list[dict]:
+    """Chat messages as dicts for the template; ValueError naming the bad field."""
+    if not messages:
+        raise ValueError(f"{field} must hold at least one message")
+    limits.check_count(field, len(messages), "max_messages")
+    chars = 0
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            got = f"got {m.role[:64]!r}" if m.role else "it is empty"
+            raise ValueError(f"{field}[{i}].role must be one of {', '.join(CHAT_ROLES)}; {got}")
+        chars += len(m.content)
+    if chars > limits.max_prompt_chars:
+        raise ValueError(
+            f"{field}: the messages hold {chars} characters; at most {limits.max_prompt_chars} are allowed "
+            f"(--max-prompt-chars={limits.max_prompt_chars})."
+        )
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+def check_token_ids(token_ids, vocab_size: int, field: str = "token_ids", max_len: int | None = None) -> None:
+    if max_len is not None and len(token_ids) > max_len:
+        raise ValueError(f"{field} has {len(token_ids)} ids; at most {max_len} (the model's length) are allowed")
+    for i, t in enumerate(token_ids):
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{field}[{i}] = {t} is not a token id: the vocabulary is [0, {vocab_size})")
