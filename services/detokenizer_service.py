@@ -23,8 +23,7 @@ from engine.text import RequestDetokenizer
 from engine.text.detokenizer import MAX_PROMPT_CONTEXT
 from llmmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 from services import config
-from services.text_model import TextModel, check_token_ids
-from services.tokenizer_service import serve_text_service, text_service_parser
+from services.text_model import TextModel, check_token_ids, serve_text_service, text_service_parser
 
 logger = logging.getLogger("llmmesh.detokenizer")
 

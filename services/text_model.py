@@ -1,11 +1,19 @@
 """What the two text services share: the model's tokenizer and config facts, and checks of their input.
 
-Loads no torch: the text services never need it.
+Loads no torch: the text services never need it. Also their life as a process (serve_text_service).
 """
+
+import asyncio
+import logging
+import time
 
 from engine.limits import RequestLimits
 from engine.models.loader import load_config, prepare_model_dir
 from engine.text import Tokenizer
+from services import config
+from services.server import Server
+
+logger = logging.getLogger("llmmesh.text")
 
 # The roles a chat message may have, for every service that takes chat messages.
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -51,3 +59,25 @@ def check_token_ids(token_ids, vocab_size: int, field: str = "token_ids", max_le
     for i, t in enumerate(token_ids):
         if not 0 <= t < vocab_size:
             raise ValueError(f"{field}[{i}] = {t} is not a token id: the vocabulary is [0, {vocab_size})")
+
+
+async def serve_text_service(name: str, service_name: str, add_servicer_to_server, servicer, args) -> None:
+    """The text services' life: start NOT_SERVING, load the model's tokenizer, arm the servicer (its
+    `model` attribute), go SERVING, and serve until SIGINT/SIGTERM."""
+    server = Server(name, [service_name], args)
+    server.add(add_servicer_to_server, servicer)
+    await server.start()
+    t0 = time.perf_counter()
+    servicer.model = await asyncio.to_thread(TextModel, args.model)
+    logger.info("loaded the tokenizer of %s (%d tokens) in %.1f s", args.model, servicer.model.tokenizer.vocab_size,
+                time.perf_counter() - t0)
+    await server.set_serving(True)
+    await server.serve_until_stopped()
+
+
+def text_service_parser(subparsers, name: str, help: str):
+    parser = config.service_parser(subparsers, name, help)
+    parser.add_argument("--model", default=config.DEFAULT_MODEL,
+                        help=f"HF model directory, .gguf file, or {config.DEFAULT_MODEL}")
+    config.add_limit_args(parser)
+    return parser

@@ -1,18 +1,12 @@
 """llmmesh.v1.Tokenizer: text and chat messages -> token ids and back, over engine.text.Tokenizer."""
 
-import asyncio
-import logging
-import time
-
 import grpc
 
 from engine.limits import RequestLimits
+from engine.output_processor import truncate_prompt
 from llmmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services import config
-from services.server import Server
-from services.text_model import TextModel, check_messages, check_token_ids
-
-logger = logging.getLogger("llmmesh.tokenizer")
+from services.text_model import TextModel, check_messages, check_token_ids, serve_text_service, text_service_parser
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
@@ -51,14 +45,12 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         token_ids = tok.encode(prompt, add_special_tokens=add_special)
         if request.HasField("truncate_prompt_tokens"):
             keep = request.truncate_prompt_tokens
-            if keep == -1:
-                keep = self.model.max_model_len
-            elif keep < 1:
+            if keep < 1 and keep != -1:
                 raise ValueError(
                     f"{field}truncate_prompt_tokens must be at least 1, or -1 for the model's maximum length "
                     f"({self.model.max_model_len}); got {keep}"
                 )
-            token_ids = token_ids[-keep:]  # the end of the prompt, as vLLM keeps
+            token_ids = truncate_prompt(token_ids, keep, self.model.max_model_len)
         return tokenizer_pb2.TokenizeResponse(token_ids=token_ids, prompt=prompt)
 
     async def _ready(self, context) -> None:
@@ -107,28 +99,6 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
 
 
 # ---- the process -------------------------------------------------------------------------------
-
-
-async def serve_text_service(name: str, service_name: str, add_servicer_to_server, servicer, args) -> None:
-    """The text services' life: start NOT_SERVING, load the model's tokenizer, arm the servicer (its
-    `model` attribute), go SERVING, and serve until SIGINT/SIGTERM."""
-    server = Server(name, [service_name], args)
-    server.add(add_servicer_to_server, servicer)
-    await server.start()
-    t0 = time.perf_counter()
-    servicer.model = await asyncio.to_thread(TextModel, args.model)
-    logger.info("loaded the tokenizer of %s (%d tokens) in %.1f s", args.model, servicer.model.tokenizer.vocab_size,
-                time.perf_counter() - t0)
-    await server.set_serving(True)
-    await server.serve_until_stopped()
-
-
-def text_service_parser(subparsers, name: str, help: str):
-    parser = config.service_parser(subparsers, name, help)
-    parser.add_argument("--model", default=config.DEFAULT_MODEL,
-                        help=f"HF model directory, .gguf file, or {config.DEFAULT_MODEL}")
-    config.add_limit_args(parser)
-    return parser
 
 
 def add_subcommands(subparsers) -> None:
