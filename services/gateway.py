@@ -177,7 +177,13 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             if sp.HasField(name):
                 setattr(start, name, getattr(sp, name))
 
+        detok_ids = [f"{engine_request_id}/{c.index}" for c in state.completions]
+        # Per choice, what was sent to the detokenizer and awaits its answer: (delta, prompt logprobs) per step.
+        pending = {detok_id: collections.deque() for detok_id in detok_ids}
+        results: asyncio.Queue = asyncio.Queue()
         address = self.deps.pick_engine()
+        detokenizer = self.deps.detokenizer_stream()
+        detokenizer.open(detok_ids, results)  # from here the finally below undoes everything
         self.deps.engine_in_flight[address] += 1
         call = self.deps.engines[address].Generate(
             engine_pb2.EngineGenerateRequest(
@@ -187,12 +193,6 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             timeout=context.time_remaining(),  # the client's deadline ends the engine request too
         )
         context.add_done_callback(lambda _: call.cancel())  # even if this generator is never resumed
-        detok_ids = [f"{engine_request_id}/{c.index}" for c in state.completions]
-        # Per choice, what was sent to the detokenizer and awaits its answer: (delta, prompt logprobs) per step.
-        pending = {detok_id: collections.deque() for detok_id in detok_ids}
-        results: asyncio.Queue = asyncio.Queue()
-        detokenizer = self.deps.detokenizer_stream()
-        detokenizer.open(detok_ids, results)
         engine_info = {"usage": None, "queue_time": None}
         reader = asyncio.create_task(
             self._read_engine(call, address, state, detok_ids, start, pending, results, detokenizer, engine_info)
