@@ -175,9 +175,9 @@ def main():
 
     print(f"workload: {len(prompts)} requests, {prompt_tokens} prompt + {output_tokens} output tokens", flush=True)
     run_engine(llm, *warm)
-    preempt_before = engine.scheduler.num_preemptions
+    preempt_before = engine.get_stats().num_preemptions
     elapsed, reference, generated = run_engine(llm, prompts, max_tokens)
-    record("engine", elapsed, reference, generated, preemptions=engine.scheduler.num_preemptions - preempt_before)
+    record("engine", elapsed, reference, generated, preemptions=engine.get_stats().num_preemptions - preempt_before)
 
     if peers:
         from transformers import AutoModelForCausalLM

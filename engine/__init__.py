@@ -1,18 +1,23 @@
-"""llmmesh's engine: a plain Python library with vLLM's offline API."""
+"""llmmesh's engine: a plain Python library with vLLM's offline API.
 
-import logging
+The exports load on first use, so `import engine.text` (the text services) never imports torch.
+Configuring logging is left to the application, as for any library.
+"""
 
-# Start-up facts (KV cache size, conversions) are shown by default, as vLLM does.
-_logger = logging.getLogger("llmmesh")
-if not _logger.handlers:
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
-    _logger.addHandler(_handler)
-    _logger.setLevel(logging.INFO)
+import importlib
 
-from engine.config import EngineArgs
-from engine.llm import LLM
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import SamplingParams
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "SamplingParams": "engine.request",
+    "EngineArgs": "engine.config",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+}
 
-__all__ = ["LLM", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput"]
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -115,7 +115,7 @@ class AsyncLLM:
             core.validate_prompt(prompt_token_ids)
         except ValueError as e:
             raise ValueError(f"prompt_token_ids: {e}") from None
-        core.validate_params(params)
+        core.validate_params(params)  # with validate_prompt, the engine's validate_request
         if params.bad_words:
             if self.tokenizer is None:
                 raise ValueError("bad_words needs the engine's tokenizer, which is not loaded.")

@@ -48,8 +48,7 @@ class LLM:
         inputs = [self._tokenize(p, sp) for p, sp in zip(prompts, params)]
         # Check every request before adding any, so a bad one leaves the engine untouched.
         for (_, token_ids), sp in zip(inputs, params):
-            self.engine.validate_prompt(token_ids)
-            self.engine.validate_params(sp)
+            self.engine.validate_request(token_ids, sp)
             if sp.bad_words:
                 sp.update_from_tokenizer(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
 

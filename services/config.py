@@ -24,8 +24,12 @@ def env_name(dest: str) -> str:
 
 
 def _from_env(action: argparse.Action, value: str):
-    if isinstance(action, argparse.BooleanOptionalAction):
-        return value.strip().lower() in ("1", "true", "yes", "on")
+    if action.nargs == 0:  # a switch (--flag, --no-flag, store_true): the variable says true or false
+        if value.strip().lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.strip().lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError("expected true or false")
     convert = action.type or str
     if isinstance(action, argparse._AppendAction):  # a list: comma-separated
         return [convert(v) for v in value.split(",") if v]

@@ -11,6 +11,7 @@ import importlib.metadata
 import logging
 import signal
 import sys
+import threading
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -210,10 +211,12 @@ class Server:
         self._watchers.append(asyncio.create_task(wait()))
 
     async def start(self) -> None:
-        # Signal handlers first: a caller may send SIGTERM as soon as it sees the server listen.
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.stop_requested.set)
+        # Signal handlers first: a caller may send SIGTERM as soon as it sees the server listen. Only the main
+        # thread can have them: a server run on another thread (in a test) is stopped through stop_requested.
+        if threading.current_thread() is threading.main_thread():
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.stop_requested.set)
         await self.set_serving(False)
         await self.server.start()
         logger.info("listening on %s (%s)", self.address, ", ".join(self.service_names))

@@ -8,7 +8,7 @@ import logging
 import time
 
 from engine.limits import RequestLimits
-from engine.models.loader import load_config, prepare_model_dir
+from engine.models.files import load_config, prepare_text_dir
 from engine.text import Tokenizer
 from services import config
 from services.server import Server
@@ -23,7 +23,7 @@ class TextModel:
     """The model's tokenizer plus the few config facts the text services report."""
 
     def __init__(self, model: str):
-        model_dir = prepare_model_dir(model)
+        model_dir = prepare_text_dir(model)
         config = load_config(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.max_model_len = config.max_position_embeddings

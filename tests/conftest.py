@@ -5,7 +5,8 @@ import functools
 import pytest
 import torch
 
-from engine.models.loader import DEFAULT_MODEL, load_tokenizer, prepare_model_dir, resolve_model
+from engine.models.files import DEFAULT_MODEL, load_tokenizer, resolve_model
+from engine.models.loader import prepare_model_dir
 
 # One float32 KV block of SmolLM2: K and V x 30 layers x 16 tokens x 3 KV heads x 64 dims x 4 bytes.
 SMOLLM2_BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4
@@ -104,3 +105,134 @@ def assert_no_leaks(engine):
     assert not manager.req_to_blocks
     assert manager.get_num_free_blocks() == manager.num_blocks
     assert all(b.ref_cnt == 0 for b in manager.block_pool.blocks)
+
+
+# ---- services in this process, and health as an event -------------------------------------------
+
+
+import asyncio  # noqa: E402
+import contextvars  # noqa: E402
+import threading  # noqa: E402
+
+import grpc  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+# Set on an InProcessService's thread: how its server hands itself over once it announces itself.
+_ON_SERVING = contextvars.ContextVar("llmmesh_test_on_serving", default=None)
+
+
+def _observe_servers() -> None:
+    """Wrap Server.set_serving once, as an observer: a server run by an InProcessService reports itself (and
+    its event loop) the first time it says SERVING, the moment a process prints its "listening on" line."""
+    from services.server import Server
+
+    if getattr(Server.set_serving, "observed_by_tests", False):
+        return
+    set_serving = Server.set_serving
+
+    async def observed(self, serving: bool) -> None:
+        await set_serving(self, serving)
+        report = _ON_SERVING.get()
+        if report is not None and self.announced:
+            report(self, asyncio.get_running_loop())
+
+    observed.observed_by_tests = True
+    Server.set_serving = observed
+
+
+class InProcessService:
+    """`llmmesh <service> <flags>` served from this process, on port 0 unless the flags say otherwise.
+
+    The service's own command runs (the same parser, LLMMESH_* variables and serve()), on a thread with its own
+    event loop, so a test's blocking gRPC calls can reach it. stop() does what SIGTERM does: the server drains
+    and serve() returns. For tests that need a server but no kill or signal; services.supervisor.ServiceProcess
+    runs the same command as a process for those that do."""
+
+    def __init__(self, service: str, flags=(), timeout: float = 600.0):
+        from services.cli import build_parser
+
+        _observe_servers()
+        self.service = service
+        self.args = build_parser().parse_args([service, "--port", "0", *map(str, flags)])
+        self.server = self.loop = self.error = None
+        self.address: str | None = None
+        self._ready = threading.Event()  # serving, or the command ended
+        self.thread = threading.Thread(target=self._run, name=f"in-process-{service}", daemon=True)
+        self.thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"the in-process {service} was not serving after {timeout:.0f} s")
+        if self.server is None:
+            raise RuntimeError(f"the in-process {service} ended before it was serving") from self.error
+
+    def _run(self) -> None:
+        def on_serving(server, loop):
+            if self.server is None:
+                self.server, self.loop, self.address = server, loop, server.address
+                self._ready.set()
+
+        _ON_SERVING.set(on_serving)  # asyncio.run copies this thread's context into the service's tasks
+        try:
+            self.args.func(self.args)
+        except BaseException as e:  # noqa: BLE001 (reported by __init__ or stop)
+            self.error = e
+        finally:
+            self._ready.set()
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.server.stop_requested.set)
+            self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"the in-process {self.service} did not stop within {timeout:.0f} s"
+        if self.error is not None:
+            raise RuntimeError(f"the in-process {self.service} failed") from self.error
+
+    def __enter__(self) -> "InProcessService":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def wait_for_health(address: str, status=SERVING, timeout: float = 60.0, service: str = "") -> None:
+    """Block until the server at address reports `status` for `service` ("" = the whole server): a
+    Health.Watch stream, which also waits for a server that is not listening yet. Fails after timeout."""
+    with grpc.insecure_channel(address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout, wait_for_ready=True
+        )
+        seen = []
+        try:
+            for reply in watch:
+                seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+                if reply.status == status:
+                    return
+        except grpc.RpcError as e:
+            raise AssertionError(
+                f"{address} never reported {health_pb2.HealthCheckResponse.ServingStatus.Name(status)} "
+                f"(saw {seen}): {e.code().name} {e.details()}"
+            ) from None
+        finally:
+            watch.cancel()
+
+
+def undecodable(message_type, seed: int = 0) -> bytes:
+    """Random bytes (seeded) that do not parse as message_type: a request gRPC delivers but protobuf refuses."""
+    import random
+
+    from google.protobuf.message import DecodeError
+
+    rng = random.Random(seed)
+    while True:
+        data = rng.randbytes(48)
+        try:
+            message_type.FromString(data)
+        except DecodeError:
+            return data

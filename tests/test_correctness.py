@@ -74,7 +74,7 @@ def test_preemption_matches_hf(prompt_ids, references):
     llm = LLM(kv_cache_memory=str(14 * SMOLLM2_BLOCK_BYTES), enable_prefix_caching=False)
     assert llm.engine.num_blocks == 14
     run_and_compare(llm, prompt_ids, references, "preemption")
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.get_stats().num_preemptions > 0
 
 
 def test_priority_policy_matches_hf(prompt_ids, references):
@@ -104,9 +104,8 @@ def test_shared_prefix_hits_cache_and_matches_hf(hf_smollm2, tokenizer):
 
     llm = LLM(kv_cache_memory="256MiB")
     run_and_compare(llm, prompts[:1], refs[:1], "warm-up")
-    stats = llm.engine.kv_cache_manager.prefix_cache_stats
-    hits_before = stats.hits
+    hits_before = llm.engine.get_stats().prefix_cache_hits
     run_and_compare(llm, prompts[1:], refs[1:], "shared-prefix")
     # Each later prompt reuses every full block of the common prefix.
     full_blocks = (shared - 1) // 16 * 16
-    assert stats.hits - hits_before >= 2 * full_blocks >= 2 * 96
+    assert llm.engine.get_stats().prefix_cache_hits - hits_before >= 2 * full_blocks >= 2 * 96

@@ -50,7 +50,7 @@ def test_refused_prompt_leaves_others_running(llm, prompt, message):
     engine.add_request(Request("good-1", [10, 11, 12], greedy(5)))
     first = engine.step()
     with pytest.raises(ValueError, match=message):
-        engine.add_request(Request("bad", prompt, greedy(5)))
+        engine.validate_request(prompt, greedy(5))
     engine.add_request(Request("good-2", [13, 14], greedy(4)))
     finished = run_to_completion(engine, first)
     assert set(finished) == {"good-1", "good-2"}
@@ -61,7 +61,7 @@ def test_refused_prompt_leaves_others_running(llm, prompt, message):
 def test_prompt_that_can_never_fit_the_pool_is_refused():
     small = LLM(kv_cache_memory=str(4 * SMOLLM2_BLOCK_BYTES), max_model_len=200)  # 64 tokens of KV
     with pytest.raises(ValueError, match="can never fit the KV cache, which holds 64 tokens"):
-        small.engine.add_request(Request("big", list(range(20, 90)), greedy(2)))
+        small.engine.validate_request(list(range(20, 90)), greedy(2))
     # A request that would outgrow the pool is capped at its size instead of livelocking.
     out = small.generate([list(range(20, 60))], greedy(100), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 64 - 40
@@ -167,7 +167,7 @@ def test_kv_events_and_reset_prefix_cache():
 
 def test_bfloat16_runs_on_cpu():
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB")
-    assert llm.engine.kv_caches[0][0].dtype.is_floating_point and str(llm.engine.dtype) == "torch.bfloat16"
+    assert llm.engine.worker.kv_caches[0][0].dtype.is_floating_point and str(llm.engine.dtype) == "torch.bfloat16"
     out = llm.generate(["The capital of France is"], greedy(6), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 6 and "Paris" in out.text
 
@@ -177,3 +177,64 @@ def test_startup_reports_blocks_and_token_capacity(caplog):
         llm = LLM(kv_cache_memory=str(10 * SMOLLM2_BLOCK_BYTES))
     assert llm.engine.num_blocks == 10
     assert "KV cache: 10 blocks of 16 tokens = 160 tokens" in caplog.text
+
+
+def test_get_stats_follows_requests_through_a_run(llm):
+    engine = llm.engine
+    before = engine.get_stats()
+    assert (before.num_running_reqs, before.num_waiting_reqs, before.kv_cache_usage, before.num_blocks) == (0, 0, 0.0, 8)
+    engine.add_request(Request("a", list(range(400, 430)), greedy(3)))
+    engine.add_request(Request("b", list(range(500, 530)), greedy(3)))
+    assert engine.has_request("a") and not engine.has_request("zzz") and engine.num_unfinished_requests() == 2
+    stats = engine.get_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs) == (0, 2)
+    first = engine.step()
+    stats = engine.get_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs) == (2, 0)
+    assert stats.kv_cache_usage == 4 / 8  # 30 tokens each: 2 blocks each
+    assert stats.prefix_cache_queries - before.prefix_cache_queries == 60
+    run_to_completion(engine, first)
+    stats = engine.get_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (0, 0, 0.0)
+    assert not engine.has_request("a") and engine.num_unfinished_requests() == 0
+    # The same prompt again finds its first full block in the prefix cache.
+    llm.generate([list(range(400, 430))], greedy(3), use_tqdm=False)
+    assert engine.get_stats().prefix_cache_hits - stats.prefix_cache_hits == 16
+    # Three requests that outgrow the 8 blocks together: preemption, counted.
+    prompts = [list(range(600 + 50 * i, 640 + 50 * i)) for i in range(3)]
+    llm.generate(prompts, greedy(30), use_tqdm=False)
+    after = engine.get_stats()
+    assert after.num_preemptions > before.num_preemptions and after.kv_cache_usage == 0.0
+    assert_no_leaks(engine)
+
+
+def test_fail_running_requests_frees_everything_and_emits_nothing(llm, monkeypatch):
+    engine = llm.engine
+    engine.add_request(Request("a", list(range(700, 731)), greedy(10)))
+    engine.add_request(Request("b", list(range(800, 831)), greedy(10)))
+    first = engine.step()
+    engine.abort_requests(["b"])  # its abort output must survive the failed step
+    engine.add_request(Request("c", list(range(900, 970)), greedy(4)))  # admitted in the failing step
+    engine.add_request(Request("d", list(range(1000, 1070)), greedy(4)))  # waits: 2 + 5 + 5 > 8
+
+    def boom(scheduler_output):
+        raise RuntimeError("kernel fault")
+
+    monkeypatch.setattr(engine.worker, "execute_model", boom)
+    with pytest.raises(RuntimeError, match="kernel fault"):
+        engine.step()
+    assert sorted(engine.fail_running_requests()) == ["a", "c"]
+    assert not engine.has_request("a") and not engine.has_request("c") and engine.has_request("d")
+    stats = engine.get_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (0, 1, 0.0)
+    monkeypatch.undo()
+
+    outputs = engine.step()
+    assert [o.request_id for o in outputs if o.finished] == ["b"]  # b's abort; nothing for a or c
+    finished = run_to_completion(engine, first + outputs)
+    assert finished["d"][1] == "length" and "c" not in finished and not isinstance(finished["a"], tuple)
+    # a's blocks left the prefix cache: the failed step had registered blocks it never wrote.
+    hits = engine.get_stats().prefix_cache_hits
+    llm.generate([list(range(700, 731))], greedy(2), use_tqdm=False)
+    assert engine.get_stats().prefix_cache_hits == hits
+    assert_no_leaks(engine)

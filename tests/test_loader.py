@@ -8,18 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.models import loader
-from engine.models.config import ModelConfig, UnsupportedModelError
-from engine.models.loader import (
-    DEFAULT_MODEL,
-    ModelLoadError,
-    check_dtype,
-    load_config,
-    load_tokenizer,
-    load_weights,
-    prepare_model_dir,
-    resolve_model,
-)
+from engine.models import files, loader
+from engine.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
+from engine.models.files import DEFAULT_MODEL, load_config, load_tokenizer, prepare_text_dir, resolve_model
+from engine.models.loader import check_dtype, load_weights, prepare_model_dir
 
 
 @pytest.fixture(scope="session")
@@ -190,6 +182,39 @@ def test_crash_mid_conversion_leaves_no_cache_entry(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def _run_without_torch(code: str, **env) -> None:
+    """Run code in a fresh interpreter (this one has torch loaded) and check torch stayed out."""
+    import os
+    import subprocess
+    import sys
+
+    code += "\nimport sys; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, **env}, timeout=300)
+
+
+def test_text_side_imports_no_torch():
+    _run_without_torch("import engine, engine.text, engine.request, engine.outputs, engine.models.files")
+
+
+def test_text_dir_of_a_fresh_cache_needs_no_torch(converted_smollm2, tmp_path):
+    code = "from engine.models.files import *; d = prepare_text_dir(DEFAULT_MODEL); load_config(d); load_tokenizer(d)"
+    _run_without_torch(code, LLMMESH_CACHE_DIR=str(tmp_path))
+    (text_dir,) = tmp_path.iterdir()
+    assert text_dir.name == f"{converted_smollm2.name}-text" and not list(text_dir.glob("*.safetensors"))
+    # The same tokenizer and config as the engine's full conversion.
+    for name in ("tokenizer.json", "config.json"):
+        assert (text_dir / name).read_bytes() == (converted_smollm2 / name).read_bytes(), name
+    assert load_tokenizer(text_dir).chat_template == load_tokenizer(converted_smollm2).chat_template
+
+
+def test_text_dir_reuses_the_full_conversion(converted_smollm2, monkeypatch):
+    def fail(*a):
+        raise AssertionError("converted again instead of reusing the full conversion")
+
+    monkeypatch.setattr(files, "convert_gguf_text", fail)
+    assert prepare_text_dir(DEFAULT_MODEL, cache_dir=converted_smollm2.parent) == converted_smollm2
+
+
 # ---------------------------------------------------------------------------------------------- synthetic GGUF
 
 
@@ -227,7 +252,7 @@ def _convert_synthetic(path: Path) -> tuple[dict, dict]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    config = loader._gguf_config(reader, path)
+    config = files.gguf_config(reader, path)
     out = path.parent / "out"
     out.mkdir()
     loader._write_weights(reader, config, out)
@@ -319,7 +344,7 @@ def test_unsupported_gguf_architecture_is_named(tmp_path):
 
     _write_gguf(tmp_path / "g.gguf", "gpt2", {"token_embd.weight": np.zeros((4, 8), np.float32)})
     with pytest.raises(UnsupportedModelError, match="gpt2"):
-        loader._gguf_config(gguf.GGUFReader(str(tmp_path / "g.gguf")), tmp_path / "g.gguf")
+        files.gguf_config(gguf.GGUFReader(str(tmp_path / "g.gguf")), tmp_path / "g.gguf")
 
 
 # ---------------------------------------------------------------------------------------------- dtype

@@ -1,4 +1,4 @@
-"""The attention-backend seam: metadata every backend reads, and the choice of backend."""
+"""The attention-backend seam: the interface every backend implements and the metadata it reads."""
 
 from dataclasses import dataclass
 from typing import Any
@@ -47,11 +47,3 @@ class AttentionBackend:
     ) -> torch.Tensor:
         raise NotImplementedError
 
-
-def get_attn_backend(name: str, block_size: int) -> AttentionBackend:
-    from engine.attention.torch_backend import TorchAttentionBackend
-
-    backends = {"torch": TorchAttentionBackend}
-    if name not in backends:
-        raise ValueError(f"attention_backend must be one of {sorted(backends)}, got {name!r}.")
-    return backends[name](block_size)

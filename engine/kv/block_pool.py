@@ -94,6 +94,11 @@ class BlockPool:
             self.kv_event_queue.append(BlockRemoved(block_hashes=[block.block_hash]))
         block.block_hash = None
 
+    def evict_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Forget these blocks' hashes now, so no later request can hit them."""
+        for block in blocks:
+            self._maybe_evict_cached_block(block)
+
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks, pulling free ones out of the eviction queue."""
         for block in blocks:

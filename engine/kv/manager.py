@@ -16,13 +16,8 @@ def cdiv(a: int, b: int) -> int:
 class PrefixCacheStats:
     """Counted in tokens, as vLLM's prefix-cache hit rate is."""
 
-    requests: int = 0
     queries: int = 0
     hits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheManager:
@@ -73,7 +68,6 @@ class KVCacheManager:
             blocks.append(block)
         num_computed_tokens = len(blocks) * self.block_size
         stats = self.prefix_cache_stats
-        stats.requests += 1
         stats.queries += request.num_tokens
         stats.hits += num_computed_tokens
         return blocks, num_computed_tokens
@@ -127,6 +121,10 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.block_pool.free_blocks(reversed(blocks))
         self.num_cached_block.pop(request.request_id, None)
+
+    def evict_cached_blocks(self, request: Request) -> None:
+        """Take a request's blocks out of the prefix cache: their contents cannot be trusted."""
+        self.block_pool.evict_blocks(self.req_to_blocks.get(request.request_id, []))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

@@ -49,3 +49,17 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    """The engine's state after a step, for load reports and metrics (vLLM's SchedulerStats)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float  # fraction of KV blocks held by requests, 0..1
+    # Cumulative, counted in tokens, as vLLM's PrefixCacheStats.
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int  # cumulative
+    num_blocks: int

@@ -7,7 +7,7 @@ budget is therefore chunked across steps, and decodes ride in the same batch.
 
 from engine.kv.manager import KVCacheManager
 from engine.request import EngineCoreEventType, Request, RequestStatus
-from engine.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from engine.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from engine.sched.request_queue import create_request_queue
 
 
@@ -55,6 +55,16 @@ class Scheduler:
             finished.append(request)
         return finished
 
+    def fail_running_requests(self) -> list[Request]:
+        """After a failed step, abort every running request.
+
+        That step registered the blocks it was to fill in the prefix cache, but never wrote them,
+        so the failed requests' blocks leave the cache before they are freed.
+        """
+        for request in self.running:
+            self.kv_cache_manager.evict_cached_blocks(request)
+        return self.finish_requests([r.request_id for r in self.running], RequestStatus.FINISHED_ABORTED)
+
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
@@ -65,6 +75,18 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
+
+    def make_stats(self) -> SchedulerStats:
+        prefix = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage(),
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self.num_preemptions,
+            num_blocks=self.kv_cache_manager.num_blocks,
+        )
 
     # ---- one step ------------------------------------------------------------
 

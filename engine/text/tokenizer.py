@@ -22,7 +22,7 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
-        from engine.models.loader import load_tokenizer
+        from engine.models.files import load_tokenizer
 
         return cls(load_tokenizer(Path(model_dir)))
 
