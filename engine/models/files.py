@@ -77,11 +77,13 @@ def converted_dir(gguf_path: Path, cache_dir: str | Path | None = None) -> Path:
 
 
 def build_dir(out: Path, convert: Callable[[Path], None]) -> Path:
-    """Run convert(tmp) in a temp dir next to `out`, then rename it into place.
+    """`out` if it is already built; else run convert(tmp) in a temp dir next to it and rename that into place.
 
     The rename is atomic, so a crash mid-conversion leaves at most a stray ".tmp-*" dir, never a
     half-written cache entry.
     """
+    if (out / "config.json").is_file():
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     try:
@@ -109,10 +111,7 @@ def prepare_text_dir(model: str, cache_dir: str | Path | None = None) -> Path:
     full = converted_dir(path, cache_dir)
     if (full / "config.json").is_file():
         return full
-    out = full.with_name(f"{full.name}-text")
-    if (out / "config.json").is_file():
-        return out
-    return build_dir(out, lambda tmp: convert_gguf_text(path, tmp))
+    return build_dir(full.with_name(f"{full.name}-text"), lambda tmp: convert_gguf_text(path, tmp))
 
 
 # ---------------------------------------------------------------------------------------------- HF directory

@@ -39,10 +39,7 @@ def prepare_model_dir(model: str, cache_dir: str | Path | None = None) -> Path:
     if path.is_dir():
         read_json(path / "config.json")  # fail early and clearly on a broken config
         return path
-    out = converted_dir(path, cache_dir)
-    if (out / "config.json").is_file():
-        return out
-    return build_dir(out, lambda tmp: _convert_gguf(path, tmp))
+    return build_dir(converted_dir(path, cache_dir), lambda tmp: _convert_gguf(path, tmp))
 
 
 # ---------------------------------------------------------------------------------------------- HF directory
