@@ -1,7 +1,6 @@
 """The `llmmesh` command: every service, the mesh supervisor, the client commands and the offline demo."""
 
 import argparse
-import logging
 import sys
 import time
 
@@ -15,7 +14,7 @@ def run_offline(args: argparse.Namespace) -> None:
     from engine import LLM, SamplingParams
     from engine.config import EngineArgs
 
-    logging.basicConfig(level="INFO", format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    config.setup_logging()
     engine_args = EngineArgs.from_cli_args(args)
     start = time.perf_counter()
     llm = LLM(**vars(engine_args))

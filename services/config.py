@@ -78,8 +78,12 @@ def limits_from_args(args) -> RequestLimits:
     return limits
 
 
-def run(main, args=None) -> None:
-    """Run a service's asyncio main with logging set up (importing the library configures none)."""
-    level = getattr(args, "log_level", "INFO") if args is not None else "INFO"
+def setup_logging(level: str = "INFO") -> None:
+    """Every process's log format (importing the library configures no logging)."""
     logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def run(main, args=None) -> None:
+    """Run a service's asyncio main with logging set up."""
+    setup_logging(getattr(args, "log_level", "INFO"))
     asyncio.run(main)
