@@ -13,5 +13,10 @@ RUN python -m venv .venv && .venv/bin/pip install torch==2.13.0 --index-url http
 ENV LLMMESH_CACHE_DIR=/app/.cache/llmmesh
 RUN .venv/bin/python -c "from engine.models.loader import prepare_model_dir; prepare_model_dir('smollm2-135m-instruct')"
 ENV PATH=/app/.venv/bin:$PATH
+# Every service in a container listens on all its interfaces (the flags' default is loopback); any
+# llmmesh flag can be set the same way, as LLMMESH_<FLAG_NAME>.
+ENV LLMMESH_HOST=0.0.0.0
 EXPOSE 50051
+# The whole mesh in one container (`llmmesh serve`, the gateway on 50051); compose.yaml runs one
+# service per container instead.
 CMD ["llmmesh", "serve", "--port", "50051"]

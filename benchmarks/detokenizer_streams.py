@@ -16,8 +16,6 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,9 +26,9 @@ from engine.request import SamplingParams
 from engine.text import RequestDetokenizer, Tokenizer
 from llmmesh.v1 import detokenizer_pb2 as pb
 from llmmesh.v1 import detokenizer_pb2_grpc
-from services.grpc_server import CHANNEL_OPTIONS
+from services.server import CHANNEL_OPTIONS
+from services.supervisor import ServiceProcess
 
-ROOT = Path(__file__).resolve().parent.parent
 TEXTS = [
     "The quick brown fox jumps over the lazy dog while the cat watches from the window sill. ",
     "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
@@ -154,16 +152,6 @@ async def run(args, tok: Tokenizer) -> dict:
     return {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
 
 
-def start_detokenizer(model: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "detokenizer", "--port", "0", "--model", model],
-                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        sys.exit(f"the detokenizer did not start: {line!r}")
-    return proc, line.rsplit(" ", 1)[-1].strip()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--address", help="a running detokenizer; default: start one on a free port")
@@ -175,15 +163,15 @@ def main() -> None:
     parser.add_argument("--output-json")
     args = parser.parse_args()
     tok = Tokenizer.from_pretrained(prepare_model_dir(args.model))
-    proc = None
-    if args.address is None:
-        proc, args.address = start_detokenizer(args.model)
+    detokenizer = None
+    if args.address is None:  # a process of its own, so the server does not share this client's GIL
+        detokenizer = ServiceProcess("detokenizer", ["--port", "0", "--model", args.model])
+        args.address = detokenizer.wait_listening(300)
     try:
         results = asyncio.run(run(args, tok))
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
+        if detokenizer is not None:
+            detokenizer.stop(30)
     print(f"{args.requests} requests x {args.tokens} tokens, one token per request per step, "
           f"median of {args.repeats} runs")
     print(f"{'layout':<22}{'tokens/s':>12}{'step p50 ms':>14}{'step p90 ms':>14}")

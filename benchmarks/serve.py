@@ -303,9 +303,10 @@ def main():
     mesh = None
     address = args.address
     if args.launch:
-        from services.mesh import Mesh
+        from services.supervisor import Mesh
 
-        gateway_args = ["--max-waiting-requests", str(max(1024, args.num_prompts))]
+        gateway_args = ["--max-requests-in-flight", str(max(1024, args.num_prompts)),
+                        "--served-model-name", engine_args.model]
         mesh = Mesh(engine_args, gateway_args)
         address = mesh.start()
         print(f"mesh up, gateway at {address}")

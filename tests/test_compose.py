@@ -1,4 +1,5 @@
-"""compose.yaml is well-formed, and every llmmesh command in it is a real subcommand with flags it accepts.
+"""compose.yaml is well-formed, every llmmesh command in it is a real subcommand with flags it accepts, and every
+LLMMESH_* variable it sets is a flag of that service's command.
 
 This machine has no Docker engine, so the stack itself is not started here.
 """
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.cli import build_parser
+from services import config
+from services.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,6 +65,29 @@ def test_gateway_points_at_the_other_services(compose):
     assert args.engine == [f"engine:{ports['engine']}"]
     assert args.tokenizer == f"tokenizer:{ports['tokenizer']}"
     assert args.detokenizer == f"detokenizer:{ports['detokenizer']}"
+
+
+def test_environment_names_real_flags(compose, monkeypatch):
+    """A variable is read only if it is LLMMESH_<DEST> of one of the command's flags: a renamed flag (the gateway's
+    --model became --served-model-name) would otherwise be ignored without a word."""
+    checked = 0
+    for name, command in llmmesh_commands(compose):
+        if command[1] == "health":
+            continue
+        environment = {k: substitute_defaults(str(v)) for k, v in (compose["services"][name].get("environment") or {}).items()}
+        subcommand = build_parser()._subparsers._group_actions[0].choices[command[1]]
+        flags = {config.env_name(a.dest): a for a in subcommand._actions if a.option_strings}
+        for variable, value in environment.items():
+            assert variable.startswith(config.ENV_PREFIX) and variable in flags, f"{name}: {variable} is no flag of `llmmesh {command[1]}`"
+            monkeypatch.setenv(variable, value)
+        args = build_parser().parse_args(command[1:])  # the values are good ones for their flags
+        for variable, value in environment.items():
+            action = flags[variable]
+            assert getattr(args, action.dest) == (action.type or str)(value), (name, variable)
+            checked += 1
+        for variable in environment:
+            monkeypatch.delenv(variable)
+    assert checked >= 4
 
 
 def test_a_wrong_flag_would_be_caught():

@@ -1,10 +1,12 @@
-"""EngineArgs: flags, environment defaults, memory sizes and validation."""
+"""EngineArgs and the `llmmesh` flags: names, environment defaults (LLMMESH_<FLAG>), memory sizes and validation."""
 
 import argparse
 
 import pytest
 
 from engine.config import EngineArgs, parse_memory_size
+from services import config
+from services.cli import build_parser
 
 
 def parse(argv):
@@ -30,12 +32,90 @@ def test_flags_use_vllm_names_and_defaults():
     assert args.scheduling_policy == "priority" and args.long_prefill_token_threshold == 64
 
 
+def llmmesh(argv):
+    """`llmmesh ARGV` parsed by the real command's parser, built now (so it reads the environment now)."""
+    return build_parser().parse_args(argv)
+
+
 def test_environment_sets_defaults(monkeypatch):
     monkeypatch.setenv("LLMMESH_MAX_NUM_SEQS", "7")
     monkeypatch.setenv("LLMMESH_ENABLE_PREFIX_CACHING", "false")
-    args = parse([])
+    args = EngineArgs.from_cli_args(llmmesh(["engine"]))
     assert args.max_num_seqs == 7 and args.enable_prefix_caching is False
-    assert parse(["--max-num-seqs", "9"]).max_num_seqs == 9  # a flag beats the environment
+    assert llmmesh(["engine", "--max-num-seqs", "9"]).max_num_seqs == 9  # a flag beats the environment
+    assert llmmesh(["engine", "--enable-prefix-caching"]).enable_prefix_caching is True
+    # The same variable is the same flag in every command that has it.
+    assert llmmesh(["serve"]).max_num_seqs == llmmesh(["run-offline"]).max_num_seqs == 7
+
+
+def test_limits_and_gateway_dependencies_from_the_environment(monkeypatch):
+    monkeypatch.setenv("LLMMESH_MAX_N", "3")
+    monkeypatch.setenv("LLMMESH_ENGINE", "a:1,b:2")
+    monkeypatch.setenv("LLMMESH_TOKENIZER", "tok:3")
+    monkeypatch.setenv("LLMMESH_DETOKENIZER", "detok:4")
+    monkeypatch.setenv("LLMMESH_SERVED_MODEL_NAME", "my-model")
+    gateway = llmmesh(["gateway"])
+    assert gateway.max_n == 3 and config.limits_from_args(gateway).max_n == 3
+    assert gateway.engine == ["a:1", "b:2"]  # a comma-separated list: two engines
+    assert (gateway.tokenizer, gateway.detokenizer, gateway.served_model_name) == ("tok:3", "detok:4", "my-model")
+    for service in ("engine", "tokenizer", "detokenizer", "serve"):
+        assert llmmesh([service]).max_n == 3, service
+    assert llmmesh(["gateway", "--max-n", "5"]).max_n == 5
+
+
+def test_switches_read_true_and_false(monkeypatch):
+    for value, expected in [("false", False), ("0", False), ("", False), ("true", True), ("1", True), ("yes", True)]:
+        monkeypatch.setenv("LLMMESH_TRUST_REQUEST_CHAT_TEMPLATE", value)
+        for service in ("tokenizer", "gateway", "serve"):
+            assert llmmesh([service]).trust_request_chat_template is expected, (service, value)
+    monkeypatch.setenv("LLMMESH_TRUST_REQUEST_CHAT_TEMPLATE", "perhaps")
+    with pytest.raises(SystemExit, match="LLMMESH_TRUST_REQUEST_CHAT_TEMPLATE"):
+        build_parser()
+    monkeypatch.setenv("LLMMESH_TRUST_REQUEST_CHAT_TEMPLATE", "false")
+    monkeypatch.setenv("LLMMESH_MAX_N", "three")
+    with pytest.raises(SystemExit, match="LLMMESH_MAX_N"):
+        build_parser()
+
+
+def env_value(action: argparse.Action) -> tuple[str, object]:
+    """A value for the flag's variable that differs from its default, and what the flag then holds."""
+    if action.nargs == 0:
+        return ("false", False) if action.default else ("true", True)
+    if action.choices:
+        choice = next(c for c in action.choices if c != action.default)
+        return str(choice), choice
+    if isinstance(action, argparse._AppendAction):
+        return "x:1,y:2", ["x:1", "y:2"]
+    if action.type is int:
+        value = 7 if action.default != 7 else 8
+        return str(value), value
+    if action.type is float:
+        return "0.25", 0.25
+    return "from-env", "from-env"
+
+
+def subcommands(parser) -> dict[str, argparse.ArgumentParser]:
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def test_every_flag_reads_its_variable(monkeypatch):
+    """Every flag of every `llmmesh` command is also LLMMESH_<DEST>, and says so in its help."""
+    checked = 0
+    for name, sub in subcommands(build_parser()).items():
+        positionals = ["x" for a in sub._actions if not a.option_strings]
+        for action in sub._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            variable = config.env_name(action.dest)
+            assert variable in action.help, (name, action.dest)
+            value, expected = env_value(action)
+            with monkeypatch.context() as m:
+                m.setenv(variable, value)
+                parsed = build_parser().parse_args([name, *positionals])
+            assert getattr(parsed, action.dest) == expected, (name, variable, value)
+            checked += 1
+    assert checked > 100
 
 
 @pytest.mark.parametrize(

@@ -1,62 +1,31 @@
-"""The engine service as a real process on a loopback port, checked against the offline LLM."""
+"""The engine service (llmmesh.v1.Engine) served in-process on a loopback port, checked against the offline
+LLM; as a real process where SIGTERM is the point."""
 
 import asyncio
-import os
 import re
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from conftest import assert_no_leaks
+from conftest import NOT_SERVING, SERVING, InProcessService, assert_no_leaks, undecodable
 from engine import LLM, SamplingParams
+from engine.async_llm import AsyncLLM, EngineRequestError
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from services.async_engine import AsyncEngine, EngineError
+from services.supervisor import ServiceProcess
 
-ROOT = Path(__file__).resolve().parent.parent
 KV_CACHE_MEMORY = "256MiB"
-LISTENING = re.compile(r"llmmesh engine listening on (\S+):(\d+)")
-
-
-def start_engine(*extra: str) -> tuple[subprocess.Popen, str]:
-    """`llmmesh engine --port 0 ...` as a process; returns it and the address from its listening line."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "engine", "--port", "0", "--kv-cache-memory", KV_CACHE_MEMORY, *extra],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    lines = []
-    # stderr is drained in the background so the process never blocks on a full pipe.
-    threading.Thread(target=lambda: [lines.append(line) for line in proc.stderr], daemon=True).start()
-    line = proc.stdout.readline()  # blocks until SERVING (or the process dies: "")
-    match = LISTENING.search(line)
-    if not match:
-        proc.kill()
-        raise RuntimeError(f"engine did not start: {line!r}\n{''.join(lines[-30:])}")
-    return proc, f"{match.group(1)}:{match.group(2)}"
-
-
-def stop_engine(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.fixture(scope="module")
 def engine_address():
-    proc, address = start_engine()
-    yield address
-    stop_engine(proc)
+    with InProcessService("engine", ["--kv-cache-memory", KV_CACHE_MEMORY, "--shutdown-timeout", "5"]) as engine:
+        yield engine.address
 
 
 @pytest.fixture(scope="module")
@@ -94,39 +63,67 @@ def reference_ids(llm, prompts: list[list[int]], max_tokens: int) -> list[list[i
     return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
-def collect(responses) -> dict[int, dict]:
-    """index -> {"ids", "final", "messages"} from a Generate stream."""
-    out = {}
+@dataclass
+class Completion:
+    ids: list[int] = field(default_factory=list)
+    deltas: list = field(default_factory=list)  # its CompletionDelta of each message that moved it
+    final: object = None  # the delta with its finish_reason
+
+
+@dataclass
+class Generation:
+    """A Generate stream: every message (one per engine step) and each completion's deltas."""
+
+    messages: list = field(default_factory=list)
+    completions: dict[int, Completion] = field(default_factory=dict)
+
+    def __getitem__(self, index: int) -> Completion:
+        return self.completions[index]
+
+    @property
+    def last(self):
+        return self.messages[-1]
+
+
+def collect(responses) -> Generation:
+    out = Generation()
     for msg in responses:
-        entry = out.setdefault(msg.index, {"ids": [], "final": None, "messages": []})
-        entry["ids"] += list(msg.token_ids)
-        entry["messages"].append(msg)
-        if msg.finish_reason:
-            assert entry["final"] is None, "a completion finished twice"
-            entry["final"] = msg
+        out.messages.append(msg)
+        assert len({d.index for d in msg.outputs}) == len(msg.outputs), "a completion twice in one message"
+        for d in msg.outputs:
+            c = out.completions.setdefault(d.index, Completion())
+            assert c.final is None, "a completion moved after it finished"
+            c.ids += list(d.token_ids)
+            c.deltas.append(d)
+            if d.finish_reason:
+                c.final = d
+    if out.messages:  # usage comes once, on the last message, when every completion has finished
+        assert all(c.final is not None for c in out.completions.values()) == out.last.HasField("usage")
+        assert not any(m.HasField("usage") for m in out.messages[:-1])
     return out
 
 
-async def generate_async(address: str, prompt: list[int], params, request_id: str = "", timeout=None):
+async def generate_async(address: str, prompt: list[int], params, request_id: str = "", timeout=None) -> Generation:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         request = engine_pb2.EngineGenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params)
         return collect([msg async for msg in stub.Generate(request, timeout=timeout)])
 
 
-# Abort is applied before the next step; a step takes well under this even on a busy 2-core machine,
-# while the requests these tests abandon would otherwise run for minutes.
-FREED_WITHIN_S = 2.0
+# Abort is applied before the next step, so the blocks come back within a few steps; a request abandoned
+# here would otherwise run for 2000 tokens (minutes on a CPU). This only bounds the wait: no speed is asserted.
+FREED_WITHIN_S = 30.0
 
 
-def wait_idle(stub, idle_usage: float, within: float = FREED_WITHIN_S) -> float:
-    """Seconds until GetLoad shows no running or waiting request and the idle KV usage; fails after `within`."""
-    start = time.monotonic()
+def wait_idle(stub, idle_usage: float, within: float = FREED_WITHIN_S) -> None:
+    """Wait until GetLoad shows no running or waiting request and the idle KV usage (the engine publishes
+    its load after every step and offers no event for it, so this polls); fails after `within`."""
+    deadline = time.monotonic() + within
     while True:
         load = stub.GetLoad(engine_pb2.GetLoadRequest())
         if load.num_running == 0 and load.num_waiting == 0 and abs(load.kv_cache_usage - idle_usage) < 1e-6:
-            return time.monotonic() - start
-        assert time.monotonic() - start < within, f"request not freed within {within} s: {load}"
+            return
+        assert time.monotonic() < deadline, f"request not freed within {within} s: {load}"
         time.sleep(0.01)
 
 
@@ -166,21 +163,24 @@ def test_greedy_single_request_equals_llm(stub, llm):
     [expected] = reference_ids(llm, [prompt], 16)
     request = engine_pb2.EngineGenerateRequest(request_id="single", prompt_token_ids=prompt, sampling_params=greedy_proto(16))
     result = collect(stub.Generate(request))
-    assert list(result) == [0]
-    assert result[0]["ids"] == expected
-    # One message per step: a single token each (the prompt fits one step).
-    assert [len(m.token_ids) for m in result[0]["messages"]] == [1] * 16
-    final = result[0]["final"]
-    assert final is result[0]["messages"][-1]
-    assert final.finish_reason == "length"
-    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(prompt), 16)
-    t = final.timings
+    assert list(result.completions) == [0]
+    assert result[0].ids == expected
+    # One message per step, with the one completion's single new token (the prompt fits one step).
+    assert [[len(d.token_ids) for d in m.outputs] for m in result.messages] == [[1]] * 16
+    final = result[0].final
+    assert final is result.last.outputs[0]
+    assert final.finish_reason == "length" and final.WhichOneof("stop_reason") is None
+    usage = result.last.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), 16)
+    t = result.last.timings
     assert 0 <= t.queue_time <= t.time_to_first_token <= t.e2e_latency < 60
-    # The first tokens' message carries the timings known then (for a caller that stops reading early).
-    first = result[0]["messages"][0]
-    assert not any(m.HasField("timings") for m in result[0]["messages"][1:-1])
+    # The first tokens' message carries the timings known then (for a caller that stops reading early),
+    # and the prompt's length.
+    first = result.messages[0]
+    assert not any(m.HasField("timings") for m in result.messages[1:-1])
     assert first.timings.queue_time == t.queue_time and first.timings.time_to_first_token == t.time_to_first_token
-    assert first.timings.e2e_latency == t.time_to_first_token and not first.HasField("usage")
+    assert t.time_to_first_token <= first.timings.e2e_latency <= t.e2e_latency and not first.HasField("usage")
+    assert first.num_prompt_tokens == len(prompt) and not any(m.num_prompt_tokens for m in result.messages[1:])
 
 
 def test_32_concurrent_greedy_streams_equal_llm(engine_address, llm):
@@ -193,12 +193,12 @@ def test_32_concurrent_greedy_streams_equal_llm(engine_address, llm):
         )
 
     results = asyncio.run(run_all())
-    got = [r[0]["ids"] for r in results]
+    got = [r[0].ids for r in results]
     wrong = [i for i in range(32) if got[i] != expected[i]]
     assert not wrong, f"streams {wrong} differ from LLM.generate"
-    assert all(r[0]["final"].finish_reason == "length" for r in results)
+    assert all(r[0].final.finish_reason == "length" for r in results)
     # Repeated prompt prefixes hit the prefix cache, and the engine says so.
-    assert any(r[0]["final"].usage.cached_tokens > 0 for r in results)
+    assert any(r.last.usage.cached_tokens > 0 for r in results)
 
 
 def test_stop_token_and_eos(stub, llm):
@@ -208,10 +208,43 @@ def test_stop_token_and_eos(stub, llm):
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id])
     result = collect(stub.Generate(engine_pb2.EngineGenerateRequest(prompt_token_ids=prompt, sampling_params=params)))
     cut = expected.index(stop_id) + 1
-    assert result[0]["ids"] == expected[:cut]
-    final = result[0]["final"]
+    assert result[0].ids == expected[:cut]
+    final = result[0].final
     assert final.finish_reason == "stop" and final.WhichOneof("stop_reason") == "stop_token_id"
     assert final.stop_token_id == stop_id
+
+
+def stop_string_case(llm, prompt, max_tokens):
+    """Two words from the middle of the greedy text (more than one token): a stop string the request must end at."""
+    full = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = " ".join(full.text.split()[2:4])
+    assert len(llm.tokenizer.encode(stop, add_special_tokens=False)) > 1 and full.text.index(stop) > 0
+    return stop
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_ends_the_request_as_offline(stub, llm, include):
+    """llmmesh.v1.Engine honours stop strings: the same tokens and finish as LLM.generate with the same stop,
+    and the engine request ends at the hit (the gateway leaves stop strings to the detokenizer, other callers
+    need not)."""
+    prompt = llm.tokenizer.encode(PROMPTS[2])
+    stop = stop_string_case(llm, prompt, 32)
+    kwargs = dict(temperature=0.0, max_tokens=32, ignore_eos=True, stop=[stop], include_stop_str_in_output=include)
+    expected = llm.generate({"prompt_token_ids": prompt}, SamplingParams(**kwargs), use_tqdm=False)[0].outputs[0]
+    assert expected.finish_reason == "stop" and expected.stop_reason == stop and len(expected.token_ids) < 32
+
+    request = engine_pb2.EngineGenerateRequest(prompt_token_ids=prompt, sampling_params=common_pb2.SamplingParams(**kwargs))
+    result = collect(stub.Generate(request))
+    assert result[0].ids == list(expected.token_ids)
+    final = result[0].final
+    assert (final.finish_reason, final.WhichOneof("stop_reason"), final.stop_str) == ("stop", "stop_str", stop)
+    # The same text: the tokens' text holds the offline text, then the stop string (which the offline text
+    # shows only with include_stop_str_in_output).
+    text = llm.tokenizer.decode(result[0].ids)
+    assert text.startswith(expected.text if include else expected.text + stop)
+    assert result.last.usage.completion_tokens == len(expected.token_ids)
+    wait_idle(stub, 0.0)
 
 
 def test_n3_seeded_completions_and_logprobs(stub, llm):
@@ -221,13 +254,15 @@ def test_n3_seeded_completions_and_logprobs(stub, llm):
     )
     request = engine_pb2.EngineGenerateRequest(request_id="n3", prompt_token_ids=prompt, sampling_params=params)
     first = collect(stub.Generate(request))
-    assert sorted(first) == [0, 1, 2]
-    ids = [first[i]["ids"] for i in range(3)]
+    assert sorted(first.completions) == [0, 1, 2]
+    ids = [first[i].ids for i in range(3)]
     assert all(len(x) == 8 for x in ids)
     assert len({tuple(x) for x in ids}) > 1, "three seeded samples should not all be the same"
+    # One message per engine step, holding every completion that moved in it: the three step together.
+    assert [sorted(d.index for d in m.outputs) for m in first.messages] == [[0, 1, 2]] * 8
     # The same seed gives the same completions (child i draws with seed + i), as the offline LLM does.
     again = collect(stub.Generate(request))
-    assert [again[i]["ids"] for i in range(3)] == ids
+    assert [again[i].ids for i in range(3)] == ids
     offline = llm.generate(
         {"prompt_token_ids": prompt},
         SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True, logprobs=2, prompt_logprobs=1),
@@ -236,8 +271,7 @@ def test_n3_seeded_completions_and_logprobs(stub, llm):
     assert [list(c.token_ids) for c in offline.outputs] == ids
 
     for index in range(3):
-        messages = first[index]["messages"]
-        positions = [p for m in messages for p in m.logprobs]
+        positions = [p for d in first[index].deltas for p in d.logprobs]
         assert len(positions) == 8
         for token_id, position, ref in zip(ids[index], positions, offline.outputs[index].logprobs):
             entries = position.entries
@@ -246,21 +280,20 @@ def test_n3_seeded_completions_and_logprobs(stub, llm):
             ranks = {1, 2, entries[0].rank}
             assert sorted(e.rank for e in entries) == sorted(ranks)
             assert entries[0].logprob == pytest.approx(ref[token_id].logprob, abs=1e-4)
-        assert first[index]["final"].usage.completion_tokens == 8
-    # Prompt logprobs come once, for positions 1.., with the first child.
-    prompt_positions = [(i, p) for i in range(3) for m in first[i]["messages"] for p in m.prompt_logprobs]
+    assert first.last.usage.completion_tokens == 3 * 8
+    # Prompt logprobs come once, for positions 1.., with the first tokens.
+    prompt_positions = [(i, p) for i, m in enumerate(first.messages) for p in m.prompt_logprobs]
     assert len(prompt_positions) == len(prompt) - 1 and {i for i, _ in prompt_positions} == {0}
     assert [p.entries[0].token_id for _, p in prompt_positions] == prompt[1:]
 
 
 def test_n_children_share_the_prompt_blocks(stub, llm):
-    # A prompt no request has used: child 1 can only hit blocks that child 0 holds (2 full blocks of 16).
+    # A prompt no request has used: its cached blocks can only be the ones the first child holds (2 full blocks of 16).
     prompt = llm.tokenizer.encode("Shared prompt blocks: " + "one two three four five " * 8)[:40]
     params = common_pb2.SamplingParams(n=2, temperature=0.0, max_tokens=2, ignore_eos=True)
     result = collect(stub.Generate(engine_pb2.EngineGenerateRequest(prompt_token_ids=prompt, sampling_params=params)))
-    cached = {i: result[i]["final"].usage.cached_tokens for i in result}
-    assert cached == {0: 0, 1: 32}
-    assert result[0]["ids"] == result[1]["ids"]  # greedy children agree
+    assert result.last.usage.cached_tokens == 32
+    assert result[0].ids == result[1].ids  # greedy children agree
 
 
 # ---- cancellation, deadlines, abort ----------------------------------------------------
@@ -283,7 +316,8 @@ def test_client_cancel_frees_blocks(stub, llm):
 
 
 def test_expired_deadline_frees_blocks(stub, llm):
-    call = stub.Generate(long_request("deadline", llm), timeout=2.0)
+    # Long enough for the first tokens on a busy machine, far shorter than 2000 tokens take.
+    call = stub.Generate(long_request("deadline", llm), timeout=5.0)
     received = []
     with pytest.raises(grpc.RpcError) as err:
         for msg in call:
@@ -297,10 +331,10 @@ def test_abort_rpc_ends_stream_with_abort(stub, llm):
     call = stub.Generate(long_request("abort-me", llm))
     got = [next(call)]
     assert stub.Abort(engine_pb2.AbortRequest(request_ids=["abort-me", "no-such-request"])).num_aborted == 1
-    got += list(call)  # the stream ends on its own
-    final = got[-1]
-    assert final.finish_reason == "abort" and all(not m.finish_reason for m in got[:-1])
-    assert final.usage.completion_tokens == sum(len(m.token_ids) for m in got) < 2000
+    result = collect([*got, *call])  # the stream ends on its own
+    final = result[0].final
+    assert final is result.last.outputs[0] and final.finish_reason == "abort"
+    assert result.last.usage.completion_tokens == len(result[0].ids) < 2000
     assert stub.Abort(engine_pb2.AbortRequest(request_ids=["abort-me"])).num_aborted == 0
     wait_idle(stub, 0.0)
 
@@ -314,8 +348,8 @@ def test_abort_rpc_with_a_child_id_ends_that_child_alone(stub, llm):
     # Child 1 of "pair" (engine/output_processor.child_request_id) by its engine request id.
     assert stub.Abort(engine_pb2.AbortRequest(request_ids=["1_pair"])).num_aborted == 1
     result = collect([*got, *call])
-    assert result[1]["final"].finish_reason == "abort" and len(result[1]["ids"]) < 48
-    assert result[0]["final"].finish_reason == "length" and result[0]["ids"] == expected
+    assert result[1].final.finish_reason == "abort" and len(result[1].ids) < 48
+    assert result[0].final.finish_reason == "length" and result[0].ids == expected
     wait_idle(stub, 0.0)
 
 
@@ -329,9 +363,11 @@ BAD_REQUESTS = [
     ("prompt_token_ids", dict(prompt_token_ids=[1] * 9000)),  # longer than max_model_len (8192)
     ("prompt_token_ids", dict(prompt_token_ids=[1, 10**6])),  # outside the vocabulary
     ("n", dict(sampling_params=common_pb2.SamplingParams(n=0))),
-    ("n", dict(sampling_params=common_pb2.SamplingParams(n=10**9))),  # more than --max-num-seqs
+    ("n", dict(sampling_params=common_pb2.SamplingParams(n=10**9))),  # more than --max-n
     ("logprobs", dict(sampling_params=common_pb2.SamplingParams(logprobs=21))),
+    ("stop", dict(sampling_params=common_pb2.SamplingParams(stop=["x"] * 65))),  # more than --max-stop
     ("request_id", dict(request_id="busy")),  # a running request's id
+    ("request_id", dict(request_id="r" * 257)),  # longer than --max-id-chars
 ]
 
 
@@ -340,16 +376,35 @@ def test_bad_input_is_invalid_argument_while_another_stream_runs(stub, llm):
     [expected] = reference_ids(llm, [prompt], 24)
     good = stub.Generate(engine_pb2.EngineGenerateRequest(request_id="busy", prompt_token_ids=prompt, sampling_params=greedy_proto(24)))
     first = next(good)
-    for field, fields in BAD_REQUESTS:
+    for field_name, fields in BAD_REQUESTS:
         request = engine_pb2.EngineGenerateRequest(**{"prompt_token_ids": [1, 2, 3], **fields})
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(request))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field_name
         # The message starts with the field's name, then says what is allowed.
-        assert re.match(rf"{field}\b", err.value.details()), (field, err.value.details())
+        assert re.match(rf"{field_name}\b", err.value.details()), (field_name, err.value.details())
     rest = collect([first, *good])
-    assert rest[0]["ids"] == expected and rest[0]["final"].finish_reason == "length"
+    assert rest[0].ids == expected and rest[0].final.finish_reason == "length"
     wait_idle(stub, 0.0)
+
+
+def test_undecodable_request_is_invalid_argument_and_the_server_goes_on(engine_address, stub, llm):
+    data = undecodable(engine_pb2.EngineGenerateRequest)
+    with grpc.insecure_channel(engine_address) as channel:
+        generate = channel.unary_stream(
+            "/llmmesh.v1.Engine/Generate", request_serializer=None, response_deserializer=None
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            list(generate(data))
+        abort = channel.unary_unary("/llmmesh.v1.Engine/Abort", request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as abort_err:
+            abort(undecodable(engine_pb2.AbortRequest))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not decode" in err.value.details()
+    assert abort_err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    prompt = llm.tokenizer.encode(PROMPTS[0])
+    [expected] = reference_ids(llm, [prompt], 4)
+    request = engine_pb2.EngineGenerateRequest(prompt_token_ids=prompt, sampling_params=greedy_proto(4))
+    assert collect(stub.Generate(request))[0].ids == expected
 
 
 def free_port() -> int:
@@ -359,53 +414,54 @@ def free_port() -> int:
 
 
 def test_not_serving_while_loading_then_sigterm_drains(llm):
-    """A second process: health NOT_SERVING (and RPCs UNAVAILABLE) until the model is loaded; on SIGTERM
+    """A real process: health NOT_SERVING (and RPCs UNAVAILABLE) until the model is loaded; on SIGTERM
     new requests get UNAVAILABLE while the one in flight finishes, and the process exits cleanly."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "engine", "--port", str(port), "--kv-cache-memory", KV_CACHE_MEMORY],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
+    port = free_port()  # known before the process listens, so its health can be watched while it loads
+    proc = ServiceProcess("engine", ["--port", str(port), "--kv-cache-memory", KV_CACHE_MEMORY])
     try:
-        seen = set()
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            health = health_pb2_grpc.HealthStub(channel)
             stub = engine_pb2_grpc.EngineStub(channel)
-            deadline = time.monotonic() + 120
-            while "SERVING" not in seen:
-                assert time.monotonic() < deadline and proc.poll() is None, seen
-                try:
-                    status = health.Check(health_pb2.HealthCheckRequest(service="llmmesh.v1.Engine"), timeout=1).status
-                except grpc.RpcError:
-                    time.sleep(0.02)  # not listening yet
-                    continue
-                seen.add(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
-                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                    try:
-                        stub.GetLoad(engine_pb2.GetLoadRequest())
-                    except grpc.RpcError as e:
-                        seen.add(e.code().name)
-            assert {"NOT_SERVING", "UNAVAILABLE", "SERVING"} <= seen
-            assert "listening on 127.0.0.1:%d" % port in proc.stdout.readline()
+            # Health.Watch waits for the server to listen, then sends every change of its status.
+            watch = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service="llmmesh.v1.Engine"), timeout=300, wait_for_ready=True
+            )
+            assert next(watch).status == NOT_SERVING
+            with pytest.raises(grpc.RpcError) as err:
+                stub.GetLoad(engine_pb2.GetLoadRequest())
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in err.value.details()
+            assert next(watch).status == SERVING
+            assert proc.wait_listening(60) == f"127.0.0.1:{port}"
 
             prompt = llm.tokenizer.encode(PROMPTS[0])
             [expected] = reference_ids(llm, [prompt], 16)
             call = stub.Generate(engine_pb2.EngineGenerateRequest(prompt_token_ids=prompt, sampling_params=greedy_proto(16)))
             first = next(call)
-            proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            proc.terminate()
+            # NOT_SERVING is set as the drain starts, just before the server stops taking calls.
+            assert next(watch).status == NOT_SERVING
+            watch.cancel()  # a call in flight too: the drain would wait for it
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Generate(engine_pb2.EngineGenerateRequest(prompt_token_ids=prompt, sampling_params=greedy_proto(4))))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert collect([first, *call])[0]["ids"] == expected
-        assert proc.wait(timeout=30) == 0
+            assert collect([first, *call])[0].ids == expected
+        assert proc.popen.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
+        if proc.alive():
             proc.kill()
-            proc.wait()
 
 
 # ---- the engine thread on its own (in-process, sharing the reference LLM's EngineCore) ----------
+
+
+async def drain(stream) -> tuple[list[int], EngineRequestError | None]:
+    """A request's tokens (one completion), and the error that ended it, if any."""
+    tokens = []
+    try:
+        async for out in stream:
+            tokens += [t for c in out.outputs for t in c.token_ids]
+    except EngineRequestError as e:
+        return tokens, e
+    return tokens, None
 
 
 def test_engine_thread_survives_failing_requests(llm, monkeypatch):
@@ -414,7 +470,7 @@ def test_engine_thread_survives_failing_requests(llm, monkeypatch):
     core = llm.engine
     prompt = llm.tokenizer.encode(PROMPTS[1])
     [expected] = reference_ids(llm, [prompt], 12)
-    real_add, real_execute = core.add_request, core.model_runner.execute_model
+    real_add, real_execute = core.add_request, core.worker.execute_model
 
     def add(request):
         if request.request_id == "poison":
@@ -428,30 +484,28 @@ def test_engine_thread_survives_failing_requests(llm, monkeypatch):
         return real_execute(scheduler_output)
 
     monkeypatch.setattr(core, "add_request", add)
-    monkeypatch.setattr(core.model_runner, "execute_model", execute)
+    monkeypatch.setattr(core.worker, "execute_model", execute)
     step_threads = set()
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-    async def drain(stream):
-        return [out async for _, outs in stream for out in outs]
 
     async def scenario():
         built_on = []
         # Built and stepped on the engine thread alone, so torch's OpenMP pool is only that thread's.
-        engine = AsyncEngine(lambda: built_on.append(threading.get_ident()) or core)
+        engine = AsyncLLM(lambda: built_on.append(threading.get_ident()) or core)
         assert await engine.loaded() is core and built_on == [engine.thread.ident]
+        engine.set_tokenizer(llm.tokenizer)
         try:
             good = engine.add_request("good", prompt, greedy.clone())
             bad = engine.add_request("poison", prompt, greedy.clone())
-            good_outs, bad_outs = await asyncio.gather(drain(good), drain(bad))
-            assert [type(o) for o in bad_outs] == [EngineError] and "poisoned add" in bad_outs[0].message
-            assert [t for o in good_outs for t in o.new_token_ids] == expected
+            (good_tokens, good_error), (bad_tokens, bad_error) = await asyncio.gather(drain(good), drain(bad))
+            assert bad_tokens == [] and "poisoned add" in str(bad_error)
+            assert good_tokens == expected and good_error is None
 
-            boom = await drain(engine.add_request("explode", prompt, greedy.clone()))
-            assert [type(o) for o in boom] == [EngineError] and "exploding step" in boom[0].message
-            after = await drain(engine.add_request("after", prompt, greedy.clone()))
-            assert [t for o in after for t in o.new_token_ids] == expected
-            assert engine.thread.is_alive() and not engine.streams and not engine.requests
+            boom_tokens, boom_error = await drain(engine.add_request("explode", prompt, greedy.clone()))
+            assert boom_tokens == [] and "exploding step" in str(boom_error)
+            assert await drain(engine.add_request("after", prompt, greedy.clone())) == (expected, None)
+            assert engine.thread.is_alive() and engine.dead is None and not engine.died.is_set()
+            assert not engine.streams and not engine.output_processor.has_unfinished_requests()
             # Refused on the caller's side, before anything reaches the engine thread.
             with pytest.raises(ValueError, match="prompt_token_ids"):
                 engine.add_request("empty", [], greedy.clone())

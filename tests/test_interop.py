@@ -1,4 +1,4 @@
-"""Clients and routers that are not ours, against the real mesh on loopback.
+"""Clients and routers that are not ours, against the real mesh on loopback (its services served in-process).
 
 - Node.js: a client generated from our protos by @grpc/grpc-js's own loader streams a greedy Generate
   through the gateway; its text equals the offline LLM's and the Python client's.
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import InProcessService
 from engine import LLM, SamplingParams
-from engine.config import EngineArgs
 from engine.models.loader import DEFAULT_MODEL, prepare_model_dir
-from services.mesh import Mesh, chat, collect, generate
+from services.client import chat, collect, generate
 
 pytestmark = pytest.mark.slow
 
@@ -41,10 +41,34 @@ CHAT_MAX_TOKENS = 16
 SMG = shutil.which("smg", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
 
 
+class InProcessMesh:
+    """The engine, tokenizer and detokenizer, and a gateway in front of them, each served in-process."""
+
+    def __init__(self, engine_flags: list[str]):
+        self.services: dict[str, InProcessService] = {}
+        try:
+            for name, flags in (("engine", engine_flags), ("tokenizer", []), ("detokenizer", [])):
+                self.services[name] = InProcessService(name, [*flags, "--shutdown-timeout", "5"])
+            backends = [f for name in ("engine", "tokenizer", "detokenizer") for f in (f"--{name}", self.services[name].address)]
+            self.services["gateway"] = InProcessService("gateway", [*backends, "--shutdown-timeout", "5"])
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def address(self) -> str:
+        return self.services["gateway"].address
+
+    def stop(self) -> None:
+        for service in reversed(self.services.values()):  # the gateway first
+            service.stop()
+
+
 @pytest.fixture(scope="module")
 def mesh():
-    with Mesh(EngineArgs(kv_cache_memory=KV)) as m:
-        yield m
+    m = InProcessMesh(["--kv-cache-memory", KV])
+    yield m
+    m.stop()
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +149,8 @@ class SmgRouter:
 
     def wait_ready(self, timeout: float = 90.0) -> str:
         """Wait until the router lists the engine's model and has its tokenizer (a one-token chat
-        completes: smg registers the tokenizer after the worker); returns the model id."""
+        completes: smg registers the tokenizer after the worker); returns the model id. smg announces neither
+        over anything but its log, so this polls its HTTP API."""
         deadline = time.monotonic() + timeout
         last = "no answer"
         while time.monotonic() < deadline:

@@ -8,11 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from conftest import NOT_SERVING, SERVING, wait_for_health
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, tokenizer_pb2
-from services.grpc_server import check_health
-from services.mesh import Mesh, chat, collect, gateway_stub, generate
+from services.client import chat, collect, gateway_stub, generate
+from services.supervisor import Mesh
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +73,12 @@ def engine(mesh):
     return engine_pb2_grpc.EngineStub(grpc.insecure_channel(mesh.services["engine"].address))
 
 
-def wait_idle(engine, timeout=2.0) -> None:
+# The engine publishes its load after every step and has no event for it, so the waits below poll; their
+# bounds keep a broken abort from hanging a test (the requests they wait out run for minutes), no speed is asserted.
+IDLE_WITHIN_S = 30.0
+
+
+def wait_idle(engine, timeout=IDLE_WITHIN_S) -> None:
     """Wait until the engine runs nothing and every KV block is free; fail after timeout."""
     start = time.monotonic()
     while True:
@@ -199,7 +205,7 @@ def test_stop_string_split_across_tokens(mesh, llm, refs, engine):
     choice = result.choice()
     assert (choice.finish_reason, choice.stop_str) == ("stop", stop)
     # The engine request ended at the hit, not after 1000 tokens.
-    wait_idle(engine, timeout=1.0)
+    wait_idle(engine)
     # The gateway stopped reading before the engine's final message: the queue time came with the first tokens.
     t = result.complete.timings
     assert 0 < t.queue_time < t.time_to_first_token <= t.e2e_latency
@@ -225,7 +231,7 @@ def test_n2_stop_string_ends_only_its_choice(mesh, llm, refs, engine):
         if sum(len(d.token_ids) for r in shown for d in r.chunk.choices if d.index == other) >= k + 4:
             break
     # The stopped choice's engine request is gone (aborted by then, freed the next step) while the other runs.
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + IDLE_WITHIN_S
     while (load := engine.GetLoad(engine_pb2.GetLoadRequest())).num_running != 1:
         assert load.num_running == 2 and time.monotonic() < deadline, f"the stopped choice still runs: {load}"
         time.sleep(0.005)
@@ -248,7 +254,7 @@ def test_client_cancel_frees_blocks(mesh, engine):
     first_chunks(stream)
     wait_running(engine)
     stream.cancel()
-    wait_idle(engine, timeout=1.0)
+    wait_idle(engine)
 
 
 def test_deadline_frees_blocks(mesh, engine):
@@ -256,16 +262,17 @@ def test_deadline_frees_blocks(mesh, engine):
 
     def run():
         try:
-            collect(generate(mesh.address, PROMPTS[1], timeout=1.5, **LONG))
+            # Long enough to start on a busy machine, far shorter than 1000 tokens take.
+            collect(generate(mesh.address, PROMPTS[1], timeout=5.0, **LONG))
         except grpc.RpcError as e:
-            errors.append((e.code(), time.monotonic()))
+            errors.append(e.code())
 
     thread = threading.Thread(target=run)
     thread.start()
     wait_running(engine)
-    thread.join(10)
-    assert errors and errors[0][0] == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_idle(engine, timeout=1.0)
+    thread.join(60)
+    assert errors == [grpc.StatusCode.DEADLINE_EXCEEDED]
+    wait_idle(engine)
 
 
 # ---- bad input ------------------------------------------------------------------------------------
@@ -284,12 +291,14 @@ def bad_requests(max_model_len, vocab_size):
         (f"token_ids: token id {vocab_size} {out_of_vocab}", lambda a: generate(a, [1, vocab_size, 2])),
         (f"token_ids: token id -1 {out_of_vocab}", lambda a: generate(a, [-1, 1])),
         ("n must be at least 1", lambda a: generate(a, "hi", n=0)),
-        ("model 'gpt-9' is not served here; the served model is 'smollm2-135m-instruct'",
-         lambda a: generate(a, "hi", model="gpt-9")),
+        ("n must be at most 128 (--max-n)", lambda a: generate(a, "hi", n=129)),
         ("messages[0].role must be one of", lambda a: chat(a, [{"role": "", "content": "hi"}])),
         ("messages[1].role must be one of",
          lambda a: chat(a, [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}])),
-        ("messages is empty", lambda a: chat(a, [])),
+        ("messages must hold at least one message", lambda a: chat(a, [])),
+        ("chat_template: a request may not bring its own chat template here",
+         lambda a: gateway_stub(a).Chat(gateway_pb2.ChatRequest(
+             messages=[common_pb2.ChatMessage(role="user", content="hi")], chat_template="{{ messages }}"))),
     ]
 
 
@@ -303,6 +312,9 @@ def test_bad_input_is_invalid_argument_and_others_go_on(mesh, refs, engine):
     for message, call in bad_requests(card.max_model_len, vocab_size):
         details = expect_error(grpc.StatusCode.INVALID_ARGUMENT, lambda: call(mesh.address))
         assert message in details, (message, details)
+    # A model the gateway does not serve is NOT_FOUND.
+    details = expect_error(grpc.StatusCode.NOT_FOUND, lambda: generate(mesh.address, "hi", model="gpt-9"))
+    assert details == "model 'gpt-9' is not served here; the served model is 'smollm2-135m-instruct'"
     result = collect(shown + list(good))
     assert result.text() == ref.text
 
@@ -313,7 +325,8 @@ def test_bad_input_is_invalid_argument_and_others_go_on(mesh, refs, engine):
 def test_resource_exhausted_unauthenticated_and_drain(mesh, engine):
     # Also an engine address where nothing listens: the gateway routes around it (it fails its health checks).
     gateway = mesh.start_gateway(
-        ["--max-waiting-requests", "1", "--api-key", "s3cret", "--shutdown-timeout", "20", "--engine", "127.0.0.1:1"]
+        # A drain long enough for the request in flight below on a busy machine (it ends as soon as that finishes).
+        ["--max-requests-in-flight", "1", "--api-key", "s3cret", "--shutdown-timeout", "300", "--engine", "127.0.0.1:1"]
     )
     try:
         address = gateway.address
@@ -326,31 +339,24 @@ def test_resource_exhausted_unauthenticated_and_drain(mesh, engine):
         details = expect_error(
             grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: generate(address, "hi", max_tokens=2, api_key="s3cret")
         )
-        assert "max-waiting-requests" in details
+        assert "--max-requests-in-flight=1" in details
         running.cancel()
         wait_idle(engine)
 
         # SIGTERM: the request in flight finishes, new ones get UNAVAILABLE.
-        in_flight = generate(address, PROMPTS[0], api_key="s3cret", temperature=0.0, max_tokens=40, ignore_eos=True)
+        in_flight = generate(address, PROMPTS[0], api_key="s3cret", temperature=0.0, max_tokens=24, ignore_eos=True)
         first_chunks(in_flight, 1)
-        gateway.popen.terminate()
-        time.sleep(0.5)
+        gateway.terminate()
+        wait_for_health(address, NOT_SERVING)  # the drain has begun
         expect_error(grpc.StatusCode.UNAVAILABLE, lambda: generate(address, "hi", max_tokens=2, api_key="s3cret"))
         result = collect(in_flight)
-        assert result.choice().finish_reason == "length" and result.complete.usage.completion_tokens == 40
-        assert gateway.popen.wait(20) == 0
+        assert result.choice().finish_reason == "length" and result.complete.usage.completion_tokens == 24
+        assert gateway.popen.wait(60) == 0
     finally:
         gateway.kill()
 
 
 # ---- a dependency that dies ---------------------------------------------------------------------
-
-
-def wait_health(address, serving: bool, timeout: float):
-    deadline = time.monotonic() + timeout
-    while check_health(address, timeout=1) != serving:
-        assert time.monotonic() < deadline, f"the gateway's health is not {'SERVING' if serving else 'NOT_SERVING'}"
-        time.sleep(0.1)
 
 
 def test_detokenizer_killed_then_restarted(mesh, refs, engine):
@@ -359,34 +365,31 @@ def test_detokenizer_killed_then_restarted(mesh, refs, engine):
         first_chunks(s)
     wait_running(engine, len(PROMPTS))
     mesh.services["detokenizer"].kill()
-    killed = time.monotonic()
     for s in streams:
         with pytest.raises(grpc.RpcError) as info:
             collect(s)
+        # At once, because the stream broke, not after the gateway's wait for a detokenizer answer.
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
-        assert "detokenizer" in info.value.details()
-    assert time.monotonic() - killed < 3.0
+        assert "the detokenizer at" in info.value.details() and "is unavailable" in info.value.details()
     wait_idle(engine)
-    # While it is down: UNAVAILABLE at once, and the gateway's health says so.
-    start = time.monotonic()
-    expect_error(grpc.StatusCode.UNAVAILABLE, lambda: generate(mesh.address, PROMPTS[0], max_tokens=4))
-    assert time.monotonic() - start < 3.0
+    # While it is down: UNAVAILABLE, and the gateway's health says so.
+    details = expect_error(grpc.StatusCode.UNAVAILABLE, lambda: generate(mesh.address, PROMPTS[0], max_tokens=4))
+    assert "detokenizer" in details
     wait_idle(engine)
-    wait_health(mesh.address, serving=False, timeout=5)
+    wait_for_health(mesh.address, NOT_SERVING)
 
     mesh.restart("detokenizer")
-    wait_health(mesh.address, serving=True, timeout=10)
+    wait_for_health(mesh.address, SERVING)
     assert collect(generate(mesh.address, PROMPTS[0], **GREEDY)).text() == refs["greedy0"].text
     wait_idle(engine)
 
 
 def test_tokenizer_killed_then_restarted(mesh, refs, engine):
     mesh.services["tokenizer"].kill()
-    start = time.monotonic()
     details = expect_error(grpc.StatusCode.UNAVAILABLE, lambda: generate(mesh.address, PROMPTS[0], max_tokens=4))
-    assert "tokenizer" in details and time.monotonic() - start < 3.0
-    wait_health(mesh.address, serving=False, timeout=5)
+    assert details.startswith("the tokenizer at") and "is unavailable" in details
+    wait_for_health(mesh.address, NOT_SERVING)
     mesh.restart("tokenizer")
-    wait_health(mesh.address, serving=True, timeout=10)
+    wait_for_health(mesh.address, SERVING)
     assert collect(generate(mesh.address, PROMPTS[0], **GREEDY)).text() == refs["greedy0"].text
     wait_idle(engine)

@@ -137,7 +137,7 @@ def test_stop_string_ends_the_request_in_the_engine(llm, include):
     # Drive the engine by hand to see it stop in the very step the stop string shows up.
     engine, processor = llm.engine, llm.output_processor
     params = SamplingParams(temperature=0, max_tokens=30, stop=[stop], include_stop_str_in_output=include)
-    for request in processor.add_request("stop-test", None, prompt, params):
+    for request in processor.add_request("stop-test", None, prompt, params).engine_requests:
         engine.add_request(request)
     finished, steps = [], 0
     while not finished:
@@ -150,7 +150,7 @@ def test_stop_string_ends_the_request_in_the_engine(llm, include):
     assert completion.finish_reason == "stop" and completion.stop_reason == stop
     assert completion.token_ids == base_ids[: completing + 1]
     assert completion.text == base_text[: at + len(stop) if include else at]
-    engine.step()  # the abort's own output is stale and must be ignored
+    assert processor.process_outputs(engine.step()) == ([], [])  # the abort's own output is stale: ignored
     assert not processor.has_unfinished_requests()
 
 

@@ -1,23 +1,20 @@
-"""The tokenizer and detokenizer services as real processes on loopback ports, against the SmolLM2 tokenizer."""
+"""The tokenizer and detokenizer services, served in-process on loopback ports, against the SmolLM2 tokenizer;
+and as real processes where SIGTERM is the point."""
 
-import os
 import queue
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from conftest import InProcessService
 from engine.models.loader import load_config
 from engine.text import Tokenizer
 from engine.text.detokenizer import REPLACEMENT_CHAR
 from llmmesh.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from services.supervisor import ServiceProcess
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Please repeat the following text exactly:\n"
 HARD_TEXTS = {  # characters whose UTF-8 bytes SmolLM2 splits over several tokens
     "emoji": "Family 👨‍👩‍👧 and flags 🇫🇷🇯🇵, thumbs 👍🏽 up 🎉",
@@ -29,35 +26,32 @@ MESSAGES = [
 ]
 
 
-def start_service(name: str, log_dir: str) -> tuple[subprocess.Popen, str, Path]:
-    log = Path(log_dir) / f"{name}.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", name, "--port", "0"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    return proc, name, log
-
-
-def read_address(proc: subprocess.Popen, name: str, log: Path) -> str:
-    line = proc.stdout.readline()  # the service prints exactly this once it is SERVING
-    prefix = f"llmmesh {name} listening on "
-    assert line.startswith(prefix), f"{name} did not start: {line!r}\n{log.read_text()[-3000:]}"
-    return line[len(prefix):].strip()
-
-
 @pytest.fixture(scope="module")
 def addresses():
-    with tempfile.TemporaryDirectory() as log_dir:
-        started = [start_service(name, log_dir) for name in ("tokenizer", "detokenizer")]  # load in parallel
-        try:
-            yield {name: read_address(proc, name, log) for proc, name, log in started}
-        finally:
-            for proc, _, _ in started:
-                proc.terminate()
-            for proc, name, log in started:
-                # SIGTERM drains and exits cleanly.
-                assert proc.wait(timeout=30) == 0, f"{name} exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+    services = {}
+    try:
+        for name in ("tokenizer", "detokenizer"):
+            services[name] = InProcessService(name)
+        yield {name: s.address for name, s in services.items()}
+    finally:
+        for s in services.values():
+            s.stop()
+
+
+def test_sigterm_stops_the_processes_cleanly():
+    """As processes, both services drain on SIGTERM and exit 0."""
+    processes = [ServiceProcess(name, ["--port", "0"]) for name in ("tokenizer", "detokenizer")]  # load in parallel
+    try:
+        for p in processes:
+            p.wait_listening(120)
+        for p in processes:
+            p.terminate()
+        for p in processes:
+            assert p.popen.wait(30) == 0, f"the {p.service} exited with {p.popen.returncode}"
+    finally:
+        for p in processes:
+            if p.alive():
+                p.kill()
 
 
 @pytest.fixture(scope="module")
@@ -160,11 +154,20 @@ def test_tokenize_chat(tokenizer_stub, tok):
     no_gen = tokenizer_stub.Tokenize(tokenizer_pb2.TokenizeRequest(
         chat=tokenizer_pb2.ChatInput(messages=MESSAGES, add_generation_prompt=False)))
     assert no_gen.prompt == tok.apply_chat_template(messages, add_generation_prompt=False) != prompt
-    template = "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}"
-    custom = tokenizer_stub.Tokenize(tokenizer_pb2.TokenizeRequest(
-        chat=tokenizer_pb2.ChatInput(messages=MESSAGES, chat_template=template)))
-    assert custom.prompt == "[system:Be brief.][user:Name a colour 🎨]"
-    assert list(custom.token_ids) == tok.encode(custom.prompt, add_special_tokens=False)
+
+
+CUSTOM_TEMPLATE = "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}"
+
+
+def test_request_chat_template_only_when_trusted(tokenizer_stub, tok):
+    custom = tokenizer_pb2.TokenizeRequest(chat=tokenizer_pb2.ChatInput(messages=MESSAGES, chat_template=CUSTOM_TEMPLATE))
+    details = invalid_argument(tokenizer_stub.Tokenize, custom)
+    assert details.startswith("chat.chat_template") and "trust-request-chat-template" in details
+    with InProcessService("tokenizer", ["--trust-request-chat-template"]) as trusting, \
+            grpc.insecure_channel(trusting.address) as channel:
+        reply = tokenizer_pb2_grpc.TokenizerStub(channel).Tokenize(custom)
+    assert reply.prompt == "[system:Be brief.][user:Name a colour 🎨]"
+    assert list(reply.token_ids) == tok.encode(reply.prompt, add_special_tokens=False)
 
 
 def test_truncation(tokenizer_stub, tok):

@@ -1,4 +1,4 @@
-"""vllm.grpc.engine.VllmEngine (smg-grpc-proto) on the engine process, checked against the offline LLM."""
+"""vllm.grpc.engine.VllmEngine (smg-grpc-proto) on the engine service (in-process), checked against the offline LLM."""
 
 import asyncio
 import hashlib
@@ -12,17 +12,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from conftest import InProcessService
 from engine import SamplingParams
-from test_engine_service import llm, start_engine, stop_engine  # noqa: F401 (llm is a fixture)
+from test_engine_service import KV_CACHE_MEMORY, llm  # noqa: F401 (llm is a fixture)
 
 PROMPT = "Write one sentence about the sea:"
 
 
 @pytest.fixture(scope="module")
 def engine_address():
-    proc, address = start_engine("--enable-kv-cache-events")
-    yield address
-    stop_engine(proc)
+    flags = ["--kv-cache-memory", KV_CACHE_MEMORY, "--enable-kv-cache-events", "--shutdown-timeout", "5"]
+    with InProcessService("engine", flags) as engine:
+        yield engine.address
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,9 @@ def test_stop_string_is_honoured_by_the_engine(stub, llm):
     assert _settles(stub)  # the engine request ended with it
 
 
-def _settles(stub, within=2.0) -> bool:
+def _settles(stub, within=30.0) -> bool:
+    """Whether the engine runs nothing within `within` s (its load has no event: this polls; the bound only
+    keeps a broken abort from hanging the test)."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         if stub.GetLoads(vllm_engine_pb2.GetLoadsRequest()).loads[0].num_running_reqs == 0:
@@ -166,7 +169,7 @@ def test_kv_events_stream_stored_blocks(engine_address, llm):
         async with grpc.aio.insecure_channel(engine_address) as channel:
             stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
             events = stub.SubscribeKvEvents(smg_common_pb2.SubscribeKvEventsRequest())
-            await asyncio.sleep(0.5)  # subscribed before the request runs
+            await events.initial_metadata()  # the engine answers once it has subscribed us
             async for _ in stub.Generate(generate_request(prompt, temperature=0.0, max_tokens=2, ignore_eos=True)):
                 pass
             stored, seqs = [], []
