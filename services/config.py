@@ -47,6 +47,8 @@ def apply_env(parser: argparse.ArgumentParser) -> None:
             if value is not None:
                 try:
                     action.default = _from_env(action, value)
+                    if action.choices is not None and action.default not in action.choices:
+                        raise ValueError(f"must be one of {', '.join(map(str, action.choices))}")
                 except ValueError as e:
                     raise SystemExit(f"error: {env_name(action.dest)}={value!r}: {e}") from None
             action.help = f"{action.help or ''} [env {env_name(action.dest)}]".strip()

@@ -50,7 +50,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                  max_requests_in_flight: int = 1024, api_key: str | None = None,
                  trust_request_chat_template: bool = False):
         self.deps = deps
-        self.model = served_model_name
+        self.served_model_name = served_model_name
         self.limits = limits
         self.max_requests_in_flight = max_requests_in_flight
         self.api_key = api_key or None
@@ -68,6 +68,12 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "authorization metadata must be 'Bearer <api key>'")
         if self.draining:
             raise unavailable("the gateway is shutting down")
+
+    @property
+    def model(self) -> str:
+        """The name clients ask for: --served-model-name, else the engines' model."""
+        info = self.deps.model_info
+        return self.served_model_name or (info.model if info is not None else "")
 
     def _check_model(self, model: str) -> None:
         if model and model != self.model:
@@ -161,8 +167,11 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     async def _generate(self, request, context, params, prompt_ids: list[int], arrival: float):
         request_id = request.request_id or uuid.uuid4().hex
-        # Unique at the engine even when clients reuse ids.
-        engine_request_id = f"{request_id}-{uuid.uuid4().hex[:8]}" if request.request_id else request_id
+        # Unique at the engine even when clients reuse ids, and no longer than the engine takes.
+        if request.request_id:
+            engine_request_id = f"{request_id[: self.limits.max_id_chars - 9]}-{uuid.uuid4().hex[:8]}"
+        else:
+            engine_request_id = request_id
         state = RequestState(engine_request_id, None, prompt_ids, params, arrival, RequestOutputKind.DELTA)
         sp = request.sampling_params
         engine_params = common_pb2.SamplingParams()
@@ -397,7 +406,8 @@ async def serve(args) -> None:
 
 def add_gateway_args(parser) -> None:
     """The gateway's own flags (not the addresses of its dependencies)."""
-    parser.add_argument("--served-model-name", default=config.DEFAULT_MODEL, help="the model name clients may ask for")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients may ask for (default: the engines' --model, as in vLLM)")
     parser.add_argument("--max-requests-in-flight", type=int, default=1024,
                         help="requests in flight past which new ones get RESOURCE_EXHAUSTED")
     parser.add_argument("--api-key", default=None, help="require metadata 'authorization: Bearer KEY'")

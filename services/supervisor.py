@@ -232,8 +232,10 @@ def run_demo(args: argparse.Namespace) -> None:
 
 def gateway_flags(args: argparse.Namespace) -> list[str]:
     """The gateway's own flags as `llmmesh serve` was given them."""
-    flags = ["--shutdown-timeout", str(args.shutdown_timeout), "--served-model-name", args.served_model_name,
+    flags = ["--host", args.host, "--shutdown-timeout", str(args.shutdown_timeout),
              "--max-requests-in-flight", str(args.max_requests_in_flight)]
+    if args.served_model_name:
+        flags += ["--served-model-name", args.served_model_name]
     if args.api_key:
         flags += ["--api-key", args.api_key]
     if args.trust_request_chat_template:

@@ -31,7 +31,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
             if chat.chat_template and not self.trust_request_chat_template:
                 raise ValueError(
                     f"{field}chat.chat_template: a request may not bring its own chat template here "
-                    "(the service runs with --no-trust-request-chat-template); leave it empty for the model's own"
+                    "(start the tokenizer with --trust-request-chat-template to allow it); leave it empty for the model's own"
                 )
             add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
             try:

@@ -35,11 +35,7 @@ from llmmesh.v1 import (
     tokenizer_pb2_grpc,
 )
 
-# All of services.* in one place.
-try:
-    from services.mesh import Mesh
-except ImportError:  # Mesh lives in services.supervisor until it moves
-    from services.supervisor import Mesh
+from services.supervisor import Mesh
 
 pytestmark = pytest.mark.slow
 
