@@ -186,7 +186,9 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             if sp.HasField(name):
                 setattr(start, name, getattr(sp, name))
 
-        detok_ids = [f"{engine_request_id}/{c.index}" for c in state.completions]
+        # Ids on the shared detokenizer stream: unique there, and short whatever the client's id.
+        stream_key = uuid.uuid4().hex
+        detok_ids = [f"{stream_key}/{c.index}" for c in state.completions]
         # Per choice, what was sent to the detokenizer and awaits its answer: (delta, prompt logprobs) per step.
         pending = {detok_id: collections.deque() for detok_id in detok_ids}
         results: asyncio.Queue = asyncio.Queue()

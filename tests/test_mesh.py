@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import NOT_SERVING, SERVING, wait_for_health
 from engine import LLM, SamplingParams
@@ -346,8 +347,13 @@ def test_resource_exhausted_unauthenticated_and_drain(mesh, engine):
         # SIGTERM: the request in flight finishes, new ones get UNAVAILABLE.
         in_flight = generate(address, PROMPTS[0], api_key="s3cret", temperature=0.0, max_tokens=24, ignore_eos=True)
         first_chunks(in_flight, 1)
-        gateway.terminate()
-        wait_for_health(address, NOT_SERVING)  # the drain has begun
+        # Watched from before the signal: once the drain begins the gateway takes no new calls, Watch included.
+        with grpc.insecure_channel(address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=60)
+            assert next(watch).status == SERVING
+            gateway.terminate()
+            assert next(watch).status == NOT_SERVING  # the drain has begun
+            watch.cancel()  # an open stream would hold the drain
         expect_error(grpc.StatusCode.UNAVAILABLE, lambda: generate(address, "hi", max_tokens=2, api_key="s3cret"))
         result = collect(in_flight)
         assert result.choice().finish_reason == "length" and result.complete.usage.completion_tokens == 24
