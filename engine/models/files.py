@@ -302,7 +302,7 @@ def write_text_files(reader, path: Path, config: dict, out: Path) -> None:
 
 
 def convert_gguf_text(path: Path, out: Path) -> None:
-    """Only the tokenizer and config.json of a GGUF file, for the text services."""
+    """Only the tokenizer and config.json of a GGUF file, for processes that need only text."""
     reader = open_gguf(path)
     config = gguf_config(reader, path)
     ModelConfig.from_hf_config(config)  # the engine must be able to use what we write
