@@ -520,12 +520,17 @@ def engine_cases(rng: random.Random, info: Info, count: int) -> list[Case]:
     add("cache_salt 10,000 chars", _set("cache_salt", "c" * LONG), bad("cache_salt"))
     add("priority=int32 min", _set("priority", I32_MIN), OK)
     add("priority=int32 max", _set("priority", I32_MAX), OK)
-    cases = [_engine_case(rng, info, sp_muts, [mu], i) for i, mu in enumerate(sp_muts + m)]
+    return _each_then_random(rng, info, sp_muts, m, count, _engine_case)
+
+
+def _each_then_random(rng, info, sp_muts, prompt_muts, count, make_case) -> list[Case]:
+    """Every mutation once on its own, then random ones with one or two bad fields, up to count, shuffled."""
+    cases = [make_case(rng, info, sp_muts, [mu], i) for i, mu in enumerate(sp_muts + prompt_muts)]
     while len(cases) < count:
         chosen = _param_mutations(rng, sp_muts)
         if rng.random() < 0.25:
-            _add_prompt_mutation(rng, chosen, m)
-        cases.append(_engine_case(rng, info, sp_muts, chosen, len(cases)))
+            _add_prompt_mutation(rng, chosen, prompt_muts)
+        cases.append(make_case(rng, info, sp_muts, chosen, len(cases)))
     rng.shuffle(cases)
     return cases
 
@@ -577,14 +582,7 @@ def vllm_cases(rng: random.Random, info: Info, count: int) -> list[Case]:
         req.sampling_params.json_schema = "{}"
 
     m.append(Mutation("json_schema", json_schema, outcomes(bad("json_schema", code="UNIMPLEMENTED"))))
-    cases = [_vllm_case(rng, info, sp_muts, [mu], i) for i, mu in enumerate(sp_muts + m)]
-    while len(cases) < count:
-        chosen = _param_mutations(rng, sp_muts)
-        if rng.random() < 0.25:
-            _add_prompt_mutation(rng, chosen, m)
-        cases.append(_vllm_case(rng, info, sp_muts, chosen, len(cases)))
-    rng.shuffle(cases)
-    return cases
+    return _each_then_random(rng, info, sp_muts, m, count, _vllm_case)
 
 
 def _vllm_case(rng, info, sp_muts, chosen, i) -> Case:
