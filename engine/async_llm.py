@@ -216,6 +216,8 @@ class AsyncLLM:
             logger.exception("the engine thread died")
             self.dead = f"the engine thread died: {type(e).__name__}: {e}"
             self._call_soon(self._fail_all, self.dead)
+        finally:
+            self.core.shutdown()
 
     def _call_soon(self, callback, *args) -> bool:
         """Run callback on the event loop; False when the loop is closed and nobody listens any more."""

@@ -54,6 +54,9 @@ class EngineArgs:
     # Most logprobs (or prompt_logprobs) a request may ask for; -1: no limit.
     max_logprobs: int = 20
     download_dir: str | None = None  # where converted weights are cached
+    # vLLM's --kv-transfer-config: a KV connector as JSON, e.g. {"kv_connector": "KVStoreConnector",
+    # "kv_role": "kv_both", "kv_connector_extra_config": {"kvstore_address": "127.0.0.1:50055"}}
+    kv_transfer_config: str | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -74,6 +77,15 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0, got {self.max_logprobs}.")
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory)
+        if self.kv_transfer_config is not None:
+            self.get_kv_transfer_config()
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_transfer_config needs prefix caching: its blocks are named by their prefix hashes.")
+
+    def get_kv_transfer_config(self):
+        from engine.kv.connector.base import KVTransferConfig  # noqa: PLC0415
+
+        return None if self.kv_transfer_config is None else KVTransferConfig.from_json(self.kv_transfer_config)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

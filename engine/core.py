@@ -1,8 +1,11 @@
 """EngineCore: the scheduler and the KV cache manager, advanced one step at a time by a Worker."""
 
 import logging
+import time
 
 from engine.config import EngineArgs
+from engine.kv.connector.base import KVConnectorRole
+from engine.kv.connector.factory import create_connector
 from engine.kv.manager import KVCacheManager
 from engine.models.files import load_config
 from engine.models.loader import prepare_model_dir
@@ -48,6 +51,18 @@ class EngineCore:
             watermark=args.watermark,
             enable_kv_cache_events=args.enable_kv_cache_events,
         )
+        self.connector = None
+        kv_transfer_config = args.get_kv_transfer_config()
+        if kv_transfer_config is not None:
+            layout = self.worker.kv_layout()
+            self.connector = create_connector(
+                kv_transfer_config, KVConnectorRole.SCHEDULER, layout=layout, kv_cache_manager=self.kv_cache_manager
+            )
+            self.worker.connector = create_connector(
+                kv_transfer_config, KVConnectorRole.WORKER, layout=layout, kv_caches=self.worker.kv_caches
+            )
+            logger.info("KV connector %s (%s), model fingerprint %s", kv_transfer_config.kv_connector,
+                        kv_transfer_config.kv_role, layout.fingerprint[:16])  # fmt: skip
         # A request can never grow past the whole pool, so that is its length cap too.
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -56,6 +71,7 @@ class EngineCore:
             max_model_len=min(self.max_model_len, capacity),
             scheduling_policy=args.scheduling_policy,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
+            connector=self.connector,
         )
         self._aborted: list[EngineCoreOutput] = []
 
@@ -111,14 +127,25 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
+        started = time.perf_counter()
         runner_output = self.worker.execute_model(scheduler_output)
+        if self.connector is not None:
+            self._record_prefill(scheduler_output, time.perf_counter() - started)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         # Taken only once the step succeeded, so a failed step loses no abort outputs.
         aborted, self._aborted = self._aborted, []
         return aborted + outputs
 
+    def _record_prefill(self, so, seconds: float) -> None:
+        """Prefill speed for the connector's load-or-recompute estimate, from steps that are mostly prefill."""
+        prefill = sum(n for n in so.num_scheduled_tokens.values() if n > 1)
+        if prefill >= self.args.block_size and prefill * 2 >= so.total_num_scheduled_tokens:
+            self.connector.record_prefill(so.total_num_scheduled_tokens, seconds)
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+        """Requests to step, or KV transfers whose end the engine must still see (blocks they hold)."""
+        pending = self.connector is not None and self.connector.has_pending_transfers()
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted) or pending
 
     def num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
@@ -131,7 +158,15 @@ class EngineCore:
         return self.scheduler.make_stats()
 
     def reset_prefix_cache(self) -> bool:
+        """Forget the local prefix cache (the KV store keeps its blocks); False while requests hold blocks."""
+        while self.connector is not None and self.connector.has_pending_transfers() and not self.scheduler.has_unfinished_requests():
+            self.step()  # let finished stores give back the blocks they hold
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        for connector in (self.connector, self.worker.connector):
+            if connector is not None:
+                connector.shutdown()
 
     def take_kv_events(self):
         return self.kv_cache_manager.take_events()

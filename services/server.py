@@ -20,32 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 logger = logging.getLogger("llmmesh.server")
 
-# Internal messages carry whole-vocabulary logprobs at most: lift gRPC's 4 MiB default.
-MAX_MESSAGE_BYTES = 64 * 2**20
-# One keepalive policy for every link: clients ping an idle connection every KEEPALIVE_TIME_MS, and
-# servers accept pings that often (a server that accepts fewer answers GOAWAY too_many_pings and breaks
-# every stream on the connection).
-KEEPALIVE_TIME_MS = 10_000
-KEEPALIVE_TIMEOUT_MS = 5_000
-_KEEPALIVE = [
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-SERVER_OPTIONS = _KEEPALIVE + [
-    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
-    ("grpc.http2.max_ping_strikes", 0),
-]
-CHANNEL_OPTIONS = _KEEPALIVE + [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # gRPC's reconnect backoff grows to two minutes; a dependency restarted at the same address must be
-    # found again within a second or so.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
+from engine.grpc_policy import CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, MAX_MESSAGE_BYTES, SERVER_OPTIONS  # noqa: F401
 
 
 def channel(address: str) -> grpc.aio.Channel:

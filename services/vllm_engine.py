@@ -108,11 +108,17 @@ def block_hash_to_int64(block_hash: bytes) -> int:
     return int.from_bytes(block_hash[:8], "big", signed=True)
 
 
+# Where a BlockStored event's blocks live; the wire's `medium` adds ";loaded_from=kvstore" for blocks that joined
+# the device cache by a load from the store.
+KV_TIERS = {"device": smg_common_pb2.KV_CACHE_TIER_DEVICE, "kvstore": smg_common_pb2.KV_CACHE_TIER_EXTERNAL}
+
+
 def kv_event_batch(seq: int, timestamp: float, events: list, load=None) -> smg_common_pb2.KvEventBatch:
     batch = smg_common_pb2.KvEventBatch(sequence_number=seq, timestamp=timestamp, dp_rank=0)
     for event in events:
         if isinstance(event, BlockStored):
-            stored = smg_common_pb2.KvBlocksStored(tier=smg_common_pb2.KV_CACHE_TIER_DEVICE)
+            medium = event.medium if event.loaded_from is None else f"{event.medium};loaded_from={event.loaded_from}"
+            stored = smg_common_pb2.KvBlocksStored(tier=KV_TIERS[event.medium], medium=medium)
             if event.parent_block_hash is not None:
                 stored.parent_block_hash = block_hash_to_int64(event.parent_block_hash)
             for i, block_hash in enumerate(event.block_hashes):

@@ -11,6 +11,10 @@ class BlockStored:
     parent_block_hash: bytes | None
     token_ids: list[int]
     block_size: int
+    # Where the blocks now live: "device" (this engine's paged cache) or "kvstore" (the external store).
+    medium: str = "device"
+    # For blocks that joined the device cache by a load rather than a forward pass: where they came from.
+    loaded_from: str | None = None
 
 
 @dataclass
@@ -53,6 +57,7 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int,
         token_ids: list[int],
+        loaded_from: str | None = None,
     ) -> None:
         """Register blocks[num_cached_blocks:num_full_blocks] under their chained hashes."""
         stored = []
@@ -74,8 +79,13 @@ class BlockPool:
                     parent_block_hash=block_hashes[first - 1] if first > 0 else None,
                     token_ids=token_ids[first * block_size : (stored[-1] + 1) * block_size],
                     block_size=block_size,
+                    loaded_from=loaded_from,
                 )
             )
+
+    def record_event(self, event: KVCacheEvent) -> None:
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(event)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self.get_num_free_blocks():

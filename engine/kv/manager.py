@@ -79,8 +79,13 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         apply_watermark: bool = False,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
-        """Make room for `num_new_tokens` more tokens; None (allocating nothing) if the pool is short."""
+        """Make room for `num_new_tokens` more tokens; None (allocating nothing) if the pool is short.
+
+        delay_cache_blocks: the new tokens' blocks are being loaded by a KV connector, so they join the
+        prefix cache only once they have arrived (cache_blocks).
+        """
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
@@ -98,23 +103,29 @@ class KVCacheManager:
         req_blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
-
-        if self.enable_caching:
-            # Register the blocks this step fills; only tokens already known can be hashed.
-            update_block_hashes(request, self.block_size, self.hash_fn, self.root_hash)
-            num_full = min(num_computed_tokens + num_new_tokens, request.num_tokens) // self.block_size
-            num_cached = self.num_cached_block.get(request.request_id, 0)
-            if num_full > num_cached:
-                self.block_pool.cache_full_blocks(
-                    req_blocks,
-                    request.block_hashes,
-                    num_cached,
-                    num_full,
-                    self.block_size,
-                    request.all_token_ids,
-                )
-                self.num_cached_block[request.request_id] = num_full
+        # Register the blocks this step fills; only tokens already known can be hashed.
+        self.cache_blocks(request, num_computed_tokens if delay_cache_blocks else num_computed_tokens + num_new_tokens)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int, loaded_from: str | None = None) -> None:
+        """Register the request's full blocks up to num_tokens in the prefix cache (loaded_from: where the
+        blocks' contents came from, when not from this engine's own forward pass)."""
+        if not self.enable_caching:
+            return
+        update_block_hashes(request, self.block_size, self.hash_fn, self.root_hash)
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_cached = self.num_cached_block.get(request.request_id, 0)
+        if num_full > num_cached:
+            self.block_pool.cache_full_blocks(
+                self.req_to_blocks[request.request_id],
+                request.block_hashes,
+                num_cached,
+                num_full,
+                self.block_size,
+                request.all_token_ids,
+                loaded_from,
+            )
+            self.num_cached_block[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         """Release a request's blocks tail-first, so its unique tail is evicted before shared prefix."""

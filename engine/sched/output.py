@@ -17,6 +17,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Requests that finished since the previous step (so per-request state can be dropped).
     finished_req_ids: set[str] = field(default_factory=set)
+    # The KV connector's loads and stores for this step (None without a connector).
+    kv_connector_metadata: object = None
 
     @property
     def is_empty(self) -> bool:
@@ -33,6 +35,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
     # request_id -> one row per prompt token after the first; sent once the whole prompt has run.
     prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
+    # Transfers the KV connector finished (None without a connector).
+    kv_connector_output: object = None
 
 
 @dataclass
@@ -63,3 +67,6 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions: int  # cumulative
     num_blocks: int
+    num_loading_reqs: int = 0  # waiting for a KV connector's load
+    # Cumulative KV connector counters (tokens loaded, load faults, blocks stored...); None without one.
+    kv_connector_stats: dict | None = None

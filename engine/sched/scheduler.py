@@ -20,6 +20,7 @@ class Scheduler:
         max_model_len: int,
         scheduling_policy: str = "fcfs",
         long_prefill_token_threshold: int = 0,
+        connector=None,
     ):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -30,6 +31,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduling_policy)
         self.running: list[Request] = []
+        # WAITING_FOR_REMOTE_KVS: blocks reserved, a KV connector loading into them (no token budget used).
+        self.loading: set[Request] = set()
+        self.connector = connector
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
 
@@ -45,6 +49,12 @@ class Scheduler:
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # Its blocks are being written: they are freed when the load ends (_finish_load).
+                request.status = finished_status
+                self.finished_req_ids.add(request_id)
+                finished.append(request)
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
@@ -63,15 +73,19 @@ class Scheduler:
         """
         for request in self.running:
             self.kv_cache_manager.evict_cached_blocks(request)
+        if self.connector is not None:
+            self.connector.abandon_stores()
         return self.finish_requests([r.request_id for r in self.running], RequestStatus.FINISHED_ABORTED)
 
     def _free_request(self, request: Request) -> None:
+        if self.connector is not None:
+            self.connector.request_finished(request)
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + sum(1 for r in self.loading if not r.is_finished())
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -86,6 +100,8 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=self.num_preemptions,
             num_blocks=self.kv_cache_manager.num_blocks,
+            num_loading_reqs=len(self.loading),
+            kv_connector_stats=dict(self.connector.stats) if self.connector is not None else None,
         )
 
     # ---- one step ------------------------------------------------------------
@@ -136,20 +152,29 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting.peek_request()
-            computed_blocks, num_cached = [], 0
+            # A request back from a KV load already holds its computed prefix.
+            num_cached = request.num_computed_tokens
+            computed_blocks, num_local, num_external, load_async = [], 0, 0, False
             # Prompt logprobs need every prompt position to run, so such requests skip cache hits.
-            if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
-                computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
-            num_new_tokens = self._num_new_tokens(request, num_cached, token_budget)
+            if num_cached == 0 and request.sampling_params.prompt_logprobs is None:
+                computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
+                if self.connector is not None:
+                    num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+            if load_async:
+                if not self._start_load(request, computed_blocks, num_local, num_external):
+                    break
+                continue
+            num_new_tokens = self._num_new_tokens(request, num_cached + num_local, token_budget)
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request,
                 num_new_tokens,
-                num_cached,
+                num_local,
                 computed_blocks,
                 apply_watermark=bool(self.running),
             )
             if new_blocks is None:
                 break
+            num_cached += num_local
             self.waiting.pop_request()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -170,7 +195,45 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
         )
         self.finished_req_ids = set()
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
+
+    # ---- loads from a KV connector -------------------------------------------------------------
+
+    def _start_load(self, request: Request, computed_blocks, num_local: int, num_external: int) -> bool:
+        """Reserve blocks for the external tokens and park the request while they load; False if the
+        pool is short (the request then stays first in line)."""
+        blocks = self.kv_cache_manager.allocate_slots(
+            request, num_external, num_local, computed_blocks, apply_watermark=bool(self.running), delay_cache_blocks=True
+        )
+        if blocks is None:
+            return False
+        self.waiting.pop_request()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = num_local
+        self.loading.add(request)
+        self.connector.update_state_after_alloc(request, self.kv_cache_manager.req_to_blocks[request.request_id], num_external)
+        return True
+
+    def _finish_load(self, request: Request, num_loaded_tokens: int) -> None:
+        """The load ended (completely, or short after a fault): what arrived joins the prefix cache, and
+        the request queues again to prefill the rest."""
+        self.loading.discard(request)
+        if request.is_finished():  # aborted while loading: only now are its blocks free to reuse
+            self.kv_cache_manager.free(request)
+            del self.requests[request.request_id]
+            return
+        request.num_computed_tokens += num_loaded_tokens
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens, loaded_from="kvstore")
+        request.num_cached_tokens = request.num_computed_tokens
+        request.status = RequestStatus.WAITING
+        self.waiting.prepend_request(request)
+
+    def update_from_connector_output(self, output) -> None:
+        self.connector.update_connector_output(output)
+        for job_id, num_tokens in output.finished_recving.items():
+            self._finish_load(self.connector.finish_load(job_id, num_tokens), num_tokens)
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
@@ -194,6 +257,8 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance each scheduled request; those whose chunk reached the end get their token."""
         outputs = []
+        if runner_output.kv_connector_output is not None:
+            self.update_from_connector_output(runner_output.kv_connector_output)
         for request, token_id in zip(scheduler_output.scheduled_requests, runner_output.sampled_token_ids):
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
             if request.num_computed_tokens < request.num_tokens:

@@ -36,6 +36,7 @@ class Worker:
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model_runner: ModelRunner | None = None
+        self.connector = None  # the worker side of a KV connector, set by the engine core
 
     def load_model(self) -> None:
         with torch.device(self.device):
@@ -102,5 +103,26 @@ class Worker:
         ]
         self.model_runner = ModelRunner(self.model, self.kv_caches, bs, self.device)
 
+    def kv_layout(self):
+        """What one KV block is, for a KV connector: [layers, 2, kv heads, block size, head dim] and a
+        fingerprint of everything that makes blocks interchangeable between engines."""
+        from engine.kv.connector.kvstore_client import KVLayout, model_fingerprint, weights_digest  # noqa: PLC0415
+
+        cfg = self.model_config
+        dtype = str(self.dtype).removeprefix("torch.")
+        shape = (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, self.args.block_size, cfg.head_dim)
+        fingerprint = model_fingerprint(
+            weights_digest(self.model_dir), dtype, self.args.attention_backend, shape, self.args.prefix_caching_hash_algo
+        )
+        return KVLayout(fingerprint, dtype, shape)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+        meta = scheduler_output.kv_connector_metadata
+        if self.connector is not None:
+            self.connector.start_load_kv(meta)
+        output = self.model_runner.execute_model(scheduler_output)
+        if self.connector is not None:
+            self.connector.wait_for_save(meta)
+            # With nothing to run, wait briefly for a transfer to end instead of spinning.
+            output.kv_connector_output = self.connector.get_finished(wait_s=0.01 if scheduler_output.is_empty else 0.0)
+        return output

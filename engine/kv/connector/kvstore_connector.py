@@ -1,0 +1,399 @@
+"""KVStoreConnector: full KV blocks go to the kvstore service (Redis behind it) and come back from it.
+
+Scheduler side. After the local prefix-cache hit, one Lookup asks the store for the longest run of
+further blocks; if loading them is estimated to beat recomputing them, the request waits in
+WAITING_FOR_REMOTE_KVS with blocks reserved while the worker loads into them. Each step, every block
+the step fills (prompt blocks; decode blocks too with store_decode_blocks) becomes a store job, and the
+connector holds a reference on the job's blocks until the worker has read them, so no block is reused
+while a store still reads it.
+
+Worker side. Loads and stores run on two background threads, never on the step's path; the KV cache
+is read and written through numpy views (no torch op off the engine thread: a second OpenMP pool
+would slow every step). Any fault — the store down, slow past its deadline, or answering garbage —
+ends a transfer early: a load then brings fewer blocks and the rest is recomputed; a store is dropped.
+After a fault the connector leaves the store alone for retry_interval_s, then tries again.
+"""
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.kv.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, KVConnectorRole, KVTransferConfig
+from engine.kv.block_pool import BlockStored
+from engine.kv.connector.kvstore_client import KVLayout, KVStoreClient
+
+logger = logging.getLogger("llmmesh.engine.kv_connector")
+
+LOAD_POLICIES = ("auto", "always", "never")
+DEFAULTS = {
+    "kvstore_address": None,
+    "load_policy": "auto",  # auto: load only when the estimate says it beats recomputing
+    "store_decode_blocks": False,
+    "lookup_timeout_s": 0.5,
+    "timeout_s": 10.0,  # per Get or Put call
+    "retry_interval_s": 1.0,
+}
+
+
+def parse_extra_config(config: KVTransferConfig) -> dict:
+    extra = config.kv_connector_extra_config
+    unknown = set(extra) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"kv_connector_extra_config has unknown keys {sorted(unknown)}; allowed: {sorted(DEFAULTS)}.")
+    options = {**DEFAULTS, **extra}
+    if not isinstance(options["kvstore_address"], str) or ":" not in options["kvstore_address"]:
+        raise ValueError("kv_connector_extra_config.kvstore_address must be the kvstore's HOST:PORT.")
+    if options["load_policy"] not in LOAD_POLICIES:
+        raise ValueError(f"kv_connector_extra_config.load_policy must be one of {list(LOAD_POLICIES)}, got {options['load_policy']!r}.")
+    for key in ("lookup_timeout_s", "timeout_s", "retry_interval_s"):
+        if not isinstance(options[key], (int, float)) or not 0 < options[key] <= 3600:
+            raise ValueError(f"kv_connector_extra_config.{key} must be a number of seconds in (0, 3600].")
+    return options
+
+
+@dataclass
+class LoadJob:
+    job_id: int
+    block_ids: list[int]
+    block_hashes: list[bytes]
+
+
+@dataclass
+class StoreJob:
+    job_id: int
+    block_ids: list[int]
+    block_hashes: list[bytes]
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    stores: list[StoreJob] = field(default_factory=list)
+
+
+class LoadCostModel:
+    """Load time (store latency + bytes / bandwidth) against recompute time (tokens / prefill rate).
+
+    Both rates are measured as the engine runs (exponential averages); until a prefill has been measured,
+    loading is assumed to pay (on a CPU it does by a wide margin; on a GPU the first measurement corrects it).
+    """
+
+    def __init__(self, block_bytes: int, block_size: int):
+        self.block_bytes = block_bytes
+        self.block_size = block_size
+        self.latency_s = 0.005
+        self.bandwidth = 200e6  # bytes/s, until measured
+        self.prefill_rate: float | None = None  # tokens/s
+
+    @staticmethod
+    def _average(old: float | None, new: float, weight: float = 0.3) -> float:
+        return new if old is None else (1 - weight) * old + weight * new
+
+    def record_lookup(self, seconds: float) -> None:
+        self.latency_s = self._average(self.latency_s, seconds)
+
+    def record_load(self, nbytes: int, seconds: float) -> None:
+        transfer = max(seconds - self.latency_s, 1e-6)
+        self.bandwidth = self._average(self.bandwidth, nbytes / transfer)
+
+    def record_prefill(self, num_tokens: int, seconds: float) -> None:
+        self.prefill_rate = self._average(self.prefill_rate, num_tokens / seconds)
+
+    def load_pays(self, num_blocks: int) -> bool:
+        if self.prefill_rate is None:
+            return True
+        load_s = self.latency_s + num_blocks * self.block_bytes / self.bandwidth
+        return load_s < num_blocks * self.block_size / self.prefill_rate
+
+
+class KVBlockIO:
+    """Whole blocks out of and into the paged KV cache, as bytes of the KVLayout's shape."""
+
+    def __init__(self, kv_caches, layout: KVLayout):
+        self.layout = layout
+        self.on_cpu = kv_caches[0][0].device.type == "cpu"
+        self.caches = kv_caches if not self.on_cpu else [(self._view(k), self._view(v)) for k, v in kv_caches]
+        self.np_dtype = self.caches[0][0].dtype if self.on_cpu else None
+
+    @staticmethod
+    def _view(t):
+        import torch  # noqa: PLC0415 (the worker has it; the scheduler side of this file needs none)
+
+        # numpy has no bfloat16: move its bits as int16, which is all a copy needs.
+        return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+    def read(self, block_ids: list[int]) -> list[bytes]:
+        """The blocks' bytes (each [layers, 2, kv heads, block size, head dim])."""
+        if not self.on_cpu:
+            return self._read_torch(block_ids)
+        ids = np.asarray(block_ids)
+        out = np.empty((len(ids), *self.layout.shape), dtype=self.np_dtype)
+        for layer, (k, v) in enumerate(self.caches):
+            out[:, layer, 0] = k[:, ids].swapaxes(0, 1)
+            out[:, layer, 1] = v[:, ids].swapaxes(0, 1)
+        return [block.tobytes() for block in out]
+
+    def write(self, block_ids: list[int], blocks: list[bytes]) -> None:
+        if not self.on_cpu:
+            return self._write_torch(block_ids, blocks)
+        ids = np.asarray(block_ids)
+        data = np.stack([np.frombuffer(b, dtype=self.np_dtype).reshape(self.layout.shape) for b in blocks])
+        for layer, (k, v) in enumerate(self.caches):
+            k[:, ids] = data[:, layer, 0].swapaxes(0, 1)
+            v[:, ids] = data[:, layer, 1].swapaxes(0, 1)
+
+    def _read_torch(self, block_ids):
+        import torch  # noqa: PLC0415
+
+        ids = torch.tensor(block_ids, device=self.caches[0][0].device)
+        out = torch.stack([torch.stack([k[:, ids], v[:, ids]]) for k, v in self.caches])  # [L, 2, H, n, bs, D]
+        out = out.permute(3, 0, 1, 2, 4, 5).contiguous().cpu()
+        raw = out.view(torch.uint8).numpy()
+        return [block.tobytes() for block in raw]
+
+    def _write_torch(self, block_ids, blocks):
+        import torch  # noqa: PLC0415
+
+        k0 = self.caches[0][0]
+        ids = torch.tensor(block_ids, device=k0.device)
+        raw = torch.frombuffer(bytearray(b"".join(blocks)), dtype=torch.uint8).view(k0.dtype)
+        data = raw.view(len(blocks), *self.layout.shape).to(k0.device)
+        for layer, (k, v) in enumerate(self.caches):
+            k[:, ids] = data[:, layer, 0].transpose(0, 1)
+            v[:, ids] = data[:, layer, 1].transpose(0, 1)
+
+
+class KVStoreConnector(KVConnectorBase):
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVLayout,
+                 kv_cache_manager=None, kv_caches=None):  # fmt: skip
+        super().__init__(config, role)
+        self.options = parse_extra_config(config)
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.client = KVStoreClient(self.options["kvstore_address"], layout)
+        self.down_until = 0.0
+        if role is KVConnectorRole.SCHEDULER:
+            self.kv_cache_manager = kv_cache_manager
+            self.cost = LoadCostModel(layout.block_bytes, self.block_size)
+            self.next_job_id = 0
+            self.load_jobs: dict[int, tuple] = {}  # job id -> (request, blocks asked)
+            self.pending_loads: list[LoadJob] = []  # to start next step
+            self.store_holds: dict[int, tuple] = {}  # job id -> (blocks held, BlockStored event for when stored)
+            self.last_stores: list[int] = []
+            # request id -> leading blocks already stored, being stored, or known to be in the store
+            self.num_stored_blocks: dict[str, int] = {}
+            self.stats = {"lookups": 0, "lookup_hit_tokens": 0, "loaded_tokens": 0, "load_failed_tokens": 0,
+                          "stored_blocks": 0, "store_failed_blocks": 0, "recompute_chosen_tokens": 0}  # fmt: skip
+        else:
+            self.block_io = KVBlockIO(kv_caches, layout)
+            self.finished = KVConnectorOutput()
+            self.finished_lock = threading.Condition()
+            self.load_queue: queue.SimpleQueue = queue.SimpleQueue()
+            self.store_queue: queue.SimpleQueue = queue.SimpleQueue()
+            self.threads = [
+                threading.Thread(target=self._run, args=(self.load_queue, self._load), name="kv-load", daemon=True),
+                threading.Thread(target=self._run, args=(self.store_queue, self._store), name="kv-store", daemon=True),
+            ]
+            for t in self.threads:
+                t.start()
+
+    # ---- shared: a store that failed is left alone for a while ------------------------------------
+
+    def _store_up(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def _mark_down(self, what: str, error: Exception) -> None:
+        if self._store_up():
+            logger.warning("kvstore at %s: %s failed (%s); recomputing, retrying in %.1f s",
+                           self.options["kvstore_address"], what, _describe(error), self.options["retry_interval_s"])  # fmt: skip
+        self.down_until = time.monotonic() + self.options["retry_interval_s"]
+
+    # ---- scheduler side -----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        bs = self.block_size
+        first = num_computed_tokens // bs
+        self.num_stored_blocks.setdefault(request.request_id, first)
+        # The last prompt token always runs through the model.
+        last = (request.num_tokens - 1) // bs
+        if not self.config.is_kv_consumer or self.options["load_policy"] == "never" or last <= first or not self._store_up():
+            return 0, False
+        hashes = request.block_hashes[first:last]
+        started = time.perf_counter()
+        try:
+            num_present = self.client.lookup(hashes, self.options["lookup_timeout_s"])
+        except Exception as e:  # noqa: BLE001 (any failure of the store means: recompute)
+            self._mark_down("lookup", e)
+            return 0, False
+        self.cost.record_lookup(time.perf_counter() - started)
+        self.stats["lookups"] += 1
+        self.stats["lookup_hit_tokens"] += num_present * bs
+        if num_present == 0:
+            return 0, False
+        if self.options["load_policy"] == "auto" and not self.cost.load_pays(num_present):
+            self.stats["recompute_chosen_tokens"] += num_present * bs
+            return 0, False
+        return num_present * bs, True
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            return
+        bs = self.block_size
+        first = request.num_computed_tokens // bs
+        last = first + num_external_tokens // bs
+        job = LoadJob(self._new_job_id(), [b.block_id for b in blocks[first:last]], request.block_hashes[first:last])
+        self.pending_loads.append(job)
+        self.load_jobs[job.job_id] = (request, last - first)
+        # What comes from the store need not go back to it.
+        self.num_stored_blocks[request.request_id] = last
+
+    def _new_job_id(self) -> int:
+        self.next_job_id += 1
+        return self.next_job_id
+
+    def build_connector_meta(self, scheduler_output) -> KVStoreConnectorMetadata:
+        meta = KVStoreConnectorMetadata(loads=self.pending_loads)
+        self.pending_loads = []
+        if self.config.is_kv_producer and self._store_up():
+            for request in scheduler_output.scheduled_requests:
+                self._schedule_store(request, scheduler_output.num_scheduled_tokens[request.request_id], meta)
+        self.last_stores = [job.job_id for job in meta.stores]
+        return meta
+
+    def _schedule_store(self, request, num_new_tokens: int, meta: KVStoreConnectorMetadata) -> None:
+        """Store the blocks this step fills (they are written by the time the worker reads them)."""
+        bs = self.block_size
+        limit = request.num_tokens if self.options["store_decode_blocks"] else request.num_prompt_tokens
+        end = min(request.num_computed_tokens + num_new_tokens, limit, len(request.block_hashes) * bs) // bs
+        start = self.num_stored_blocks.get(request.request_id, 0)
+        if end <= start:
+            return
+        blocks = self.kv_cache_manager.req_to_blocks[request.request_id][start:end]
+        hashes = request.block_hashes[start:end]
+        self.kv_cache_manager.block_pool.touch(blocks)
+        job = StoreJob(self._new_job_id(), [b.block_id for b in blocks], hashes)
+        event = BlockStored(
+            block_hashes=hashes, parent_block_hash=request.block_hashes[start - 1] if start else None,
+            token_ids=request.all_token_ids[start * bs : end * bs], block_size=bs, medium="kvstore",
+        )  # fmt: skip
+        self.store_holds[job.job_id] = (blocks, event)
+        meta.stores.append(job)
+        self.num_stored_blocks[request.request_id] = end
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        pool = self.kv_cache_manager.block_pool
+        for job_id, stored in output.finished_sending.items():
+            hold = self.store_holds.pop(job_id, None)
+            if hold is None:  # abandoned after a failed step
+                continue
+            blocks, event = hold
+            pool.free_blocks(blocks)
+            self.stats["stored_blocks" if stored else "store_failed_blocks"] += len(blocks)
+            if stored:
+                pool.record_event(event)
+        for nbytes, seconds in output.load_timings:
+            self.cost.record_load(nbytes, seconds)
+
+    def abandon_stores(self) -> None:
+        """The last step failed: its blocks were never written, so its stores must not run."""
+        for job_id in self.last_stores:
+            hold = self.store_holds.pop(job_id, None)
+            if hold is not None:
+                self.kv_cache_manager.block_pool.free_blocks(hold[0])
+        self.last_stores = []
+
+    def finish_load(self, job_id: int, num_tokens: int):
+        """The request a finished load was for; counts what came and what must be recomputed."""
+        request, num_blocks = self.load_jobs.pop(job_id)
+        self.stats["loaded_tokens"] += num_tokens
+        self.stats["load_failed_tokens"] += num_blocks * self.block_size - num_tokens
+        return request
+
+    def request_finished(self, request) -> None:
+        self.num_stored_blocks.pop(request.request_id, None)
+
+    def has_pending_transfers(self) -> bool:
+        return bool(self.load_jobs or self.store_holds)
+
+    def record_prefill(self, num_tokens: int, seconds: float) -> None:
+        self.cost.record_prefill(num_tokens, seconds)
+
+    # ---- worker side ----------------------------------------------------------------------------------
+
+    def start_load_kv(self, metadata: KVStoreConnectorMetadata) -> None:
+        for job in metadata.loads:
+            self.load_queue.put(job)
+
+    def wait_for_save(self, metadata: KVStoreConnectorMetadata) -> None:
+        for job in metadata.stores:
+            self.store_queue.put(job)
+
+    def get_finished(self, wait_s: float = 0.0) -> KVConnectorOutput:
+        with self.finished_lock:
+            if wait_s > 0 and self.finished.is_empty():
+                self.finished_lock.wait(wait_s)
+            done, self.finished = self.finished, KVConnectorOutput()
+        return done
+
+    def _run(self, jobs: queue.SimpleQueue, work) -> None:
+        while (job := jobs.get()) is not None:
+            work(job)
+
+    def _load(self, job: LoadJob) -> None:
+        started, loaded = time.perf_counter(), 0
+        if self._store_up():
+            try:
+                batch_ids, batch = [], []
+                for _, data in self.client.get(job.block_hashes, self.options["timeout_s"]):
+                    batch_ids.append(job.block_ids[loaded + len(batch)])
+                    batch.append(data)
+                    if len(batch) == self.client.blocks_per_message:
+                        self.block_io.write(batch_ids, batch)
+                        loaded += len(batch)
+                        batch_ids, batch = [], []
+                if batch:
+                    self.block_io.write(batch_ids, batch)
+                    loaded += len(batch)
+            except Exception as e:  # noqa: BLE001 (what arrived before the fault is good; the rest is recomputed)
+                self._mark_down("load", e)
+        seconds = time.perf_counter() - started
+        with self.finished_lock:
+            self.finished.finished_recving[job.job_id] = loaded * self.block_size
+            if loaded:
+                self.finished.load_timings.append((loaded * self.layout.block_bytes, seconds))
+            self.finished_lock.notify_all()
+
+    def _store(self, job: StoreJob) -> None:
+        stored = False
+        if self._store_up():
+            try:
+                present = self.client.lookup(job.block_hashes, self.options["timeout_s"])
+                todo = range(present, len(job.block_ids))
+                if todo:
+                    data = self.block_io.read([job.block_ids[i] for i in todo])
+                    self.client.put(zip([job.block_hashes[i] for i in todo], data), self.options["timeout_s"])
+                stored = True
+            except Exception as e:  # noqa: BLE001 (a lost store costs a later recomputation only)
+                self._mark_down("store", e)
+        with self.finished_lock:
+            self.finished.finished_sending[job.job_id] = stored
+            self.finished_lock.notify_all()
+
+    def shutdown(self) -> None:
+        if self.role is KVConnectorRole.WORKER:
+            for q in (self.load_queue, self.store_queue):
+                q.put(None)
+            for t in self.threads:
+                t.join(timeout=self.options["timeout_s"])
+        self.client.close()
+
+
+def _describe(error: Exception) -> str:
+    code = getattr(error, "code", None)
+    if callable(code):
+        return f"{code().name}: {error.details()}"
+    return f"{type(error).__name__}: {error}"

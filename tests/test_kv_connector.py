@@ -1,0 +1,310 @@
+"""The engine's KV connector against a real kvstore and a real redis-server: greedy output identical to Hugging
+Face with blocks loaded from the store instead of computed, counters that show the reuse, fingerprint isolation,
+corruption, faults (Redis or the kvstore killed, eviction under maxmemory), abort and preemption during
+transfers, and KV events."""
+
+import json
+
+import pytest
+import redis
+
+from conftest import InProcessService, assert_greedy_matches, assert_no_leaks, run_greedy, wait_for_health
+from engine.config import EngineArgs
+from engine.core import EngineCore
+from engine.kv.block_pool import BlockStored
+from engine.request import Request, RequestStatus, SamplingParams
+from services.supervisor import ServiceProcess
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 8
+# One SmolLM2 block of 16 tokens in float32: K and V of 30 layers, 3 KV heads of 64.
+BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4
+
+
+def pool(num_blocks: int) -> str:
+    return str(num_blocks * BLOCK_BYTES)
+
+
+def transfer_config(address: str, **options) -> str:
+    extra = {"kvstore_address": address, "load_policy": "always", **options}
+    return json.dumps({"kv_connector": "KVStoreConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra})
+
+
+def make_engine(address: str, connector_options=None, **args) -> EngineCore:
+    args.setdefault("kv_cache_memory", "64MiB")
+    return EngineCore(EngineArgs(kv_transfer_config=transfer_config(address, **(connector_options or {})), **args))
+
+
+def settle(engine: EngineCore) -> None:
+    """Step until every transfer has ended (stores hold their blocks until then)."""
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def connector_stats(engine: EngineCore) -> dict:
+    return engine.get_stats().kv_connector_stats
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    texts = [
+        "The history of paged memory in operating systems begins with the Atlas computer, which " * 4,
+        "def merge_sort(items):\n    \"\"\"Sort a list with merge sort, returning a new list.\"\"\"\n" * 4,
+        "Three reasons why the night sky is dark, explained for a curious child: " * 5,
+    ]
+    return [tokenizer.encode(t) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def references(hf_smollm2, prompts):
+    return [hf_smollm2.greedy(p, MAX_TOKENS) for p in prompts]
+
+
+def assert_all_match(outputs, references, label):
+    for i, (ours, (ref_tokens, ref_logits)) in enumerate(zip(outputs, references)):
+        assert_greedy_matches(ours, ref_tokens, ref_logits, f"{label} prompt {i}")
+
+
+@pytest.fixture
+def kvstore(redis_server):
+    with InProcessService("kvstore", ["--redis-url", redis_server.url]) as service:
+        yield service
+
+
+def test_reload_after_reset_and_on_a_second_engine_matches_hf(kvstore, prompts, references):
+    first = make_engine(kvstore.address)
+    assert_all_match(run_greedy(first, prompts, MAX_TOKENS), references, "cold")
+    settle(first)
+    stats = connector_stats(first)
+    full_blocks = sum(len(p) // 16 for p in prompts)
+    assert stats["stored_blocks"] == full_blocks and stats["loaded_tokens"] == 0
+
+    # The local prefix cache is gone; the store still has every prompt block.
+    assert first.reset_prefix_cache()
+    assert_all_match(run_greedy(first, prompts, MAX_TOKENS), references, "reload")
+    stats = connector_stats(first)
+    # Every full block but the one holding the last prompt token came from the store: prefill that did not run.
+    expected = sum((len(p) - 1) // 16 * 16 for p in prompts)
+    assert stats["loaded_tokens"] == expected and stats["load_failed_tokens"] == 0
+    assert first.get_stats().prefix_cache_hits == 0
+    settle(first)
+    assert_no_leaks(first)
+
+    # A second engine (its own pool, same store) loads what the first computed.
+    second = make_engine(kvstore.address)
+    assert_all_match(run_greedy(second, prompts, MAX_TOKENS), references, "second engine")
+    assert connector_stats(second)["loaded_tokens"] == expected
+    assert connector_stats(second)["stored_blocks"] == 0  # all there already
+    settle(second)
+    assert_no_leaks(second)
+    first.shutdown()
+    second.shutdown()
+
+
+def test_small_pool_and_chunked_prefill_match_hf(kvstore, prompts, references):
+    """A pool far smaller than the prompts together (evictions), prompts prefilled in 48-token chunks."""
+    producer = make_engine(kvstore.address, max_num_batched_tokens=48)
+    assert_all_match(run_greedy(producer, prompts, MAX_TOKENS), references, "chunked cold")
+    settle(producer)
+    assert connector_stats(producer)["stored_blocks"] == sum(len(p) // 16 for p in prompts)
+    # 12 blocks of 16 tokens: one prompt at a time fits, the three together do not.
+    consumer = make_engine(kvstore.address, kv_cache_memory=pool(12), max_num_batched_tokens=48)
+    assert consumer.num_blocks == 12
+    assert_all_match(run_greedy(consumer, prompts, MAX_TOKENS), references, "small pool")
+    assert connector_stats(consumer)["loaded_tokens"] > 0
+    settle(consumer)
+    assert_no_leaks(consumer)
+    producer.shutdown()
+    consumer.shutdown()
+
+
+def test_fingerprint_isolation(kvstore, prompts):
+    """Same Redis, same prompts: an engine with another dtype or block size finds nothing to load."""
+    producer = make_engine(kvstore.address)
+    run_greedy(producer, prompts[:1], 2)
+    settle(producer)
+    for args in ({"dtype": "bfloat16"}, {"block_size": 32}):
+        other = make_engine(kvstore.address, **args)
+        run_greedy(other, prompts[:1], 2)
+        stats = connector_stats(other)
+        assert stats["lookup_hit_tokens"] == 0 and stats["loaded_tokens"] == 0, args
+        other.shutdown()
+    # The producer's own twin does find them.
+    twin = make_engine(kvstore.address)
+    run_greedy(twin, prompts[:1], 2)
+    assert connector_stats(twin)["loaded_tokens"] > 0
+    producer.shutdown()
+    twin.shutdown()
+
+
+def test_corrupt_block_is_dropped_and_recomputed(kvstore, redis_server, prompts, references):
+    engine = make_engine(kvstore.address)
+    run_greedy(engine, prompts[:1], MAX_TOKENS)
+    settle(engine)
+    engine.reset_prefix_cache()
+    # Flip one byte in the payload of the prompt's third block, directly in Redis.
+    block_hash = engine_request_hashes(engine, prompts[0])[2]
+    client = redis.Redis.from_url(redis_server.url)
+    (key,) = client.keys(f"kv:*:{block_hash.hex()}")
+    value = bytearray(client.get(key))
+    value[-100] ^= 0xFF
+    client.set(key, bytes(value))
+
+    assert_all_match(run_greedy(engine, prompts[:1], MAX_TOKENS), references[:1], "after corruption")
+    stats = connector_stats(engine)
+    assert stats["loaded_tokens"] == 2 * 16  # the two blocks before the corrupt one
+    assert stats["load_failed_tokens"] > 0  # the rest was recomputed
+    assert client.get(key) is None or client.get(key) != bytes(value)  # dropped (the recompute may store it again)
+    settle(engine)
+    assert_no_leaks(engine)
+    engine.shutdown()
+
+
+def engine_request_hashes(engine, prompt):
+    from engine.kv.hashing import update_block_hashes
+
+    request = Request("hashes", prompt, SamplingParams(max_tokens=1))
+    manager = engine.kv_cache_manager
+    update_block_hashes(request, manager.block_size, manager.hash_fn, manager.root_hash)
+    return request.block_hashes
+
+
+def test_redis_killed_and_back(redis_server, prompts, references):
+    """Redis dies mid-run: every request completes with the same output (recomputed); once Redis is back the
+    engine stores and loads again."""
+    with InProcessService("kvstore", ["--redis-url", redis_server.url]) as kvstore:
+        engine = make_engine(kvstore.address, {"retry_interval_s": 0.2})
+        run_greedy(engine, prompts[:1], MAX_TOKENS)
+        settle(engine)
+        redis_server.kill()
+        engine.reset_prefix_cache()
+        assert_all_match(run_greedy(engine, prompts, MAX_TOKENS), references, "redis down")
+        assert connector_stats(engine)["loaded_tokens"] == 0
+        settle(engine)
+        assert_no_leaks(engine)
+
+        redis_server.start()  # empty, same port
+        wait_for_health(kvstore.address)
+        wait_until_store_reachable(engine)
+        stored_before = connector_stats(engine)["stored_blocks"]
+        engine.reset_prefix_cache()
+        run_greedy(engine, prompts[:1], 1)
+        settle(engine)
+        assert connector_stats(engine)["stored_blocks"] > stored_before
+        engine.reset_prefix_cache()
+        assert_all_match(run_greedy(engine, prompts[:1], MAX_TOKENS), references[:1], "redis back")
+        assert connector_stats(engine)["loaded_tokens"] > 0
+        settle(engine)
+        assert_no_leaks(engine)
+        engine.shutdown()
+
+
+def wait_until_store_reachable(engine):
+    """Block until both connector halves are connected to the store again and past their back-off after the
+    fault (events: the channel becoming ready, the clock reaching a time)."""
+    import threading
+    import time
+
+    import grpc
+
+    for connector in (engine.connector, engine.worker.connector):
+        grpc.channel_ready_future(connector.client.channel).result(timeout=60)
+        delay = connector.down_until - time.monotonic()
+        if delay > 0:
+            threading.Event().wait(delay)
+
+
+def test_kvstore_killed_mid_run_and_back(redis_server, prompts, references):
+    kvstore = ServiceProcess("kvstore", ["--port", "0", "--redis-url", redis_server.url])
+    address = kvstore.wait_listening(120)
+    try:
+        engine = make_engine(address, {"retry_interval_s": 0.2, "timeout_s": 5})
+        run_greedy(engine, prompts[:2], MAX_TOKENS)
+        settle(engine)
+        kvstore.kill()
+        engine.reset_prefix_cache()
+        assert_all_match(run_greedy(engine, prompts, MAX_TOKENS), references, "kvstore down")
+        settle(engine)
+        assert_no_leaks(engine)
+
+        port = kvstore.port
+        kvstore = ServiceProcess("kvstore", ["--port", str(port), "--redis-url", redis_server.url])
+        kvstore.wait_listening(120)
+        wait_for_health(address)
+        engine.reset_prefix_cache()
+        wait_until_store_reachable(engine)
+        # Redis kept the blocks: loads resume.
+        assert_all_match(run_greedy(engine, prompts[:2], MAX_TOKENS), references[:2], "kvstore back")
+        assert connector_stats(engine)["loaded_tokens"] > 0
+        settle(engine)
+        assert_no_leaks(engine)
+        engine.shutdown()
+    finally:
+        kvstore.kill()
+
+
+def test_eviction_under_maxmemory(prompts, references):
+    """Redis with room for a few blocks only: it evicts as blocks arrive; loads find short runs or none, and
+    every output is unchanged."""
+    from services.supervisor import RedisServer
+
+    with RedisServer(maxmemory="3mb") as small, InProcessService("kvstore", ["--redis-url", small.url]) as kvstore:
+        engine = make_engine(kvstore.address)
+        assert_all_match(run_greedy(engine, prompts, MAX_TOKENS), references, "cold")
+        settle(engine)
+        engine.reset_prefix_cache()
+        assert_all_match(run_greedy(engine, prompts, MAX_TOKENS), references, "evicted")
+        info = redis.Redis.from_url(small.url).info("stats")
+        assert info["evicted_keys"] > 0
+        loaded = connector_stats(engine)["loaded_tokens"]
+        assert loaded < sum((len(p) - 1) // 16 * 16 for p in prompts)
+        settle(engine)
+        assert_no_leaks(engine)
+        engine.shutdown()
+
+
+def test_abort_during_load_and_preemption_during_stores(kvstore, prompts, references, tokenizer):
+    long_prompt = tokenizer.encode("Paged attention splits the KV cache into fixed-size blocks. " * 120)
+    engine = make_engine(kvstore.address, kv_cache_memory="128MiB")
+    run_greedy(engine, [long_prompt], 1)
+    settle(engine)
+    engine.reset_prefix_cache()
+
+    # Abort while the load is in flight: the request parks in WAITING_FOR_REMOTE_KVS after its first step.
+    engine.add_request(Request("a", long_prompt, SamplingParams(temperature=0, max_tokens=4)))
+    engine.step()
+    request = engine.scheduler.requests["a"]
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    engine.abort_requests(["a"])
+    assert engine.has_request("a")  # its blocks are still being written: the id stays taken until the load ends
+    settle(engine)
+    assert not engine.has_request("a")
+    assert_no_leaks(engine)
+
+    # Preemption while stores hold blocks (decode blocks stored too): 10 blocks for three requests of 4-7 blocks.
+    small = make_engine(kvstore.address, {"store_decode_blocks": True}, kv_cache_memory=pool(10))
+    short = [p[:60] for p in prompts]
+    outputs = run_greedy(small, short, 40)
+    assert small.get_stats().num_preemptions > 0
+    reference = run_greedy(make_engine(kvstore.address, {"load_policy": "never"}), short, 40)
+    assert outputs == reference
+    settle(small)
+    assert_no_leaks(small)
+    engine.shutdown()
+    small.shutdown()
+
+
+def test_kv_events_name_the_store(kvstore, prompts):
+    engine = make_engine(kvstore.address, enable_kv_cache_events=True)
+    run_greedy(engine, prompts[:1], 2)
+    settle(engine)
+    stored = [e for e in engine.take_kv_events() if isinstance(e, BlockStored)]
+    assert {e.medium for e in stored} == {"device", "kvstore"}
+    assert sum(len(e.block_hashes) for e in stored if e.medium == "kvstore") == len(prompts[0]) // 16
+    engine.reset_prefix_cache()
+    engine.take_kv_events()
+    run_greedy(engine, prompts[:1], 2)
+    loaded = [e for e in engine.take_kv_events() if isinstance(e, BlockStored) and e.loaded_from == "kvstore"]
+    assert sum(len(e.block_hashes) for e in loaded) == (len(prompts[0]) - 1) // 16
+    engine.shutdown()
