@@ -1,7 +1,8 @@
 # One image for every llmmesh service; compose.yaml picks the service with its command.
 FROM python:3.11-slim
 
-RUN apt-get update -q && apt-get install -y -q --no-install-recommends make && rm -rf /var/lib/apt/lists/*
+# redis-server: `llmmesh serve` (the CMD below) runs one for the KV store; compose uses its own Redis container.
+RUN apt-get update -q && apt-get install -y -q --no-install-recommends make redis-server && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY . /app
 # The same setup as on a development machine: venv, CPU PyTorch, the project, the embedded

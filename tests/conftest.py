@@ -236,3 +236,16 @@ def undecodable(message_type, seed: int = 0) -> bytes:
             message_type.FromString(data)
         except DecodeError:
             return data
+
+
+# ---- Redis for the KV store ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def redis_server():
+    """A fresh, empty `redis-server` of this test's own (services.supervisor.RedisServer) on a free loopback port:
+    `.url`, `.port`; `.kill()` then `.start()` brings it back, empty, on the same port. Stopped after the test."""
+    from services.supervisor import RedisServer
+
+    with RedisServer(maxmemory="256mb") as server:
+        yield server

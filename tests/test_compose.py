@@ -4,6 +4,7 @@ LLMMESH_* variable it sets is a flag of that service's command.
 This machine has no Docker engine, so the stack itself is not started here.
 """
 
+import json
 import re
 from pathlib import Path
 
@@ -36,10 +37,10 @@ def llmmesh_commands(compose):
 
 
 def test_every_service_is_an_image_or_our_build(compose):
-    assert {"engine", "tokenizer", "detokenizer", "gateway", "redis", "jaeger"} <= set(compose["services"])
+    assert {"engine", "tokenizer", "detokenizer", "gateway", "kvstore", "redis", "jaeger"} <= set(compose["services"])
     for name, service in compose["services"].items():
         assert "image" in service or "build" in service, name
-    for name in ("engine", "tokenizer", "detokenizer", "gateway"):
+    for name in ("engine", "tokenizer", "detokenizer", "gateway", "kvstore"):
         assert compose["services"][name]["build"] == "."
         assert compose["services"][name]["healthcheck"]["test"][1:3] == ["llmmesh", "health"]
     assert (ROOT / "Dockerfile").is_file()
@@ -52,7 +53,7 @@ def test_commands_parse_with_our_cli(compose):
         args = parser.parse_args(command[1:])  # argparse exits (a test failure) on an unknown flag
         seen.add(args.command)
         assert callable(args.func), name
-    assert seen == {"engine", "tokenizer", "detokenizer", "gateway", "health"}
+    assert seen == {"engine", "tokenizer", "detokenizer", "gateway", "kvstore", "health"}
 
 
 def test_gateway_points_at_the_other_services(compose):
@@ -65,6 +66,25 @@ def test_gateway_points_at_the_other_services(compose):
     assert args.engine == [f"engine:{ports['engine']}"]
     assert args.tokenizer == f"tokenizer:{ports['tokenizer']}"
     assert args.detokenizer == f"detokenizer:{ports['detokenizer']}"
+
+
+def flag_value(command: list, flag: str) -> str:
+    return substitute_defaults(str(command[command.index(flag) + 1]))
+
+
+def test_the_engine_uses_the_kvstore_and_the_kvstore_its_redis(compose):
+    """The engine's KV connector points at the kvstore's port, the kvstore at the redis service, and Redis is a
+    cache: LRU eviction at maxmemory, nothing persisted."""
+    services = compose["services"]
+    transfer = json.loads(flag_value(services["engine"]["command"], "--kv-transfer-config"))
+    assert transfer["kv_connector"] == "KVStoreConnector" and transfer["kv_role"] == "kv_both"
+    kvstore_port = flag_value(services["kvstore"]["command"], "--port")
+    assert transfer["kv_connector_extra_config"]["kvstore_address"] == f"kvstore:{kvstore_port}"
+    assert flag_value(services["kvstore"]["command"], "--redis-url") == "redis://redis:6379/0"
+    redis = [substitute_defaults(str(part)) for part in services["redis"]["command"]]
+    assert flag_value(redis, "--maxmemory-policy") == "allkeys-lru"
+    assert flag_value(redis, "--save") == "" and flag_value(redis, "--appendonly") == "no"
+    assert services["kvstore"]["depends_on"]["redis"]["condition"] == "service_healthy"
 
 
 def test_environment_names_real_flags(compose, monkeypatch):

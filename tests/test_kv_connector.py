@@ -3,8 +3,6 @@ Face with blocks loaded from the store instead of computed, counters that show t
 corruption, faults (Redis or the kvstore killed, eviction under maxmemory), abort and preemption during
 transfers, and KV events."""
 
-import json
-
 import pytest
 import redis
 
@@ -13,7 +11,7 @@ from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.kv.block_pool import BlockStored
 from engine.request import Request, RequestStatus, SamplingParams
-from services.supervisor import ServiceProcess
+from services.supervisor import ServiceProcess, kv_transfer_config
 
 pytestmark = pytest.mark.slow
 
@@ -26,14 +24,10 @@ def pool(num_blocks: int) -> str:
     return str(num_blocks * BLOCK_BYTES)
 
 
-def transfer_config(address: str, **options) -> str:
-    extra = {"kvstore_address": address, "load_policy": "always", **options}
-    return json.dumps({"kv_connector": "KVStoreConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra})
-
-
 def make_engine(address: str, connector_options=None, **args) -> EngineCore:
     args.setdefault("kv_cache_memory", "64MiB")
-    return EngineCore(EngineArgs(kv_transfer_config=transfer_config(address, **(connector_options or {})), **args))
+    options = {"load_policy": "always", **(connector_options or {})}
+    return EngineCore(EngineArgs(kv_transfer_config=kv_transfer_config(address, **options), **args))
 
 
 def settle(engine: EngineCore) -> None:
@@ -308,3 +302,34 @@ def test_kv_events_name_the_store(kvstore, prompts):
     loaded = [e for e in engine.take_kv_events() if isinstance(e, BlockStored) and e.loaded_from == "kvstore"]
     assert sum(len(e.block_hashes) for e in loaded) == (len(prompts[0]) - 1) // 16
     engine.shutdown()
+
+
+def test_two_engines_behind_one_gateway_share_the_store(prompts):
+    """`llmmesh serve`'s processes with two engine replicas and the store: whichever engine the gateway picks
+    computes the prompt; the other then finds its whole prefix in the store (cached tokens it never computed)."""
+    import grpc
+    from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+
+    from services import client
+    from services.supervisor import Mesh
+
+    prompt = prompts[0]
+    num_full = (len(prompt) - 1) // 16 * 16
+    with Mesh(EngineArgs(kv_cache_memory="64MiB"), kv_store=True, num_engines=2) as mesh:
+        through_gateway = client.collect(client.generate(mesh.address, prompt, max_tokens=MAX_TOKENS, temperature=0.0))
+        assert through_gateway.complete.usage.cached_tokens == 0
+        with grpc.insecure_channel(mesh.services["kvstore"].address) as channel:
+            stats = kvstore_pb2_grpc.KVStoreStub(channel).Stats
+            # The stores run after the step that computed the blocks: wait for them (bounded, not timed).
+            for reply in iter(lambda: stats(kvstore_pb2.StatsRequest(), timeout=10), None):
+                if reply.blocks_stored >= len(prompt) // 16:
+                    break
+        params = common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+        for name in mesh.engine_names:
+            with grpc.insecure_channel(mesh.services[name].address) as channel:
+                request = engine_pb2.EngineGenerateRequest(prompt_token_ids=prompt, sampling_params=params)
+                messages = list(engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=120))
+            tokens = [t for m in messages for d in m.outputs for t in d.token_ids]
+            assert tokens == list(through_gateway.token_ids[0]), name
+            # One engine hits its own prefix cache, the other loads from the store: the same count either way.
+            assert messages[-1].usage.cached_tokens == num_full, name

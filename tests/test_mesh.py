@@ -32,7 +32,8 @@ LONG = dict(temperature=0.0, max_tokens=1000, ignore_eos=True)  # runs far longe
 
 @pytest.fixture(scope="module")
 def mesh(request):
-    m = Mesh(EngineArgs(kv_cache_memory=KV))
+    # As `llmmesh serve` runs it: with Redis and the kvstore behind the engine's KV connector.
+    m = Mesh(EngineArgs(kv_cache_memory=KV), kv_store=True)
     m.launch()
     try:
         request.getfixturevalue("refs")  # the offline references, while the services load

@@ -1,0 +1,199 @@
+"""KV store benchmark: time to first token when a prompt's prefix is recomputed, hit in the local prefix cache,
+or loaded from the kvstore (after the local cache is reset, and on a second engine), and the store's throughput;
+then a multi-turn workload through the mesh with a KV pool far smaller than the working set, with and without
+the store.
+
+    .venv/bin/python benchmarks/kv_store.py [--lengths 512 2048 8192] [--dtypes float32 bfloat16] [--rounds 3]
+        [--skip-ttft] [--skip-mesh] [--conversations 6] [--turns 4] [--pool-blocks 96]
+
+TTFT part: a real redis-server and a real `llmmesh kvstore` process; two EngineCores in this process (A and B)
+with the KV connector (load_policy auto: the engine's own load-or-recompute choice). Each round draws a fresh
+random prefix per length (so nothing is cached anywhere) and runs, in turn: cold on A (recompute; its blocks
+go to the store), local hit on A, reload on A after reset_prefix_cache, second engine B. Each request is the
+prefix plus its own 16-token suffix and asks for one token. Reported: per-round times and the median over
+rounds of each variant and of cold/variant.
+
+Mesh part: `llmmesh serve`'s processes (services.supervisor.Mesh), once with the store and once without
+(--no-kv-store), alternating over --rounds. Conversations advance turn by turn in lockstep (turn 1 of every
+conversation, then turn 2...), each turn the whole history plus a new user message, greedy, so the pool
+(--pool-blocks) evicts a conversation's blocks before its next turn. Reported: median TTFT per turn and
+total time; both variants must produce the same text.
+"""
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+
+from engine.config import EngineArgs
+from engine.core import EngineCore
+from engine.request import Request, SamplingParams
+from services import client
+from services.supervisor import Mesh, RedisServer, ServiceProcess, kv_transfer_config
+
+FIRST_REGULAR_ID = 17  # SmolLM2's special tokens are ids 0..16
+SUFFIX = 16
+
+
+def ttft(engine: EngineCore, prompt: list[int], request_id: str) -> float:
+    started = time.perf_counter()
+    engine.add_request(Request(request_id, prompt, SamplingParams(temperature=0, max_tokens=1)))
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id and out.new_token_ids:
+                seconds = time.perf_counter() - started
+                while engine.has_unfinished_requests():  # the stores end before the next variant
+                    engine.step()
+                return seconds
+
+
+def run_ttft(args) -> dict:
+    results = {}
+    with RedisServer(maxmemory="8gb") as redis:
+        kvstore = ServiceProcess("kvstore", ["--port", "0", "--redis-url", redis.url])
+        address = kvstore.wait_listening(120)
+        try:
+            for dtype in args.dtypes:
+                engine_args = dict(dtype=dtype, kv_cache_memory="2GiB", kv_transfer_config=kv_transfer_config(address))
+                a, b = EngineCore(EngineArgs(**engine_args)), EngineCore(EngineArgs(**engine_args))
+                vocab = a.model_config.vocab_size
+                for engine in (a, b):  # first-call costs out of the way
+                    ttft(engine, [FIRST_REGULAR_ID] * 64, "warm-up")
+                for length in args.lengths:
+                    prefix_len = min(length, a.max_model_len - SUFFIX - 1)
+                    rows = []
+                    for r in range(args.rounds):
+                        rng = random.Random(f"{dtype}-{length}-{r}")
+                        prefix = [rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(prefix_len)]
+                        suffixes = [[rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(SUFFIX)] for _ in range(4)]
+                        a.reset_prefix_cache()
+                        b.reset_prefix_cache()
+                        before = dict(a.get_stats().kv_connector_stats)
+                        row = {"cold": ttft(a, prefix + suffixes[0], f"cold-{length}-{r}"),
+                               "local": ttft(a, prefix + suffixes[1], f"local-{length}-{r}")}  # fmt: skip
+                        a.reset_prefix_cache()
+                        row["reload"] = ttft(a, prefix + suffixes[2], f"reload-{length}-{r}")
+                        row["second"] = ttft(b, prefix + suffixes[3], f"second-{length}-{r}")
+                        after = a.get_stats().kv_connector_stats
+                        row["reload_loaded_tokens"] = after["loaded_tokens"] - before["loaded_tokens"]
+                        rows.append(row)
+                        print(f"{dtype} prefix {prefix_len}: round {r}: " + ", ".join(
+                            f"{k} {v:.3f} s" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+                    results[f"{dtype}/{prefix_len}"] = summarize(rows)
+                for engine in (a, b):
+                    engine.shutdown()
+                del a, b
+            results["store_throughput"] = store_throughput(address)
+        finally:
+            kvstore.stop()
+    return results
+
+
+def summarize(rows: list[dict]) -> dict:
+    med = {k: statistics.median(r[k] for r in rows) for k in ("cold", "local", "reload", "second")}
+    ratios = {f"cold/{k}": statistics.median(r["cold"] / r[k] for r in rows) for k in ("local", "reload", "second")}
+    return {"median_s": med, "median_ratio": ratios, "rounds": rows}
+
+
+def store_throughput(address: str, num_blocks: int = 256) -> dict:
+    """Put then Get of num_blocks SmolLM2 float32 blocks (random bytes) straight through the kvstore client."""
+    import hashlib
+    import os
+
+    from engine.kv.connector.kvstore_client import KVLayout, KVStoreClient
+
+    layout = KVLayout("0" * 64, "float32", (30, 2, 3, 16, 64))
+    blocks = [(hashlib.sha256(b"bench%d" % i).digest(), os.urandom(layout.block_bytes)) for i in range(num_blocks)]
+    store = KVStoreClient(address, layout)
+    megabytes = num_blocks * layout.block_bytes / 1e6
+    started = time.perf_counter()
+    store.put(blocks, timeout=120)
+    put_s = time.perf_counter() - started
+    gets = []
+    for _ in range(3):
+        started = time.perf_counter()
+        got = sum(1 for _ in store.get([h for h, _ in blocks], timeout=120))
+        gets.append(time.perf_counter() - started)
+        assert got == num_blocks
+    store.close()
+    return {"megabytes": round(megabytes, 1), "put_MB_per_s": round(megabytes / put_s), "get_MB_per_s": round(megabytes / statistics.median(gets))}
+
+
+def run_conversations(address: str, args, rng_seed: int) -> tuple[list[list[float]], float, list[str]]:
+    rng = random.Random(rng_seed)
+    words = "paged attention block cache store prefix token engine request memory layer model the a of".split()
+    histories = ["" for _ in range(args.conversations)]
+    ttfts = [[] for _ in range(args.turns)]
+    texts = []
+    started = time.perf_counter()
+    for turn in range(args.turns):
+        for c in range(args.conversations):
+            user = " ".join(rng.choice(words) for _ in range(args.user_words))
+            histories[c] += f"\nUser {c}: {user}\nAssistant:"
+            sent = time.perf_counter()
+            first = None
+            pieces = []
+            for response in client.generate(address, histories[c], max_tokens=args.answer_tokens, temperature=0.0, ignore_eos=True):
+                if response.HasField("chunk") and first is None and any(d.token_ids for d in response.chunk.choices):
+                    first = time.perf_counter() - sent
+                if response.HasField("chunk"):
+                    pieces += [d.text for d in response.chunk.choices]
+            ttfts[turn].append(first)
+            answer = "".join(pieces)
+            texts.append(answer)
+            histories[c] += answer
+    return ttfts, time.perf_counter() - started, texts
+
+
+def run_mesh(args) -> dict:
+    pool = str(args.pool_blocks * 2 * 30 * 16 * 3 * 64 * 4)
+    results = {"store": [], "no_store": []}
+    outputs = {}
+    for r in range(args.rounds):
+        for variant in (("store", "no_store") if r % 2 == 0 else ("no_store", "store")):
+            with Mesh(EngineArgs(kv_cache_memory=pool), kv_store=variant == "store") as mesh:
+                ttfts, total, texts = run_conversations(mesh.address, args, rng_seed=r)
+            per_turn = [statistics.median(t) for t in ttfts]
+            results[variant].append({"total_s": total, "median_ttft_per_turn_s": per_turn})
+            outputs.setdefault(r, {})[variant] = texts
+            print(f"mesh round {r} {variant}: total {total:.1f} s, median TTFT per turn "
+                  + ", ".join(f"{t * 1000:.0f} ms" for t in per_turn), flush=True)  # fmt: skip
+        same = outputs[r]["store"] == outputs[r]["no_store"]
+        print(f"mesh round {r}: outputs identical with and without the store: {same}", flush=True)
+        results.setdefault("identical", []).append(same)
+    totals = [s["total_s"] / n["total_s"] for s, n in zip(results["store"], results["no_store"])]
+    results["median_total_ratio_store_over_no_store"] = statistics.median(totals)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--skip-ttft", action="store_true")
+    parser.add_argument("--skip-mesh", action="store_true")
+    parser.add_argument("--conversations", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--user-words", type=int, default=120)
+    parser.add_argument("--answer-tokens", type=int, default=32)
+    parser.add_argument("--pool-blocks", type=int, default=96)
+    parser.add_argument("--output-json")
+    args = parser.parse_args()
+    report = {"machine": f"{platform.node()} {platform.machine()}, {__import__('os').cpu_count()} cores", "args": vars(args)}
+    if not args.skip_ttft:
+        report["ttft"] = run_ttft(args)
+    if not args.skip_mesh:
+        report["mesh"] = run_mesh(args)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

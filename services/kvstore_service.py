@@ -1,0 +1,323 @@
+"""llmmesh.v1.KVStore: KV-cache blocks in Redis, a thin adapter over redis-py's asyncio client.
+
+A block lives under `kv:{fingerprint}:{block hash in hex}` as a small header (magic, version, dtype, shape,
+layer count, block size, data length, CRC-32 of the data) followed by the raw bytes; nothing is pickled. A
+value whose header does not match the layout asked for, or whose checksum fails, is deleted, counted and
+treated as missing. Redis is a cache (allkeys-lru): any block may vanish at any time.
+
+Every RPC takes a few round trips whatever its number of blocks: Lookup one pipelined EXISTS, Put one
+pipelined EXISTS and one pipelined SET per message, Get one MGET per chunk of at most GET_CHUNK_BYTES (the
+next chunk is read while the last one is sent), Delete one DEL. Health is NOT_SERVING while Redis does not
+answer PING, and every RPC then answers UNAVAILABLE within --redis-timeout.
+"""
+
+import asyncio
+import contextlib
+import functools
+import inspect
+import logging
+import math
+import re
+import struct
+import zlib
+from urllib.parse import urlsplit
+
+import grpc
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError, RedisError
+
+from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
+from services import config
+from services.server import MAX_MESSAGE_BYTES, Server
+
+logger = logging.getLogger("llmmesh.kvstore")
+
+SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
+
+DTYPES = {"float32": (1, 4), "float16": (2, 2), "bfloat16": (3, 2)}  # name -> (code in the header, bytes)
+MAGIC, VERSION = b"LMKV", 1
+MAX_DIMS = 8
+HASH_BYTES = 32
+FINGERPRINT = re.compile(r"[0-9a-f]{64}")
+GET_CHUNK_BYTES = 4 * 2**20  # one MGET, and one GetResponse, holds at most this much (or one block)
+HEALTH_INTERVAL = 0.5  # s between PINGs
+COUNTERS = ("hits", "misses", "corrupt_blocks", "redis_errors", "blocks_stored", "bytes_in", "bytes_out")
+REDIS_ERRORS = (RedisError, OSError)
+_CRC = struct.Struct("<I")
+
+
+def block_key(fingerprint: str, block_hash: bytes) -> str:
+    return f"kv:{fingerprint}:{block_hash.hex()}"
+
+
+def check_fingerprint(fingerprint: str, field: str) -> str:
+    if not FINGERPRINT.fullmatch(fingerprint):
+        raise ValueError(f"{field} must be 64 lowercase hex characters (a sha256 digest); got {fingerprint[:80]!r}")
+    return fingerprint
+
+
+class Layout:
+    """A checked BlockLayout: the header every value stored under it starts with, and its data size."""
+
+    def __init__(self, layout: kvstore_pb2.BlockLayout, max_block_bytes: int):
+        self.fingerprint = check_fingerprint(layout.fingerprint, "layout.fingerprint")
+        if layout.dtype not in DTYPES:
+            raise ValueError(f"layout.dtype must be one of {', '.join(DTYPES)}; got {layout.dtype[:32]!r}")
+        shape = list(layout.shape)
+        if not 1 <= len(shape) <= MAX_DIMS:
+            raise ValueError(f"layout.shape must have 1 to {MAX_DIMS} dimensions; got {len(shape)}")
+        for i, dim in enumerate(shape):
+            if dim < 1:
+                raise ValueError(f"layout.shape[{i}] must be at least 1; got {dim}")
+        code, itemsize = DTYPES[layout.dtype]
+        self.nbytes = math.prod(shape) * itemsize  # a Python int of at most 8 dims: nothing is allocated
+        if self.nbytes > max_block_bytes:
+            raise ValueError(f"layout.shape {shape} of {layout.dtype} is {self.nbytes} bytes a block; at most "
+                             f"{max_block_bytes} are allowed (--max-block-bytes)")
+        for name in ("num_layers", "block_size"):
+            if getattr(layout, name) < 1:
+                raise ValueError(f"layout.{name} must be at least 1; got 0")
+        self.header = struct.pack(f"<4sBBB{len(shape)}IIIQ", MAGIC, VERSION, code, len(shape), *shape,
+                                  layout.num_layers, layout.block_size, self.nbytes)
+
+    def key(self, block_hash: bytes) -> str:
+        return block_key(self.fingerprint, block_hash)
+
+    def encode(self, data: bytes) -> bytes:
+        return b"".join((self.header, _CRC.pack(zlib.crc32(data)), data))
+
+    def decode(self, value: bytes | None) -> bytes | None:
+        """The block's data; None where the value is missing or is no intact block of this layout."""
+        start = len(self.header) + _CRC.size
+        if value is None or len(value) != start + self.nbytes or not value.startswith(self.header):
+            return None
+        data = value[start:]
+        return data if _CRC.unpack_from(value, len(self.header))[0] == zlib.crc32(data) else None
+
+
+def redis_where(url: str) -> str:
+    """host:port/db of a redis:// URL, without its credentials."""
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port or 6379}{parts.path or '/0'}"
+
+
+def _leading(flags) -> int:
+    """The length of the leading run of true flags."""
+    run = 0
+    for flag in flags:
+        if not flag:
+            break
+        run += 1
+    return run
+
+
+def _discard(task: asyncio.Future | None) -> None:
+    """Cancel a read no longer wanted (its error, if it has one, is nobody's)."""
+    if task is not None:
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+def _statuses(handler):
+    """A handler whose ValueError answers INVALID_ARGUMENT and whose Redis error answers UNAVAILABLE."""
+    if inspect.isasyncgenfunction(handler):
+        async def stream(self, request, context):
+            try:
+                async with contextlib.aclosing(handler(self, request, context)) as responses:
+                    async for response in responses:
+                        yield response
+            except (ValueError, *REDIS_ERRORS) as e:
+                await self.abort(context, e)
+
+        return functools.wraps(handler)(stream)
+
+    async def unary(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except (ValueError, *REDIS_ERRORS) as e:
+            await self.abort(context, e)
+
+    return functools.wraps(handler)(unary)
+
+
+class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
+    def __init__(self, redis_url: str, redis_timeout: float = 2.0, max_blocks_per_request: int = 65536,
+                 max_block_bytes: int = MAX_MESSAGE_BYTES - 2**20):
+        # One retry, at once and only on a broken connection: a pooled connection that a Redis restart broke
+        # reconnects, while a Redis that is down or stuck answers UNAVAILABLE within the timeout.
+        self.redis = aioredis.from_url(redis_url, socket_timeout=redis_timeout, socket_connect_timeout=redis_timeout,
+                                       retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+        self.where = redis_where(redis_url)
+        self.max_blocks = max_blocks_per_request
+        self.max_block_bytes = max_block_bytes
+        self.counters = dict.fromkeys(COUNTERS, 0)
+
+    async def abort(self, context, error: Exception) -> None:
+        if isinstance(error, ValueError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        self.counters["redis_errors"] += 1
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis at {self.where} is unreachable: {error}")
+
+    async def redis_answers(self) -> bool:
+        try:
+            return bool(await self.redis.ping())
+        except REDIS_ERRORS:
+            return False
+
+    def count(self, **amounts: int) -> None:
+        for name, amount in amounts.items():
+            self.counters[name] += amount
+
+    def check_hashes(self, hashes, field: str = "block_hashes", item: str = "") -> list[bytes]:
+        if len(hashes) > self.max_blocks:
+            raise ValueError(f"{field} holds {len(hashes)} blocks; at most {self.max_blocks} are allowed in one "
+                             "request (--max-blocks-per-request)")
+        for i, block_hash in enumerate(hashes):
+            if len(block_hash) != HASH_BYTES:
+                raise ValueError(f"{field}[{i}]{item} must be {HASH_BYTES} bytes (a sha256 block hash); "
+                                 f"got {len(block_hash)}")
+        return list(hashes)
+
+    def layout(self, request) -> Layout:
+        if not request.HasField("layout"):
+            raise ValueError("layout must be set (in a Put, in the stream's first message): the blocks' fingerprint, "
+                             "dtype, shape, num_layers and block_size")
+        return Layout(request.layout, self.max_block_bytes)
+
+    async def exists(self, keys: list[str]) -> list[bool]:
+        """One pipelined EXISTS for all the keys."""
+        if not keys:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(key)
+        return [bool(n) for n in await pipe.execute()]
+
+    def read(self, layout: Layout, hashes: list[bytes]) -> asyncio.Future:
+        """One MGET of the blocks' values, under way."""
+        return asyncio.ensure_future(self.redis.mget([layout.key(h) for h in hashes]))
+
+    def keys(self, request) -> list[str]:
+        """The keys of a Lookup's or Delete's blocks, checked."""
+        fingerprint = check_fingerprint(request.fingerprint, "fingerprint")
+        return [block_key(fingerprint, h) for h in self.check_hashes(request.block_hashes)]
+
+    @_statuses
+    async def Lookup(self, request, context):
+        keys = self.keys(request)
+        present = _leading(await self.exists(keys))
+        self.count(hits=present, misses=len(keys) - present)
+        return kvstore_pb2.LookupResponse(num_present=present)
+
+    @_statuses
+    async def Put(self, request_iterator, context):
+        layout = first = None
+        stored = skipped = 0
+        async for request in request_iterator:
+            if first is None:
+                layout, first = self.layout(request), request.layout
+            elif request.HasField("layout") and request.layout != first:
+                raise ValueError("layout: a later message's layout must equal the first one's (one Put stream "
+                                 "stores blocks of one layout); leave it unset after the first message")
+            self.check_hashes([b.block_hash for b in request.blocks], "blocks", ".block_hash")
+            blocks = {}
+            for i, block in enumerate(request.blocks):
+                if len(block.data) != layout.nbytes:
+                    raise ValueError(f"blocks[{i}].data must be {layout.nbytes} bytes (the layout's size); "
+                                     f"got {len(block.data)}")
+                blocks[layout.key(block.block_hash)] = block.data
+            missing = [key for key, present in zip(blocks, await self.exists(list(blocks))) if not present]
+            written = 0
+            if missing:
+                pipe = self.redis.pipeline(transaction=False)
+                for key in missing:
+                    pipe.set(key, layout.encode(blocks[key]), nx=True)  # nx: one Put racing another stores once
+                written = sum(1 for ok in await pipe.execute() if ok)
+            stored += written
+            skipped += len(request.blocks) - written
+            self.count(blocks_stored=written, bytes_in=len(request.blocks) * layout.nbytes)
+        return kvstore_pb2.PutResponse(num_stored=stored, num_skipped=skipped)
+
+    @_statuses
+    async def Get(self, request, context):
+        layout = self.layout(request)
+        hashes = self.check_hashes(request.block_hashes)
+        per_chunk = max(1, GET_CHUNK_BYTES // (len(layout.header) + _CRC.size + layout.nbytes))
+        chunks = [hashes[i:i + per_chunk] for i in range(0, len(hashes), per_chunk)]
+        served = 0
+        pending = self.read(layout, chunks[0]) if chunks else None
+        try:
+            for i, chunk in enumerate(chunks):
+                values = await pending
+                # The next chunk is read while this one is sent.
+                pending = self.read(layout, chunks[i + 1]) if i + 1 < len(chunks) else None
+                blocks = []
+                for block_hash, value in zip(chunk, values):
+                    data = layout.decode(value)
+                    if data is None:
+                        if value is not None:
+                            logger.warning("dropping %s: its header or checksum does not match", layout.key(block_hash))
+                            self.count(corrupt_blocks=1)
+                            await self.redis.delete(layout.key(block_hash))
+                        break
+                    blocks.append(kvstore_pb2.KVBlock(block_hash=block_hash, data=data))
+                served += len(blocks)
+                self.count(bytes_out=len(blocks) * layout.nbytes)
+                if blocks:
+                    yield kvstore_pb2.GetResponse(blocks=blocks)
+                if len(blocks) < len(chunk):
+                    break
+        finally:
+            _discard(pending)
+            self.count(hits=served, misses=len(hashes) - served)
+
+    @_statuses
+    async def Delete(self, request, context):
+        keys = self.keys(request)
+        return kvstore_pb2.DeleteResponse(num_deleted=await self.redis.delete(*keys) if keys else 0)
+
+    @_statuses
+    async def Stats(self, request, context):
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.dbsize()
+        pipe.info("memory")
+        keys, memory = await pipe.execute()
+        return kvstore_pb2.StatsResponse(keys=keys, bytes=memory["used_memory"], **self.counters)
+
+
+# ---- the process -------------------------------------------------------------------------------
+
+
+async def serve(args) -> None:
+    service = KVStoreService(args.redis_url, args.redis_timeout, args.max_blocks_per_request, args.max_block_bytes)
+    server = Server("kvstore", [SERVICE_NAME], args)
+    server.add(kvstore_pb2_grpc.add_KVStoreServicer_to_server, service)
+    await server.start()
+    server.follow(service.redis_answers, f"redis at {service.where}", HEALTH_INTERVAL)
+    try:
+        await server.serve_until_stopped()
+    finally:
+        await service.redis.aclose()
+
+
+def add_subcommands(subparsers) -> None:
+    parser = config.service_parser(subparsers, "kvstore", "serve llmmesh.v1.KVStore (KV-cache blocks in Redis)")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="redis://HOST:PORT/DB")
+    parser.add_argument("--redis-timeout", type=float, default=2.0,
+                        help="seconds a Redis call or connection may take before the RPC answers UNAVAILABLE")
+    parser.add_argument("--max-blocks-per-request", type=int, default=65536,
+                        help="block hashes in one Lookup, Get or Delete, or blocks in one Put message")
+    parser.add_argument("--max-block-bytes", type=int, default=MAX_MESSAGE_BYTES - 2**20,
+                        help="the largest block a layout may describe (one block travels in one gRPC message)")
+
+    def run(args):
+        for flag in ("redis_timeout", "max_blocks_per_request", "max_block_bytes"):
+            if getattr(args, flag) <= 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}.")
+        if not args.redis_url.startswith(("redis://", "rediss://")):
+            raise ValueError(f"--redis-url must look like redis://HOST:PORT/DB, got {args.redis_url!r}.")
+        config.run(serve(args), args)
+
+    parser.set_defaults(func=run)
