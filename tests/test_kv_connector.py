@@ -276,6 +276,15 @@ def test_abort_during_load_and_preemption_during_stores(kvstore, prompts, refere
     assert not engine.has_request("a")
     assert_no_leaks(engine)
 
+    # Abort right after the step that computed the prompt: its stores still hold (and read) its blocks.
+    engine.reset_prefix_cache()
+    engine.add_request(Request("b", prompts[1], SamplingParams(temperature=0, max_tokens=4)))
+    engine.step()
+    assert engine.connector.has_pending_transfers() or connector_stats(engine)["stored_blocks"] > 0
+    engine.abort_requests(["b"])
+    settle(engine)
+    assert_no_leaks(engine)
+
     # Preemption while stores hold blocks (decode blocks stored too): 10 blocks for three requests of 4-7 blocks.
     small = make_engine(kvstore.address, {"store_decode_blocks": True}, kv_cache_memory=pool(10))
     short = [p[:60] for p in prompts]
@@ -333,3 +342,55 @@ def test_two_engines_behind_one_gateway_share_the_store(prompts):
             assert tokens == list(through_gateway.token_ids[0]), name
             # One engine hits its own prefix cache, the other loads from the store: the same count either way.
             assert messages[-1].usage.cached_tokens == num_full, name
+
+
+def test_frozen_kvstore_costs_a_deadline_not_a_hang(redis_server, prompts, references):
+    """A kvstore that stops answering (SIGSTOP): lookups and loads run into their deadlines and the requests are
+    recomputed, with the same output; after SIGCONT the engine loads again."""
+    import signal
+
+    kvstore = ServiceProcess("kvstore", ["--port", "0", "--redis-url", redis_server.url])
+    address = kvstore.wait_listening(120)
+    try:
+        engine = make_engine(address, {"lookup_timeout_s": 0.3, "timeout_s": 1.0, "retry_interval_s": 0.2})
+        run_greedy(engine, prompts[:1], MAX_TOKENS)
+        settle(engine)
+        engine.reset_prefix_cache()
+        kvstore.popen.send_signal(signal.SIGSTOP)
+        assert_all_match(run_greedy(engine, prompts, MAX_TOKENS), references, "kvstore frozen")
+        settle(engine)
+        assert_no_leaks(engine)
+        kvstore.popen.send_signal(signal.SIGCONT)
+        wait_for_health(address)
+        engine.reset_prefix_cache()
+        wait_until_store_reachable(engine)
+        loaded_before = connector_stats(engine)["loaded_tokens"]
+        assert_all_match(run_greedy(engine, prompts[:1], MAX_TOKENS), references[:1], "kvstore thawed")
+        assert connector_stats(engine)["loaded_tokens"] > loaded_before
+        engine.shutdown()
+    finally:
+        kvstore.popen.send_signal(signal.SIGCONT)
+        kvstore.kill()
+
+
+def test_load_or_recompute_follows_the_estimate(kvstore, prompts):
+    """load_policy auto: with the measured prefill rate of a fast accelerator, loading no longer pays and the
+    prefix is recomputed; with this CPU's own measurements, it loads."""
+    engine = make_engine(kvstore.address, {"load_policy": "auto"})
+    run_greedy(engine, prompts[:1], 2)
+    settle(engine)
+    engine.reset_prefix_cache()
+    cost = engine.connector.cost
+    assert cost.prefill_rate is not None  # measured from the first prefill
+    measured = cost.prefill_rate
+    cost.prefill_rate = 1e9  # tokens/s: recomputing is all but free
+    run_greedy(engine, prompts[:1], 2)
+    stats = connector_stats(engine)
+    assert stats["loaded_tokens"] == 0 and stats["recompute_chosen_tokens"] == (len(prompts[0]) - 1) // 16 * 16
+    settle(engine)
+    engine.reset_prefix_cache()
+    cost.prefill_rate = measured
+    run_greedy(engine, prompts[:1], 2)
+    assert connector_stats(engine)["loaded_tokens"] == (len(prompts[0]) - 1) // 16 * 16
+    settle(engine)
+    engine.shutdown()
