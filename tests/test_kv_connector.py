@@ -308,9 +308,20 @@ def test_kv_events_name_the_store(kvstore, prompts):
     engine.reset_prefix_cache()
     engine.take_kv_events()
     run_greedy(engine, prompts[:1], 2)
-    loaded = [e for e in engine.take_kv_events() if isinstance(e, BlockStored) and e.loaded_from == "kvstore"]
+    events = engine.take_kv_events()
+    loaded = [e for e in events if isinstance(e, BlockStored) and e.loaded_from == "kvstore"]
     assert sum(len(e.block_hashes) for e in loaded) == (len(prompts[0]) - 1) // 16
     engine.shutdown()
+
+    # On VllmEngine's wire (SubscribeKvEvents): blocks in the store are the EXTERNAL tier; loaded ones DEVICE.
+    from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
+
+    from services.vllm_engine import kv_event_batch
+
+    wire = kv_event_batch(1, 0.0, stored + loaded)
+    tiers = {(e.stored.tier, e.stored.medium) for e in wire.events}
+    assert tiers == {(smg_common_pb2.KV_CACHE_TIER_DEVICE, "device"), (smg_common_pb2.KV_CACHE_TIER_EXTERNAL, "kvstore"),
+                     (smg_common_pb2.KV_CACHE_TIER_DEVICE, "device;loaded_from=kvstore")}
 
 
 def test_two_engines_behind_one_gateway_share_the_store(prompts):
