@@ -13,11 +13,12 @@ go to the store), local hit on A, reload on A after reset_prefix_cache, second e
 prefix plus its own 16-token suffix and asks for one token. Reported: per-round times and the median over
 rounds of each variant and of cold/variant.
 
-Mesh part: `llmmesh serve`'s processes (services.supervisor.Mesh), once with the store and once without
-(--no-kv-store), alternating over --rounds. Conversations advance turn by turn in lockstep (turn 1 of every
-conversation, then turn 2...), each turn the whole history plus a new user message, greedy, so the pool
-(--pool-blocks) evicts a conversation's blocks before its next turn. Reported: median TTFT per turn and
-total time; both variants must produce the same text.
+Mesh part: two copies of `llmmesh serve`'s processes (services.supervisor.Mesh) up at once, one with the
+store and one without. Conversations advance turn by turn in lockstep (turn 1 of every conversation, then
+turn 2...), each turn the whole history plus a new user message, greedy, so the pool (--pool-blocks)
+evicts a conversation's blocks before its next turn. Each turn goes to both meshes back to back, the order
+alternating. Reported: TTFT per turn for each, the median per turn of the paired ratio, and whether
+both produced the same text.
 """
 
 import argparse
@@ -122,51 +123,46 @@ def store_throughput(address: str, num_blocks: int = 256) -> dict:
     return {"megabytes": round(megabytes, 1), "put_MB_per_s": round(megabytes / put_s), "get_MB_per_s": round(megabytes / statistics.median(gets))}
 
 
-def run_conversations(address: str, args, rng_seed: int) -> tuple[list[list[float]], float, list[str]]:
-    rng = random.Random(rng_seed)
-    words = "paged attention block cache store prefix token engine request memory layer model the a of".split()
-    histories = ["" for _ in range(args.conversations)]
-    ttfts = [[] for _ in range(args.turns)]
-    texts = []
-    started = time.perf_counter()
-    for turn in range(args.turns):
-        for c in range(args.conversations):
-            user = " ".join(rng.choice(words) for _ in range(args.user_words))
-            histories[c] += f"\nUser {c}: {user}\nAssistant:"
-            sent = time.perf_counter()
-            first = None
-            pieces = []
-            for response in client.generate(address, histories[c], max_tokens=args.answer_tokens, temperature=0.0, ignore_eos=True):
-                if response.HasField("chunk") and first is None and any(d.token_ids for d in response.chunk.choices):
-                    first = time.perf_counter() - sent
-                if response.HasField("chunk"):
-                    pieces += [d.text for d in response.chunk.choices]
-            ttfts[turn].append(first)
-            answer = "".join(pieces)
-            texts.append(answer)
-            histories[c] += answer
-    return ttfts, time.perf_counter() - started, texts
+def one_turn(address: str, prompt: str, args) -> tuple[float, str]:
+    """TTFT and text of one greedy generation through the gateway."""
+    sent, first, pieces = time.perf_counter(), None, []
+    for response in client.generate(address, prompt, max_tokens=args.answer_tokens, temperature=0.0, ignore_eos=True):
+        if response.HasField("chunk"):
+            if first is None and any(d.token_ids for d in response.chunk.choices):
+                first = time.perf_counter() - sent
+            pieces += [d.text for d in response.chunk.choices]
+    return first, "".join(pieces)
 
 
 def run_mesh(args) -> dict:
+    """Both meshes up at once; every turn goes to one and then the other (the order alternating), so the
+    machine's drift hits both alike. Greedy answers are equal, so the histories stay equal too."""
     pool = str(args.pool_blocks * 2 * 30 * 16 * 3 * 64 * 4)
-    results = {"store": [], "no_store": []}
-    outputs = {}
-    for r in range(args.rounds):
-        for variant in (("store", "no_store") if r % 2 == 0 else ("no_store", "store")):
-            with Mesh(EngineArgs(kv_cache_memory=pool), kv_store=variant == "store") as mesh:
-                ttfts, total, texts = run_conversations(mesh.address, args, rng_seed=r)
-            per_turn = [statistics.median(t) for t in ttfts]
-            results[variant].append({"total_s": total, "median_ttft_per_turn_s": per_turn})
-            outputs.setdefault(r, {})[variant] = texts
-            print(f"mesh round {r} {variant}: total {total:.1f} s, median TTFT per turn "
-                  + ", ".join(f"{t * 1000:.0f} ms" for t in per_turn), flush=True)  # fmt: skip
-        same = outputs[r]["store"] == outputs[r]["no_store"]
-        print(f"mesh round {r}: outputs identical with and without the store: {same}", flush=True)
-        results.setdefault("identical", []).append(same)
-    totals = [s["total_s"] / n["total_s"] for s, n in zip(results["store"], results["no_store"])]
-    results["median_total_ratio_store_over_no_store"] = statistics.median(totals)
-    return results
+    rng = random.Random(0)
+    words = "paged attention block cache store prefix token engine request memory layer model the a of".split()
+    histories = ["" for _ in range(args.conversations)]
+    ttft = {"store": [[] for _ in range(args.turns)], "no_store": [[] for _ in range(args.turns)]}
+    identical = True
+    with Mesh(EngineArgs(kv_cache_memory=pool), kv_store=True) as store, Mesh(EngineArgs(kv_cache_memory=pool)) as plain:
+        meshes = {"store": store.address, "no_store": plain.address}
+        started = time.perf_counter()
+        for turn in range(args.turns):
+            for c in range(args.conversations):
+                user = " ".join(rng.choice(words) for _ in range(args.user_words))
+                histories[c] += f"\nUser {c}: {user}\nAssistant:"
+                order = ("store", "no_store") if (turn + c) % 2 == 0 else ("no_store", "store")
+                texts = {}
+                for variant in order:
+                    seconds, texts[variant] = one_turn(meshes[variant], histories[c], args)
+                    ttft[variant][turn].append(seconds)
+                identical &= texts["store"] == texts["no_store"]
+                histories[c] += texts["store"]
+            print(f"turn {turn + 1}: median TTFT with the store {statistics.median(ttft['store'][turn]) * 1000:.0f} ms, "
+                  f"without {statistics.median(ttft['no_store'][turn]) * 1000:.0f} ms", flush=True)
+        total = time.perf_counter() - started
+    per_turn = [statistics.median(n / s for s, n in zip(ttft["store"][t], ttft["no_store"][t])) for t in range(args.turns)]
+    return {"ttft_s": ttft, "median_paired_ratio_no_store_over_store_per_turn": per_turn,
+            "identical_outputs": identical, "prompt_tokens_last_turn_chars": max(map(len, histories)), "total_s": total}
 
 
 def main() -> None:
@@ -179,7 +175,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--user-words", type=int, default=120)
-    parser.add_argument("--answer-tokens", type=int, default=32)
+    parser.add_argument("--answer-tokens", type=int, default=16)
     parser.add_argument("--pool-blocks", type=int, default=96)
     parser.add_argument("--output-json")
     args = parser.parse_args()

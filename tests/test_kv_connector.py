@@ -82,6 +82,11 @@ def test_reload_after_reset_and_on_a_second_engine_matches_hf(kvstore, prompts, 
     expected = sum((len(p) - 1) // 16 * 16 for p in prompts)
     assert stats["loaded_tokens"] == expected and stats["load_failed_tokens"] == 0
     assert first.get_stats().prefix_cache_hits == 0
+    # The loaded blocks joined the local prefix cache: the same prompts now hit it.
+    settle(first)
+    assert_all_match(run_greedy(first, prompts, MAX_TOKENS), references, "local after reload")
+    assert first.get_stats().prefix_cache_hits == expected
+    assert connector_stats(first)["loaded_tokens"] == expected
     settle(first)
     assert_no_leaks(first)
 
@@ -265,12 +270,16 @@ def test_abort_during_load_and_preemption_during_stores(kvstore, prompts, refere
     settle(engine)
     engine.reset_prefix_cache()
 
-    # Abort while the load is in flight: the request parks in WAITING_FOR_REMOTE_KVS after its first step.
-    engine.add_request(Request("a", long_prompt, SamplingParams(temperature=0, max_tokens=4)))
+    # Abort while the load is in flight: the request parks in WAITING_FOR_REMOTE_KVS after its first step,
+    # while a request already running keeps stepping.
+    engine.add_request(Request("running", prompts[2], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)))
     engine.step()
+    engine.add_request(Request("a", long_prompt, SamplingParams(temperature=0, max_tokens=4)))
+    outputs = engine.step()
     request = engine.scheduler.requests["a"]
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    engine.abort_requests(["a"])
+    assert [o.request_id for o in outputs if o.new_token_ids] == ["running"]
+    engine.abort_requests(["a", "running"])
     assert engine.has_request("a")  # its blocks are still being written: the id stays taken until the load ends
     settle(engine)
     assert not engine.has_request("a")
