@@ -173,6 +173,12 @@ class Scheduler:
                 apply_watermark=bool(self.running),
             )
             if new_blocks is None:
+                if num_cached:
+                    # Back from a load but short of blocks for the rest: a waiting request holds no blocks (two
+                    # such requests could otherwise wait on each other forever). The loaded blocks stay in the
+                    # prefix cache, so its next try starts with them as local hits.
+                    self.kv_cache_manager.free(request)
+                    request.num_computed_tokens = 0
                 break
             num_cached += num_local
             self.waiting.pop_request()
