@@ -12,7 +12,7 @@ PROTO_STAMP := $(PROTO_OUT)/.generated
 NODE_DIR := tests/interop/node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 
-.PHONY: setup protos redis-server test run serve bench clean
+.PHONY: setup protos redis-server test run serve bench clean trace-viewer
 
 setup: $(STAMP) $(PROTO_STAMP) $(NODE_STAMP) redis-server
 
@@ -63,6 +63,13 @@ serve: setup
 
 bench: setup
 	$(BIN)/python benchmarks/throughput.py
+
+# A trace viewer for `llmmesh serve` (Arize Phoenix, from PyPI, in a venv of its own): the UI on
+# http://localhost:6006, OTLP/gRPC on 4317 (LLMMESH_OTLP_TRACES_ENDPOINT=127.0.0.1:4317 llmmesh serve).
+TRACE_VIEWER := build/trace-viewer
+trace-viewer:
+	test -x $(TRACE_VIEWER)/bin/phoenix || ($(PYTHON) -m venv $(TRACE_VIEWER) && $(TRACE_VIEWER)/bin/pip install arize-phoenix)
+	$(TRACE_VIEWER)/bin/phoenix serve
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache build $(NODE_DIR)/node_modules

@@ -346,18 +346,27 @@ def main():
         if mesh is not None:
             mesh.stop()
     if llm is not None:
-        ratios = [r["mesh_over_offline"]["output_throughput_ratio"] for r in report["rounds"]]
-        added = [r["mesh_over_offline"]["median_ttft_added_ms"] for r in report["rounds"]]
-        report["median_over_rounds"] = {
-            "output_throughput_ratio": statistics.median(ratios), "median_ttft_added_ms": statistics.median(added),
-        }
-        print(f"\nover {len(ratios)} rounds: mesh / offline output tok/s {statistics.median(ratios):.3f}x "
-              f"(each: {', '.join(f'{r:.3f}' for r in ratios)}); median TTFT added by the mesh "
-              f"{statistics.median(added):.1f} ms (each: {', '.join(f'{a:.1f}' for a in added)})")
+        print(f"\n{median_over_rounds(report, 'mesh_over_offline', 'mesh / offline', 'the mesh')}")
+    write_report(args.output_json, report)
 
-    Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output_json).write_text(json.dumps(report, indent=2, default=str))
-    print(f"wrote {args.output_json}")
+
+def median_over_rounds(report: dict, key: str, ratio_name: str, adder: str) -> str:
+    """Sets report["median_over_rounds"] from each round's report[key] (output_throughput_ratio,
+    median_ttft_added_ms); returns the line that says it."""
+    ratios = [r[key]["output_throughput_ratio"] for r in report["rounds"]]
+    added = [r[key]["median_ttft_added_ms"] for r in report["rounds"]]
+    report["median_over_rounds"] = {
+        "output_throughput_ratio": statistics.median(ratios), "median_ttft_added_ms": statistics.median(added),
+    }
+    return (f"over {len(ratios)} rounds: {ratio_name} output tok/s {statistics.median(ratios):.3f}x "
+            f"(each: {', '.join(f'{r:.3f}' for r in ratios)}); median TTFT added by {adder} "
+            f"{statistics.median(added):.1f} ms (each: {', '.join(f'{a:.1f}' for a in added)})")
+
+
+def write_report(path: str, report: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2, default=str))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

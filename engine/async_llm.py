@@ -27,6 +27,7 @@ from engine.limits import RequestLimits
 from engine.output_processor import OutputProcessor, RequestOutputKind, truncate_prompt
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
+from engine.sample.sampler import SamplerUnavailableError
 
 logger = logging.getLogger("llmmesh.engine")
 
@@ -34,7 +35,12 @@ _STOP = object()
 
 
 class EngineRequestError(Exception):
-    """The engine failed this request (its step raised, or the engine thread died); it is gone from the engine."""
+    """The engine failed this request (its step raised, or the engine thread died); it is gone from the engine.
+    `unavailable`: because a service the engine depends on (the sampler) is down, not because of a bug."""
+
+    def __init__(self, message: str, unavailable: bool = False):
+        super().__init__(message)
+        self.unavailable = unavailable
 
 
 class RequestStream:
@@ -75,6 +81,9 @@ class AsyncLLM:
         self.kv_event_seq = 0
         self.kv_event_history: deque[tuple[int, float, list]] = deque(maxlen=1024)
         self.kv_event_subscribers: set[asyncio.Queue] = set()
+        # Called on the engine thread after every step with (core.last_step, the step's outputs): metrics and
+        # detailed traces. None (the default) costs nothing.
+        self.on_step: Callable | None = None
         self._ids = itertools.count()
         self.thread = threading.Thread(target=self._run, args=(build_core,), name="engine-core", daemon=True)
         self.thread.start()
@@ -163,10 +172,10 @@ class AsyncLLM:
             self.kv_event_history.append(batch)
             for subscriber in self.kv_event_subscribers:
                 subscriber.put_nowait(batch)
-        for engine_id, message in failed.items():
+        for engine_id, error in failed.items():
             state = self.output_processor.parent_of.get(engine_id)
             if state is not None:
-                self._fail(self.streams.get(state.request_id), state.request_id, message)
+                self._fail(self.streams.get(state.request_id), state.request_id, error)
         request_outputs, reqs_to_abort = self.output_processor.process_outputs(outputs, step_end)
         if reqs_to_abort:  # stop strings: free their blocks before the next step
             self.inbox.put(("abort", reqs_to_abort))
@@ -179,14 +188,14 @@ class AsyncLLM:
                 stream.finished = True
                 del self.streams[output.request_id]
 
-    def _fail(self, stream: RequestStream | None, request_id: str, message: str) -> None:
+    def _fail(self, stream: RequestStream | None, request_id: str, error: "EngineRequestError | str") -> None:
         """End a request with an error: its other completions are aborted, its stream raises."""
         engine_ids = self.output_processor.abort_requests([request_id])
         if engine_ids:
             self.inbox.put(("abort", engine_ids))
         if stream is not None:
             stream.finished = True
-            stream.queue.put_nowait(EngineRequestError(message))
+            stream.queue.put_nowait(error if isinstance(error, EngineRequestError) else EngineRequestError(error))
             self.streams.pop(request_id, None)
 
     def _fail_all(self, message: str) -> None:
@@ -237,7 +246,7 @@ class AsyncLLM:
                     commands.append(self.inbox.get_nowait())
                 except queue.Empty:
                     break
-            failed: dict[str, str] = {}
+            failed: dict[str, EngineRequestError | str] = {}
             for kind, payload in commands:
                 if kind is _STOP:
                     return
@@ -254,10 +263,18 @@ class AsyncLLM:
             if core.has_unfinished_requests():
                 try:
                     outputs = core.step()
+                except SamplerUnavailableError as e:  # the sampler service is down: fail the batch, keep serving
+                    logger.warning("engine step failed: %s", e)
+                    error = EngineRequestError(f"sampling failed: {e}", unavailable=True)
+                    failed.update(dict.fromkeys(core.fail_running_requests(), error))
+                    failed.update(dict.fromkeys(core.fail_requests(e.lost_request_ids), error))
                 except Exception as e:  # a bug hit by this batch: fail its requests, keep serving
                     logger.exception("engine step failed")
                     message = f"the engine step failed: {type(e).__name__}: {e}"
                     failed.update(dict.fromkeys(core.fail_running_requests(), message))
+                else:
+                    if self.on_step is not None:
+                        self.on_step(core.last_step, outputs)
             self.stats = core.get_stats()
             kv_events = core.take_kv_events()  # always empty without --enable-kv-cache-events
             if (failed or outputs or kv_events) and not self._call_soon(

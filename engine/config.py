@@ -57,6 +57,12 @@ class EngineArgs:
     # vLLM's --kv-transfer-config: a KV connector as JSON, e.g. {"kv_connector": "KVStoreConnector",
     # "kv_role": "kv_both", "kv_connector_extra_config": {"kvstore_address": "127.0.0.1:50055"}}
     kv_transfer_config: str | None = None
+    # The sampler service (llmmesh sampler) at HOST:PORT samples each step; None: sample in process.
+    sampler_address: str | None = None
+    # Seconds a step waits for the sampler service before its requests fail (UNAVAILABLE).
+    sampler_timeout: float = 10.0
+    # A step the sampler service cannot serve samples in process instead of failing.
+    sampler_fallback: bool = False
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -75,6 +81,8 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0, got {self.max_logprobs}.")
+        if self.sampler_timeout <= 0:
+            raise ValueError(f"sampler_timeout must be positive, got {self.sampler_timeout}.")
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory)
         if self.kv_transfer_config is not None:

@@ -2,6 +2,7 @@
 
 import logging
 import time
+from dataclasses import dataclass
 
 from engine.config import EngineArgs
 from engine.kv.connector.base import KVConnectorRole
@@ -15,6 +16,18 @@ from engine.sched.scheduler import Scheduler
 from engine.worker.worker import Worker
 
 logger = logging.getLogger("llmmesh.engine")
+
+
+@dataclass
+class StepStats:
+    """One step, for metrics and detailed traces: its batch and where its time went (perf_counter seconds)."""
+
+    step: int  # 1, 2, ... since the engine started
+    num_reqs: int  # requests in the batch
+    num_tokens: int  # tokens scheduled (prompt and decode)
+    schedule_s: float
+    model_s: float  # the forward pass and sampling (Worker.execute_model)
+    update_s: float  # turning the runner's output into request outputs
 
 
 class EngineCore:
@@ -51,6 +64,8 @@ class EngineCore:
             watermark=args.watermark,
             enable_kv_cache_events=args.enable_kv_cache_events,
         )
+        self.num_steps = 0
+        self.last_step: StepStats | None = None
         self.connector = None
         kv_transfer_config = args.get_kv_transfer_config()
         if kv_transfer_config is not None:
@@ -125,13 +140,23 @@ class EngineCore:
         """After a step raised: end every running request as aborted, without outputs; their ids."""
         return [r.request_id for r in self.scheduler.fail_running_requests()]
 
+    def fail_requests(self, request_ids) -> list[str]:
+        """End these requests (in any state but running in a failed step) as aborted, without outputs; their ids."""
+        return [r.request_id for r in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)]
+
     def step(self) -> list[EngineCoreOutput]:
+        began = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         started = time.perf_counter()
         runner_output = self.worker.execute_model(scheduler_output)
+        ran = time.perf_counter()
         if self.connector is not None:
-            self._record_prefill(scheduler_output, time.perf_counter() - started)
+            self._record_prefill(scheduler_output, ran - started)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.num_steps += 1
+        self.last_step = StepStats(self.num_steps, len(scheduler_output.scheduled_requests),
+                                   scheduler_output.total_num_scheduled_tokens, started - began, ran - started,
+                                   time.perf_counter() - ran)
         # Taken only once the step succeeded, so a failed step loses no abort outputs.
         aborted, self._aborted = self._aborted, []
         return aborted + outputs
@@ -167,6 +192,9 @@ class EngineCore:
         for connector in (self.connector, self.worker.connector):
             if connector is not None:
                 connector.shutdown()
+        runner = self.worker.model_runner
+        if runner is not None and runner.sampler_client is not None:
+            runner.sampler_client.close()
 
     def take_kv_events(self):
         return self.kv_cache_manager.take_events()

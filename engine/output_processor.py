@@ -157,6 +157,7 @@ class RequestState:
                 m.first_scheduled_time = event.timestamp
             elif event.type == EngineCoreEventType.PREEMPTED:
                 m.num_preemptions += 1
+                m.preemption_times.append(event.timestamp)
 
     def add_prompt_logprobs(self, positions: list) -> None:
         if self.prompt_logprobs is not None:

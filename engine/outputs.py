@@ -1,6 +1,6 @@
 """What the offline API returns, shaped like vllm.RequestOutput."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -43,6 +43,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    preemption_times: list[float] = field(default_factory=list)  # when each preemption happened
 
     @property
     def time_in_queue(self) -> float | None:

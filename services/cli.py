@@ -4,8 +4,8 @@ import argparse
 import sys
 import time
 
-from services import (client, config, detokenizer_service, gateway, kvstore_service, server, supervisor,
-                      tokenizer_service)
+from services import (client, config, detokenizer_service, gateway, kvstore_service, sampler_service, server,
+                      supervisor, tokenizer_service)
 
 from services.supervisor import DEMO_CHAT, DEMO_PROMPTS
 
@@ -56,8 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     EngineArgs.add_cli_args(engine)
     config.add_limit_args(engine)
+    engine.add_argument("--collect-detailed-traces", nargs="?", const="all", default=None,
+                        choices=["all", "model", "worker"],
+                        help="(vLLM's flag) add each engine step to request traces: the tokens it produced, "
+                             "its batch, its time in schedule, model and output processing")
     engine.set_defaults(func=run_engine)
-    for module in (server, tokenizer_service, detokenizer_service, kvstore_service, gateway, supervisor, client):
+    for module in (server, tokenizer_service, detokenizer_service, kvstore_service, sampler_service, gateway, supervisor,
+                   client):
         module.add_subcommands(sub)
     config.apply_env(parser)
     return parser

@@ -2,7 +2,8 @@
 
 Every parser of the `llmmesh` command goes through `apply_env` once it is built, so a flag `--max-n`
 reads LLMMESH_MAX_N whatever service defines it, and a variable means the same flag everywhere.
-The flags every service has (--host, --port, --shutdown-timeout, --log-level) are defined here.
+The flags every service has (--host, --port, --shutdown-timeout, --log-level, and services.telemetry's
+tracing and metrics flags) are defined here.
 """
 
 import argparse
@@ -13,10 +14,12 @@ import os
 
 from engine.config import DEFAULT_MODEL  # noqa: F401 (the one name of the default model, for every service)
 from engine.limits import RequestLimits
+from services import telemetry
 
 ENV_PREFIX = "LLMMESH_"
 # Each service's own port, so the mesh runs on one machine with every default.
-DEFAULT_PORTS = {"engine": 50051, "tokenizer": 50052, "detokenizer": 50053, "kvstore": 50054, "gateway": 8000}
+DEFAULT_PORTS = {"engine": 50051, "tokenizer": 50052, "detokenizer": 50053, "kvstore": 50054, "sampler": 50055,
+                 "gateway": 8000}
 
 
 def env_name(dest: str) -> str:
@@ -62,6 +65,7 @@ def service_parser(subparsers, name: str, help: str, port_of: str | None = None)
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight calls get to finish after SIGTERM")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    telemetry.add_args(parser)  # --otlp-traces-endpoint, --trace-sample-ratio, --metrics-port
     return parser
 
 
@@ -82,7 +86,10 @@ def limits_from_args(args) -> RequestLimits:
 
 def setup_logging(level: str = "INFO") -> None:
     """Every process's log format (importing the library configures no logging)."""
-    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    # %(trace)s: the trace id of the traced request being served, so a line leads to its trace.
+    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(name)s:%(trace)s %(message)s", datefmt="%H:%M:%S")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(telemetry.TraceIdFilter())
 
 
 def run(main, args=None) -> None:

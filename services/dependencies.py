@@ -94,16 +94,16 @@ class Dependencies:
             self.detokenizer = DetokenizerStream(self.detokenizer_stub, self.detokenizer_address)
         return self.detokenizer
 
-    async def tokenize(self, request):
+    async def tokenize(self, request, metadata=()):
         try:
-            return await self.tokenizer.Tokenize(request, timeout=UNARY_TIMEOUT)
+            return await self.tokenizer.Tokenize(request, timeout=UNARY_TIMEOUT, metadata=metadata)
         except grpc.aio.AioRpcError as e:
             raise dependency_error("tokenizer", self.tokenizer_address, e) from None
 
-    async def abort(self, address: str, engine_request_id: str) -> None:
+    async def abort(self, address: str, engine_request_id: str, metadata=()) -> None:
         request = engine_pb2.AbortRequest(request_ids=[engine_request_id])
         try:
-            await self.engines[address].Abort(request, timeout=UNARY_TIMEOUT)
+            await self.engines[address].Abort(request, timeout=UNARY_TIMEOUT, metadata=metadata)
         except grpc.aio.AioRpcError as e:  # not the request's failure: it still ends when the engine call does
             logger.warning("could not abort %s at the engine %s: %s", engine_request_id, address, e.details())
 

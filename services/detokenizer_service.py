@@ -24,6 +24,7 @@ from engine.text.detokenizer import MAX_PROMPT_CONTEXT
 from llmmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 from services import config
 from services.text_model import TextModel, check_token_ids, serve_text_service, text_service_parser
+from services.telemetry import Telemetry, set_error
 
 logger = logging.getLogger("llmmesh.detokenizer")
 
@@ -47,11 +48,14 @@ def params_from_start(start: detokenizer_pb2.DetokenizeStart) -> SamplingParams:
 class DetokenizeStream:
     """The requests of one stream, by request id."""
 
-    def __init__(self, model: TextModel, limits: RequestLimits):
+    def __init__(self, model: TextModel, limits: RequestLimits, telemetry: Telemetry | None = None):
         self.tokenizer = model.tokenizer
         self.max_tokens = model.max_model_len
         self.limits = limits
         self.requests: dict[str, RequestDetokenizer] = {}
+        # Traced requests' spans (their context comes on the start item: the stream is shared), until they end.
+        self.telemetry = telemetry if telemetry is not None and telemetry.tracer is not None else None
+        self.spans: dict = {}
 
     def handle(self, batch: detokenizer_pb2.DetokenizeBatch) -> detokenizer_pb2.DetokenizeResultBatch:
         self.limits.check_count("items", len(batch.items), "max_batch")
@@ -65,7 +69,16 @@ class DetokenizeStream:
                 self.requests.pop(item.request_id, None)
                 error = detokenizer_pb2.DetokenizeResult(request_id=item.request_id, finished=True, error=str(e))
                 results.append(error)
+                self.end_span(item.request_id, str(e))
         return detokenizer_pb2.DetokenizeResultBatch(results=results)
+
+    def end_span(self, rid: str, error: str | None = None, **attributes) -> None:
+        span = self.spans.pop(rid, None) if self.spans else None
+        if span is not None:
+            span.set_attributes(attributes)
+            if error is not None:
+                set_error(span, grpc.StatusCode.INVALID_ARGUMENT, error)
+            span.end()
 
     def handle_item(self, item: detokenizer_pb2.DetokenizeItem, field: str) -> detokenizer_pb2.DetokenizeResult:
         rid = item.request_id
@@ -91,9 +104,14 @@ class DetokenizeStream:
             except ValueError as e:  # the message starts with the field name
                 raise ValueError(f"{field}.start.{e}") from None
             self.requests[rid] = RequestDetokenizer(self.tokenizer, prompt_tail, params)
+            if self.telemetry is not None and start.trace_context:
+                span = self.telemetry.server_span("detokenize", start.trace_context.items())
+                if span is not None:
+                    self.spans[rid] = span
             return detokenizer_pb2.DetokenizeResult(request_id=rid)
         if kind == "close":
             self.requests.pop(rid, None)  # closing twice, or after finished, is fine
+            self.end_span(rid, closed=True)
             return detokenizer_pb2.DetokenizeResult(request_id=rid, finished=True)
         if kind != "step":
             raise ValueError(f"{field}: set one of start, step or close")
@@ -108,6 +126,9 @@ class DetokenizeStream:
         text = detok.get_next_output_text(finished, delta=True)
         if step.finished:
             del self.requests[rid]
+        if finished:
+            self.end_span(rid, **{"llmmesh.stop_str": detok.matched_stop or "",
+                                  "gen_ai.usage.output_tokens": detok.num_output_tokens})
         return detokenizer_pb2.DetokenizeResult(
             request_id=rid,
             text=text,
@@ -121,11 +142,12 @@ class DetokenizerService(detokenizer_pb2_grpc.DetokenizerServicer):
     def __init__(self, limits: RequestLimits):
         self.model: TextModel | None = None  # set once loaded
         self.limits = limits
+        self.telemetry: Telemetry | None = None  # the server's (serve_text_service)
 
     async def Detokenize(self, request_iterator, context):
         if self.model is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the tokenizer is still loading")
-        stream = DetokenizeStream(self.model, self.limits)
+        stream = DetokenizeStream(self.model, self.limits, self.telemetry)
         async for batch in request_iterator:
             try:
                 yield stream.handle(batch)

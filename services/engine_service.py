@@ -13,7 +13,9 @@ from engine.text.tokenizer import Tokenizer
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services import config
 from services.convert import logprobs_to_proto, sampling_params_from_proto
+from services.engine_telemetry import EngineTelemetry
 from services.server import Server, llmmesh_version
+from services.telemetry import CURRENT_SERVER_SPAN
 from services.vllm_engine import VLLM_ENGINE_SERVICE, VllmEngineServicer, vllm_engine_pb2_grpc
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -25,6 +27,8 @@ def timings(out: RequestOutput) -> common_pb2.Timings:
         queue_time=m.time_in_queue or 0.0,
         time_to_first_token=m.time_to_first_token or 0.0,
         e2e_latency=time.monotonic() - m.arrival_time,
+        prefill_time=(m.first_token_time - m.first_scheduled_time) if m.first_token_time and m.first_scheduled_time else 0.0,
+        decode_time=((m.last_token_time or m.first_token_time) - m.first_token_time) if m.first_token_time else 0.0,
     )
 
 
@@ -61,6 +65,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     def __init__(self, engine: AsyncLLM | None = None):
         self.engine = engine
+        self.observer: EngineTelemetry | None = None  # metrics and request spans, when either is on
 
     async def ready(self, context) -> AsyncLLM:
         if self.engine is None:
@@ -85,16 +90,21 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         # If the handler is cancelled (client gone, deadline passed) or fails, the unfinished completions
         # are aborted by close_stream: their blocks are free before the next step.
         first_tokens = True
+        watch = self.observer.watch(CURRENT_SERVER_SPAN.get(), stream) if self.observer else None
         try:
             async for out in stream:
+                if watch is not None:
+                    watch.output(out)
                 moved = any(c.token_ids for c in out.outputs)
                 yield to_response(out, first_tokens and moved)
                 first_tokens = first_tokens and not moved
         except EngineRequestError as e:
-            code = grpc.StatusCode.UNAVAILABLE if engine.dead else grpc.StatusCode.INTERNAL
+            code = grpc.StatusCode.UNAVAILABLE if engine.dead or e.unavailable else grpc.StatusCode.INTERNAL
             await context.abort(code, f"request {request.request_id}: {e}")
         finally:
             engine.close_stream(stream)
+            if watch is not None:
+                watch.end()
 
     async def Abort(self, request: engine_pb2.AbortRequest, context):
         engine = await self.ready(context)
@@ -150,6 +160,10 @@ async def serve(args) -> None:
         engine.shutdown(timeout=0)
         await server.stop(0)
         raise
+    observer = EngineTelemetry(server.telemetry, servicer, args.model, args.collect_detailed_traces)
+    if observer.active:
+        servicer.observer = observer
+        observer.attach(engine)
     servicer.engine = engine
     await server.set_serving(True)
     server.watch(engine.died)  # health turns NOT_SERVING if the engine thread dies

@@ -28,6 +28,8 @@ from services.convert import sampling_params_from_proto
 from services.dependencies import UNARY_TIMEOUT, Dependencies
 from services.errors import RequestError, dependency_error, invalid, unavailable
 from services.server import Server
+from services.telemetry import (CURRENT_SERVER_SPAN, SpanKind, Telemetry, genai_request_attributes, inject, set_error,
+                                set_response_attributes)
 from services.text_model import check_messages
 
 logger = logging.getLogger("llmmesh.gateway")
@@ -57,6 +59,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         self.trust_request_chat_template = trust_request_chat_template
         self.num_in_flight = 0
         self.draining = False
+        self.telemetry = Telemetry("gateway", None)  # off; serve() gives it the server's
 
     # ---- access and admission --------------------------------------------------------------------
 
@@ -89,15 +92,29 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     # ---- Generate / Chat -------------------------------------------------------------------------
 
     async def Generate(self, request, context):
-        async for response in self._serve(request, context, lambda: self._tokenize_prompt(request)):
+        async for response in self._serve(request, context, lambda md: self._tokenize_prompt(request, md),
+                                          "text_completion"):
             yield response
 
     async def Chat(self, request, context):
-        async for response in self._serve(request, context, lambda: self._tokenize_chat(request)):
+        async for response in self._serve(request, context, lambda md: self._tokenize_chat(request, md), "chat"):
             yield response
 
-    async def _serve(self, request, context, tokenize):
+    async def _serve(self, request, context, tokenize, operation: str):
         arrival = time.monotonic()
+        # The request's root span (GenAI conventions): the server span the handler wrapper started in the
+        # client's trace when it sent a traceparent, else the first span of a new trace.
+        span = own_span = None
+        if self.telemetry.tracer is not None:
+            model = request.model or self.model
+            attributes = genai_request_attributes(operation, model, request.sampling_params, request.request_id)
+            span = CURRENT_SERVER_SPAN.get()
+            if span is not None:
+                span.update_name(f"{operation} {model}")
+                span.set_attributes(attributes)
+            else:
+                span = own_span = self.telemetry.new_trace(f"{operation} {model}", attributes)
+                CURRENT_SERVER_SPAN.set(span)  # this request's log lines carry its trace id
         try:
             self._check_access(context)
             if self.num_in_flight >= self.max_requests_in_flight:
@@ -119,17 +136,24 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                     self.limits.check_params(params)
                 except ValueError as e:
                     raise invalid(f"sampling_params: {e}") from None
-                prompt_ids = await tokenize()
+                with self.telemetry.client_call("llmmesh.v1.Tokenizer/Tokenize", span) as tokenize_span:
+                    prompt_ids = await tokenize(inject(tokenize_span))
                 if not prompt_ids:
                     raise invalid("prompt is empty: it must hold at least one token")
-                async for response in self._generate(request, context, params, prompt_ids, arrival):
+                async for response in self._generate(request, context, params, prompt_ids, arrival, span):
                     yield response
             finally:
                 self.num_in_flight -= 1
         except RequestError as e:
+            if span is not None and span.is_recording():
+                set_error(span, e.code, e.message)
+                logger.info("request %s failed: %s %s", request.request_id, e.code.name, e.message)
             await context.abort(e.code, e.message)
+        finally:
+            if own_span is not None:
+                own_span.end()
 
-    async def _tokenize_prompt(self, request) -> list[int]:
+    async def _tokenize_prompt(self, request, metadata=()) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "token_ids":
             ids = request.token_ids.ids
@@ -148,9 +172,9 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             self.limits.check_chars("text", request.text, "max_prompt_chars")
         except ValueError as e:
             raise invalid(str(e)) from None
-        return list((await self.deps.tokenize(tokenizer_pb2.TokenizeRequest(text=request.text))).token_ids)
+        return list((await self.deps.tokenize(tokenizer_pb2.TokenizeRequest(text=request.text), metadata)).token_ids)
 
-    async def _tokenize_chat(self, request) -> list[int]:
+    async def _tokenize_chat(self, request, metadata=()) -> list[int]:
         try:
             check_messages(request.messages, self.limits)
         except ValueError as e:
@@ -163,9 +187,9 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         chat = tokenizer_pb2.ChatInput(messages=request.messages, chat_template=request.chat_template)
         if request.HasField("add_generation_prompt"):
             chat.add_generation_prompt = request.add_generation_prompt
-        return list((await self.deps.tokenize(tokenizer_pb2.TokenizeRequest(chat=chat))).token_ids)
+        return list((await self.deps.tokenize(tokenizer_pb2.TokenizeRequest(chat=chat), metadata)).token_ids)
 
-    async def _generate(self, request, context, params, prompt_ids: list[int], arrival: float):
+    async def _generate(self, request, context, params, prompt_ids: list[int], arrival: float, span=None):
         request_id = request.request_id or uuid.uuid4().hex
         # Unique at the engine even when clients reuse ids, and no longer than the engine takes.
         if request.request_id:
@@ -196,12 +220,19 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         detokenizer = self.deps.detokenizer_stream()
         detokenizer.open(detok_ids, results)  # from here the finally below undoes everything
         self.deps.engine_in_flight[address] += 1
+        # The engine and detokenizer calls' client spans (None when not traced); the detokenizer stream is shared,
+        # so this request's context rides on its start item.
+        engine_span = self.telemetry.start_span("llmmesh.v1.Engine/Generate", span, SpanKind.CLIENT,
+                                                attributes={"server.address": address})
+        detokenize_span = self.telemetry.start_span("llmmesh.v1.Detokenizer/Detokenize", span, SpanKind.CLIENT)
+        start.trace_context.update(inject(detokenize_span))
         call = self.deps.engines[address].Generate(
             engine_pb2.EngineGenerateRequest(
                 request_id=engine_request_id, prompt_token_ids=prompt_ids, sampling_params=engine_params,
                 priority=request.priority, cache_salt=request.cache_salt,
             ),
             timeout=context.time_remaining(),  # the client's deadline ends the engine request too
+            metadata=inject(engine_span),
         )
         context.add_done_callback(lambda _: call.cancel())  # even if this generator is never resumed
         engine_info = {"usage": None, "queue_time": None}
@@ -228,7 +259,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                         continue
                     if isinstance(item, RequestError):
                         raise item
-                    delta = self._apply(item, state, pending, detokenizer, address, prompt_logprobs)
+                    delta = self._apply(item, state, pending, detokenizer, address, prompt_logprobs, span)
                     if delta is not None:
                         deltas.append(delta)
                 if request.stream and deltas:
@@ -236,11 +267,13 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             for c in state.completions:
                 if not c.finished:  # the engine stream ended without finishing it
                     state.finish(c, "abort")
-            yield gateway_pb2.GenerateResponse(
-                request_id=request_id,
-                complete=self._complete(state, request.stream, engine_info, prompt_logprobs, len(prompt_ids)),
-            )
+            complete = self._complete(state, request.stream, engine_info, prompt_logprobs, len(prompt_ids))
+            set_response_attributes(span, request_id, complete)
+            yield gateway_pb2.GenerateResponse(request_id=request_id, complete=complete)
         finally:
+            for child in (engine_span, detokenize_span):
+                if child is not None:
+                    child.end()
             # Finished, failed, cancelled by the client or past its deadline: end the engine request now.
             call.cancel()
             reader.cancel()
@@ -279,6 +312,9 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                     engine_info["usage"] = msg.usage
                 if msg.HasField("timings") and engine_info["queue_time"] is None:
                     engine_info["queue_time"] = msg.timings.queue_time
+                if msg.HasField("usage"):  # the last message: the engine's own prefill and decode times
+                    engine_info["prefill_time"] = msg.timings.prefill_time
+                    engine_info["decode_time"] = msg.timings.decode_time
                 detokenizer.send(items)
             results.put_nowait(_ENGINE_DONE)
         except grpc.aio.AioRpcError as e:
@@ -286,7 +322,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         except RequestError as e:
             results.put_nowait(e)
 
-    def _apply(self, result, state: RequestState, pending, detokenizer, address, prompt_logprobs):
+    def _apply(self, result, state: RequestState, pending, detokenizer, address, prompt_logprobs, span=None):
         """One detokenizer answer, matched with the engine step it answers; the choice's delta for the client."""
         queue = pending.get(result.request_id)
         if not queue:
@@ -310,15 +346,27 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             abort = state.stop_at_string(c, result.stop_str, engine_finished=bool(d.finish_reason))
             detokenizer.close(result.request_id, forget_remote=True)
             pending.pop(result.request_id, None)
+            if span is not None:
+                span.add_event("stop_string", {"gen_ai.response.choice.index": index, "llmmesh.stop_str": result.stop_str,
+                                               "llmmesh.engine_aborted": abort is not None})
             if abort is not None and not state.finished:
                 # End this completion's engine request alone (its blocks are free next step); the others go on.
-                asyncio.get_running_loop().create_task(self.deps.abort(address, abort))
+                asyncio.get_running_loop().create_task(self._abort_engine(address, abort, span))
+            elif abort is not None and span is not None:
+                # The last completion: the engine call is cancelled, which aborts the engine request.
+                self.telemetry.start_span("stop_string_abort", span, attributes={
+                    "llmmesh.engine_request_id": abort, "llmmesh.stop_str": result.stop_str}).end()
         elif d.finish_reason:
             stop_token = d.stop_token_id if d.WhichOneof("stop_reason") == "stop_token_id" else None
             state.finish(c, d.finish_reason, stop_token if stop_token is not None else (d.stop_str or None))
         if not d.token_ids and not result.text:
             return None
         return gateway_pb2.ChoiceDelta(index=index, text=result.text, token_ids=d.token_ids, logprobs=d.logprobs)
+
+    async def _abort_engine(self, address: str, engine_request_id: str, span) -> None:
+        """Abort one completion's engine request that a stop string ended (a child span of the request's)."""
+        with self.telemetry.client_call("stop_string_abort", span, {"llmmesh.engine_request_id": engine_request_id}) as s:
+            await self.deps.abort(address, engine_request_id, inject(s))
 
     def _complete(self, state: RequestState, stream: bool, engine_info, prompt_logprobs, num_prompt_ids) -> gateway_pb2.Complete:
         choices = []
@@ -351,6 +399,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 queue_time=engine_info["queue_time"] or 0.0,
                 time_to_first_token=(m.first_token_time or now) - m.arrival_time,
                 e2e_latency=now - m.arrival_time,
+                prefill_time=engine_info.get("prefill_time") or 0.0,
+                decode_time=engine_info.get("decode_time") or 0.0,
             ),
             prompt_logprobs=prompt_logprobs,
         )
@@ -394,6 +444,7 @@ async def serve(args) -> None:
                       args.trust_request_chat_template)
     # The public port takes prompts of up to --max-prompt-chars (4 bytes a character at most) and no more.
     server = Server("gateway", [SERVICE_NAME], args, max_receive_bytes=4 * limits.max_prompt_chars + 2**20)
+    gateway.telemetry = server.telemetry
     server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, gateway)
     await server.start()  # from here SIGINT/SIGTERM set server.stop_requested
     monitor = asyncio.create_task(deps.monitor(server, server.stop_requested))  # announces once all are healthy

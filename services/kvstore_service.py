@@ -294,6 +294,7 @@ async def serve(args) -> None:
     service = KVStoreService(args.redis_url, args.redis_timeout, args.max_blocks_per_request, args.max_block_bytes)
     server = Server("kvstore", [SERVICE_NAME], args)
     server.add(kvstore_pb2_grpc.add_KVStoreServicer_to_server, service)
+    server.telemetry.count("llmmesh:kvstore_", service.counters)  # hits, misses, bytes, corrupt blocks...
     await server.start()
     server.follow(service.redis_answers, f"redis at {service.where}", HEALTH_INTERVAL)
     try:

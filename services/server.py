@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 logger = logging.getLogger("llmmesh.server")
 
 from engine.grpc_policy import CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, MAX_MESSAGE_BYTES, SERVER_OPTIONS  # noqa: F401
+from services.telemetry import Telemetry, instrument  # noqa: E402
 
 
 def channel(address: str) -> grpc.aio.Channel:
@@ -106,21 +107,24 @@ def _harden(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | No
 
 
 class _HardenedGeneric(grpc.GenericRpcHandler):
-    def __init__(self, inner: grpc.GenericRpcHandler):
+    def __init__(self, inner: grpc.GenericRpcHandler, telemetry: Telemetry):
         self.inner = inner
+        self.telemetry = telemetry
 
     def service(self, handler_call_details):
-        return _harden(self.inner.service(handler_call_details))
+        handler = _harden(self.inner.service(handler_call_details))
+        return instrument(handler, handler_call_details.method, self.telemetry)
 
 
 class _Registrar:
     """What the generated add_*Servicer_to_server functions are given: it hardens every handler."""
 
-    def __init__(self, server: grpc.aio.Server):
+    def __init__(self, server: grpc.aio.Server, telemetry: Telemetry):
         self.server = server
+        self.telemetry = telemetry
 
     def add_generic_rpc_handlers(self, handlers) -> None:
-        self.server.add_generic_rpc_handlers([_HardenedGeneric(h) for h in handlers])
+        self.server.add_generic_rpc_handlers([_HardenedGeneric(h, self.telemetry) for h in handlers])
 
     def add_registered_method_handlers(self, service_name, method_handlers) -> None:
         # Registered handlers skip the generic lookup: leave them unregistered so the hardened generic
@@ -148,7 +152,9 @@ class Server:
                 ("grpc.max_receive_message_length", max_receive_bytes),
             ],
         )
-        self.registrar = _Registrar(self.server)
+        # Traces and metrics (--otlp-traces-endpoint, --metrics-port): every handler registered through add().
+        self.telemetry = Telemetry(name, args)
+        self.registrar = _Registrar(self.server, self.telemetry)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
@@ -211,6 +217,7 @@ class Server:
                 loop.add_signal_handler(sig, self.stop_requested.set)
         await self.set_serving(False)
         await self.server.start()
+        self.telemetry.start()
         logger.info("listening on %s (%s)", self.address, ", ".join(self.service_names))
 
     async def stop(self, grace: float | None = None) -> None:
@@ -219,6 +226,7 @@ class Server:
         for task in self._watchers:
             task.cancel()
         await self.server.stop(grace)
+        self.telemetry.shutdown()  # the spans of the calls that just ended go out
 
     async def serve_until_stopped(self) -> None:
         """Serve until SIGINT/SIGTERM, then refuse new calls and give in-flight ones shutdown_timeout s."""

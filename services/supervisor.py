@@ -11,6 +11,7 @@ With the KV store, a `redis-server` (RedisServer) and the kvstore start first, a
 import argparse
 import dataclasses
 import json
+import os
 import re
 import shutil
 import signal
@@ -26,6 +27,7 @@ from services import client, config
 from services.gateway import add_gateway_args
 
 LISTENING = re.compile(r"llmmesh (\w+) listening on (\S+)")
+METRICS = re.compile(r"llmmesh (\w+) metrics on (\S+)")  # with --metrics-port (services.telemetry)
 
 
 # ---- running services as processes --------------------------------------------------------------
@@ -34,16 +36,18 @@ LISTENING = re.compile(r"llmmesh (\w+) listening on (\S+)")
 class ServiceProcess:
     """`llmmesh <service> <args>` as a child process; its address comes from its listening line."""
 
-    def __init__(self, service: str, args: list[str], echo: bool = False):
+    def __init__(self, service: str, args: list[str], echo: bool = False, env: dict | None = None):
         self.service = service
         self.args = list(args)
         self.address: str | None = None
+        self.metrics_address: str | None = None  # HOST:PORT of its Prometheus /metrics, once it says
         self.listening = threading.Event()
         self.echo = echo
         # Its own session: a Ctrl-C at the terminal reaches `serve`, which stops the services in order.
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "services.cli", service, *args],
             stdout=subprocess.PIPE, text=True, start_new_session=True,
+            env=None if env is None else {**os.environ, **env},  # env: variables on top of this process's
         )
         threading.Thread(target=self._read_stdout, name=f"{service}-stdout", daemon=True).start()
 
@@ -54,7 +58,10 @@ class ServiceProcess:
                 if match and match.group(1) == self.service and self.address is None:
                     self.address = match.group(2)
                     self.listening.set()
-                elif self.echo:
+                    continue
+                if (metrics := METRICS.search(line)) and metrics.group(1) == self.service:
+                    self.metrics_address = metrics.group(2)
+                if self.echo:
                     print(f"[{self.service}] {line}", end="", flush=True)
 
     @property
@@ -227,14 +234,17 @@ class Mesh:
     and the kvstore, started before the engine, which is given a --kv-transfer-config pointing at the kvstore."""
 
     def __init__(self, engine_args: EngineArgs, gateway_args: list[str] = (), port: int = 0, echo: bool = False,
-                 kv_store: bool = False, redis_maxmemory: str = "2gb", num_engines: int = 1):
+                 kv_store: bool = False, redis_maxmemory: str = "2gb", num_engines: int = 1, sampler: bool = False,
+                 env: dict | None = None):
         self.engine_args = engine_args
+        self.env = env  # variables every service gets on top of this process's (LLMMESH_*, OTEL_*)
         self.gateway_args = list(gateway_args)
         self.port = port
         self.echo = echo
         self.kv_store = kv_store
         self.redis_maxmemory = redis_maxmemory
         self.redis: RedisServer | None = None
+        self.sampler = sampler  # a sampler service (started before the engines, which sample on it)
         # "engine", then "engine-2"...: replicas behind the one gateway (sharing the KV store, when there is one)
         self.engine_names = ["engine"] + [f"engine-{i}" for i in range(2, num_engines + 1)]
         self.services: dict[str, ServiceProcess] = {}
@@ -254,6 +264,9 @@ class Mesh:
                 kvstore = self._start("kvstore", ["--port", "0", "--redis-url", self.redis.url])
                 engine_args = dataclasses.replace(engine_args, kv_transfer_config=kv_transfer_config(
                     kvstore.wait_listening(timeout)))
+            if self.sampler:
+                sampler = self._start("sampler", ["--port", "0"])
+                engine_args = dataclasses.replace(engine_args, sampler_address=sampler.wait_listening(timeout))
         except BaseException:
             self.stop()
             raise
@@ -275,7 +288,7 @@ class Mesh:
             raise
 
     def _start(self, name: str, args: list[str], service: str | None = None) -> ServiceProcess:
-        self.services[name] = ServiceProcess(service or name, args, self.echo)
+        self.services[name] = ServiceProcess(service or name, args, self.echo, self.env)
         return self.services[name]
 
     def backend_flags(self) -> list[str]:
@@ -285,7 +298,7 @@ class Mesh:
 
     def start_gateway(self, args: list[str], timeout: float = 60.0) -> ServiceProcess:
         """Another gateway (on a free port) in front of the same services, e.g. with other flags."""
-        process = ServiceProcess("gateway", ["--port", "0", *args, *self.backend_flags()], self.echo)
+        process = ServiceProcess("gateway", ["--port", "0", *args, *self.backend_flags()], self.echo, self.env)
         process.wait_listening(timeout)
         return process
 
@@ -300,14 +313,16 @@ class Mesh:
 
     def revive_store(self) -> list[str]:
         """Start a Redis or kvstore that died again, on its port (the store is a cache: meanwhile the engine
-        recomputes, and Redis comes back empty). Returns what was restarted."""
+        recomputes, and Redis comes back empty), and a sampler that died (meanwhile the engines fail the
+        requests of each step they cannot sample, then find it again). Returns what was restarted."""
         revived = []
         if self.redis is not None and not self.redis.alive():
             self.redis.start()
             revived.append("redis-server")
-        if "kvstore" in self.services and not self.services["kvstore"].alive():
-            self.restart("kvstore")
-            revived.append("kvstore")
+        for name in ("kvstore", "sampler"):
+            if name in self.services and not self.services[name].alive():
+                self.restart(name)
+                revived.append(name)
         return revived
 
     @property
@@ -315,8 +330,9 @@ class Mesh:
         return self.services["gateway"].address
 
     def stop(self, timeout: float = 30.0) -> None:
-        """The gateway first (it drains), then the services behind it, then the kvstore, and Redis last."""
-        tiers = [["gateway"], [name for name in self.services if name not in ("gateway", "kvstore")], ["kvstore"]]
+        """The gateway first (it drains), then the services behind it, then the kvstore and sampler, and Redis last."""
+        last = ("kvstore", "sampler")
+        tiers = [["gateway"], [name for name in self.services if name not in ("gateway", *last)], list(last)]
         for tier in tiers:
             processes = [self.services[name] for name in tier if name in self.services]
             for process in processes:
@@ -337,7 +353,8 @@ class Mesh:
 def serve(args: argparse.Namespace) -> None:
     engine_args = EngineArgs.from_cli_args(args)
     gateway_args = gateway_flags(args)
-    mesh = Mesh(engine_args, gateway_args, port=args.port, echo=True, **kv_store_options(args))
+    mesh = Mesh(engine_args, gateway_args, port=args.port, echo=True, **kv_store_options(args),
+                **sampler_options(args), env=telemetry_env(args))
     stop = threading.Event()
 
     def on_signal(*_):
@@ -348,7 +365,7 @@ def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     started = time.perf_counter()
-    store = ", Redis, the kvstore" if mesh.kv_store else ""
+    store = (", Redis, the kvstore" if mesh.kv_store else "") + (", the sampler" if mesh.sampler else "")
     print(f"llmmesh serve: starting the engine, tokenizer, detokenizer{store} and gateway for {engine_args.model}",
           flush=True)
     try:
@@ -380,7 +397,7 @@ DEMO_CHAT = [{"role": "user", "content": "Write a haiku about paged memory."}]
 def run_demo(args: argparse.Namespace) -> None:
     """Start the mesh, stream a few greedy generations and a chat through the gateway, stop it."""
     started = time.perf_counter()
-    with Mesh(EngineArgs.from_cli_args(args), **kv_store_options(args)) as mesh:
+    with Mesh(EngineArgs.from_cli_args(args), **kv_store_options(args), **sampler_options(args)) as mesh:
         print(f"mesh up in {time.perf_counter() - started:.1f} s, gateway at {mesh.address}", flush=True)
         for prompt in DEMO_PROMPTS:
             print(f"\n>>> {prompt}", flush=True)
@@ -388,6 +405,17 @@ def run_demo(args: argparse.Namespace) -> None:
         print(f"\n>>> chat: {DEMO_CHAT[0]['content']}", flush=True)
         client.print_stream(client.chat(mesh.address, DEMO_CHAT, max_tokens=args.max_tokens, temperature=0.0))
     print("\nmesh stopped", flush=True)
+
+
+def telemetry_env(args: argparse.Namespace) -> dict:
+    """`llmmesh serve --otlp-traces-endpoint/--trace-sample-ratio` for every service it starts (--metrics-port:
+    each service on a free port of its own, printed as `llmmesh <service> metrics on HOST:PORT`)."""
+    env = {"LLMMESH_TRACE_SAMPLE_RATIO": str(args.trace_sample_ratio)}
+    if args.otlp_traces_endpoint:
+        env["LLMMESH_OTLP_TRACES_ENDPOINT"] = args.otlp_traces_endpoint
+    if args.metrics_port is not None:
+        env["LLMMESH_METRICS_PORT"] = "0"
+    return env
 
 
 def gateway_flags(args: argparse.Namespace) -> list[str]:
@@ -421,6 +449,16 @@ def kv_store_options(args: argparse.Namespace) -> dict:
     return {"kv_store": args.kv_store, "redis_maxmemory": args.redis_maxmemory}
 
 
+def add_sampler_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sampler-service", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the sampler as its own service, the engine sampling on it (--no-sampler-service: "
+                             "the engine samples in process)")
+
+
+def sampler_options(args: argparse.Namespace) -> dict:
+    return {"sampler": args.sampler_service}
+
+
 def add_subcommands(subparsers) -> None:
     p = config.service_parser(
         subparsers, "serve", "run the whole mesh on loopback (one process per service)", port_of="gateway"
@@ -428,10 +466,12 @@ def add_subcommands(subparsers) -> None:
     add_gateway_args(p)
     EngineArgs.add_cli_args(p)
     add_kv_store_args(p)
+    add_sampler_args(p)
     p.set_defaults(func=serve)
 
     p = subparsers.add_parser("demo", help="start the mesh, stream a few generations through it, stop it")
     p.add_argument("--max-tokens", type=int, default=48)
     EngineArgs.add_cli_args(p)
     add_kv_store_args(p)
+    add_sampler_args(p)
     p.set_defaults(func=run_demo)

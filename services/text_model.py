@@ -66,6 +66,7 @@ async def serve_text_service(name: str, service_name: str, add_servicer_to_serve
     `model` attribute), go SERVING, and serve until SIGINT/SIGTERM."""
     server = Server(name, [service_name], args)
     server.add(add_servicer_to_server, servicer)
+    servicer.telemetry = server.telemetry
     await server.start()
     t0 = time.perf_counter()
     servicer.model = await asyncio.to_thread(TextModel, args.model)

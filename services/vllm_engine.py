@@ -27,6 +27,7 @@ from engine.output_processor import RequestOutputKind
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from services.server import llmmesh_version
+from services.telemetry import CURRENT_SERVER_SPAN
 
 VLLM_ENGINE_SERVICE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 TOKENIZER_FILES = (
@@ -215,15 +216,21 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         vocab = engine.core.model_config.vocab_size
         num_logprobs = vocab if params.logprobs == -1 else params.logprobs or 0
         num_prompt_logprobs = vocab if params.prompt_logprobs == -1 else params.prompt_logprobs or 0
+        owner = self.owner
+        watch = owner.observer.watch(CURRENT_SERVER_SPAN.get(), stream) if owner.observer else None
         try:
             async for out in stream:
+                if watch is not None:
+                    watch.output(out)
                 for message in to_messages(out, request.stream, num_logprobs, num_prompt_logprobs):
                     yield message
         except EngineRequestError as e:
-            code = grpc.StatusCode.UNAVAILABLE if engine.dead else grpc.StatusCode.INTERNAL
+            code = grpc.StatusCode.UNAVAILABLE if engine.dead or e.unavailable else grpc.StatusCode.INTERNAL
             await context.abort(code, f"request {request.request_id}: {e}")
         finally:
             engine.close_stream(stream)
+            if watch is not None:
+                watch.end()
 
     async def Abort(self, request, context):
         engine = await self._ready(context)

@@ -37,10 +37,10 @@ def llmmesh_commands(compose):
 
 
 def test_every_service_is_an_image_or_our_build(compose):
-    assert {"engine", "tokenizer", "detokenizer", "gateway", "kvstore", "redis", "jaeger"} <= set(compose["services"])
+    assert {"engine", "tokenizer", "detokenizer", "gateway", "kvstore", "sampler", "redis", "jaeger"} <= set(compose["services"])
     for name, service in compose["services"].items():
         assert "image" in service or "build" in service, name
-    for name in ("engine", "tokenizer", "detokenizer", "gateway", "kvstore"):
+    for name in ("engine", "tokenizer", "detokenizer", "gateway", "kvstore", "sampler"):
         assert compose["services"][name]["build"] == "."
         assert compose["services"][name]["healthcheck"]["test"][1:3] == ["llmmesh", "health"]
     assert (ROOT / "Dockerfile").is_file()
@@ -53,7 +53,7 @@ def test_commands_parse_with_our_cli(compose):
         args = parser.parse_args(command[1:])  # argparse exits (a test failure) on an unknown flag
         seen.add(args.command)
         assert callable(args.func), name
-    assert seen == {"engine", "tokenizer", "detokenizer", "gateway", "kvstore", "health"}
+    assert seen == {"engine", "tokenizer", "detokenizer", "gateway", "kvstore", "sampler", "health"}
 
 
 def test_gateway_points_at_the_other_services(compose):
@@ -87,6 +87,13 @@ def test_the_engine_uses_the_kvstore_and_the_kvstore_its_redis(compose):
     assert services["kvstore"]["depends_on"]["redis"]["condition"] == "service_healthy"
 
 
+def test_the_engine_samples_on_the_sampler_service(compose):
+    services = compose["services"]
+    sampler_port = flag_value(services["sampler"]["command"], "--port")
+    assert flag_value(services["engine"]["command"], "--sampler-address") == f"sampler:{sampler_port}"
+    assert services["engine"]["depends_on"]["sampler"]["condition"] == "service_healthy"
+
+
 def test_environment_names_real_flags(compose, monkeypatch):
     """A variable is read only if it is LLMMESH_<DEST> of one of the command's flags: a renamed flag (the gateway's
     --model became --served-model-name) would otherwise be ignored without a word."""
@@ -113,3 +120,24 @@ def test_environment_names_real_flags(compose, monkeypatch):
 def test_a_wrong_flag_would_be_caught():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["engine", "--no-such-flag", "1"])
+
+
+def test_every_service_is_traced_to_jaeger_and_scraped_by_prometheus(compose):
+    """Each llmmesh service exports spans to the jaeger container's OTLP/gRPC port and serves /metrics on the port
+    the prometheus service scrapes; the dashboard in docs/ reads vLLM's metric names."""
+    services = compose["services"]
+    scrape = yaml.safe_load((ROOT / "docs/observability/prometheus.yml").read_text())
+    targets = {t for job in scrape["scrape_configs"] for group in job["static_configs"] for t in group["targets"]}
+    ours = [name for name, service in services.items() if service.get("build") == "."]
+    for name in ours:
+        environment = {k: substitute_defaults(str(v)) for k, v in services[name]["environment"].items()}
+        assert environment["LLMMESH_OTLP_TRACES_ENDPOINT"] == "jaeger:4317", name
+        assert f"{name}:{environment['LLMMESH_METRICS_PORT']}" in targets, name
+    assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    volume = services["prometheus"]["volumes"][0]
+    assert volume.startswith("./docs/observability/prometheus.yml:")
+    dashboard = json.loads((ROOT / "docs/observability/grafana-dashboard.json").read_text())
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    for metric in ("vllm:time_to_first_token_seconds", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                   "vllm:num_preemptions_total", "grpc_server_handled_total"):
+        assert metric in exprs, metric

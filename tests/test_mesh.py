@@ -366,19 +366,28 @@ def test_resource_exhausted_unauthenticated_and_drain(mesh, engine):
 # ---- a dependency that dies ---------------------------------------------------------------------
 
 
-def test_detokenizer_killed_then_restarted(mesh, refs, engine):
+def kill_while_streaming(mesh, engine, service: str) -> list[str]:
+    """A long stream per prompt, then `service` killed while they run: each ends with UNAVAILABLE and their blocks
+    are freed. Returns each stream's error details."""
     streams = [generate(mesh.address, p, **LONG) for p in PROMPTS]
     for s in streams:
         first_chunks(s)
     wait_running(engine, len(PROMPTS))
-    mesh.services["detokenizer"].kill()
+    mesh.services[service].kill()
+    details = []
     for s in streams:
         with pytest.raises(grpc.RpcError) as info:
             collect(s)
-        # At once, because the stream broke, not after the gateway's wait for a detokenizer answer.
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
-        assert "the detokenizer at" in info.value.details() and "is unavailable" in info.value.details()
+        details.append(info.value.details())
     wait_idle(engine)
+    return details
+
+
+def test_detokenizer_killed_then_restarted(mesh, refs, engine):
+    for details in kill_while_streaming(mesh, engine, "detokenizer"):
+        # At once, because the stream broke, not after the gateway's wait for a detokenizer answer.
+        assert "the detokenizer at" in details and "is unavailable" in details
     # While it is down: UNAVAILABLE, and the gateway's health says so.
     details = expect_error(grpc.StatusCode.UNAVAILABLE, lambda: generate(mesh.address, PROMPTS[0], max_tokens=4))
     assert "detokenizer" in details

@@ -15,6 +15,16 @@ from engine.sample.metadata import SamplingMetadata
 from engine.sample.ops import apply_min_p, apply_penalties, apply_top_k_top_p, apply_top_p, random_sample
 
 
+class SamplerUnavailableError(RuntimeError):
+    """The sampler service failed or did not answer in time: the step's requests could not be sampled.
+    `lost_request_ids`: the other requests whose seeded generator the service held (their draws could no
+    longer match in-process sampling), to fail as well."""
+
+    def __init__(self, message: str, lost_request_ids=()):
+        super().__init__(message)
+        self.lost_request_ids = list(lost_request_ids)
+
+
 @dataclass
 class LogprobsTensors:
     token_ids: torch.Tensor  # [rows, k+1] int64: column 0 the sampled (or given) token, then the top k ids

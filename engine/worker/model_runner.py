@@ -1,16 +1,26 @@
-"""ModelRunner: turns a SchedulerOutput into one flat batch, runs the model, samples."""
+"""ModelRunner: turns a SchedulerOutput into one flat batch, runs the model, samples.
+
+It samples in process, or, given a sampler_client (engine.sample.remote.RemoteSampler), on the sampler
+service: the same rows and prompt-logprob rows go there, and the same outputs come back.
+"""
+
+import logging
 
 import numpy as np
 import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.sample.metadata import SamplingMetadata
-from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
+from engine.sample.sampler import (LogprobsTensors, Sampler, SamplerOutput, SamplerUnavailableError, compute_logprobs,
+                                   gather_logprobs)
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("llmmesh.engine")
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches, block_size: int, device: torch.device):
+    def __init__(self, model, kv_caches, block_size: int, device: torch.device, sampler_client=None,
+                 sampler_fallback: bool = False):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -20,6 +30,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         # Prompt logprobs of requests whose prompt is still being prefilled in chunks.
         self.prompt_logprobs_in_progress: dict[str, list[LogprobsTensors]] = {}
+        # The sampler service, when sampling is remote; with sampler_fallback, a step it cannot serve samples here.
+        self.sampler_client = sampler_client
+        self.sampler_fallback = sampler_fallback
 
     def prepare_inputs(self, so: SchedulerOutput):
         """The flat super-sequence: every scheduled token of every request, decodes first."""
@@ -74,26 +87,21 @@ class ModelRunner:
         for request_id in so.finished_req_ids:
             self.generators.pop(request_id, None)
             self.prompt_logprobs_in_progress.pop(request_id, None)
+        if self.sampler_client is not None:
+            self.sampler_client.forget(so.finished_req_ids)
         if so.is_empty:
             return ModelRunnerOutput([])
         requests, order, input_ids, positions, metadata, logits_indices = self.prepare_inputs(so)
         hidden = self.model(input_ids, positions, metadata, self.kv_caches)
         output = ModelRunnerOutput([None] * len(order))
-        self._compute_prompt_logprobs(requests, metadata, hidden, output)
+        remote_prompt_chunks, prompts_done = self._compute_prompt_logprobs(requests, metadata, hidden)
         rows = [i for i, r in enumerate(requests) if metadata.seq_lens_cpu[i] >= r.num_tokens]
-        if not rows:
-            return output
-        logits = self.model.compute_logits(hidden[logits_indices[rows]])
         sampled_requests = [requests[i] for i in rows]
-        generators = {}
-        for row, request in enumerate(sampled_requests):
-            params = request.sampling_params
-            if params.seed is not None and not params.greedy:
-                if request.request_id not in self.generators:
-                    self.generators[request.request_id] = torch.Generator(self.device).manual_seed(params.seed)
-                generators[row] = self.generators[request.request_id]
-        sampling_metadata = SamplingMetadata.from_requests(sampled_requests, generators, logits.shape[-1], self.device)
-        sampler_output = self.sampler(logits, sampling_metadata)
+        logits = self.model.compute_logits(hidden[logits_indices[rows]]) if rows else None
+        sampler_output = self._sample(sampled_requests, logits, remote_prompt_chunks)
+        self._finish_prompt_logprobs(prompts_done, output)
+        if sampler_output is None:
+            return output
         for row, token_id in enumerate(sampler_output.sampled_token_ids.tolist()):
             output.sampled_token_ids[order[rows[row]]] = token_id
         if sampler_output.logprobs is not None:
@@ -109,8 +117,41 @@ class ModelRunner:
                     )
         return output
 
-    def _compute_prompt_logprobs(self, requests, metadata, hidden, output: ModelRunnerOutput) -> None:
-        """Raw logprobs of each prompt token after the first, collected chunk by chunk."""
+    def _sample(self, sampled_requests, logits, remote_prompt_chunks) -> SamplerOutput | None:
+        """Sample the rows (None without any) and finish the prompt-logprob chunks left for the sampler service."""
+        if self.sampler_client is not None:
+            try:
+                sampler_output, results = self.sampler_client.sample(
+                    sampled_requests, logits, [(lg, k, targets) for _, lg, k, targets in remote_prompt_chunks]
+                )
+            except SamplerUnavailableError as e:
+                if not self.sampler_fallback:
+                    raise
+                logger.warning("%s; sampling this step in process", e)
+            else:
+                for (chunks, *_), result in zip(remote_prompt_chunks, results):
+                    chunks.append(result)
+                return sampler_output
+        for chunks, lg, k, targets in remote_prompt_chunks:
+            chunks.append(gather_logprobs(compute_logprobs(lg), k, targets))
+        if logits is None:
+            return None
+        generators = {}
+        for row, request in enumerate(sampled_requests):
+            params = request.sampling_params
+            if params.seed is not None and not params.greedy:
+                if request.request_id not in self.generators:
+                    self.generators[request.request_id] = torch.Generator(self.device).manual_seed(params.seed)
+                generators[row] = self.generators[request.request_id]
+        sampling_metadata = SamplingMetadata.from_requests(sampled_requests, generators, logits.shape[-1], self.device)
+        return self.sampler(logits, sampling_metadata)
+
+    def _compute_prompt_logprobs(self, requests, metadata, hidden):
+        """Raw logprobs of each prompt token after the first, collected chunk by chunk.
+
+        In process they are computed here; with a sampler service, the chunks' (list to append to, logits,
+        num_logprobs, targets) are returned for it. Also returns the requests whose prompt is complete."""
+        remote, done = [], []
         for i, request in enumerate(requests):
             k = request.sampling_params.prompt_logprobs
             # After a preemption the prompt runs again, but its logprobs were already sent.
@@ -127,10 +168,19 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[q_start : q_start + end - start])
                 vocab = logits.shape[-1]
                 targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], device=self.device)
-                chunks.append(gather_logprobs(compute_logprobs(logits), vocab if k == -1 else k, targets))
+                if self.sampler_client is None:
+                    chunks.append(gather_logprobs(compute_logprobs(logits), vocab if k == -1 else k, targets))
+                else:
+                    remote.append((chunks, logits, vocab if k == -1 else k, targets))
             if start + n >= request.num_prompt_tokens:
-                del self.prompt_logprobs_in_progress[request.request_id]
-                if chunks:
-                    output.prompt_logprobs[request.request_id] = LogprobsTensors(
-                        *(torch.cat(parts) for parts in zip(*((c.token_ids, c.logprobs, c.ranks) for c in chunks)))
-                    )
+                done.append(request.request_id)
+        return remote, done
+
+    def _finish_prompt_logprobs(self, request_ids: list[str], output: ModelRunnerOutput) -> None:
+        """Requests whose whole prompt has run: their prompt logprobs, all chunks joined."""
+        for request_id in request_ids:
+            chunks = self.prompt_logprobs_in_progress.pop(request_id)
+            if chunks:
+                output.prompt_logprobs[request_id] = LogprobsTensors(
+                    *(torch.cat(parts) for parts in zip(*((c.token_ids, c.logprobs, c.ranks) for c in chunks)))
+                )

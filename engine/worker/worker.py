@@ -101,7 +101,13 @@ class Worker:
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(cfg.num_hidden_layers)
         ]
-        self.model_runner = ModelRunner(self.model, self.kv_caches, bs, self.device)
+        sampler_client = None
+        if self.args.sampler_address:
+            from engine.sample.remote import RemoteSampler  # noqa: PLC0415 (gRPC only for a remote sampler)
+
+            sampler_client = RemoteSampler(self.args.sampler_address, self.args.sampler_timeout)
+        self.model_runner = ModelRunner(self.model, self.kv_caches, bs, self.device, sampler_client,
+                                        self.args.sampler_fallback)
 
     def kv_layout(self):
         """What one KV block is, for a KV connector: [layers, 2, kv heads, block size, head dim] and a

@@ -1,0 +1,249 @@
+"""The sampler service's cost: the engine sampling over gRPC against sampling in process.
+
+    .venv/bin/python benchmarks/sampler_service.py [--streams 1,32,128] [--rounds 3] [--output-len 64]
+        [--sampling greedy|typical] [--hop-batches 1,64,256] [--hop-iters 20] [--skip-throughput] [--skip-hop]
+        [--output-json PATH]
+
+Throughput: one offline LLM (SmolLM2, CPU) runs `streams` requests at once (prompts of 32 random token ids,
+`--output-len` tokens each, ignore_eos; --sampling greedy, or typical: temperature 0.7 / top_p 0.95 with a seed
+each), sampling in process
+and on a sampler service (`llmmesh sampler`, its own process, over TCP loopback) in alternating rounds on the
+same EngineCore; output tokens/s of each, and the ratio per round. Both runs give the same tokens (checked).
+
+Hop: RemoteSampler.sample against the in-process Sampler on the same random float32 logits [batch, vocab]
+(the same per-row settings as above), at each --hop-batches size: bytes on the wire per step, and ms per
+step (median over --hop-iters after warm-up), over TCP loopback and over a Unix domain socket; plus the
+engine's own decode step at that batch (in-process sampling), for the break-even.
+"""
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.request import Request
+from engine.sample.metadata import SamplingMetadata
+from engine.sample.remote import RemoteSampler
+from engine.sample.sampler import Sampler
+from engine.sample.wire import serialize_with_tensors
+from services.supervisor import ServiceProcess
+
+FIRST_REGULAR_ID = 17
+
+
+SAMPLING = {
+    # The cheapest sampling: the hop's cost shows most.
+    "greedy": lambda i: dict(temperature=0.0),
+    # A common chat setting: the top-p sort costs both sides the same.
+    "typical": lambda i: dict(temperature=0.7, top_p=0.95, seed=i),
+}
+sampling = "greedy"
+
+
+def params(i: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **SAMPLING[sampling](i))
+
+
+def run_round(llm, prompts, output_len) -> tuple[float, list]:
+    llm.engine.reset_prefix_cache()
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [params(i, output_len) for i in range(len(prompts))],
+                        use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return sum(map(len, tokens)) / elapsed, tokens
+
+
+def throughput(llm, address, streams_list, rounds, output_len, seed) -> list[dict]:
+    runner = llm.engine.worker.model_runner
+    rng = random.Random(seed)
+    vocab = llm.engine.model_config.vocab_size
+    client = RemoteSampler(address)
+    results = []
+    try:
+        for streams in streams_list:
+            prompts = [[rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(32)] for _ in range(streams)]
+            for mode in (None, client):  # warm-up: the whole batch once each way (the first run allocates)
+                runner.sampler_client = mode
+                run_round(llm, prompts, 4)
+            local, remote, ratios = [], [], []
+            for r in range(rounds):
+                order = ("local", "remote") if r % 2 == 0 else ("remote", "local")
+                got = {}
+                for mode in order:
+                    runner.sampler_client = client if mode == "remote" else None
+                    got[mode] = run_round(llm, prompts, output_len)
+                runner.sampler_client = None
+                assert got["local"][1] == got["remote"][1], "remote sampling gave other tokens"
+                local.append(got["local"][0])
+                remote.append(got["remote"][0])
+                ratios.append(got["remote"][0] / got["local"][0])
+                print(f"streams {streams:4d} round {r + 1}: in-process {local[-1]:7.1f} tok/s, "
+                      f"sampler service {remote[-1]:7.1f} tok/s, ratio {ratios[-1]:.3f}", flush=True)
+            results.append({"streams": streams, "in_process_tok_s": local, "remote_tok_s": remote, "ratios": ratios,
+                            "median_ratio": statistics.median(ratios)})
+    finally:
+        runner.sampler_client = None
+        client.close()
+    return results
+
+
+def hop_batch(batch: int, vocab: int, rng: torch.Generator):
+    requests = []
+    for row in range(batch):
+        request = Request(str(row), torch.randint(vocab, (32,), generator=rng).tolist(), params(row, 1000), (0,))
+        for token in torch.randint(vocab, (16,), generator=rng).tolist():
+            request.append_output_token_ids(token)
+        requests.append(request)
+    return requests, torch.randn(batch, vocab, generator=rng)
+
+
+def median_ms(fn, iters: int, warmup: int = 3) -> float:
+    times = []
+    for i in range(warmup + iters):
+        start = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def hop(addresses: dict[str, str], batches, iters, vocab) -> list[dict]:
+    rng = torch.Generator().manual_seed(0)
+    sampler = Sampler()
+    results = []
+    for batch in batches:
+        requests, logits = hop_batch(batch, vocab, rng)
+        generators = {row: torch.Generator().manual_seed(row) for row in range(batch)}
+
+        def local():
+            md = SamplingMetadata.from_requests(requests, generators, vocab, torch.device("cpu"))
+            sampler(logits.clone(), md)
+
+        row = {"batch": batch, "logits_bytes": logits.numel() * 4, "in_process_ms": median_ms(local, iters)}
+        for name, address in addresses.items():
+            client = RemoteSampler(address)
+            try:
+                client.sample(requests, logits, [])  # registers the requests: later steps carry no parameters
+                row[f"{name}_ms"] = median_ms(lambda: client.sample(requests, logits, []), iters)
+                msg, _ = client._prompt_message([])
+                client._add_rows(msg, requests)
+                row["message_bytes"] = len(serialize_with_tensors(msg, {"logits": logits}))
+            finally:
+                client.close()
+        print(json.dumps(row), flush=True)
+        results.append(row)
+    return results
+
+
+def decode_step_ms(llm, batch: int, vocab: int) -> float:
+    """The engine's median step while `batch` requests decode (in-process sampling)."""
+    rng = random.Random(batch)
+    prompts = [{"prompt_token_ids": [rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(16)]} for _ in range(batch)]
+    core, times = llm.engine, []
+    step = core.step
+
+    def timed_step():
+        start = time.perf_counter()
+        out = step()
+        if all(r.num_output_tokens > 0 for r in core.scheduler.running) and len(core.scheduler.running) == batch:
+            times.append((time.perf_counter() - start) * 1e3)
+        return out
+
+    core.step = timed_step
+    try:
+        llm.generate(prompts, [params(i, 12) for i in range(batch)], use_tqdm=False)
+    finally:
+        del core.step
+    return statistics.median(times) if times else float("nan")
+
+
+def serve_both(tcp_port_file: str, uds: str) -> None:
+    """--serve-both: the sampler service on TCP loopback and a Unix domain socket (for the hop benchmark)."""
+    import asyncio
+
+    import grpc
+    from llmmesh.v1 import sampler_pb2_grpc
+
+    from engine.grpc_policy import MAX_MESSAGE_BYTES, SERVER_OPTIONS
+    from services.sampler_service import SamplerServicer
+
+    async def main():
+        server = grpc.aio.server(options=SERVER_OPTIONS + [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                                          ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        sampler_pb2_grpc.add_SamplerServicer_to_server(SamplerServicer(torch.device("cpu")), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.add_insecure_port(f"unix:{uds}")
+        await server.start()
+        with open(tcp_port_file, "w") as f:
+            f.write(str(port))
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", default="1,32,128")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--hop-batches", default="1,64,256")
+    ap.add_argument("--hop-iters", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy")
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--skip-hop", action="store_true")
+    ap.add_argument("--output-json", default="benchmarks/results/sampler_service.json")
+    ap.add_argument("--serve-both", nargs=2, metavar=("PORT_FILE", "UDS"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_both:
+        return serve_both(*args.serve_both)
+    global sampling
+    sampling = args.sampling
+
+    report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+                         f"{'CUDA' if torch.cuda.is_available() else 'no GPU'}", "args": vars(args)}
+    llm = LLM(kv_cache_memory="2GiB", max_num_seqs=256, seed=args.seed)
+    vocab = llm.engine.model_config.vocab_size
+    if not args.skip_throughput:
+        sampler = ServiceProcess("sampler", ["--port", "0"])
+        try:
+            address = sampler.wait_listening(120)
+            report["throughput"] = throughput(llm, address, [int(s) for s in args.streams.split(",")], args.rounds,
+                                              args.output_len, args.seed)
+        finally:
+            sampler.stop()
+    if not args.skip_hop:
+        workdir = tempfile.mkdtemp(prefix="llmmesh-sampler-bench-")
+        port_file, uds = os.path.join(workdir, "port"), os.path.join(workdir, "sampler.sock")
+        server = subprocess.Popen([sys.executable, __file__, "--serve-both", port_file, uds])
+        try:
+            while not os.path.exists(port_file) or not open(port_file).read():
+                if server.poll() is not None:
+                    raise RuntimeError("the sampler for the hop benchmark exited")
+                time.sleep(0.1)
+            addresses = {"tcp": f"127.0.0.1:{open(port_file).read()}", "uds": f"unix:{uds}"}
+            report["hop"] = hop(addresses, [int(b) for b in args.hop_batches.split(",")], args.hop_iters, vocab)
+        finally:
+            server.terminate()
+            server.wait()
+        for row in report["hop"]:
+            row["decode_step_ms"] = decode_step_ms(llm, row["batch"], vocab)
+            print(f"batch {row['batch']}: decode step {row['decode_step_ms']:.1f} ms", flush=True)
+    os.makedirs(os.path.dirname(args.output_json) or ".", exist_ok=True)
+    with open(args.output_json, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {args.output_json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""RemoteSampler: the engine's client of the sampler service (llmmesh.v1.Sampler), one step at a time.
+
+One bidirectional stream per engine. Each step sends the logits of the rows that sample (raw bytes in the
+model's dtype, so the service samples exactly what the engine would have) and, per row, only what changed
+since that request's last step: its sampling parameters the first time, then the output tokens appended
+since. Requests that finished are forgotten in the next message. Prompt-logprob rows go the same way,
+split over several messages when they are many. Blocking: the engine thread waits for each reply, at most
+`timeout` seconds; any failure ends the stream (the service forgets its requests) and raises
+SamplerUnavailableError, naming the other requests whose seeded generator is lost with it (the engine fails
+them too: a seed must give in-process sampling's tokens or nothing), and the next step opens a new one.
+"""
+
+import logging
+import queue
+import threading
+
+import grpc
+import torch
+from llmmesh.v1 import sampler_pb2
+
+from engine.grpc_policy import CHANNEL_OPTIONS
+from engine.sample.sampler import LogprobsTensors, SamplerOutput, SamplerUnavailableError
+from engine.sample.wire import logprobs_from_proto, new_request_to_proto, serialize_with_tensors
+
+logger = logging.getLogger("llmmesh.engine")
+
+_SAMPLE_METHOD = "/llmmesh.v1.Sampler/Sample"
+# Prompt-logprob rows per message: up to about this many bytes of logits.
+MESSAGE_TARGET_BYTES = 32 * 2**20
+_END = object()
+
+
+class _Stream:
+    """One Sample call: what to send goes on `outbox`, a reader thread puts replies (or the error) in `replies`."""
+
+    def __init__(self, channel: grpc.Channel):
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.replies: queue.SimpleQueue = queue.SimpleQueue()
+        # (SampleStep, its logits, its prompt logits): the tensors are written into the message's bytes directly.
+        sample = channel.stream_stream(_SAMPLE_METHOD, request_serializer=_serialize,
+                                       response_deserializer=sampler_pb2.SampleResult.FromString)
+        self.call = sample(iter(self.outbox.get, _END))
+        threading.Thread(target=self._read, name="sampler-replies", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for reply in self.call:
+                self.replies.put(reply)
+            self.replies.put(RuntimeError("the sampler ended the stream"))
+        except grpc.RpcError as e:
+            self.replies.put(e)
+
+    def close(self) -> None:
+        self.outbox.put(_END)
+        self.call.cancel()
+
+
+class RemoteSampler:
+    def __init__(self, address: str, timeout: float = 10.0):
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stream: _Stream | None = None
+        self._sent: dict[str, int] = {}  # request id -> output tokens the service has of it
+        self._seeded: set[str] = set()  # those of them with a generator on the service
+        self._finished: list[str] = []  # known requests to forget in the next message
+        self._step_id = 0
+
+    def forget(self, request_ids) -> None:
+        for request_id in request_ids:
+            if self._sent.pop(request_id, None) is not None:
+                self._seeded.discard(request_id)
+                self._finished.append(request_id)
+
+    def sample(self, requests: list, logits: torch.Tensor | None,
+               prompt_chunks: list[tuple[torch.Tensor, int, torch.Tensor]]) -> tuple[SamplerOutput | None, list]:
+        """Row i of logits samples for requests[i]; prompt_chunks are (logits, num_logprobs, targets).
+        Returns the SamplerOutput (None without rows) and each prompt chunk's LogprobsTensors."""
+        if self._stream is None:
+            self._stream = _Stream(self.channel)
+        try:
+            pieces = list(_split_prompt_chunks(prompt_chunks))
+            batches = _pack(pieces)
+            replies = [self._exchange(*self._prompt_message(batch), None) for batch in batches[:-1]]
+            last, prompt_logits = self._prompt_message(batches[-1])
+            self._add_rows(last, requests)
+            replies.append(self._exchange(last, prompt_logits, logits if requests else None))
+            results = [logprobs_from_proto(lp, "prompt_logprobs") for r in replies for lp in r.prompt_logprobs]
+            reply = replies[-1]
+            logprobs = logprobs_from_proto(reply.logprobs, "logprobs") if reply.HasField("logprobs") else None
+        except (SamplerUnavailableError, ValueError) as e:  # ValueError: a reply that does not decode
+            lost = self._seeded - {r.request_id for r in requests}
+            self.reset()
+            raise SamplerUnavailableError(str(e), sorted(lost)) from None
+        for request in requests:
+            self._sent[request.request_id] = request.num_output_tokens
+            p = request.sampling_params
+            if p.seed is not None and not p.greedy:
+                self._seeded.add(request.request_id)
+        prompt_results = _join_pieces(pieces, results, len(prompt_chunks))
+        if not requests:
+            return None, prompt_results
+        return SamplerOutput(torch.tensor(list(reply.sampled_token_ids), dtype=torch.int64), logprobs), prompt_results
+
+    def reset(self) -> None:
+        """End the stream: the service forgets every request, the next step starts a new stream."""
+        if self._stream is not None:
+            self._stream.close()
+        self._stream = None
+        self._sent.clear()
+        self._seeded.clear()
+        self._finished.clear()
+
+    def close(self) -> None:
+        self.reset()
+        self.channel.close()
+
+    # ---- one message ---------------------------------------------------------------------------------
+
+    def _prompt_message(self, pieces) -> tuple[sampler_pb2.SampleStep, torch.Tensor | None]:
+        self._step_id += 1
+        msg = sampler_pb2.SampleStep(step_id=self._step_id, finished_request_ids=self._finished)
+        self._finished = []
+        if pieces:
+            msg.prompt_num_logprobs.extend(k for _, _, k, _ in pieces)
+            msg.prompt_num_targets.extend(len(t) for _, _, _, t in pieces)
+            msg.prompt_target_ids.extend(torch.cat([t for _, _, _, t in pieces]).tolist())
+            return msg, torch.cat([lg for _, lg, _, _ in pieces])
+        return msg, None
+
+    def _add_rows(self, msg: sampler_pb2.SampleStep, requests: list) -> None:
+        for request in requests:
+            sent = self._sent.get(request.request_id)
+            if sent is None:
+                msg.new_requests.append(new_request_to_proto(request))
+                sent = 0
+            new = request.output_token_ids[sent:]
+            msg.request_ids.append(request.request_id)
+            msg.num_new_tokens.append(len(new))
+            msg.new_token_ids.extend(new)
+
+    def _exchange(self, msg: sampler_pb2.SampleStep, prompt_logits, logits) -> sampler_pb2.SampleResult:
+        stream = self._stream
+        stream.outbox.put((msg, logits, prompt_logits))
+        try:
+            reply = stream.replies.get(timeout=self.timeout)
+        except queue.Empty:
+            raise SamplerUnavailableError(
+                f"the sampler at {self.address} did not answer within {self.timeout:g} s"
+            ) from None
+        if isinstance(reply, grpc.RpcError):
+            raise SamplerUnavailableError(f"the sampler at {self.address} failed: {reply.code().name}: {reply.details()}")
+        if isinstance(reply, Exception):
+            raise SamplerUnavailableError(f"the sampler at {self.address} failed: {reply}")
+        got = (reply.step_id, len(reply.sampled_token_ids), len(reply.prompt_logprobs))
+        expected = (msg.step_id, len(msg.request_ids), len(msg.prompt_num_targets))
+        if got != expected:
+            raise SamplerUnavailableError(f"the sampler at {self.address} answered (step, tokens, prompt chunks) "
+                                          f"{got}; expected {expected}")
+        return reply
+
+
+def _serialize(item) -> bytes:
+    msg, logits, prompt_logits = item
+    return serialize_with_tensors(msg, {"logits": logits, "prompt_logits": prompt_logits})
+
+
+def _split_prompt_chunks(chunks):
+    """(chunk index, logits, k, targets) pieces of at most MESSAGE_TARGET_BYTES of logits each (at least one row);
+    logprobs are row by row, so pieces join back into exactly the chunk's result."""
+    for index, (logits, k, targets) in enumerate(chunks):
+        rows = max(1, MESSAGE_TARGET_BYTES // max(1, logits[0].numel() * logits.element_size()))
+        for start in range(0, len(logits), rows):
+            yield index, logits[start : start + rows], k, targets[start : start + rows]
+
+
+def _pack(pieces) -> list[list]:
+    """Pieces into messages of about MESSAGE_TARGET_BYTES each; always at least one (the last carries the rows)."""
+    batches, batch, size = [], [], 0
+    for piece in pieces:
+        nbytes = piece[1].numel() * piece[1].element_size()
+        if batch and size + nbytes > MESSAGE_TARGET_BYTES:
+            batches.append(batch)
+            batch, size = [], 0
+        batch.append(piece)
+        size += nbytes
+    batches.append(batch)
+    return batches
+
+
+def _join_pieces(pieces, results, num_chunks: int) -> list[LogprobsTensors]:
+    parts: list[list] = [[] for _ in range(num_chunks)]
+    for (index, *_), result in zip(pieces, results):
+        parts[index].append(result)
+    return [LogprobsTensors(*(torch.cat(column) for column in zip(*((r.token_ids, r.logprobs, r.ranks) for r in p))))
+            for p in parts]

@@ -1,0 +1,136 @@
+"""The sampler's wire form (llmmesh.v1.Sampler), shared by the engine's client and the sampler service.
+
+Tensors travel as raw row-major bytes with dtype and shape; sampling parameters as SamplerParams.
+Everything read from the wire is checked here and a bad value raises ValueError naming its field.
+"""
+
+from typing import TYPE_CHECKING
+
+import torch
+from llmmesh.v1 import common_pb2, sampler_pb2
+
+from engine.request import SamplingParams
+from engine.sample.sampler import LogprobsTensors
+
+if TYPE_CHECKING:
+    from engine.request import Request
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
+LOGITS_DTYPES = ("float32", "float16", "bfloat16")
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# SamplerParams fields that take SamplingParams' default when unset.
+_OPTIONAL = ("temperature", "top_p", "repetition_penalty", "seed", "logprobs")
+
+
+def tensor_to_proto(t: torch.Tensor) -> sampler_pb2.Tensor:
+    """One copy to host bytes (a device tensor comes to the host first)."""
+    t = t.detach().to("cpu").contiguous()
+    return sampler_pb2.Tensor(dtype=_NAMES[t.dtype], shape=t.shape, data=t.view(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _length_delimited(field_number: int, length: int) -> bytes:
+    return _varint(field_number << 3 | 2) + _varint(length)
+
+
+def serialize_with_tensors(msg, tensors: dict[str, torch.Tensor | None]) -> bytes:
+    """msg's wire bytes with tensors as its Tensor fields (by name), each tensor's memory copied once, straight
+    into the result: the same bytes protobuf would write, without its three copies of a large payload."""
+    parts = [msg.SerializeToString()]
+    fields = msg.DESCRIPTOR.fields_by_name
+    data_number = sampler_pb2.Tensor.DESCRIPTOR.fields_by_name["data"].number
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        t = t.detach().to("cpu").contiguous()
+        raw = t.view(-1).view(torch.uint8).numpy()
+        header = sampler_pb2.Tensor(dtype=_NAMES[t.dtype], shape=t.shape).SerializeToString()
+        data_key = _length_delimited(data_number, raw.nbytes)
+        parts += [_length_delimited(fields[name].number, len(header) + len(data_key) + raw.nbytes), header, data_key,
+                  memoryview(raw)]
+    return b"".join(parts)
+
+
+def tensor_from_proto(msg: sampler_pb2.Tensor, field: str, dtypes=tuple(DTYPES), ndim: int | None = None,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    """A writable tensor of the message's bytes; ValueError naming field.dtype, field.shape or field.data."""
+    if msg.dtype not in dtypes:
+        raise ValueError(f"{field}.dtype must be one of {', '.join(dtypes)}, got {msg.dtype!r}")
+    shape = list(msg.shape)
+    if ndim is not None and len(shape) != ndim:
+        raise ValueError(f"{field}.shape must have {ndim} dimensions, got {shape}")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"{field}.shape must not be negative, got {shape}")
+    dtype = DTYPES[msg.dtype]
+    numel = 1
+    for d in shape:
+        numel *= d
+    expected = numel * dtype.itemsize
+    if len(msg.data) != expected:
+        raise ValueError(f"{field}.data holds {len(msg.data)} bytes; shape {shape} of {msg.dtype} needs {expected}")
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.frombuffer(bytearray(msg.data), dtype=dtype).view(shape).to(device)
+
+
+def logprobs_to_proto(lp: LogprobsTensors) -> sampler_pb2.Logprobs:
+    return sampler_pb2.Logprobs(token_ids=tensor_to_proto(lp.token_ids), logprobs=tensor_to_proto(lp.logprobs),
+                                ranks=tensor_to_proto(lp.ranks))
+
+
+def logprobs_from_proto(msg: sampler_pb2.Logprobs, field: str) -> LogprobsTensors:
+    return LogprobsTensors(
+        tensor_from_proto(msg.token_ids, f"{field}.token_ids", ("int64",), 2),
+        tensor_from_proto(msg.logprobs, f"{field}.logprobs", ("float32",), 2),
+        tensor_from_proto(msg.ranks, f"{field}.ranks", ("int64",), 1),
+    )
+
+
+def new_request_to_proto(request: "Request") -> sampler_pb2.NewRequest:
+    """What the sampler must know of a request the first time it samples for it."""
+    p = request.sampling_params
+    params = sampler_pb2.SamplerParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens, stop_token_ids=p.stop_token_ids,
+        ignore_eos=p.ignore_eos, eos_token_ids=request.eos_token_ids, logprobs=p.logprobs,
+        logit_bias=p.logit_bias or {}, allowed_token_ids=p.allowed_token_ids or [],
+        bad_words_token_ids=[common_pb2.TokenIds(ids=w) for w in p.bad_words_token_ids],
+    )  # fmt: skip
+    prompt = request.prompt_token_ids if p.repetition_penalty != 1.0 else []
+    return sampler_pb2.NewRequest(request_id=request.request_id, params=params, prompt_token_ids=prompt)
+
+
+def sampling_params_from_proto(msg: sampler_pb2.SamplerParams, vocab_size: int, field: str) -> SamplingParams:
+    """The request's SamplingParams as far as sampling goes (max_tokens is the engine's business)."""
+    try:
+        optional = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
+        params = SamplingParams(
+            top_k=msg.top_k, min_p=msg.min_p, presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty,
+            min_tokens=msg.min_tokens, stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+            max_tokens=None, logit_bias=dict(msg.logit_bias) or None,
+            allowed_token_ids=list(msg.allowed_token_ids) or None, **optional,
+        )  # fmt: skip
+        params.verify_for_model(vocab_size, -1)
+    except ValueError as e:
+        raise ValueError(f"{field}.{e}") from None
+    params.bad_words_token_ids = [list(w.ids) for w in msg.bad_words_token_ids]
+    check_token_ids([t for w in params.bad_words_token_ids for t in w], vocab_size, f"{field}.bad_words_token_ids")
+    if any(not w for w in params.bad_words_token_ids):
+        raise ValueError(f"{field}.bad_words_token_ids: a bad word must have at least one token")
+    return params
+
+
+def check_token_ids(token_ids, vocab_size: int, field: str) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{field}: token ids must be in [0, {vocab_size}), got {bad[:3]}")

@@ -1,0 +1,219 @@
+"""The engine service's metrics (vLLM's names, types and buckets) and request spans, from data the engine keeps.
+
+Nothing here instruments the engine core. Metrics: the scheduler's state (SchedulerStats, refreshed after
+every step) is read when Prometheus scrapes; per-request histograms and counters are observed when a request's
+stream ends, from its RequestState timings; the per-step token histogram comes from AsyncLLM.on_step. Spans:
+at the end of a request, its lifecycle (arrival, first scheduled, first token, last token, preemptions) becomes
+an `llm_request` span with queue, prefill and decode children, timestamped when things happened.
+"""
+
+import logging
+import time
+
+from opentelemetry.trace import SpanKind
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from services.telemetry import Telemetry, epoch_ns
+
+logger = logging.getLogger("llmmesh.engine")
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+class SchedulerCollector:
+    """vLLM's scheduler gauges and cumulative counters, read from the engine's latest SchedulerStats at scrape."""
+
+    def __init__(self, owner, model_name: str):
+        self.owner = owner  # the EngineServicer: .engine is the AsyncLLM, None while loading
+        self.model_name = model_name
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        engine = self.owner.engine
+        stats = engine.stats if engine is not None else None
+        if stats is None:
+            return
+        labels = [self.model_name]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running_reqs),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting_reqs),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric(labels, value)
+            yield gauge
+        counters = [
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+             stats.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", stats.num_preemptions),
+        ]
+        for key, value in sorted((stats.kv_connector_stats or {}).items()):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                counters.append((f"llmmesh:kv_connector_{key}", f"KV connector: {key} (cumulative).", value))
+        for name, doc, value in counters:
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric(labels, value)
+            yield counter
+
+
+class EngineTelemetry:
+    """The engine service's observer: watch() a request when tracing or metrics are on (None otherwise)."""
+
+    def __init__(self, telemetry: Telemetry, owner, model_name: str, detailed_traces: bool = False):
+        self.telemetry = telemetry
+        self.model_name = model_name
+        self.metrics = telemetry.metrics_port is not None
+        self.detailed = detailed_traces and telemetry.tracer is not None
+        # engine request id -> [(StepStats, step end monotonic, new tokens)], with --collect-detailed-traces
+        self.steps_of: dict[str, list] = {}
+        if self.metrics:
+            registry, labels = telemetry.registry, ["model_name"]
+
+            def histogram(name, doc, buckets):
+                return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(model_name)
+
+            def counter(name, doc):
+                return Counter(name, doc, labels, registry=registry).labels(model_name)
+
+            registry.register(SchedulerCollector(owner, model_name))
+            self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+            self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+            self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                           ["model_name", "finished_reason"], registry=registry)
+            self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                                  TTFT_BUCKETS)
+            self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                                 ITL_BUCKETS)
+            self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                                 REQUEST_LATENCY_BUCKETS)
+            self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                        "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+            self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                          "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+            self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                         "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+            self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                              ITERATION_TOKENS_BUCKETS)
+
+    @property
+    def active(self) -> bool:
+        return self.metrics or self.telemetry.tracer is not None
+
+    def attach(self, engine) -> None:
+        """Follow the engine's steps (the per-step token histogram, detailed traces), when anything needs them."""
+        if self.metrics or self.detailed:
+            engine.on_step = self.on_step
+
+    def on_step(self, step, outputs) -> None:
+        """On the engine thread, after each step."""
+        if self.metrics:
+            self.iteration_tokens.observe(step.num_tokens)
+        if self.detailed:
+            end = time.monotonic()
+            for out in outputs:
+                if out.new_token_ids:
+                    self.steps_of.setdefault(out.request_id, []).append((step, end, len(out.new_token_ids)))
+
+    def watch(self, server_span, stream) -> "RequestWatch | None":
+        if not self.active:
+            return None
+        return RequestWatch(self, server_span, stream.request_id, stream.state)
+
+
+class RequestWatch:
+    """One request in the engine: inter-token latencies as its outputs come, the rest when it finishes (before its
+    last output is sent, so a client that has it sees it counted) or when its stream ends otherwise."""
+
+    def __init__(self, owner: EngineTelemetry, server_span, request_id: str, state):
+        self.owner = owner
+        self.span = server_span  # the Generate call's server span (None when not traced)
+        self.request_id = request_id
+        self.state = state  # the request's RequestState
+        self.last_token_time: float | None = None
+        self.ended = False
+
+    def output(self, out) -> None:
+        m = out.metrics
+        if self.owner.metrics and m.last_token_time is not None and m.last_token_time != self.last_token_time:
+            if self.last_token_time is not None:
+                self.owner.itl.observe(m.last_token_time - self.last_token_time)
+            self.last_token_time = m.last_token_time
+        if out.finished:
+            self.end()
+
+    def end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        state = self.state
+        m = state.metrics
+        now = time.monotonic()
+        end = m.finished_time or now
+        prefill = None if m.first_token_time is None or m.first_scheduled_time is None else (
+            m.first_token_time - m.first_scheduled_time)
+        decode = None if m.first_token_time is None else (m.last_token_time or m.first_token_time) - m.first_token_time
+        reasons = [c.finish_reason or "abort" for c in state.completions]
+        owner = self.owner
+        if owner.metrics:
+            owner.prompt_tokens.inc(len(state.prompt_token_ids) * len(state.completions))
+            owner.generation_tokens.inc(m.num_generation_tokens)
+            for reason in reasons:
+                owner.request_success.labels(owner.model_name, reason).inc()
+            owner.e2e.observe(end - m.arrival_time)
+            for histogram, value in ((owner.ttft, m.time_to_first_token), (owner.queue_time, m.time_in_queue),
+                                     (owner.prefill_time, prefill), (owner.decode_time, decode)):
+                if value is not None:
+                    histogram.observe(value)
+        steps = [s for c in state.completions for s in owner.steps_of.pop(c.engine_request_id, ())]
+        if self.span is None or not self.span.is_recording():
+            return
+        telemetry = owner.telemetry
+        attributes = {
+            "gen_ai.request.id": self.request_id,
+            "gen_ai.usage.input_tokens": len(state.prompt_token_ids),
+            "gen_ai.usage.output_tokens": m.num_generation_tokens,
+            "gen_ai.response.finish_reasons": reasons,
+            "gen_ai.request.n": len(state.completions),
+            "gen_ai.latency.e2e": end - m.arrival_time,
+            "llmmesh.prefix_cache.hit_tokens": state.num_cached_tokens,
+            "llmmesh.num_preemptions": m.num_preemptions,
+        }
+        for key, value in (("time_in_queue", m.time_in_queue), ("time_to_first_token", m.time_to_first_token),
+                           ("time_in_model_prefill", prefill), ("time_in_model_decode", decode)):
+            if value is not None:
+                attributes[f"gen_ai.latency.{key}"] = value
+        request = telemetry.start_span("llm_request", self.span, kind=SpanKind.INTERNAL, start_s=m.arrival_time,
+                                       attributes=attributes)
+        telemetry.span_between("queue", request, m.arrival_time, m.first_scheduled_time)
+        prefill_span = telemetry.span_between("prefill", request, m.first_scheduled_time, m.first_token_time,
+                                              {"llmmesh.prefix_cache.hit_tokens": state.num_cached_tokens,
+                                               "gen_ai.usage.input_tokens": len(state.prompt_token_ids)})
+        if prefill_span is not None and state.num_cached_tokens:
+            request.add_event("prefix_cache_hit", {"tokens": state.num_cached_tokens},
+                              timestamp=epoch_ns(m.first_scheduled_time))
+        telemetry.span_between("decode", request, m.first_token_time, m.last_token_time,
+                                             {"gen_ai.usage.output_tokens": m.num_generation_tokens})
+        for when in m.preemption_times:
+            request.add_event("preempted", {"llmmesh.num_preemptions": m.num_preemptions}, timestamp=epoch_ns(when))
+        for step, step_end, num_new in steps:  # --collect-detailed-traces
+            started = step_end - step.schedule_s - step.model_s - step.update_s
+            telemetry.span_between(f"step {step.step}", request, started, step_end, {
+                "llmmesh.step": step.step, "llmmesh.step.batch_requests": step.num_reqs,
+                "llmmesh.step.batch_tokens": step.num_tokens, "llmmesh.step.new_tokens": num_new,
+                "llmmesh.step.schedule_seconds": step.schedule_s, "llmmesh.step.model_seconds": step.model_s,
+                "llmmesh.step.update_seconds": step.update_s,
+            })
+        request.end(end_time=epoch_ns(end))
+        logger.info("request %s finished (%s): %d prompt + %d generated tokens", self.request_id, ",".join(reasons),
+                    len(state.prompt_token_ids), m.num_generation_tokens)

@@ -1,0 +1,200 @@
+"""llmmesh.v1.Sampler: engines stream each step's logits here and get the sampled tokens back, over engine.sample.
+
+One Sample stream per engine. Per stream the service keeps each request's sampling state (its SamplingParams,
+prompt and output tokens for penalties, min_tokens and bad words, and its seeded torch.Generator, made when it
+first samples, as the engine's ModelRunner makes it), updated by what each step says changed. A step runs the
+library's SamplingMetadata.from_requests and Sampler on the same rows in the same order as the engine would,
+so outputs are identical. Sampling runs on one worker thread (torch's thread pools stay with one thread);
+the event loop only parses and answers. A message that cannot be used ends its stream with
+INVALID_ARGUMENT naming the field; other streams and the service go on.
+"""
+
+import asyncio
+import concurrent.futures
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from engine.request import SamplingParams
+from engine.sample.metadata import SamplingMetadata
+from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
+from engine.sample.wire import (LOGITS_DTYPES, check_token_ids, logprobs_to_proto, sampling_params_from_proto,
+                                tensor_from_proto)
+from llmmesh.v1 import sampler_pb2, sampler_pb2_grpc
+from services import config
+from services.server import Server
+
+SERVICE_NAME = sampler_pb2.DESCRIPTOR.services_by_name["Sampler"].full_name
+logger = logging.getLogger("llmmesh.sampler")
+
+
+@dataclass
+class RequestState:
+    """What SamplingMetadata.from_requests reads of a request, kept across steps."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    eos_token_ids: tuple[int, ...]
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+class StreamState:
+    """One engine's stream: its requests' states, and the step it is at."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.requests: dict[str, RequestState] = {}
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def step(self, msg: sampler_pb2.SampleStep) -> sampler_pb2.SampleResult:
+        """Check the whole message before changing any state; ValueError names the bad field."""
+        rows, logits, news, prompt_logits = self._check(msg)
+        for request_id in msg.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in news:
+            self.requests[new.request_id] = new
+        result = sampler_pb2.SampleResult(step_id=msg.step_id)
+        result.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in self._prompt_logprobs(msg, prompt_logits))
+        if not rows:
+            return result
+        start = 0
+        for request_id, n in zip(msg.request_ids, msg.num_new_tokens):
+            rows[request_id].output_token_ids.extend(msg.new_token_ids[start : start + n])
+            start += n
+        states = [rows[request_id] for request_id in msg.request_ids]
+        generators = {row: s.generator for row, s in enumerate(states) if s.generator is not None}
+        metadata = SamplingMetadata.from_requests(states, generators, logits.shape[-1], self.device)
+        output = self.sampler(logits, metadata)
+        result.sampled_token_ids.extend(output.sampled_token_ids.tolist())
+        if output.logprobs is not None:
+            result.logprobs.CopyFrom(logprobs_to_proto(output.logprobs))
+        return result
+
+    def _check(self, msg: sampler_pb2.SampleStep):
+        """The rows' states by request id (new ones not yet registered), the logits, the new states and the
+        prompt logits."""
+        n = len(msg.request_ids)
+        logits, vocab = None, None
+        if n or msg.HasField("logits"):
+            logits = tensor_from_proto(msg.logits, "logits", LOGITS_DTYPES, 2, self.device)
+            vocab = logits.shape[1]
+            if logits.shape[0] != n or vocab == 0:
+                raise ValueError(f"logits.shape must be [{n} rows (one per request_ids), vocab], got {list(logits.shape)}")
+        if len(msg.num_new_tokens) != n:
+            raise ValueError(f"num_new_tokens must have one entry per request_ids ({n}), got {len(msg.num_new_tokens)}")
+        if any(k < 0 for k in msg.num_new_tokens) or sum(msg.num_new_tokens) != len(msg.new_token_ids):
+            raise ValueError(f"new_token_ids holds {len(msg.new_token_ids)} tokens; num_new_tokens adds up to "
+                             f"{sum(msg.num_new_tokens)} (each must be >= 0)")
+        if vocab is not None:
+            check_token_ids(msg.new_token_ids, vocab, "new_token_ids")
+        forgotten = set(msg.finished_request_ids)
+        news = {}
+        for i, new in enumerate(msg.new_requests):
+            where = f"new_requests[{i}]"
+            if new.request_id in news or (new.request_id in self.requests and new.request_id not in forgotten):
+                raise ValueError(f"{where}.request_id {new.request_id!r} is already known on this stream")
+            if vocab is None:
+                raise ValueError(f"{where}: a new request needs its row in request_ids and logits")
+            params = sampling_params_from_proto(new.params, vocab, f"{where}.params")
+            check_token_ids(new.params.eos_token_ids, vocab, f"{where}.params.eos_token_ids")
+            check_token_ids(new.prompt_token_ids, vocab, f"{where}.prompt_token_ids")
+            generator = None
+            if params.seed is not None and not params.greedy:
+                generator = torch.Generator(self.device).manual_seed(params.seed)
+            news[new.request_id] = RequestState(new.request_id, params, list(new.prompt_token_ids),
+                                                tuple(new.params.eos_token_ids), generator=generator)
+        rows = {}
+        for i, request_id in enumerate(msg.request_ids):
+            state = news.get(request_id) or (self.requests.get(request_id) if request_id not in forgotten else None)
+            if state is None:
+                raise ValueError(f"request_ids[{i}]: unknown request id {request_id!r} (not in new_requests, "
+                                 "or finished)")
+            if request_id in rows:
+                raise ValueError(f"request_ids[{i}]: request id {request_id!r} has two rows")
+            rows[request_id] = state
+        if set(news) - set(rows):
+            raise ValueError(f"new_requests: {sorted(set(news) - set(rows))[0]!r} has no row in request_ids")
+        return rows, logits, news.values(), self._check_prompt_chunks(msg)
+
+    def _check_prompt_chunks(self, msg: sampler_pb2.SampleStep) -> torch.Tensor | None:
+        chunks = len(msg.prompt_num_targets)
+        if len(msg.prompt_num_logprobs) != chunks:
+            raise ValueError(f"prompt_num_logprobs must have one entry per chunk ({chunks}), "
+                             f"got {len(msg.prompt_num_logprobs)}")
+        if any(t < 0 for t in msg.prompt_num_targets) or sum(msg.prompt_num_targets) != len(msg.prompt_target_ids):
+            raise ValueError(f"prompt_target_ids holds {len(msg.prompt_target_ids)} tokens; prompt_num_targets adds "
+                             f"up to {sum(msg.prompt_num_targets)} (each must be >= 0)")
+        if chunks or msg.HasField("prompt_logits"):
+            logits = tensor_from_proto(msg.prompt_logits, "prompt_logits", LOGITS_DTYPES, 2,
+                                                             self.device)
+            vocab = logits.shape[1]
+            if logits.shape[0] != len(msg.prompt_target_ids) or vocab == 0:
+                raise ValueError(f"prompt_logits.shape must be [{len(msg.prompt_target_ids)} rows (one per "
+                                 f"prompt_target_ids), vocab], got {list(logits.shape)}")
+            check_token_ids(msg.prompt_target_ids, vocab, "prompt_target_ids")
+            bad = [k for k in msg.prompt_num_logprobs if not 0 <= k <= vocab]
+            if bad:
+                raise ValueError(f"prompt_num_logprobs must be in [0, {vocab}], got {bad[0]}")
+            return logits
+        return None
+
+    def _prompt_logprobs(self, msg: sampler_pb2.SampleStep, prompt_logits) -> list[LogprobsTensors]:
+        results, start = [], 0
+        for k, n in zip(msg.prompt_num_logprobs, msg.prompt_num_targets):
+            targets = torch.tensor(msg.prompt_target_ids[start : start + n], dtype=torch.int64, device=self.device)
+            logits = prompt_logits[start : start + n]
+            results.append(gather_logprobs(compute_logprobs(logits), k, targets))
+            start += n
+        return results
+
+
+class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
+    def __init__(self, device: torch.device):
+        self.device = device
+        # Every stream samples on this one thread.
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler")
+        self.num_streams = 0
+
+    async def Sample(self, request_iterator, context):
+        loop = asyncio.get_running_loop()
+        stream = StreamState(self.device)
+        self.num_streams += 1
+        logger.info("an engine's stream opened (%d open)", self.num_streams)
+        try:
+            async for msg in request_iterator:
+                try:
+                    result = await loop.run_in_executor(self.executor, stream.step, msg)
+                except ValueError as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                yield result
+        finally:
+            self.num_streams -= 1
+            logger.info("an engine's stream ended, forgetting its %d requests", len(stream.requests))
+
+
+# ---- the process -------------------------------------------------------------------------------
+
+
+def add_subcommands(subparsers) -> None:
+    parser = config.service_parser(subparsers, "sampler", "serve llmmesh.v1.Sampler (one step's logits -> sampled ids)")
+    parser.add_argument("--device", default="cpu", help="where to sample: cpu, cuda, cuda:1 (seeded draws follow "
+                        "the device's generator: use the engine's device to reproduce its in-process samples)")
+    # An engine's stream lasts as long as the engine: a drain would wait for it to its end.
+    parser.set_defaults(func=lambda args: config.run(serve(args), args), shutdown_timeout=1.0)
+
+
+async def serve(args) -> None:
+    server = Server("sampler", [SERVICE_NAME], args)
+    servicer = SamplerServicer(torch.device(args.device))
+    server.add(sampler_pb2_grpc.add_SamplerServicer_to_server, servicer)
+    await server.start()
+    await server.set_serving(True)
+    try:
+        await server.serve_until_stopped()
+    finally:
+        servicer.executor.shutdown(wait=False, cancel_futures=True)

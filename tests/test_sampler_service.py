@@ -1,0 +1,263 @@
+"""The sampler as its own service (llmmesh.v1.Sampler): remote sampling gives exactly what in-process sampling
+gives (token ids, logprobs, prompt logprobs, finish reasons), also under preemption and chunked prefill; the mesh
+with the sampler service gives LLM.generate's text; a sampler killed, frozen or restarted costs the affected
+requests UNAVAILABLE, never the engine; bad messages get INVALID_ARGUMENT naming the field."""
+
+import os
+import signal
+
+import grpc
+import pytest
+import torch
+
+from conftest import SERVING, SMOLLM2_BLOCK_BYTES, InProcessService, assert_no_leaks, wait_for_health
+from engine import LLM, SamplingParams
+from engine.config import EngineArgs
+from engine.request import Request
+from engine.sample.remote import RemoteSampler
+from engine.sample.sampler import SamplerUnavailableError
+from engine.sample.wire import tensor_to_proto
+from llmmesh.v1 import engine_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+from services.client import collect, generate
+from services.supervisor import Mesh
+from test_mesh import expect_error, first_chunks, kill_while_streaming, wait_idle
+
+POEM = "Write a short poem about the sea, the wind, the gulls, the fishing boats coming home at dusk, " * 2
+PROMPTS = ["The capital of France is", "def quicksort(items):", "Three facts about the Moon:",
+           "Once upon a time, in a small village,"]
+# Every sampling feature, several in one request; every random request has a seed (unseeded draws come from
+# whichever process samples, so only seeded ones can match).
+MIXED = [
+    (POEM, dict(temperature=0, max_tokens=24, logprobs=5, prompt_logprobs=3)),  # 47 tokens: chunked prefill
+    (PROMPTS[0], dict(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=24, n=3, logprobs=5)),
+    (PROMPTS[1], dict(temperature=1.2, min_p=0.05, seed=2, max_tokens=24, repetition_penalty=1.3,
+                      presence_penalty=0.5, frequency_penalty=0.4)),
+    (PROMPTS[2], dict(temperature=0.9, top_p=0.8, seed=3, max_tokens=24, logit_bias={578: 4.0, 314: -5.0},
+                      bad_words=["the", "Moon"], min_tokens=12, prompt_logprobs=3)),
+    (PROMPTS[3], dict(temperature=0.7, seed=4, max_tokens=24, allowed_token_ids=list(range(200, 2000)))),
+    (PROMPTS[0], dict(temperature=0, max_tokens=24, min_tokens=20, frequency_penalty=1.0, logprobs=2)),
+]
+
+
+@pytest.fixture(scope="module")
+def sampler():
+    with InProcessService("sampler") as service:
+        yield service
+
+
+def outputs(llm):
+    llm.engine.reset_prefix_cache()  # the same scheduling for both runs
+    before = llm.engine.get_stats().num_preemptions
+    outs = llm.generate([p for p, _ in MIXED], [SamplingParams(**k) for _, k in MIXED], use_tqdm=False)
+    assert_no_leaks(llm.engine)
+    result = [(o.prompt_logprobs, [(c.token_ids, c.logprobs, c.finish_reason, c.stop_reason) for c in o.outputs])
+              for o in outs]
+    return result, llm.engine.get_stats().num_preemptions - before
+
+
+def test_remote_sampling_equals_in_process_under_preemption_and_chunked_prefill(sampler):
+    # 16 blocks of 16 tokens for 8 sequences that grow to 30-100 tokens: preemptions; 32-token steps: chunks.
+    llm = LLM(kv_cache_memory=str(16 * SMOLLM2_BLOCK_BYTES), max_num_batched_tokens=32)
+    runner = llm.engine.worker.model_runner
+    local, local_preemptions = outputs(llm)
+    runner.sampler_client = RemoteSampler(sampler.address)
+    try:
+        remote, remote_preemptions = outputs(llm)
+    finally:
+        runner.sampler_client.close()
+    assert local_preemptions > 0 and remote_preemptions == local_preemptions
+    assert remote == local
+    # The batch really exercised what it claims to.
+    n3 = local[1][1]
+    assert len({tuple(c[0]) for c in n3}) > 1  # n=3 seeded: different samples
+    assert len(local[0][0]) > 32 and local[3][0] is not None  # prompt logprobs over two 32-token chunks
+    assert all(200 <= t < 2000 for t in local[4][1][0][0])
+    assert len(local[5][1][0][0]) >= 20
+
+
+def test_prompt_logprobs_split_over_several_messages(sampler, monkeypatch):
+    """A prompt chunk larger than one message's worth goes in pieces, and joins back into the same logprobs."""
+    import engine.sample.remote as remote
+
+    llm = LLM(kv_cache_memory="64MiB")
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=4, logprobs=1)
+    local = llm.generate(POEM, params, use_tqdm=False)[0]
+    monkeypatch.setattr(remote, "MESSAGE_TARGET_BYTES", 7 * llm.engine.model_config.vocab_size * 4)  # 7 rows
+    llm.engine.worker.model_runner.sampler_client = client = RemoteSampler(sampler.address)
+    try:
+        out = llm.generate(POEM, params, use_tqdm=False)[0]
+    finally:
+        client.close()
+    assert out.prompt_logprobs == local.prompt_logprobs
+    assert out.outputs[0].token_ids == local.outputs[0].token_ids
+    assert out.outputs[0].logprobs == local.outputs[0].logprobs
+
+
+def test_fallback_samples_in_process_when_the_sampler_is_down():
+    """--sampler-fallback: a sampler that does not answer costs nothing but the remote hop."""
+    llm = LLM(kv_cache_memory="64MiB", sampler_address="127.0.0.1:1", sampler_fallback=True)  # nothing listens
+    reference = LLM(kv_cache_memory="64MiB")
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=8, logprobs=2)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    want = reference.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_a_lost_stream_names_the_seeded_requests_it_took_with_it():
+    """The engine fails those too: after a sampler restart their draws could not match in-process sampling."""
+    requests = [Request(name, [1, 2], SamplingParams(**params), (0,)) for name, params in
+                [("seeded", dict(seed=1)), ("greedy", dict(temperature=0)), ("unseeded", {}), ("other", dict(seed=2))]]
+    service = InProcessService("sampler")
+    client = RemoteSampler(service.address, timeout=30)
+    try:
+        out, _ = client.sample(requests, torch.zeros(4, 8), [])
+        assert len(out.sampled_token_ids) == 4
+        service.stop()
+        with pytest.raises(SamplerUnavailableError) as info:
+            client.sample(requests[1:3] + requests[3:], torch.zeros(3, 8), [])
+        assert info.value.lost_request_ids == ["seeded"]  # "other" is in the failed step: failed anyway
+    finally:
+        client.close()
+        service.stop()
+
+
+# ---- bad messages ------------------------------------------------------------------------------
+
+
+def step(**fields) -> sampler_pb2.SampleStep:
+    return sampler_pb2.SampleStep(step_id=1, **fields)
+
+
+def new_request(request_id="a", **params):
+    return sampler_pb2.NewRequest(request_id=request_id, params=sampler_pb2.SamplerParams(**params))
+
+
+GOOD = dict(new_requests=[new_request(temperature=0)], request_ids=["a"], num_new_tokens=[0],
+            logits=tensor_to_proto(torch.arange(8, dtype=torch.float32).view(1, 8)))
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(GOOD, logits=sampler_pb2.Tensor(dtype="float32", shape=[1, 8], data=b"\0" * 31)), "logits.data"),
+    (dict(GOOD, logits=sampler_pb2.Tensor(dtype="int8", shape=[1, 8], data=b"\0" * 8)), "logits.dtype"),
+    (dict(GOOD, logits=tensor_to_proto(torch.zeros(2, 8))), "logits.shape"),
+    (dict(GOOD, new_requests=[], request_ids=["nobody"]), "request_ids[0]"),
+    (dict(GOOD, num_new_tokens=[1]), "new_token_ids"),
+    (dict(GOOD, num_new_tokens=[1], new_token_ids=[8]), "new_token_ids"),
+    (dict(GOOD, new_requests=[new_request(temperature=-1)]), "new_requests[0].params.temperature"),
+    (dict(GOOD, new_requests=[new_request(temperature=1, logit_bias={99: 1.0})]), "new_requests[0].params.logit_bias"),
+    (dict(GOOD, new_requests=[new_request(temperature=0), new_request(temperature=0)]), "new_requests[1].request_id"),
+    (dict(GOOD, prompt_num_targets=[1], prompt_num_logprobs=[2], prompt_target_ids=[3]), "prompt_logits"),
+])
+def test_bad_messages_are_invalid_argument_naming_the_field(sampler, fields, named):
+    with grpc.insecure_channel(sampler.address) as channel:
+        stub = sampler_pb2_grpc.SamplerStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Sample(iter([step(**fields)]), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert named in info.value.details()
+        # The service is up and a good message on a new stream is answered.
+        replies = list(stub.Sample(iter([step(**GOOD)]), timeout=30))
+        assert [list(r.sampled_token_ids) for r in replies] == [[7]]
+    wait_for_health(sampler.address, SERVING)
+
+
+def test_state_carries_across_steps_and_finished_requests_are_forgotten(sampler):
+    vocab = 8
+    logits = tensor_to_proto(torch.zeros(1, vocab))
+    with grpc.insecure_channel(sampler.address) as channel:
+        stub = sampler_pb2_grpc.SamplerStub(channel)
+        messages = [
+            # min_tokens=2 bans EOS (7) until two tokens are out; a repetition of token 3 is penalised.
+            step(new_requests=[new_request(temperature=0, min_tokens=2, eos_token_ids=[7], frequency_penalty=2.0)],
+                 request_ids=["a"], num_new_tokens=[0],
+                 logits=tensor_to_proto(torch.tensor([[0, 0, 0, 1.0, 0, 0, 0, 5.0]]))),
+            sampler_pb2.SampleStep(step_id=2, request_ids=["a"], num_new_tokens=[1], new_token_ids=[3],
+                                   logits=tensor_to_proto(torch.tensor([[0, 0, 0, 1.0, 0, 0, 0.5, 5.0]]))),
+            sampler_pb2.SampleStep(step_id=3, request_ids=["a"], num_new_tokens=[1], new_token_ids=[6],
+                                   logits=tensor_to_proto(torch.tensor([[0, 0, 0, 1.0, 0, 0, 0.5, 5.0]]))),
+            sampler_pb2.SampleStep(step_id=4, finished_request_ids=["a"], request_ids=["a"], num_new_tokens=[0],
+                                   logits=logits),
+        ]
+        replies = []
+        with pytest.raises(grpc.RpcError) as info:
+            for reply in stub.Sample(iter(messages), timeout=30):
+                replies.append(list(reply.sampled_token_ids))
+        assert replies == [[3], [6], [7]]
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_ids[0]" in info.value.details()
+
+
+# ---- the mesh ------------------------------------------------------------------------------------
+
+
+SAMPLER_TIMEOUT_S = 5.0
+GREEDY = dict(temperature=0.0, max_tokens=16)
+LONG = dict(temperature=0.0, max_tokens=1000, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    m = Mesh(EngineArgs(kv_cache_memory="256MiB", sampler_timeout=SAMPLER_TIMEOUT_S), sampler=True)
+    with m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def engine(mesh):
+    return engine_pb2_grpc.EngineStub(grpc.insecure_channel(mesh.services["engine"].address))
+
+
+def until_served(mesh, prompt, params, attempts=50):
+    """After a restart the engine's channel finds the sampler within its reconnect backoff (about a second):
+    the first requests may still fail with UNAVAILABLE."""
+    for _ in range(attempts):
+        try:
+            return collect(generate(mesh.address, prompt, **params))
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+            wait_for_health(mesh.services["sampler"].address, SERVING)
+    raise AssertionError(f"the mesh did not serve after {attempts} attempts")
+
+
+@pytest.mark.slow
+def test_mesh_with_the_sampler_service_equals_llm_generate(mesh):
+    llm = LLM(kv_cache_memory="256MiB")
+    want = llm.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
+    seeded = dict(temperature=0.8, seed=11, max_tokens=12, n=2)
+    want_seeded = llm.generate(PROMPTS[0], SamplingParams(**seeded), use_tqdm=False)[0]
+    for prompt, out in zip(PROMPTS, want):
+        assert collect(generate(mesh.address, prompt, **GREEDY)).text() == out.outputs[0].text
+    result = collect(generate(mesh.address, PROMPTS[0], **seeded))
+    assert [result.text(i) for i in range(2)] == [c.text for c in want_seeded.outputs]
+
+
+@pytest.mark.slow
+def test_sampler_killed_then_restarted(mesh, engine):
+    for details in kill_while_streaming(mesh, engine, "sampler"):  # UNAVAILABLE, their blocks freed
+        assert "sampling failed: the sampler at" in details
+    # While it is down: UNAVAILABLE at once; the engine goes on serving.
+    assert "sampl" in expect_error(grpc.StatusCode.UNAVAILABLE, lambda: generate(mesh.address, PROMPTS[0], **GREEDY))
+    wait_idle(engine)
+    wait_for_health(mesh.services["engine"].address, SERVING)
+
+    mesh.restart("sampler")
+    want = LLM(kv_cache_memory="64MiB").generate(PROMPTS[1], SamplingParams(**GREEDY), use_tqdm=False)[0]
+    assert until_served(mesh, PROMPTS[1], GREEDY).text() == want.outputs[0].text
+    wait_idle(engine)
+
+
+@pytest.mark.slow
+def test_sampler_that_stops_answering_costs_a_deadline(mesh, engine):
+    stream = generate(mesh.address, PROMPTS[2], **LONG)
+    first_chunks(stream)
+    sampler = mesh.services["sampler"]
+    os.kill(sampler.popen.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            collect(stream)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+        assert f"did not answer within {SAMPLER_TIMEOUT_S:g} s" in info.value.details()
+        wait_idle(engine)
+    finally:
+        os.kill(sampler.popen.pid, signal.SIGCONT)
+    assert until_served(mesh, PROMPTS[0], GREEDY).text()
+    wait_idle(engine)
