@@ -14,6 +14,13 @@ from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOut
 from engine.request import EngineCoreEventType, FinishReason, Request, SamplingParams
 from engine.text.detokenizer import RequestDetokenizer
 
+# The KV connector's request events, as RequestMetrics.kv_transfers names them.
+_KV_TRANSFERS = {
+    EngineCoreEventType.KV_LOAD_STARTED: "kv_load_started",
+    EngineCoreEventType.KV_LOADED: "kv_loaded",
+    EngineCoreEventType.KV_STORE_STARTED: "kv_store_started",
+}
+
 
 def child_request_id(index: int, parent_id: str) -> str:
     return f"{index}_{parent_id}"
@@ -158,6 +165,8 @@ class RequestState:
             elif event.type == EngineCoreEventType.PREEMPTED:
                 m.num_preemptions += 1
                 m.preemption_times.append(event.timestamp)
+            elif event.type in _KV_TRANSFERS:
+                m.kv_transfers.append((event.timestamp, _KV_TRANSFERS[event.type], event.num_tokens))
 
     def add_prompt_logprobs(self, positions: list) -> None:
         if self.prompt_logprobs is not None:

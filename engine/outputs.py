@@ -44,6 +44,8 @@ class RequestMetrics:
     num_generation_tokens: int = 0
     num_preemptions: int = 0
     preemption_times: list[float] = field(default_factory=list)  # when each preemption happened
+    # KV connector transfers: (when, "kv_load_started" | "kv_loaded" | "kv_store_started", tokens)
+    kv_transfers: list[tuple[float, str, int]] = field(default_factory=list)
 
     @property
     def time_in_queue(self) -> float | None:

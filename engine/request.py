@@ -49,12 +49,17 @@ class EngineCoreEventType(enum.IntEnum):
     QUEUED = 1
     SCHEDULED = 2
     PREEMPTED = 3
+    # A KV connector: a load of num_tokens began, ended (num_tokens arrived), or a store of num_tokens began.
+    KV_LOAD_STARTED = 4
+    KV_LOADED = 5
+    KV_STORE_STARTED = 6
 
 
 @dataclass
 class EngineCoreEvent:
     type: EngineCoreEventType
     timestamp: float  # time.monotonic()
+    num_tokens: int = 0  # for the KV connector's events
 
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
@@ -255,8 +260,8 @@ class Request:
     def get_finished_reason(self) -> FinishReason | None:
         return RequestStatus.get_finished_reason(self.status)
 
-    def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
-        self.events.append(EngineCoreEvent(event_type, time.monotonic() if timestamp is None else timestamp))
+    def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None, num_tokens: int = 0) -> None:
+        self.events.append(EngineCoreEvent(event_type, time.monotonic() if timestamp is None else timestamp, num_tokens))
 
     def take_events(self) -> list[EngineCoreEvent]:
         events, self.events = self.events, []

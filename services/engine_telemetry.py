@@ -206,6 +206,8 @@ class RequestWatch:
                                              {"gen_ai.usage.output_tokens": m.num_generation_tokens})
         for when in m.preemption_times:
             request.add_event("preempted", {"llmmesh.num_preemptions": m.num_preemptions}, timestamp=epoch_ns(when))
+        for when, name, tokens in m.kv_transfers:  # KV store loads and stores (the KV connector)
+            request.add_event(name, {"llmmesh.kv_store.tokens": tokens}, timestamp=epoch_ns(when))
         for step, step_end, num_new in steps:  # --collect-detailed-traces
             started = step_end - step.schedule_s - step.model_s - step.update_s
             telemetry.span_between(f"step {step.step}", request, started, step_end, {

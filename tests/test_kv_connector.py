@@ -421,3 +421,21 @@ def test_load_or_recompute_follows_the_estimate(kvstore, prompts):
     assert connector_stats(engine)["loaded_tokens"] == (len(prompts[0]) - 1) // 16 * 16
     settle(engine)
     engine.shutdown()
+
+
+def test_request_metrics_carry_the_kv_transfers(kvstore, prompts):
+    """What a trace shows of the store: a request's stores, and its load (asked and arrived), with token counts."""
+    from engine import LLM
+
+    llm = LLM(kv_cache_memory="64MiB", kv_transfer_config=kv_transfer_config(kvstore.address, load_policy="always"))
+    params = SamplingParams(temperature=0, max_tokens=2)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0]
+    full = len(prompts[0]) // 16 * 16
+    assert [(name, n) for _, name, n in first.metrics.kv_transfers] == [("kv_store_started", full)]
+    settle(llm.engine)
+    assert llm.reset_prefix_cache()
+    again = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0]
+    loaded = (len(prompts[0]) - 1) // 16 * 16
+    names = [(name, n) for _, name, n in again.metrics.kv_transfers]
+    assert names[:2] == [("kv_load_started", loaded), ("kv_loaded", loaded)]
+    llm.engine.shutdown()

@@ -218,6 +218,7 @@ class Scheduler:
         self.waiting.pop_request()
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_computed_tokens = num_local
+        request.record_event(EngineCoreEventType.KV_LOAD_STARTED, num_tokens=num_external)
         self.loading.add(request)
         self.connector.update_state_after_alloc(request, self.kv_cache_manager.req_to_blocks[request.request_id], num_external)
         return True
@@ -231,6 +232,7 @@ class Scheduler:
             del self.requests[request.request_id]
             return
         request.num_computed_tokens += num_loaded_tokens
+        request.record_event(EngineCoreEventType.KV_LOADED, num_tokens=num_loaded_tokens)
         self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens, loaded_from="kvstore")
         request.num_cached_tokens = request.num_computed_tokens
         request.status = RequestStatus.WAITING

@@ -24,6 +24,7 @@ import numpy as np
 
 from engine.kv.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, KVConnectorRole, KVTransferConfig
 from engine.kv.block_pool import BlockStored
+from engine.request import EngineCoreEventType
 from engine.kv.connector.kvstore_client import KVLayout, KVStoreClient
 
 logger = logging.getLogger("llmmesh.engine.kv_connector")
@@ -282,6 +283,7 @@ class KVStoreConnector(KVConnectorBase):
         )  # fmt: skip
         self.store_holds[job.job_id] = (blocks, event)
         meta.stores.append(job)
+        request.record_event(EngineCoreEventType.KV_STORE_STARTED, num_tokens=(end - start) * bs)
         self.num_stored_blocks[request.request_id] = end
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
