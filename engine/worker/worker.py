@@ -32,7 +32,7 @@ class Worker:
         )
         self.dtype = check_dtype(args.dtype, self.device.type)
         torch.manual_seed(args.seed)
-        self.attn_backend = get_attn_backend(args.attention_backend, args.block_size)
+        self.attn_backend = get_attn_backend(args.attention_backend, args.block_size, self.device.type)
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model_runner: ModelRunner | None = None
@@ -118,7 +118,7 @@ class Worker:
         dtype = str(self.dtype).removeprefix("torch.")
         shape = (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, self.args.block_size, cfg.head_dim)
         fingerprint = model_fingerprint(
-            weights_digest(self.model_dir), dtype, self.args.attention_backend, shape, self.args.prefix_caching_hash_algo
+            weights_digest(self.model_dir), dtype, self.attn_backend.name, shape, self.args.prefix_caching_hash_algo
         )
         return KVLayout(fingerprint, dtype, shape)
 

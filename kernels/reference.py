@@ -1,0 +1,39 @@
+"""Plain torch references for the kernels: slow, obvious, float32 inside."""
+
+import torch
+
+
+def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Write token i's K/V [num_kv_heads, head_dim] to slot slot_mapping[i]; slot -1 is padding."""
+    block_size = k_cache.shape[2]
+    for i, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        k_cache[:, slot // block_size, slot % block_size] = key[i]
+        v_cache[:, slot // block_size, slot % block_size] = value[i]
+
+
+def paged_attention_ref(query, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale) -> torch.Tensor:
+    """Causal attention of each request's query tokens over its first seq_len cached tokens.
+
+    query [num_tokens, num_heads, head_dim]; caches [num_kv_heads, num_blocks, block_size, head_dim];
+    block_table [num_reqs, max_blocks]. Rows of no request are left zero.
+    """
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads, _, block_size, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for r, seq_len in enumerate(lens):
+        start, end = starts[r], starts[r + 1]
+        if end == start:
+            continue
+        blocks = block_table[r, : -(seq_len // -block_size)]
+        k = k_cache[:, blocks].flatten(1, 2)[:, :seq_len].float().repeat_interleave(group, 0)  # [H, S, D]
+        v = v_cache[:, blocks].flatten(1, 2)[:, :seq_len].float().repeat_interleave(group, 0)
+        q = query[start:end].float().transpose(0, 1)  # [H, Q, D]
+        scores = q @ k.transpose(1, 2) * scale
+        q_pos = torch.arange(seq_len - (end - start), seq_len)
+        scores.masked_fill_(torch.arange(seq_len)[None, :] > q_pos[:, None], float("-inf"))
+        out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1)
+    return out.to(query.dtype)
