@@ -27,11 +27,14 @@ class AttentionBackend:
     """One call per layer: write this step's K/V into the paged cache, then attend."""
 
     name = "base"
+    # Whether a step can be captured in a CUDA graph: launches that depend only on tensor shapes.
+    cudagraph_support = False
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        """Layout of one layer's K (and V) cache; each backend picks what its kernels read fastest."""
-        raise NotImplementedError
+        """Layout of one layer's K (and V) cache, the same for every backend: the KV connector copies blocks
+        in it, and a kv head's block is one contiguous [block_size, head_dim] tile for the kernels."""
+        return (num_kv_heads, num_blocks, block_size, head_dim)
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Per-step work that depends only on the metadata; called once before the first layer."""

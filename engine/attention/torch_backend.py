@@ -59,10 +59,6 @@ class PrefillRow:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    @staticmethod
-    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim):
-        return (num_kv_heads, num_blocks, block_size, head_dim)
-
     def __init__(self, block_size: int):
         self.block_size = block_size
 

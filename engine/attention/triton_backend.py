@@ -1,0 +1,31 @@
+"""Attention backend on the Triton kernels (kernels/): one reshape_and_cache and one unified_attention
+launch per layer, for the whole mixed batch, reading K/V in place through the block table.
+
+Every launch depends only on tensor shapes, and prepare() has nothing to do, so a step can be captured
+in a CUDA graph and replayed with new metadata contents.
+"""
+
+import torch
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    cudagraph_support = True
+
+    def __init__(self, block_size: int):
+        # Imported here, so that the selector imports on machines without triton.
+        from kernels.reshape_and_cache import reshape_and_cache
+        from kernels.unified_attention import unified_attention
+
+        self.block_size = block_size
+        self._reshape_and_cache, self._unified_attention = reshape_and_cache, unified_attention
+
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        self._reshape_and_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        output = torch.empty_like(query)
+        self._unified_attention(output, query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
+                                metadata.block_table, scale)
+        return output
