@@ -2,7 +2,8 @@
 FROM python:3.11-slim
 
 # redis-server: `llmmesh serve` (the CMD below) runs one for the KV store; compose uses its own Redis container.
-RUN apt-get update -q && apt-get install -y -q --no-install-recommends make redis-server && rm -rf /var/lib/apt/lists/*
+# g++: setup builds the C++ CPU attention kernel.
+RUN apt-get update -q && apt-get install -y -q --no-install-recommends make g++ redis-server && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY . /app
 # The same setup as on a development machine: venv, CPU PyTorch, the project, the embedded

@@ -1,9 +1,14 @@
 """Shared fixtures: the real SmolLM2 model, and Hugging Face transformers as the oracle."""
 
 import functools
+import os
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run under its interpreter, which must be on before any @triton.jit runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine.models.files import DEFAULT_MODEL, load_tokenizer, resolve_model
 from engine.models.loader import prepare_model_dir
@@ -84,12 +89,14 @@ def assert_greedy_matches(ours: list[int], reference: list[int], ref_logits: tor
     return True
 
 
-def run_greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Drive an EngineCore step by step over greedy requests; the tokens of each, in order."""
+def run_greedy(engine, prompts: list[list[int]], max_tokens: int | list[int]) -> list[list[int]]:
+    """Drive an EngineCore step by step over greedy requests (max_tokens: for all, or one per prompt); the tokens
+    of each, in order."""
     from engine.request import Request, SamplingParams
 
-    for i, prompt in enumerate(prompts):
-        engine.add_request(Request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    for i, (prompt, n) in enumerate(zip(prompts, limits)):
+        engine.add_request(Request(str(i), prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
     tokens = {str(i): [] for i in range(len(prompts))}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -1,6 +1,7 @@
 """Greedy output of the engine on SmolLM2 against Hugging Face transformers (float32, same weights)."""
 
 import pytest
+import torch
 
 from conftest import SMOLLM2_BLOCK_BYTES, assert_greedy_matches, assert_no_leaks
 from engine import LLM, SamplingParams
@@ -20,6 +21,9 @@ PROMPTS = [
 CHAT = [{"role": "user", "content": "Give me a short tip for writing clear emails."}]
 # Exactly MAX_NEW tokens from every prompt: EOS is ignored here and off in the reference.
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+# Every attention backend this device runs must match: on a whole batch (decodes, whole prompts) and on
+# prefix hits (prefill over cached pages, the path chunks take too). The other tests use the default.
+BACKENDS = ["torch", "triton"] if torch.cuda.is_available() else ["torch", "cpu"]
 
 
 
@@ -48,8 +52,9 @@ def run_and_compare(llm, prompt_ids, references, label, **generate_kwargs):
     return outputs
 
 
-def test_batch_matches_hf(prompt_ids, references):
-    llm = LLM(kv_cache_memory="256MiB")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_matches_hf(prompt_ids, references, backend):
+    llm = LLM(kv_cache_memory="256MiB", attention_backend=backend)
     outputs = run_and_compare(llm, prompt_ids, references, "default")
     for out in outputs:
         assert len(out.outputs[0].token_ids) == MAX_NEW and out.outputs[0].finish_reason == "length"
@@ -86,7 +91,8 @@ def test_priority_policy_matches_hf(prompt_ids, references):
     assert first[min(priorities)] <= first[max(priorities)]
 
 
-def test_shared_prefix_hits_cache_and_matches_hf(hf_smollm2, tokenizer):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shared_prefix_hits_cache_and_matches_hf(hf_smollm2, tokenizer, backend):
     prefix = (
         "You are a meticulous assistant. Answer every question in one short sentence, "
         "never use lists, always be polite, and cite no sources. The user is a student who is "
@@ -102,7 +108,7 @@ def test_shared_prefix_hits_cache_and_matches_hf(hf_smollm2, tokenizer):
     assert shared >= 100 and all(p[: shared - 1] == prefix_ids[: shared - 1] for p in prompts)
     refs = [hf_smollm2.greedy(p, MAX_NEW) for p in prompts]
 
-    llm = LLM(kv_cache_memory="256MiB")
+    llm = LLM(kv_cache_memory="256MiB", attention_backend=backend)
     run_and_compare(llm, prompts[:1], refs[:1], "warm-up")
     hits_before = llm.engine.get_stats().prefix_cache_hits
     run_and_compare(llm, prompts[1:], refs[1:], "shared-prefix")

@@ -1,20 +1,32 @@
 """Picks the attention backend once at start-up, by name; "auto" picks the fastest for the device."""
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.torch_backend import TorchAttentionBackend
+import logging
 
-_BACKENDS = {"torch": TorchAttentionBackend}
+from engine.attention.backend import AttentionBackend
+from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.triton_backend import TritonAttentionBackend
+
+logger = logging.getLogger("llmmesh.engine")
+
+_BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend, "cpu": CpuAttentionBackend}
 BACKEND_NAMES = ("auto", *_BACKENDS)
+_AUTO = {"cuda": "triton", "cpu": "cpu"}  # the fastest backend per device type
 
 
 def resolve_backend_name(name: str, device_type: str) -> str:
-    """The backend "auto" means on this device: triton on CUDA, torch elsewhere."""
     if name not in BACKEND_NAMES:
-        raise ValueError(f"attention_backend must be one of {sorted(BACKEND_NAMES)}, got {name!r}.")
-    if name != "auto":
-        return name
-    return "triton" if device_type == "cuda" and "triton" in _BACKENDS else "torch"
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}.")
+    return _AUTO.get(device_type, "torch") if name == "auto" else name
 
 
 def get_attn_backend(name: str, block_size: int, device_type: str) -> AttentionBackend:
-    return _BACKENDS[resolve_backend_name(name, device_type)](block_size)
+    resolved = resolve_backend_name(name, device_type)
+    try:
+        return _BACKENDS[resolved](block_size)
+    except Exception as e:
+        if name != "auto":
+            raise
+        # "auto" must start anywhere: a kernel that cannot be built here (no compiler) falls back to the reference.
+        logger.warning("The %s attention backend is unavailable here (%s); using the torch backend", resolved, e)
+        return TorchAttentionBackend(block_size)

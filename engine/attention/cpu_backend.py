@@ -1,0 +1,27 @@
+"""Attention backend on the C++ CPU kernel (kernels/cpu/paged_attention.cpp): one reshape_and_cache and
+one paged_attention call per layer for the whole mixed batch, reading K/V in place through the block table
+(no per-layer gather, unlike the torch backend).
+"""
+
+import torch
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class CpuAttentionBackend(AttentionBackend):
+    name = "cpu"
+    cudagraph_support = False
+
+    def __init__(self, block_size: int):
+        # Imported here: loading may build the kernel, which only this backend needs.
+        from kernels.cpu_attention import load
+
+        self.block_size = block_size
+        self._ops = load()
+
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        n = metadata.num_actual_tokens
+        self._ops.reshape_and_cache(key[:n], value[:n], k_cache, v_cache, metadata.slot_mapping)
+        return self._ops.paged_attention(query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
+                                         metadata.block_table, scale)

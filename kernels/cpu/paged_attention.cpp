@@ -1,0 +1,212 @@
+// Paged attention on CPU, reading K/V from the cache blocks in place (no gather).
+//
+// The batch and cache contract is kernels/__init__.py's: caches [num_kv_heads, num_blocks, block_size,
+// head_dim]; request r owns query rows query_start_loc[r]:query_start_loc[r+1], its last one at position
+// seq_lens[r] - 1, each row attending causally to keys 0..its position.
+//
+// One work item is (request, kv head, query row): the kv head's query heads are handled together, so each
+// K/V row is read once for all of them. Softmax is two-pass: all scores, then max/exp/sum, then V.
+// Items are split among torch's threads by cost (keys read), not by count.
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kItemOverhead = 32;  // fixed cost of an item, in keys, for balancing
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
+  float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y += w * x
+inline void axpy(float w, const float* x, float* y, int64_t n) {
+  const Vec wv(w);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size())
+    at::vec::fmadd(wv, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
+  for (; i < n; ++i) y[i] += w * x[i];
+}
+
+// A row as float32: float rows are used in place, others converted into buf.
+template <typename T>
+inline const float* as_float(const T* src, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+template <>
+inline const float* as_float<float>(const float* src, float*, int64_t) {
+  return src;
+}
+
+// Asks for a row of n elements to be brought into cache, one 64-byte line at a time.
+template <typename T>
+inline void prefetch(const T* p, int64_t n) {
+  for (int64_t i = 0; i < n * int64_t(sizeof(T)); i += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + i);
+}
+
+struct Item {
+  int64_t req, kv_head, row, len;  // row: the query token; len: keys it sees
+};
+
+template <typename T>
+void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* table,
+            int64_t table_stride, const std::vector<Item>& items, int64_t begin, int64_t end, double scale,
+            at::Tensor& out) {
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = k_cache.size(2), group = num_heads / k_cache.size(0);
+  const T* q_base = query.data_ptr<T>();
+  const T* k_base = k_cache.data_ptr<T>();
+  const T* v_base = v_cache.data_ptr<T>();
+  T* o_base = out.data_ptr<T>();
+  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
+  const int64_t cs0 = k_cache.stride(0), cs1 = k_cache.stride(1), cs2 = k_cache.stride(2);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1);
+
+  int64_t max_len = 0;
+  for (int64_t i = begin; i < end; ++i) max_len = std::max(max_len, items[i].len);
+  std::vector<float> q(group * head_dim), acc(group * head_dim), scores(group * max_len), row_buf(head_dim),
+      inv_sum(group);
+
+  for (int64_t i = begin; i < end; ++i) {
+    const Item& it = items[i];
+    const int64_t* blocks = table + it.req * table_stride;
+    const int64_t h0 = it.kv_head * group, len = it.len;
+    if (len <= 0) {  // a padding request (seq_len 0): sees nothing, outputs zero
+      for (int64_t g = 0; g < group; ++g) std::fill_n(o_base + it.row * os0 + (h0 + g) * os1, head_dim, T(0));
+      continue;
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const T* src = q_base + it.row * qs0 + (h0 + g) * qs1;
+      for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = static_cast<float>(src[d]) * scale;
+    }
+    // Where key pos sits in a cache. Blocks are scattered (a float32 block of 16 x 64 is one page, where the
+    // hardware prefetcher stops), so each row also prefetches the same row of the next block.
+    auto row = [&](const T* base, int64_t pos) {
+      const T* r = base + it.kv_head * cs0 + (pos % block_size) * cs2;
+      if (pos + block_size < len) prefetch(r + blocks[pos / block_size + 1] * cs1, head_dim);
+      return r + blocks[pos / block_size] * cs1;
+    };
+    // Pass 1: scores of every key, one read of each K row for the whole group.
+    for (int64_t pos = 0; pos < len; ++pos) {
+      const float* k = as_float(row(k_base, pos), row_buf.data(), head_dim);
+      for (int64_t g = 0; g < group; ++g) scores[g * len + pos] = dot(q.data() + g * head_dim, k, head_dim);
+    }
+    // Softmax per query head.
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = scores.data() + g * len;
+      const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, len);
+      at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, s, s, len);
+      inv_sum[g] = 1.f / at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, len);
+    }
+    // Pass 2: weighted sum of V rows.
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t pos = 0; pos < len; ++pos) {
+      const float* v = as_float(row(v_base, pos), row_buf.data(), head_dim);
+      for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + pos], v, acc.data() + g * head_dim, head_dim);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      T* dst = o_base + it.row * os0 + (h0 + g) * os1;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[g * head_dim + d] * inv_sum[g]);
+    }
+  }
+}
+
+void check_batch(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
+  TORCH_CHECK(k_cache.strides() == v_cache.strides(), "K and V caches must share strides");
+  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(0) == 0, "heads do not match");
+  TORCH_CHECK(query.stride(2) == 1 && k_cache.stride(3) == 1, "the head dimension must be contiguous");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "query and caches must share a dtype");
+  for (const auto* t : {&query_start_loc, &seq_lens, &block_table})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "index tensors must be contiguous int64");
+  TORCH_CHECK(query_start_loc.numel() == seq_lens.numel() + 1 && block_table.size(0) >= seq_lens.numel(),
+              "query_start_loc, seq_lens and block_table disagree on the number of requests");
+}
+
+}  // namespace
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                           const at::Tensor& block_table, double scale) {
+  check_batch(query, k_cache, v_cache, query_start_loc, seq_lens, block_table);
+  const int64_t num_reqs = seq_lens.numel(), num_kv_heads = k_cache.size(0);
+  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+
+  at::Tensor out = at::empty_like(query, at::MemoryFormat::Contiguous);
+  // Rows past the last request belong to none: zero, as in the reference.
+  if (starts[num_reqs] < query.size(0)) out.narrow(0, starts[num_reqs], query.size(0) - starts[num_reqs]).zero_();
+
+  std::vector<Item> items;
+  std::vector<int64_t> cost{0};  // prefix sums of item cost
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t n = starts[r + 1] - starts[r];
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t len = lens[r] - n + j + 1;
+        items.push_back({r, h, starts[r] + j, len});
+        cost.push_back(cost.back() + std::max<int64_t>(len, 0) + kItemOverhead);
+      }
+  }
+  // One contiguous range of items per thread, of about equal cost.
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  auto boundary = [&](int64_t p) {
+    return int64_t(std::lower_bound(cost.begin(), cost.end(), cost.back() * p / parts) - cost.begin());
+  };
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+    at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        attend<scalar_t>(query, k_cache, v_cache, block_table.data_ptr<int64_t>(), block_table.stride(0), items,
+                         boundary(p), boundary(p + 1), scale, out);
+    });
+  });
+  return out;
+}
+
+// Write token i's K/V [num_kv_heads, head_dim] to slot slot_mapping[i] of the caches; slot -1 is padding.
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                       const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "the head dimension must be contiguous");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              "K/V and caches must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slots must be int64");
+  const int64_t num_tokens = slot_mapping.numel(), num_kv_heads = k_cache.size(0), block_size = k_cache.size(2);
+  const int64_t bytes = k_cache.size(3) * k_cache.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* k = static_cast<const char*>(key.data_ptr());
+  const auto* v = static_cast<const char*>(value.data_ptr());
+  const int64_t es = k_cache.element_size();
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    if (slots[i] < 0) continue;
+    const int64_t b = slots[i] / block_size, o = slots[i] % block_size;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      std::memcpy(kc + (h * k_cache.stride(0) + b * k_cache.stride(1) + o * k_cache.stride(2)) * es,
+                  k + (i * key.stride(0) + h * key.stride(1)) * es, bytes);
+      std::memcpy(vc + (h * v_cache.stride(0) + b * v_cache.stride(1) + o * v_cache.stride(2)) * es,
+                  v + (i * value.stride(0) + h * value.stride(1)) * es, bytes);
+    }
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "Causal attention over the paged KV cache, read in place");
+  m.def("reshape_and_cache", &reshape_and_cache, "Write K/V rows into their cache slots");
+}
