@@ -3,11 +3,24 @@
     .venv/bin/python benchmarks/throughput.py [--num-prompts 64] [--seed 0] [--peers hf-static,hf-cb]
         [--output-json PATH] [--quick] [any engine flag: --max-num-seqs, --kv-cache-memory, ...]
 
+On a GPU (the peers run on the engine's device, in its dtype):
+
+    python benchmarks/throughput.py --random-weights --device cuda --dtype bfloat16 [--enforce-eager]
+
 Workload (seeded by --seed, which is also the engine's seed): --num-prompts requests, each a prompt of
 random token ids drawn uniformly from [17, vocab) (ids below 17 are SmolLM2's special tokens) with a
 length uniform in --input-len, and max_tokens uniform in --output-len. Generation is greedy and never
 stops early (ignore_eos for the engine, no EOS for the peers), so every system does the same work.
 Only the tokens a request asked for count as output; extra tokens a peer generates get no credit.
+
+--random-weights uses a random model of SmolLM2-135M's shape (engine.models.random_model), for machines
+that cannot carry the real file: the same work per token, so the same speed.
+
+Engine host time per decode step: for each decode-only EngineCore.step of the timed run, its wall time
+less the time it blocked reading the sampled tokens back from the device (the step's one wait:
+ModelRunner.device_wait_s). What is left is host work: scheduling, building inputs, launching kernels
+(or replaying a CUDA graph), sampling set-up, turning tokens into outputs; LLM's detokenizing is outside
+the step and not counted. On CPU the model itself runs on the host, so there it is the whole step.
 
 Systems, each warmed up with one tiny request first and timed on the same inputs:
   engine     LLM.generate of all requests at once (LLM built before the timer).
@@ -20,12 +33,14 @@ Systems, each warmed up with one tiny request first and timed on the same inputs
 """
 
 import argparse
+import gc
 import json
 import os
 import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -33,6 +48,7 @@ from pathlib import Path
 import torch
 
 from engine import LLM, EngineArgs, SamplingParams
+from engine.models.random_model import save_random_smollm2_shaped
 
 PEERS = ("hf-static", "hf-cb", "hf-cb-req")
 FIRST_REGULAR_ID = 17  # SmolLM2's special tokens are ids 0..16
@@ -55,6 +71,34 @@ def run_engine(llm, prompts, max_tokens):
     return elapsed, [list(o.outputs[0].token_ids) for o in outs], sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+def time_decode_steps(engine):
+    """Wrap engine.step to record (wall s, s waiting for the device) of each decode-only step; the list it fills."""
+    steps, step, runner = [], engine.step, engine.worker.model_runner
+
+    def timed_step():
+        start = time.perf_counter()
+        outputs = step()
+        wall, last = time.perf_counter() - start, engine.last_step
+        if last is not None and last.num_reqs and last.num_tokens == last.num_reqs:
+            steps.append((wall, runner.device_wait_s))
+        return outputs
+
+    engine.step = timed_step
+    return steps
+
+
+def decode_step_stats(steps, runner):
+    host = [wall - wait for wall, wait in steps]
+    graphs = runner.cudagraphs
+    return {
+        "decode_steps": len(steps),
+        "host_ms_per_decode_step": 1e3 * statistics.mean(host) if host else None,
+        "host_ms_per_decode_step_median": 1e3 * statistics.median(host) if host else None,
+        "device_wait_ms_per_decode_step": 1e3 * statistics.mean(w for _, w in steps) if steps else None,
+        "cudagraph_replays": None if graphs is None else sum(graphs.replays.values()),
+    }
+
+
 def run_hf_static(model, pad_id, prompts, max_tokens, batch_size):
     tokens, generated = [], 0
     start = time.perf_counter()
@@ -66,6 +110,7 @@ def run_hf_static(model, pad_id, prompts, max_tokens, batch_size):
         for i, p in enumerate(batch):  # left padding
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
+        ids, mask = ids.to(model.device), mask.to(model.device)
         # eos_token_id=None as a keyword (not in a GenerationConfig, where the model's EOS would fill
         # it back in) turns stopping off: every row runs the full max_new_tokens.
         out = model.generate(
@@ -78,7 +123,7 @@ def run_hf_static(model, pad_id, prompts, max_tokens, batch_size):
     return time.perf_counter() - start, tokens, generated
 
 
-def cb_configs(args, engine, max_new_tokens, pad_id):
+def cb_configs(args, kv_tokens, max_new_tokens, pad_id):
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -88,7 +133,7 @@ def cb_configs(args, engine, max_new_tokens, pad_id):
     page = 256
     cb = ContinuousBatchingConfig(
         page_size=page,
-        num_blocks=engine.num_blocks * engine.args.block_size // page,
+        num_blocks=kv_tokens // page,
         max_batch_tokens=args.max_num_batched_tokens,
         max_requests_per_batch=args.max_num_seqs,
         auto_switch_to_flash=False,
@@ -96,8 +141,8 @@ def cb_configs(args, engine, max_new_tokens, pad_id):
     return gen, cb
 
 
-def run_hf_cb(model, args, engine, pad_id, prompts, max_tokens):
-    gen, cb = cb_configs(args, engine, max(max_tokens), pad_id)
+def run_hf_cb(model, args, kv_tokens, pad_id, prompts, max_tokens):
+    gen, cb = cb_configs(args, kv_tokens, max(max_tokens), pad_id)
     start = time.perf_counter()
     res = model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb, progress_bar=False)
     elapsed = time.perf_counter() - start
@@ -108,8 +153,8 @@ def run_hf_cb(model, args, engine, pad_id, prompts, max_tokens):
     return elapsed, [r.generated_tokens[:n] for r, n in zip(results, max_tokens)], len(prompts) * max(max_tokens)
 
 
-def run_hf_cb_req(model, args, engine, pad_id, prompts, max_tokens):
-    gen, cb = cb_configs(args, engine, max(max_tokens), pad_id)
+def run_hf_cb_req(model, args, kv_tokens, pad_id, prompts, max_tokens):
+    gen, cb = cb_configs(args, kv_tokens, max(max_tokens), pad_id)
     results = {}
     start = time.perf_counter()
     with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb, timeout=30) as m:
@@ -142,6 +187,8 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's)")
     parser.add_argument("--output-json", default="benchmarks/results/throughput.json")
     parser.add_argument("--quick", action="store_true", help="smoke run: 16 prompts, input 32-256, max_tokens 16-64")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="a random model of SmolLM2-135M's shape instead of --model (for GPU machines)")
     args = parser.parse_args()
     if args.quick:
         args.num_prompts, args.input_len, args.output_len = 16, (32, 256), (16, 64)
@@ -152,6 +199,9 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    if args.random_weights:
+        args.model = tempfile.mkdtemp(prefix="smollm2-shaped-")
+        save_random_smollm2_shaped(Path(args.model), args.seed)
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     engine = llm.engine
     prompts, max_tokens = make_workload(args.seed, args.num_prompts, args.input_len, args.output_len, engine.model_config.vocab_size)
@@ -176,14 +226,22 @@ def main():
     print(f"workload: {len(prompts)} requests, {prompt_tokens} prompt + {output_tokens} output tokens", flush=True)
     run_engine(llm, *warm)
     preempt_before = engine.get_stats().num_preemptions
+    steps = time_decode_steps(engine)
     elapsed, reference, generated = run_engine(llm, prompts, max_tokens)
-    record("engine", elapsed, reference, generated, preemptions=engine.get_stats().num_preemptions - preempt_before)
+    record("engine", elapsed, reference, generated, preemptions=engine.get_stats().num_preemptions - preempt_before,
+           **decode_step_stats(steps, engine.worker.model_runner))
+    model_dir, dtype, device = engine.model_dir, engine.dtype, engine.device
+    kv_tokens, pad_id = engine.num_blocks * engine.args.block_size, llm.get_tokenizer().pad_token_id or 0
+    # The peers get the device to themselves: on a GPU the engine's KV cache holds most of it.
+    del llm, engine
+    gc.collect()
+    torch.cuda.empty_cache()
 
     if peers:
         from transformers import AutoModelForCausalLM
 
-        pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
-        static = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
+        # The engine's device and dtype (float32 by default).
+        static = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         for name in peers:
             try:
                 if name == "hf-static":
@@ -191,11 +249,11 @@ def main():
                     out = run_hf_static(static, pad_id, prompts, max_tokens, args.hf_batch_size)
                 else:
                     model = AutoModelForCausalLM.from_pretrained(
-                        engine.model_dir, dtype=torch.float32, attn_implementation=args.hf_cb_attn
-                    ).eval()
+                        model_dir, dtype=dtype, attn_implementation=args.hf_cb_attn
+                    ).to(device).eval()
                     fn = run_hf_cb if name == "hf-cb" else run_hf_cb_req
-                    fn(model, args, engine, pad_id, *warm)
-                    out = fn(model, args, engine, pad_id, prompts, max_tokens)
+                    fn(model, args, kv_tokens, pad_id, *warm)
+                    out = fn(model, args, kv_tokens, pad_id, prompts, max_tokens)
                 record(name, *out)
             except Exception as e:  # report and go on with the others
                 traceback.print_exc()
@@ -214,7 +272,12 @@ def main():
             f"{name:<10} {r['wall_s']:>8.1f} {r['requests_per_s']:>7.2f} {r['output_tokens_per_s']:>10.1f} "
             f"{r['total_tokens_per_s']:>12.1f} {r['engine_speedup']:>8.2f}x {r['tokens_generated']:>10} {same:>15}"
         )
-    print(f"\nengine preemptions: {results['engine']['preemptions']}")
+    e = results["engine"]
+    print(f"\nengine preemptions: {e['preemptions']}")
+    if e["decode_steps"]:
+        print(f"engine decode steps: {e['decode_steps']}, host time {e['host_ms_per_decode_step']:.2f} ms per step "
+              f"(median {e['host_ms_per_decode_step_median']:.2f}), waiting for the device "
+              f"{e['device_wait_ms_per_decode_step']:.2f} ms; CUDA graph replays: {e['cudagraph_replays']}")
 
     import transformers
 
@@ -228,6 +291,7 @@ def main():
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "torch_threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         },
         "command": sys.argv,
         "seed": args.seed,

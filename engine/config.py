@@ -26,10 +26,20 @@ def parse_memory_size(value: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def parse_int_list(value: str) -> list[int]:
+    """'1,2,4', '1 2 4' or '[1, 2, 4]' -> [1, 2, 4] (the last is how a list prints, so flags round-trip)."""
+    return [int(v) for v in value.strip("[]").replace(",", " ").split()]
+
+
 def _scalar_type(t) -> type:
-    """int for `int` and `int | None`, and so on."""
+    """int for `int` and `int | None`, and so on; a list of ints is parsed from one string."""
     args = [a for a in typing.get_args(t) if a is not type(None)]
-    return args[0] if args else t
+    t = args[0] if args else t
+    return parse_int_list if typing.get_origin(t) is list else t
+
+
+# CUDA graphs are captured for decode batches of 1, 2, 4, then every multiple of 8 up to this (vLLM's default).
+MAX_CUDAGRAPH_CAPTURE_SIZE = 512
 
 
 @dataclass
@@ -66,6 +76,11 @@ class EngineArgs:
     sampler_timeout: float = 10.0
     # A step the sampler service cannot serve samples in process instead of failing.
     sampler_fallback: bool = False
+    # vLLM's --enforce-eager: never use CUDA graphs.
+    enforce_eager: bool = False
+    # Decode batch sizes to capture a CUDA graph for; a batch runs the graph of the next size up, and a batch
+    # larger than all runs eagerly. None: 1, 2, 4, then multiples of 8, up to max_num_seqs.
+    cudagraph_capture_sizes: list[int] | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -90,10 +105,20 @@ class EngineArgs:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, got {self.attention_backend!r}.")
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory)
+        if self.cudagraph_capture_sizes is not None and not all(s >= 1 for s in self.cudagraph_capture_sizes):
+            raise ValueError(f"cudagraph_capture_sizes must all be >= 1, got {self.cudagraph_capture_sizes}.")
         if self.kv_transfer_config is not None:
             self.get_kv_transfer_config()
             if not self.enable_prefix_caching:
                 raise ValueError("kv_transfer_config needs prefix caching: its blocks are named by their prefix hashes.")
+
+    def get_cudagraph_capture_sizes(self) -> list[int]:
+        """The decode batch sizes that get a CUDA graph, ascending; none above max_num_seqs or the token budget."""
+        limit = min(self.max_num_seqs, self.max_num_batched_tokens)
+        sizes = self.cudagraph_capture_sizes
+        if sizes is None:
+            sizes = [1, 2, 4, *range(8, MAX_CUDAGRAPH_CAPTURE_SIZE + 1, 8)]
+        return sorted({s for s in sizes if s <= limit})
 
     def get_kv_transfer_config(self):
         from engine.kv.connector.base import KVTransferConfig  # noqa: PLC0415

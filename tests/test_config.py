@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from engine.config import EngineArgs, parse_memory_size
+from engine.config import EngineArgs, parse_int_list, parse_memory_size
 from services import config
 from services.cli import build_parser
 
@@ -91,6 +91,8 @@ def env_value(action: argparse.Action) -> tuple[str, object]:
         return str(value), value
     if action.type is float:
         return "0.25", 0.25
+    if action.type is parse_int_list:
+        return "1,2,4", [1, 2, 4]
     return "from-env", "from-env"
 
 

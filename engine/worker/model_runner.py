@@ -2,29 +2,38 @@
 
 It samples in process, or, given a sampler_client (engine.sample.remote.RemoteSampler), on the sampler
 service: the same rows and prompt-logprob rows go there, and the same outputs come back.
+
+Nothing in a step waits for the device but the one read of the sampled tokens: inputs are built on the
+host and copied without waiting (engine.worker.cuda_graphs.InputBuffers), and a decode-only step with
+CUDA graphs captured replays one instead of launching the model's kernels one by one.
 """
 
 import logging
+import time
 
-import numpy as np
 import torch
 
-from engine.attention.backend import AttentionMetadata
+from engine.kv.manager import cdiv
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import (LogprobsTensors, Sampler, SamplerOutput, SamplerUnavailableError, compute_logprobs,
                                    gather_logprobs)
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.cuda_graphs import CUDAGraphs, InputBuffers
 
 logger = logging.getLogger("llmmesh.engine")
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches, block_size: int, device: torch.device, sampler_client=None,
-                 sampler_fallback: bool = False):
+    def __init__(self, model, kv_caches, block_size: int, device: torch.device, max_num_tokens: int, max_num_reqs: int,
+                 max_model_len: int, sampler_client=None, sampler_fallback: bool = False):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.buffers = InputBuffers(max_num_tokens, max_num_reqs, cdiv(max_model_len, block_size), block_size, device)
+        self.cudagraphs: CUDAGraphs | None = None  # set by capture_cudagraphs
+        # Seconds the last step waited for the device (reading its sampled tokens): the rest was host work.
+        self.device_wait_s = 0.0
         self.sampler = Sampler()
         # Seeded requests keep one generator for their whole life.
         self.generators: dict[str, torch.Generator] = {}
@@ -34,48 +43,26 @@ class ModelRunner:
         self.sampler_client = sampler_client
         self.sampler_fallback = sampler_fallback
 
+    def capture_cudagraphs(self, sizes: list[int]) -> None:
+        """CUDA graphs of the model's forward for decode batches of these sizes (after the KV cache exists)."""
+        self.cudagraphs = CUDAGraphs(self.model, self.kv_caches, self.buffers, sizes)
+        self.cudagraphs.capture()
+
     def prepare_inputs(self, so: SchedulerOutput):
-        """The flat super-sequence: every scheduled token of every request, decodes first."""
-        bs = self.block_size
+        """The flat super-sequence: every scheduled token of every request, decodes first.
+
+        Also the rows to sample (those whose prompt is complete after this step), and the CUDA graph size the
+        batch runs as (None: eagerly)."""
         order = sorted(
             range(len(so.scheduled_requests)),
             key=lambda i: so.num_scheduled_tokens[so.scheduled_requests[i].request_id] != 1,
         )
         requests = [so.scheduled_requests[i] for i in order]
-        input_ids, positions, slot_mapping = [], [], []
-        query_start_loc, seq_lens = [0], []
-        max_blocks = max(len(so.block_ids[r.request_id]) for r in requests)
-        block_table = np.zeros((len(requests), max_blocks), dtype=np.int64)
-        for row, request in enumerate(requests):
-            n = so.num_scheduled_tokens[request.request_id]
-            start = request.num_computed_tokens
-            block_ids = np.asarray(so.block_ids[request.request_id], dtype=np.int64)
-            block_table[row, : len(block_ids)] = block_ids
-            pos = np.arange(start, start + n)
-            input_ids.extend(request.all_token_ids[start : start + n])
-            positions.append(pos)
-            # slot = block_id * block_size + offset within the block
-            slot_mapping.append(block_ids[pos // bs] * bs + pos % bs)
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(start + n)
-        num_decodes = sum(1 for r in requests if so.num_scheduled_tokens[r.request_id] == 1)
-
-        dev = self.device
-        metadata = AttentionMetadata(
-            num_actual_tokens=len(input_ids),
-            slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)).to(dev),
-            query_start_loc=torch.tensor(query_start_loc, device=dev),
-            seq_lens=torch.tensor(seq_lens, device=dev),
-            block_table=torch.from_numpy(block_table).to(dev),
-            num_decodes=num_decodes,
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
-        )
-        input_ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        positions = torch.from_numpy(np.concatenate(positions)).to(dev)
-        # Only the last position of each request produces logits.
-        logits_indices = metadata.query_start_loc[1:] - 1
-        return requests, order, input_ids, positions, metadata, logits_indices
+        num_scheduled = [so.num_scheduled_tokens[r.request_id] for r in requests]
+        rows = [i for i, (r, n) in enumerate(zip(requests, num_scheduled)) if r.num_computed_tokens + n >= r.num_tokens]
+        size = self.cudagraphs.padded_size(num_scheduled) if self.cudagraphs is not None else None
+        inputs = self.buffers.prepare(requests, num_scheduled, [so.block_ids[r.request_id] for r in requests], rows, size)
+        return requests, order, rows, size, *inputs
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -89,20 +76,28 @@ class ModelRunner:
             self.prompt_logprobs_in_progress.pop(request_id, None)
         if self.sampler_client is not None:
             self.sampler_client.forget(so.finished_req_ids)
+        self.device_wait_s = 0.0
         if so.is_empty:
             return ModelRunnerOutput([])
-        requests, order, input_ids, positions, metadata, logits_indices = self.prepare_inputs(so)
-        hidden = self.model(input_ids, positions, metadata, self.kv_caches)
+        requests, order, rows, size, input_ids, positions, metadata, logits_indices = self.prepare_inputs(so)
+        if size is None:
+            hidden = self.model(input_ids, positions, metadata, self.kv_caches)
+        else:
+            hidden = self.cudagraphs.replay(size)
         output = ModelRunnerOutput([None] * len(order))
         remote_prompt_chunks, prompts_done = self._compute_prompt_logprobs(requests, metadata, hidden)
-        rows = [i for i, r in enumerate(requests) if metadata.seq_lens_cpu[i] >= r.num_tokens]
         sampled_requests = [requests[i] for i in rows]
-        logits = self.model.compute_logits(hidden[logits_indices[rows]]) if rows else None
+        logits = self.model.compute_logits(hidden[logits_indices]) if rows else None
+        sample_started = time.perf_counter()
         sampler_output = self._sample(sampled_requests, logits, remote_prompt_chunks)
+        self.sample_s = time.perf_counter() - sample_started  # the step's sampling, for StepStats
         self._finish_prompt_logprobs(prompts_done, output)
         if sampler_output is None:
             return output
-        for row, token_id in enumerate(sampler_output.sampled_token_ids.tolist()):
+        waited = time.perf_counter()
+        sampled = sampler_output.sampled_token_ids.tolist()  # the step's one wait for the device
+        self.device_wait_s = time.perf_counter() - waited
+        for row, token_id in enumerate(sampled):
             output.sampled_token_ids[order[rows[row]]] = token_id
         if sampler_output.logprobs is not None:
             lp, vocab = sampler_output.logprobs, logits.shape[-1]
@@ -167,7 +162,8 @@ class ModelRunner:
             if end > start:
                 logits = self.model.compute_logits(hidden[q_start : q_start + end - start])
                 vocab = logits.shape[-1]
-                targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], device=self.device)
+                # Built on the host, copied without waiting: a plain torch.tensor(..., device=) waits for the device.
+                targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1]).to(self.device, non_blocking=True)
                 if self.sampler_client is None:
                     chunks.append(gather_logprobs(compute_logprobs(logits), vocab if k == -1 else k, targets))
                 else:

@@ -1,9 +1,12 @@
 """Worker: owns the device and what lives on it (the model, the KV cache tensors, the ModelRunner).
 
 vLLM's split: the engine core decides what to run; the worker sizes and allocates the KV cache
-(load_model, determine_num_available_blocks, initialize_kv_cache) and runs each step (execute_model).
+(load_model, determine_num_available_blocks, initialize_kv_cache, which also captures the CUDA graphs)
+and runs each step (execute_model).
 """
 
+import logging
+import time
 from pathlib import Path
 
 import torch
@@ -15,10 +18,17 @@ from engine.kv.manager import cdiv
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import check_dtype, load_weights
+from engine.request import Request, SamplingParams
+from engine.sample.metadata import SamplingMetadata
+from engine.sample.sampler import Sampler
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.cuda_graphs import use_cudagraphs
 from engine.worker.model_runner import ModelRunner
 
 DEFAULT_CPU_KV_CACHE_MEMORY = "2GiB"
+GiB = 2**30
+
+logger = logging.getLogger("llmmesh.engine")
 
 
 class Worker:
@@ -37,6 +47,26 @@ class Worker:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model_runner: ModelRunner | None = None
         self.connector = None  # the worker side of a KV connector, set by the engine core
+        self.use_cudagraphs = use_cudagraphs(args, self.device, self.attn_backend)
+        if self.device.type == "cuda" and args.kv_cache_memory is None:
+            self._snapshot_gpu_memory()
+
+    def _snapshot_gpu_memory(self) -> None:
+        """Device memory before the model is loaded: what profiling measures this engine's use against.
+
+        Like vLLM, --gpu-memory-utilization is this engine's share of the whole device; memory other
+        processes (or this one, before the engine) already use is not ours to count, but must leave that share free."""
+        torch.cuda.empty_cache()
+        self.free_at_start, self.total_memory = torch.cuda.mem_get_info(self.device)
+        self.torch_reserved_at_start = torch.cuda.memory_reserved(self.device)
+        self.torch_allocated_at_start = torch.cuda.memory_allocated(self.device)
+        wanted = self.args.gpu_memory_utilization * self.total_memory
+        if self.free_at_start < wanted:
+            raise ValueError(
+                f"Free device memory ({self.free_at_start / GiB:.2f} of {self.total_memory / GiB:.2f} GiB) is less than "
+                f"--gpu-memory-utilization {self.args.gpu_memory_utilization} asks for ({wanted / GiB:.2f} GiB): "
+                "something else uses the device. Lower --gpu-memory-utilization or free the device."
+            )
 
     def load_model(self) -> None:
         with torch.device(self.device):
@@ -67,11 +97,19 @@ class Worker:
 
     @torch.inference_mode()
     def _profile_gpu_kv_budget(self) -> int:
-        """vLLM's method: run the largest step once, keep what the model and its peak activations need."""
+        """vLLM's method: this engine's share of the device, less what everything but the KV cache needs.
+
+        That is the weights and the peak activations of the largest step and of sampling max_num_seqs rows
+        (torch's allocator, measured by running them), memory allocated outside torch's allocator (cuBLAS
+        workspaces, kernel modules: the growth of the device's used memory that torch did not reserve), and
+        the model runner with its CUDA graphs (measured by making one over a throwaway cache: the real graphs
+        must be captured against the real cache, which is sized from this)."""
         cfg, bs, dev = self.model_config, self.args.block_size, self.device
+        torch.cuda.reset_peak_memory_stats(dev)  # from here: loading's temporaries (float32 weights) are gone
         n = min(self.args.max_num_batched_tokens, self.max_model_len)
         shape = self.attn_backend.get_kv_cache_shape(cdiv(n, bs), bs, cfg.num_key_value_heads, cfg.head_dim)
         caches = [(torch.zeros(shape, dtype=self.dtype, device=dev),) * 2 for _ in range(cfg.num_hidden_layers)]
+        cache_bytes = sum(k.numel() * k.element_size() for k, _ in caches)
         metadata = AttentionMetadata(
             num_actual_tokens=n,
             slot_mapping=torch.arange(n, device=dev),
@@ -82,16 +120,39 @@ class Worker:
             query_start_loc_cpu=[0, n],
             seq_lens_cpu=[n],
         )
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
         hidden = self.model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), metadata, caches)
-        self.model.compute_logits(hidden[-min(n, self.args.max_num_seqs) :])
+        logits = self.model.compute_logits(hidden[-min(n, self.args.max_num_seqs) :])
+        # Sampling every row at its costliest (penalties, a top-p sort, logprobs): float32 copies of the logits.
+        params = SamplingParams(presence_penalty=0.5, repetition_penalty=1.1, top_p=0.9, logprobs=1)
+        dummy = [Request(str(i), [0], params) for i in range(len(logits))]
+        Sampler()(logits, SamplingMetadata.from_requests(dummy, {}, logits.shape[-1], dev))
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        del caches, hidden
+        del hidden, logits
+        weights_and_activations = torch.cuda.max_memory_allocated(dev) - self.torch_allocated_at_start - cache_bytes
+        free, _ = torch.cuda.mem_get_info(dev)
+        torch_growth = torch.cuda.memory_reserved(dev) - self.torch_reserved_at_start
+        outside_torch = max(0, self.free_at_start - free - torch_growth)
+        # Capturing empties torch's cache (torch.cuda.graph does): empty it first, or that would count against the graphs.
         torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(dev).total_memory
-        return int(total * self.args.gpu_memory_utilization) - peak
+        runner, runner_bytes = self._make_model_runner(caches)
+        del runner, caches
+        torch.cuda.empty_cache()
+        share = int(self.total_memory * self.args.gpu_memory_utilization)
+        budget = share - weights_and_activations - outside_torch - runner_bytes
+        summary = (
+            f"--gpu-memory-utilization {self.args.gpu_memory_utilization} of {self.total_memory / GiB:.2f} GiB is "
+            f"{share / GiB:.2f} GiB: weights and peak activations take {weights_and_activations / GiB:.2f} GiB, "
+            f"memory outside torch's allocator {outside_torch / GiB:.2f} GiB, the runner's input buffers and CUDA "
+            f"graphs {runner_bytes / GiB:.2f} GiB, "
+            f"leaving {budget / GiB:.2f} GiB for the KV cache"
+        )
+        logger.info("%s", summary)
+        if budget < self.get_cache_block_size_bytes():
+            raise ValueError(
+                f"No device memory left for the KV cache: {summary}. Raise --gpu-memory-utilization, or lower "
+                "--max-num-batched-tokens (peak activations) or --max-num-seqs (CUDA graphs), or pass --enforce-eager."
+            )
+        return budget
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's K and V cache, then the runner that reads and writes them."""
@@ -106,8 +167,20 @@ class Worker:
             from engine.sample.remote import RemoteSampler  # noqa: PLC0415 (gRPC only for a remote sampler)
 
             sampler_client = RemoteSampler(self.args.sampler_address, self.args.sampler_timeout)
-        self.model_runner = ModelRunner(self.model, self.kv_caches, bs, self.device, sampler_client,
-                                        self.args.sampler_fallback)
+        self.model_runner, _ = self._make_model_runner(self.kv_caches, sampler_client)
+
+    def _make_model_runner(self, kv_caches, sampler_client=None) -> tuple[ModelRunner, int]:
+        """A runner over these caches, with its CUDA graphs captured if they are used; and the device memory it took."""
+        a, dev = self.args, self.device
+        free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
+        runner = ModelRunner(self.model, kv_caches, a.block_size, dev, a.max_num_batched_tokens, a.max_num_seqs,
+                             self.max_model_len, sampler_client, a.sampler_fallback)
+        if self.use_cudagraphs:
+            began, sizes = time.perf_counter(), a.get_cudagraph_capture_sizes()
+            runner.capture_cudagraphs(sizes)
+            logger.info("Captured %d CUDA graphs (decode batches of %s) in %.1f s", len(sizes), sizes,
+                        time.perf_counter() - began)
+        return runner, (free - torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0)
 
     def kv_layout(self):
         """What one KV block is, for a KV connector: [layers, 2, kv heads, block size, head dim] and a

@@ -1,0 +1,35 @@
+"""A random-weight model of SmolLM2-135M's shape, saved as a Hugging Face directory with a tokenizer.
+
+For machines that cannot carry the real weights (the GPU ones): the same architecture (30 layers, GQA 9/3,
+head_dim 64, vocabulary 49152) does the same work per token, so it serves benchmarks and exactness tests
+(greedy against transformers on the same weights). Its tokenizer maps id i to the word "<i>".
+"""
+
+from pathlib import Path
+
+import torch
+
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+    rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+)
+
+
+def save_random_smollm2_shaped(path: Path, seed: int = 0):
+    """Write config, weights (float32) and tokenizer to path; the transformers model (float32, on CPU)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    # A wider init than the default 0.02 gives logits with clear winners, so greedy choices are rarely near-ties.
+    config = transformers.LlamaConfig(**SMOLLM2_SHAPE, initializer_range=0.05)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(path)
+    words = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(config.vocab_size)}, unk_token="<0>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<0>", bos_token="<1>", eos_token="<2>", pad_token="<0>"
+    )
+    tokenizer.save_pretrained(path)
+    return model

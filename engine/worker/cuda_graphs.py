@@ -1,0 +1,156 @@
+"""Persistent input buffers for every step, and CUDA graphs for decode-only steps.
+
+A CUDA graph replays kernels against the device addresses they were captured with, so a step's
+inputs must sit at the same addresses every time: they live in buffers allocated once, are filled
+on the host (numpy over pinned memory) and copied over without the host waiting for the device.
+Eager steps use the same buffers, so there is one way to build a batch.
+
+A decode batch of n requests runs the graph captured for the next size up. Its padding rows write
+no KV (slot -1) and attend to nothing (seq_len 0); the graph holds only the model's forward up to
+the hidden states, and logits and sampling run eagerly on the real rows.
+"""
+
+import bisect
+from collections import Counter
+
+import numpy as np
+import torch
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def use_cudagraphs(args, device: torch.device, backend: AttentionBackend) -> bool:
+    """Graphs need a CUDA device, a backend whose launches depend only on shapes, and sizes to capture;
+    --enforce-eager turns them off."""
+    return (device.type == "cuda" and not args.enforce_eager and backend.cudagraph_support
+            and bool(args.get_cudagraph_capture_sizes()))
+
+
+class CpuGpuBuffer:
+    """One input array: host memory to fill through .np, and its device twin (on CPU, the same), allocated once."""
+
+    def __init__(self, *shape: int, device: torch.device):
+        # Pinned, so the copy to the device is a true async DMA that the host does not wait for.
+        self.cpu = torch.zeros(shape, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.np = self.cpu.numpy()
+        # On CPU the host memory is the device's: nothing to copy.
+        self.gpu = self.cpu if device.type == "cpu" else torch.zeros(shape, dtype=torch.int64, device=device)
+
+    def copy_to_gpu(self, n: int) -> torch.Tensor:
+        """The first n rows, on the device (a view of the persistent buffer)."""
+        if self.gpu is not self.cpu:
+            self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
+        return self.gpu[:n]
+
+
+class InputBuffers:
+    """The flat batch (DESIGN §2) in persistent buffers: input ids, positions, slots, and the attention metadata."""
+
+    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, block_size: int,
+                 device: torch.device):
+        self.block_size = block_size
+        self.input_ids = CpuGpuBuffer(max_num_tokens, device=device)
+        self.positions = CpuGpuBuffer(max_num_tokens, device=device)
+        self.slot_mapping = CpuGpuBuffer(max_num_tokens, device=device)
+        self.query_start_loc = CpuGpuBuffer(max_num_reqs + 1, device=device)
+        self.seq_lens = CpuGpuBuffer(max_num_reqs, device=device)
+        # Rows keep whatever ids an earlier step left past their own blocks: valid block ids, never read.
+        self.block_table = CpuGpuBuffer(max_num_reqs, max_blocks_per_req, device=device)
+        self.logits_indices = CpuGpuBuffer(max_num_reqs, device=device)
+        # Recorded after each step's copies; the next step waits on it before overwriting the host side.
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    def prepare(self, requests, num_scheduled: list[int], block_ids: list[list[int]], sampled_rows: list[int],
+                pad_to: int | None = None):
+        """Fill the buffers with these requests' scheduled tokens, in order, and start the copies to the device.
+
+        With pad_to (a decode-only batch for a CUDA graph), rows len(requests)..pad_to are padding: one
+        token each, id 0 at position 0, slot -1, seq_len 0. Returns input_ids, positions, the attention
+        metadata, and logits_indices: where the last token of each of sampled_rows sits in the flat batch.
+        """
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copies are done reading the host side (normally long since)
+        num_reqs, bs = len(requests), self.block_size
+        num_rows = pad_to or num_reqs
+        n = np.ones(num_rows, dtype=np.int64)
+        n[:num_reqs] = num_scheduled
+        starts = np.zeros(num_rows, dtype=np.int64)
+        starts[:num_reqs] = [r.num_computed_tokens for r in requests]
+        qsl = self.query_start_loc.np[: num_rows + 1]
+        qsl[0] = 0
+        np.cumsum(n, out=qsl[1:])
+        num_real, total = int(qsl[num_reqs]), int(qsl[num_rows])
+        seq_lens = self.seq_lens.np[:num_rows]
+        seq_lens[:] = starts + n
+        seq_lens[num_reqs:] = 0
+
+        table, input_ids = self.block_table.np, self.input_ids.np
+        for row, (request, ids) in enumerate(zip(requests, block_ids)):
+            table[row, : len(ids)] = ids
+            input_ids[qsl[row] : qsl[row + 1]] = request.all_token_ids[starts[row] : starts[row] + n[row]]
+        input_ids[num_real:total] = 0
+        rows = np.repeat(np.arange(num_rows), n)
+        positions = self.positions.np[:total]
+        positions[:] = np.arange(total) - qsl[rows] + starts[rows]
+        # slot = block_id * block_size + offset within the block
+        slots = self.slot_mapping.np[:total]
+        slots[:] = table[rows, positions // bs] * bs + positions % bs
+        slots[num_real:] = -1
+        self.logits_indices.np[: len(sampled_rows)] = qsl[1:][sampled_rows] - 1
+
+        metadata = AttentionMetadata(
+            num_actual_tokens=total,
+            slot_mapping=self.slot_mapping.copy_to_gpu(total),
+            query_start_loc=self.query_start_loc.copy_to_gpu(num_rows + 1),
+            seq_lens=self.seq_lens.copy_to_gpu(num_rows),
+            block_table=self.block_table.copy_to_gpu(num_rows),
+            num_decodes=int(np.count_nonzero(n == 1)),  # rows are ordered decodes first
+            query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        input_ids, positions = self.input_ids.copy_to_gpu(total), self.positions.copy_to_gpu(total)
+        logits_indices = self.logits_indices.copy_to_gpu(len(sampled_rows))
+        if self.copied is not None:
+            self.copied.record()
+        return input_ids, positions, metadata, logits_indices
+
+
+class CUDAGraphs:
+    """One graph per capture size: the model's forward over the first `size` rows of the input buffers."""
+
+    def __init__(self, model, kv_caches, buffers: InputBuffers, sizes: list[int]):
+        self.model, self.kv_caches, self.buffers = model, kv_caches, buffers
+        self.sizes = sizes
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays: Counter[int] = Counter()  # size -> steps that ran its graph
+        # Outside the graphs' pool, at one address: each graph copies its hidden states here.
+        weight = model.embed_tokens.weight
+        self.hidden = torch.zeros(max(sizes), model.config.hidden_size, dtype=weight.dtype, device=weight.device)
+
+    def padded_size(self, num_scheduled: list[int]) -> int | None:
+        """The captured size this batch runs as, or None: not decode-only, or larger than every graph."""
+        if any(n != 1 for n in num_scheduled):
+            return None
+        i = bisect.bisect_left(self.sizes, len(num_scheduled))
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Largest first, so the smaller graphs fit in the memory pool the largest one made."""
+        pool = None
+        for size in reversed(self.sizes):
+            input_ids, positions, metadata, _ = self.buffers.prepare([], [], [], [], pad_to=size)
+            # Once eagerly first: lazy set-up (cuBLAS handles, Triton compilation) must not happen under capture.
+            self.hidden[:size] = self.model(input_ids, positions, metadata, self.kv_caches)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.hidden[:size] = self.model(input_ids, positions, metadata, self.kv_caches)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Run the graph of this size on what prepare() left in the buffers; the hidden states of all its rows."""
+        self.graphs[size].replay()
+        self.replays[size] += 1
+        return self.hidden[:size]
