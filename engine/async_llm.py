@@ -84,6 +84,9 @@ class AsyncLLM:
         # Called on the engine thread after every step with (core.last_step, the step's outputs): metrics and
         # detailed traces. None (the default) costs nothing.
         self.on_step: Callable | None = None
+        # Called on the engine thread before every step (detailed traces): returns the step span's
+        # traceparent/tracestate, which the step's call to the sampler service carries.
+        self.on_step_start: Callable | None = None
         self._ids = itertools.count()
         self.thread = threading.Thread(target=self._run, args=(build_core,), name="engine-core", daemon=True)
         self.thread.start()
@@ -110,8 +113,10 @@ class AsyncLLM:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        trace_headers: tuple[tuple[str, str], ...] = (),
     ) -> RequestStream:
-        """Check and queue a request (n engine requests when n > 1); ValueError names what is wrong."""
+        """Check and queue a request (n engine requests when n > 1); ValueError names what is wrong.
+        trace_headers: the request span's traceparent/tracestate, for the calls the engine makes for it."""
         if self.dead is not None:
             raise RuntimeError(f"the engine thread has stopped: {self.dead}")
         core = self.core
@@ -135,6 +140,7 @@ class AsyncLLM:
         eos = tuple(core.model_config.eos_token_ids)
         for r in state.engine_requests:
             r.priority, r.cache_salt, r.eos_token_ids = priority, cache_salt or None, eos
+            r.trace_headers = trace_headers
         stream = self.streams[request_id] = RequestStream(request_id, state)
         self.inbox.put(("add", state.engine_requests))
         return stream
@@ -262,6 +268,8 @@ class AsyncLLM:
             outputs = []
             if core.has_unfinished_requests():
                 try:
+                    if self.on_step_start is not None:
+                        core.set_step_trace_headers(self.on_step_start())
                     outputs = core.step()
                 except SamplerUnavailableError as e:  # the sampler service is down: fail the batch, keep serving
                     logger.warning("engine step failed: %s", e)

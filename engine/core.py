@@ -26,7 +26,9 @@ class StepStats:
     num_reqs: int  # requests in the batch
     num_tokens: int  # tokens scheduled (prompt and decode)
     schedule_s: float
-    model_s: float  # the forward pass and sampling (Worker.execute_model)
+    model_s: float  # Worker.execute_model but sampling: the forward pass (and the KV connector's hand-offs)
+    sample_s: float  # sampling, in process or on the sampler service (host time: on a GPU, kernels run ahead and
+    # their time shows where the host next waits for them)
     update_s: float  # turning the runner's output into request outputs
 
 
@@ -154,12 +156,19 @@ class EngineCore:
             self._record_prefill(scheduler_output, ran - started)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
+        sample_s = 0.0 if scheduler_output.is_empty else self.worker.model_runner.sample_s
         self.last_step = StepStats(self.num_steps, len(scheduler_output.scheduled_requests),
-                                   scheduler_output.total_num_scheduled_tokens, started - began, ran - started,
-                                   time.perf_counter() - ran)
+                                   scheduler_output.total_num_scheduled_tokens, started - began,
+                                   ran - started - sample_s, sample_s, time.perf_counter() - ran)
         # Taken only once the step succeeded, so a failed step loses no abort outputs.
         aborted, self._aborted = self._aborted, []
         return aborted + outputs
+
+    def set_step_trace_headers(self, trace_headers: tuple[tuple[str, str], ...]) -> None:
+        """The next step's span context (--collect-detailed-traces): its call to the sampler service joins it."""
+        client = self.worker.model_runner.sampler_client
+        if client is not None:
+            client.trace_headers = trace_headers
 
     def _record_prefill(self, so, seconds: float) -> None:
         """Prefill speed for the connector's load-or-recompute estimate, from steps that are mostly prefill."""

@@ -224,6 +224,9 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # W3C traceparent/tracestate of the request's span (vLLM's trace_headers), as gRPC metadata: the calls the
+        # engine makes for this request (the KV store's) join its trace. Empty when it is not traced.
+        self.trace_headers: tuple[tuple[str, str], ...] = ()
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -76,22 +76,28 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def Generate(self, request: engine_pb2.EngineGenerateRequest, context):
         engine = await self.ready(context)
+        arrival = time.monotonic()
+        # Metrics and the request's span (from its arrival; the calls the engine makes for it join it).
+        watch = self.observer.watch(CURRENT_SERVER_SPAN.get(), request.request_id, arrival) if self.observer else None
+        stream = None
         try:
-            params = sampling_params_from_proto(request.sampling_params)
-            params.detokenize = bool(params.stop)  # token ids travel; text only to find stop strings
-            stream = engine.add_request(
-                request.request_id, list(request.prompt_token_ids), params,
-                priority=request.priority, cache_salt=request.cache_salt, arrival_time=time.monotonic(),
-            )
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except RuntimeError as e:  # the engine thread is gone
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        # If the handler is cancelled (client gone, deadline passed) or fails, the unfinished completions
-        # are aborted by close_stream: their blocks are free before the next step.
-        first_tokens = True
-        watch = self.observer.watch(CURRENT_SERVER_SPAN.get(), stream) if self.observer else None
-        try:
+            try:
+                params = sampling_params_from_proto(request.sampling_params)
+                params.detokenize = bool(params.stop)  # token ids travel; text only to find stop strings
+                stream = engine.add_request(
+                    request.request_id, list(request.prompt_token_ids), params,
+                    priority=request.priority, cache_salt=request.cache_salt, arrival_time=arrival,
+                    trace_headers=watch.trace_headers if watch is not None else (),
+                )
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except RuntimeError as e:  # the engine thread is gone
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            # If the handler is cancelled (client gone, deadline passed) or fails, the unfinished completions
+            # are aborted by close_stream: their blocks are free before the next step.
+            if watch is not None:
+                watch.state = stream.state
+            first_tokens = True
             async for out in stream:
                 if watch is not None:
                     watch.output(out)
@@ -102,7 +108,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             code = grpc.StatusCode.UNAVAILABLE if engine.dead or e.unavailable else grpc.StatusCode.INTERNAL
             await context.abort(code, f"request {request.request_id}: {e}")
         finally:
-            engine.close_stream(stream)
+            if stream is not None:
+                engine.close_stream(stream)
             if watch is not None:
                 watch.end()
 

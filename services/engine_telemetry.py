@@ -3,18 +3,21 @@
 Nothing here instruments the engine core. Metrics: the scheduler's state (SchedulerStats, refreshed after
 every step) is read when Prometheus scrapes; per-request histograms and counters are observed when a request's
 stream ends, from its RequestState timings; the per-step token histogram comes from AsyncLLM.on_step. Spans:
-at the end of a request, its lifecycle (arrival, first scheduled, first token, last token, preemptions) becomes
-an `llm_request` span with queue, prefill and decode children, timestamped when things happened.
+a request's `llm_request` span starts at its arrival, and its context rides into the engine with the request
+(Request.trace_headers), so the kvstore's spans of its KV transfers are its children; at its end, its
+lifecycle (first scheduled, first token, last token, preemptions, KV transfers) becomes the span's attributes,
+events and queue, prefill and decode children, timestamped when things happened. With detailed traces, each
+step is an `engine_step` span (AsyncLLM.on_step_start / on_step), whose context goes to the sampler service.
 """
 
 import logging
 import time
 
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import Link, Status, StatusCode
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from services.telemetry import Telemetry, epoch_ns
+from services.telemetry import Telemetry, epoch_ns, inject
 
 logger = logging.getLogger("llmmesh.engine")
 
@@ -26,6 +29,18 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0]
 ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+# The KV connector's counters (SchedulerStats.kv_connector_stats) under vLLM's names for a KV connector's external
+# prefix cache and offloaded bytes; the others are exported as llmmesh:kv_connector_<key>.
+KV_CONNECTOR_METRICS = {
+    "lookup_tokens": ("vllm:external_prefix_cache_queries",
+                      "External prefix cache queries from KV connector cross-instance cache sharing, in terms of "
+                      "number of queried tokens."),
+    "lookup_hit_tokens": ("vllm:external_prefix_cache_hits",
+                          "External prefix cache hits from KV connector cross-instance cache sharing, in terms of "
+                          "number of cached tokens."),
+    "loaded_bytes": ("vllm:kv_offload_load_bytes", "Number of bytes loaded by KV connector."),
+    "stored_bytes": ("vllm:kv_offload_store_bytes", "Number of bytes offloaded by KV connector."),
+}
 
 
 class SchedulerCollector:
@@ -59,12 +74,22 @@ class SchedulerCollector:
             ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", stats.num_preemptions),
         ]
         for key, value in sorted((stats.kv_connector_stats or {}).items()):
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                counters.append((f"llmmesh:kv_connector_{key}", f"KV connector: {key} (cumulative).", value))
+            name, doc = KV_CONNECTOR_METRICS.get(key, (f"llmmesh:kv_connector_{key}", f"KV connector: {key}."))
+            counters.append((name, doc, value))
         for name, doc, value in counters:
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
+
+
+def step_attributes(step) -> dict:
+    """A step's batch and its time split (a StepStats), as span attributes."""
+    return {
+        "llmmesh.step": step.step, "llmmesh.step.batch_requests": step.num_reqs,
+        "llmmesh.step.batch_tokens": step.num_tokens, "llmmesh.step.schedule_seconds": step.schedule_s,
+        "llmmesh.step.model_seconds": step.model_s, "llmmesh.step.sample_seconds": step.sample_s,
+        "llmmesh.step.update_seconds": step.update_s,
+    }
 
 
 class EngineTelemetry:
@@ -75,8 +100,10 @@ class EngineTelemetry:
         self.model_name = model_name
         self.metrics = telemetry.metrics_port is not None
         self.detailed = detailed_traces and telemetry.tracer is not None
-        # engine request id -> [(StepStats, step end monotonic, new tokens)], with --collect-detailed-traces
+        # engine request id -> [(StepStats, step end monotonic, new tokens, the step span's context)], with
+        # --collect-detailed-traces
         self.steps_of: dict[str, list] = {}
+        self.step_span = None  # the step under way, with --collect-detailed-traces
         if self.metrics:
             registry, labels = telemetry.registry, ["model_name"]
 
@@ -114,6 +141,18 @@ class EngineTelemetry:
         """Follow the engine's steps (the per-step token histogram, detailed traces), when anything needs them."""
         if self.metrics or self.detailed:
             engine.on_step = self.on_step
+        if self.detailed:
+            engine.on_step_start = self.step_started
+
+    def step_started(self) -> tuple:
+        """On the engine thread, before each step (detailed traces): the step's own `engine_step` span, in a trace of
+        its own (a step serves many requests: each request's step span links to it). Its context goes with the step
+        to the sampler service, whose span of the step is its child."""
+        if self.step_span is not None:  # the last step raised
+            self.step_span.set_status(Status(StatusCode.ERROR, "the step failed"))
+            self.step_span.end()
+        self.step_span = self.telemetry.start_span("engine_step")
+        return inject(self.step_span)
 
     def on_step(self, step, outputs) -> None:
         """On the engine thread, after each step."""
@@ -121,25 +160,35 @@ class EngineTelemetry:
             self.iteration_tokens.observe(step.num_tokens)
         if self.detailed:
             end = time.monotonic()
+            span, self.step_span = self.step_span, None
+            span.set_attributes(step_attributes(step))
+            span.end()
+            context = span.get_span_context()
             for out in outputs:
                 if out.new_token_ids:
-                    self.steps_of.setdefault(out.request_id, []).append((step, end, len(out.new_token_ids)))
+                    self.steps_of.setdefault(out.request_id, []).append((step, end, len(out.new_token_ids), context))
 
-    def watch(self, server_span, stream) -> "RequestWatch | None":
+    def watch(self, server_span, request_id: str, arrival: float) -> "RequestWatch | None":
         if not self.active:
             return None
-        return RequestWatch(self, server_span, stream.request_id, stream.state)
+        return RequestWatch(self, server_span, request_id, arrival)
 
 
 class RequestWatch:
     """One request in the engine: inter-token latencies as its outputs come, the rest when it finishes (before its
-    last output is sent, so a client that has it sees it counted) or when its stream ends otherwise."""
+    last output is sent, so a client that has it sees it counted) or when its stream ends otherwise.
 
-    def __init__(self, owner: EngineTelemetry, server_span, request_id: str, state):
+    Traced, its `llm_request` span starts at its arrival, under the Generate call's server span, and the request
+    carries its context (trace_headers) into the engine: the KV store calls made for it are its children."""
+
+    def __init__(self, owner: EngineTelemetry, server_span, request_id: str, arrival: float):
         self.owner = owner
-        self.span = server_span  # the Generate call's server span (None when not traced)
         self.request_id = request_id
-        self.state = state  # the request's RequestState
+        self.state = None  # the request's RequestState, once the engine has admitted it
+        self.span = None
+        if server_span is not None and server_span.is_recording():
+            self.span = owner.telemetry.start_span("llm_request", server_span, start_s=arrival)
+        self.trace_headers = inject(self.span)
         self.last_token_time: float | None = None
         self.ended = False
 
@@ -157,6 +206,10 @@ class RequestWatch:
             return
         self.ended = True
         state = self.state
+        if state is None:  # never admitted (the server span has the error)
+            if self.span is not None:
+                self.span.end()
+            return
         m = state.metrics
         now = time.monotonic()
         end = m.finished_time or now
@@ -176,7 +229,8 @@ class RequestWatch:
                 if value is not None:
                     histogram.observe(value)
         steps = [s for c in state.completions for s in owner.steps_of.pop(c.engine_request_id, ())]
-        if self.span is None or not self.span.is_recording():
+        request = self.span
+        if request is None:
             return
         telemetry = owner.telemetry
         attributes = {
@@ -193,8 +247,7 @@ class RequestWatch:
                            ("time_in_model_prefill", prefill), ("time_in_model_decode", decode)):
             if value is not None:
                 attributes[f"gen_ai.latency.{key}"] = value
-        request = telemetry.start_span("llm_request", self.span, kind=SpanKind.INTERNAL, start_s=m.arrival_time,
-                                       attributes=attributes)
+        request.set_attributes(attributes)
         telemetry.span_between("queue", request, m.arrival_time, m.first_scheduled_time)
         prefill_span = telemetry.span_between("prefill", request, m.first_scheduled_time, m.first_token_time,
                                               {"llmmesh.prefix_cache.hit_tokens": state.num_cached_tokens,
@@ -208,14 +261,11 @@ class RequestWatch:
             request.add_event("preempted", {"llmmesh.num_preemptions": m.num_preemptions}, timestamp=epoch_ns(when))
         for when, name, tokens in m.kv_transfers:  # KV store loads and stores (the KV connector)
             request.add_event(name, {"llmmesh.kv_store.tokens": tokens}, timestamp=epoch_ns(when))
-        for step, step_end, num_new in steps:  # --collect-detailed-traces
-            started = step_end - step.schedule_s - step.model_s - step.update_s
-            telemetry.span_between(f"step {step.step}", request, started, step_end, {
-                "llmmesh.step": step.step, "llmmesh.step.batch_requests": step.num_reqs,
-                "llmmesh.step.batch_tokens": step.num_tokens, "llmmesh.step.new_tokens": num_new,
-                "llmmesh.step.schedule_seconds": step.schedule_s, "llmmesh.step.model_seconds": step.model_s,
-                "llmmesh.step.update_seconds": step.update_s,
-            })
+        for step, step_end, num_new, step_context in steps:  # --collect-detailed-traces
+            started = step_end - step.schedule_s - step.model_s - step.sample_s - step.update_s
+            telemetry.span_between(f"step {step.step}", request, started, step_end,
+                                   {**step_attributes(step), "llmmesh.step.new_tokens": num_new},
+                                   links=[Link(step_context)])
         request.end(end_time=epoch_ns(end))
         logger.info("request %s finished (%s): %d prompt + %d generated tokens", self.request_id, ",".join(reasons),
                     len(state.prompt_token_ids), m.num_generation_tokens)

@@ -12,6 +12,7 @@ request and frees its blocks; a stop-string hit in one of n > 1 completions abor
 
 import asyncio
 import collections
+import contextlib
 import hmac
 import logging
 import time
@@ -36,6 +37,7 @@ logger = logging.getLogger("llmmesh.gateway")
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 DETOKENIZE_TIMEOUT = 10.0  # s to wait for the detokenizer's answer to a step already sent
+ENGINE_END_TIMEOUT = 1.0  # s to wait for the engine's stream to end once its last message is in
 _ENGINE_DONE = object()  # queued by the engine reader after the engine's last message
 
 
@@ -264,6 +266,12 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                         deltas.append(delta)
                 if request.stream and deltas:
                     yield gateway_pb2.GenerateResponse(request_id=request_id, chunk=gateway_pb2.Chunk(choices=deltas))
+            # The engine sent its last message (usage): its stream is ending by itself. Let it end rather than
+            # cancel the call, which would end the engine's side of a normal request CANCELLED.
+            with contextlib.suppress(TimeoutError):
+                while not engine_done and engine_info["usage"] is not None:
+                    item = await asyncio.wait_for(results.get(), ENGINE_END_TIMEOUT)
+                    engine_done = item is _ENGINE_DONE or isinstance(item, RequestError)
             for c in state.completions:
                 if not c.finished:  # the engine stream ended without finishing it
                     state.finish(c, "abort")

@@ -25,6 +25,7 @@ from engine.sample.wire import (LOGITS_DTYPES, check_token_ids, logprobs_to_prot
 from llmmesh.v1 import sampler_pb2, sampler_pb2_grpc
 from services import config
 from services.server import Server
+from services.telemetry import Telemetry, set_error
 
 SERVICE_NAME = sampler_pb2.DESCRIPTOR.services_by_name["Sampler"].full_name
 logger = logging.getLogger("llmmesh.sampler")
@@ -154,8 +155,9 @@ class StreamState:
 
 
 class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, telemetry: Telemetry | None = None):
         self.device = device
+        self.telemetry = telemetry or Telemetry("sampler", None)  # tracing off unless the server's is given
         # Every stream samples on this one thread.
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler")
         self.num_streams = 0
@@ -167,10 +169,19 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         logger.info("an engine's stream opened (%d open)", self.num_streams)
         try:
             async for msg in request_iterator:
+                # A step the engine traces (--collect-detailed-traces): a span under its engine_step span.
+                span = self.telemetry.server_span(
+                    f"{SERVICE_NAME}/Sample step", msg.trace_context.items(),
+                    attributes={"llmmesh.sampler.step_id": msg.step_id, "llmmesh.sampler.rows": len(msg.request_ids)},
+                ) if msg.trace_context else None
                 try:
                     result = await loop.run_in_executor(self.executor, stream.step, msg)
                 except ValueError as e:
+                    set_error(span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                finally:
+                    if span is not None:
+                        span.end()
                 yield result
         finally:
             self.num_streams -= 1
@@ -190,7 +201,7 @@ def add_subcommands(subparsers) -> None:
 
 async def serve(args) -> None:
     server = Server("sampler", [SERVICE_NAME], args)
-    servicer = SamplerServicer(torch.device(args.device))
+    servicer = SamplerServicer(torch.device(args.device), server.telemetry)
     server.add(sampler_pb2_grpc.add_SamplerServicer_to_server, servicer)
     await server.start()
     await server.set_serving(True)

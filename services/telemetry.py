@@ -142,21 +142,22 @@ class Telemetry:
     # ---- spans --------------------------------------------------------------------------------
 
     def start_span(self, name: str, parent=None, kind=SpanKind.INTERNAL, start_s: float | None = None,
-                   attributes=None, context=None):
+                   attributes=None, context=None, links=None):
         """A span under `parent` (a span, or None for the `context` given / a new trace); None when tracing is off.
         start_s: a time.monotonic() instant."""
         if self.tracer is None:
             return None
         if parent is not None:
             context = trace.set_span_in_context(parent)
-        return self.tracer.start_span(name, context=context, kind=kind, attributes=attributes,
+        return self.tracer.start_span(name, context=context, kind=kind, attributes=attributes, links=links,
                                       start_time=None if start_s is None else epoch_ns(start_s))
 
-    def span_between(self, name: str, parent, start_s: float | None, end_s: float | None, attributes=None):
+    def span_between(self, name: str, parent, start_s: float | None, end_s: float | None, attributes=None,
+                     links=None):
         """A finished child span over [start_s, end_s] (time.monotonic() instants), when both are known."""
         if parent is None or start_s is None or end_s is None:
             return None
-        span = self.start_span(name, parent, start_s=start_s, attributes=attributes)
+        span = self.start_span(name, parent, start_s=start_s, attributes=attributes, links=links)
         span.end(end_time=epoch_ns(end_s))
         return span
 
@@ -250,8 +251,10 @@ class _Call:
         if self.telemetry.grpc_handled is not None:
             self.telemetry.grpc_handled.labels(self.service_name, self.method_name, code.name).inc()
         if self.span is not None:
-            if code == grpc.StatusCode.OK:
-                self.span.set_attribute("rpc.grpc.status_code", 0)
+            if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+                # The caller ended the call (a stop string, a client gone): no fault of this server, so no error
+                # status (OpenTelemetry's RPC conventions for server spans), only the code.
+                self.span.set_attribute("rpc.grpc.status_code", code.value[0])
             else:
                 set_error(self.span, code, self.context.details() or str(error or ""))
             self.span.end()

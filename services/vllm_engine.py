@@ -196,29 +196,34 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.last_receive_timestamp = time.time()
         if request.HasField("mm_inputs") or request.extra_mm_inputs or request.HasField("media_refs"):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "multimodal inputs: this engine serves text-only models")
+        arrival, owner = time.monotonic(), self.owner
+        # Metrics and the request's span (from its arrival; the calls the engine makes for it join it).
+        watch = owner.observer.watch(CURRENT_SERVER_SPAN.get(), request.request_id, arrival) if owner.observer else None
+        stream = None
         try:
-            params = sampling_params_from_vllm(request.sampling_params)
-            params.detokenize = bool(params.stop)  # token ids travel; text only to find stop strings
-            if request.WhichOneof("input") == "text":
-                engine.limits.check_chars("text", request.text, "max_prompt_chars")
-                prompt_ids = engine.tokenizer.encode(request.text)
-            else:
-                prompt_ids = list(request.tokenized.input_ids)
-            kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-            stream = engine.add_request(request.request_id, prompt_ids, params, arrival_time=time.monotonic(),
-                                        output_kind=kind)
-        except NotImplementedError as e:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(e))
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except RuntimeError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        vocab = engine.core.model_config.vocab_size
-        num_logprobs = vocab if params.logprobs == -1 else params.logprobs or 0
-        num_prompt_logprobs = vocab if params.prompt_logprobs == -1 else params.prompt_logprobs or 0
-        owner = self.owner
-        watch = owner.observer.watch(CURRENT_SERVER_SPAN.get(), stream) if owner.observer else None
-        try:
+            try:
+                params = sampling_params_from_vllm(request.sampling_params)
+                params.detokenize = bool(params.stop)  # token ids travel; text only to find stop strings
+                if request.WhichOneof("input") == "text":
+                    engine.limits.check_chars("text", request.text, "max_prompt_chars")
+                    prompt_ids = engine.tokenizer.encode(request.text)
+                else:
+                    prompt_ids = list(request.tokenized.input_ids)
+                kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+                stream = engine.add_request(request.request_id, prompt_ids, params, arrival_time=arrival,
+                                            output_kind=kind,
+                                            trace_headers=watch.trace_headers if watch is not None else ())
+            except NotImplementedError as e:
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(e))
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except RuntimeError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            if watch is not None:
+                watch.state = stream.state
+            vocab = engine.core.model_config.vocab_size
+            num_logprobs = vocab if params.logprobs == -1 else params.logprobs or 0
+            num_prompt_logprobs = vocab if params.prompt_logprobs == -1 else params.prompt_logprobs or 0
             async for out in stream:
                 if watch is not None:
                     watch.output(out)
@@ -228,7 +233,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             code = grpc.StatusCode.UNAVAILABLE if engine.dead or e.unavailable else grpc.StatusCode.INTERNAL
             await context.abort(code, f"request {request.request_id}: {e}")
         finally:
-            engine.close_stream(stream)
+            if stream is not None:
+                engine.close_stream(stream)
             if watch is not None:
                 watch.end()
 

@@ -2,10 +2,13 @@
 TraceService on a grpc server of this test) collects what every service exports, and each service's Prometheus
 /metrics is scraped and parsed with prometheus_client's parser."""
 
+import json
+import re
 import threading
 import urllib.request
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -50,6 +53,7 @@ class Span:
         self.start, self.end = span.start_time_unix_nano, span.end_time_unix_nano
         self.attributes = {kv.key: _value(kv.value) for kv in span.attributes}
         self.events = [(e.name, {kv.key: _value(kv.value) for kv in e.attributes}) for e in span.events]
+        self.links = [(link.trace_id.hex(), link.span_id.hex()) for link in span.links]
         self.status = span.status
 
     def __repr__(self):
@@ -150,7 +154,7 @@ ENV = {
 
 @pytest.fixture(scope="module")
 def mesh(receiver):
-    with Mesh(EngineArgs(kv_cache_memory=KV), kv_store=True,
+    with Mesh(EngineArgs(kv_cache_memory=KV), kv_store=True, sampler=True,
               env={**ENV, "LLMMESH_OTLP_TRACES_ENDPOINT": f"127.0.0.1:{receiver.port}"}) as m:
         yield m
 
@@ -177,6 +181,9 @@ def test_one_streamed_request_is_one_trace_across_every_service(gateway, traces)
     usage, choice = result.complete.usage, result.choice(0)
     root, spans = traces.of("one-trace")
     assert len({s.trace_id for s in spans}) == 1
+    # A normal finish marks no span failed, and the gateway let the engine's call end by itself (OK, not CANCELLED).
+    assert not [s for s in spans if s.status.code == trace_pb2.Status.STATUS_CODE_ERROR]
+    assert by_key(spans)[("llmmesh-engine", "llmmesh.v1.Engine/Generate")].attributes["rpc.grpc.status_code"] == 0
     assert root.name == f"text_completion {root.attributes['gen_ai.request.model']}"
     assert root.parent_id == ""  # a new trace: the client sent no traceparent
     spans_by = by_key(spans)
@@ -204,12 +211,28 @@ def test_one_streamed_request_is_one_trace_across_every_service(gateway, traces)
     # The phases follow each other inside the request.
     queue, prefill, decode = (spans_by[("llmmesh-engine", n)] for n in ("queue", "prefill", "decode"))
     assert queue.end <= prefill.start + 1000 and prefill.end <= decode.start + 1000  # ns: clock conversions round
-    # --collect-detailed-traces: each engine step that produced a token of this request, with its batch and times.
+    # --collect-detailed-traces: each engine step that produced a token of this request, with its batch and its time
+    # split into schedule, model, sample (and update).
     steps = [s for s in spans if s.name.startswith("step ")]
     assert sum(s.attributes["llmmesh.step.new_tokens"] for s in steps) == 12
     for s in steps:
         assert s.attributes["llmmesh.step.batch_requests"] >= 1
-        assert {"llmmesh.step.schedule_seconds", "llmmesh.step.model_seconds", "llmmesh.step.update_seconds"} <= set(s.attributes)
+        for part in ("schedule", "model", "sample", "update"):
+            assert s.attributes[f"llmmesh.step.{part}_seconds"] > 0.0, part
+    # Each links to the step's own span (a trace of its own: a step serves many requests), under which the sampler
+    # service sampled that step.
+    def sampled_under(link):
+        return [s for s in traces.receiver.trace(link[0]) if s.service == "llmmesh-sampler" and s.parent_id == link[1]]
+
+    links = [link for s in steps for link in s.links]
+    assert len(links) == len(steps)
+    traces.receiver.wait(lambda _: all(sampled_under(link) for link in links),
+                         what=lambda _: [link for link in links if not sampled_under(link)])
+    for s, (trace_id, span_id) in zip(steps, links):
+        engine_step = next(e for e in traces.receiver.trace(trace_id) if e.span_id == span_id)
+        assert engine_step.name == "engine_step" and engine_step.parent_id == ""
+        assert engine_step.attributes["llmmesh.step"] == s.attributes["llmmesh.step"]
+        assert [x.name for x in sampled_under((trace_id, span_id))] == ["llmmesh.v1.Sampler/Sample step"]
 
 
 def test_a_client_traceparent_joins_the_clients_trace(gateway, traces):
@@ -241,8 +264,14 @@ def test_a_stop_string_abort_shows(gateway, traces):
     root, spans = traces.of("stopped", complete=False)
     assert ("stop_string", {"gen_ai.response.choice.index": 0, "llmmesh.stop_str": stop, "llmmesh.engine_aborted": True}) \
         in root.events
-    traces.receiver.wait(lambda _: any(s.name == "stop_string_abort" for s in traces.receiver.trace(root.trace_id)))
+    wanted = {("llmmesh-gateway", "stop_string_abort"), ("llmmesh-engine", "llmmesh.v1.Engine/Generate")}
+    traces.receiver.wait(lambda _: wanted <= set(by_key(traces.receiver.trace(root.trace_id))))
     assert root.attributes["gen_ai.response.finish_reasons"] == ["stop"]
+    # The gateway cancelled the engine call to end the request there: the engine's span says so, and no span of
+    # this normal request is marked failed.
+    engine = by_key(traces.receiver.trace(root.trace_id))[("llmmesh-engine", "llmmesh.v1.Engine/Generate")]
+    assert engine.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert not [s for s in traces.receiver.trace(root.trace_id) if s.status.code == trace_pb2.Status.STATUS_CODE_ERROR]
 
 
 def test_a_preempted_request_shows_its_preemption(gateway, traces):
@@ -262,6 +291,46 @@ def test_a_preempted_request_shows_its_preemption(gateway, traces):
     for request in preempted:
         events = [name for name, _ in request.events]
         assert events.count("preempted") == request.attributes["llmmesh.num_preemptions"]
+
+
+def test_kv_store_loads_and_stores_are_in_the_request_trace(mesh, gateway, traces):
+    prefix = f"(kv) {LONG_PROMPT} {LONG_PROMPT}"  # 4 full blocks of 16 tokens
+    before = scrape(mesh, "engine")
+    collect(generate(gateway, f"{prefix} First question?", request_id="kv-first", temperature=0.0, max_tokens=2))
+    # About 180 tokens take every block of the 12-block cache: the first request's blocks leave the prefix cache
+    # (the KV store keeps them).
+    collect(generate(gateway, "the" + " the" * 179, temperature=0.0, max_tokens=1))
+    collect(generate(gateway, f"{prefix} Second question?", request_id="kv-second", temperature=0.0, max_tokens=2))
+    after = scrape(mesh, "engine")
+
+    def kvstore_spans(request_id, method):
+        """The kvstore's server spans of this method in the request's trace, and the engine's llm_request span."""
+        _, spans = traces.of(request_id)
+        request = by_key(spans)[("llmmesh-engine", "llm_request")]
+        return request, [s for s in traces.receiver.trace(request.trace_id)
+                         if s.service == "llmmesh-kvstore" and s.name == f"llmmesh.v1.KVStore/{method}"]
+
+    # The first request stored its prompt's blocks: a store event, and the kvstore's Put under its llm_request span.
+    traces.receiver.wait(lambda _: kvstore_spans("kv-first", "Put")[1], what=lambda _: "no Put in kv-first's trace")
+    request, puts = kvstore_spans("kv-first", "Put")
+    assert ("kv_store_started", {"llmmesh.kv_store.tokens": 64}) in request.events
+    assert all(put.parent_id == request.span_id and put.status.code != trace_pb2.Status.STATUS_CODE_ERROR
+               for put in puts)
+    # The second found them in the store (Lookup) and loaded them (Get), all inside its own trace.
+    traces.receiver.wait(lambda _: kvstore_spans("kv-second", "Get")[1], what=lambda _: "no Get in kv-second's trace")
+    request, gets = kvstore_spans("kv-second", "Get")
+    _, lookups = kvstore_spans("kv-second", "Lookup")
+    events = dict(request.events)
+    loaded = events["kv_loaded"]["llmmesh.kv_store.tokens"]
+    assert loaded == events["kv_load_started"]["llmmesh.kv_store.tokens"] == 64
+    assert len(gets) == 1 and gets[0].parent_id == request.span_id
+    assert lookups and all(lookup.parent_id == request.span_id for lookup in lookups)
+    # The engine's KV connector counters, under vLLM's names.
+    assert delta(before, after, "vllm:external_prefix_cache_hits_total") >= loaded
+    assert delta(before, after, "vllm:external_prefix_cache_queries_total") >= delta(
+        before, after, "vllm:external_prefix_cache_hits_total")
+    assert delta(before, after, "vllm:kv_offload_load_bytes_total") > 0
+    assert delta(before, after, "vllm:kv_offload_store_bytes_total") > 0
 
 
 def test_untraced_requests_export_nothing(mesh, gateway, traces):
@@ -342,6 +411,9 @@ def test_metrics_count_a_known_workload(mesh, gateway):
                  grpc_code="OK") == 3
     assert delta(before["tokenizer"], after["tokenizer"], "grpc_server_handled_total", grpc_method="Tokenize",
                  grpc_code="OK") == 3
+    # Each engine call ended by itself once its request finished (the gateway does not cancel it).
+    assert delta(before["engine"], after["engine"], "grpc_server_handled_total", grpc_service="llmmesh.v1.Engine",
+                 grpc_method="Generate", grpc_code="OK") == 3
     with pytest.raises(grpc.RpcError):
         collect(generate(gateway, PROMPT, temperature=-1.0))
     assert delta(after["gateway"], scrape(mesh, "gateway"), "grpc_server_handled_total", grpc_method="Generate",
@@ -350,3 +422,22 @@ def test_metrics_count_a_known_workload(mesh, gateway):
     kvstore = after["kvstore"]
     for name in ("hits", "misses", "bytes_in", "bytes_out", "corrupt_blocks", "blocks_stored"):
         assert (f"llmmesh:kvstore_{name}_total", ()) in kvstore, name
+
+
+
+def test_the_grafana_dashboard_shows_only_metrics_the_services_export(mesh, gateway):
+    collect(generate(gateway, PROMPT, temperature=0.0, max_tokens=2))  # every histogram has a sample
+    exported = {sample for name in mesh.services for sample, _ in scrape(mesh, name)}
+    queries = []  # every panel's "expr" and every variable's "query"
+
+    def collect_queries(obj):
+        queries.extend(v for k, v in obj.items() if k in ("expr", "query") and isinstance(v, str))
+        return obj
+
+    json.loads((Path(__file__).parent.parent / "docs/observability/grafana-dashboard.json").read_text(),
+               object_hook=collect_queries)
+    # The metric names: what is left of a query without its label matchers and its by (...) label lists.
+    selectors = [re.sub(r"\{[^}]*\}|\b(?:by|without)\s*\([^)]*\)", " ", q) for q in queries]
+    used = {name for q in selectors for name in re.findall(r"\b(?:vllm:|llmmesh:|grpc_)[a-zA-Z0-9_:]+", q)}
+    assert len(used) >= 20, used  # the dashboard's panels were found
+    assert used <= exported, f"the dashboard uses metrics no service exports: {sorted(used - exported)}"

@@ -65,6 +65,8 @@ class RemoteSampler:
         self._seeded: set[str] = set()  # those of them with a generator on the service
         self._finished: list[str] = []  # known requests to forget in the next message
         self._step_id = 0
+        # The engine step's traceparent/tracestate (--collect-detailed-traces), sent with the step's messages.
+        self.trace_headers: tuple[tuple[str, str], ...] = ()
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
@@ -119,7 +121,8 @@ class RemoteSampler:
 
     def _prompt_message(self, pieces) -> tuple[sampler_pb2.SampleStep, torch.Tensor | None]:
         self._step_id += 1
-        msg = sampler_pb2.SampleStep(step_id=self._step_id, finished_request_ids=self._finished)
+        msg = sampler_pb2.SampleStep(step_id=self._step_id, finished_request_ids=self._finished,
+                                     trace_context=dict(self.trace_headers))
         self._finished = []
         if pieces:
             msg.prompt_num_logprobs.extend(k for _, _, k, _ in pieces)

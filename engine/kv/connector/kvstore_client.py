@@ -81,7 +81,8 @@ def model_fingerprint(weights: str, dtype: str, kv_layout: str, shape: tuple[int
 
 
 class KVStoreClient:
-    """Blocking calls with a deadline each; any failure raises grpc.RpcError (or ValueError for a bad reply)."""
+    """Blocking calls with a deadline each; any failure raises grpc.RpcError (or ValueError for a bad reply).
+    metadata: the gRPC metadata of the call (the traceparent of the request it is for, when traced)."""
 
     def __init__(self, address: str, layout: KVLayout):
         self.address = address
@@ -93,21 +94,21 @@ class KVStoreClient:
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = kvstore_pb2_grpc.KVStoreStub(self.channel)
 
-    def lookup(self, block_hashes: list[bytes], timeout: float) -> int:
+    def lookup(self, block_hashes: list[bytes], timeout: float, metadata=()) -> int:
         request = kvstore_pb2.LookupRequest(fingerprint=self.layout.fingerprint, block_hashes=block_hashes)
-        return min(self.stub.Lookup(request, timeout=timeout).num_present, len(block_hashes))
+        return min(self.stub.Lookup(request, timeout=timeout, metadata=metadata).num_present, len(block_hashes))
 
-    def get(self, block_hashes: list[bytes], timeout: float):
+    def get(self, block_hashes: list[bytes], timeout: float, metadata=()):
         """Yield (block hash, data) in order until the first missing block; a block of the wrong size ends it."""
         request = kvstore_pb2.GetRequest(layout=self._proto_layout, block_hashes=block_hashes)
         expected = iter(block_hashes)
-        for response in self.stub.Get(request, timeout=timeout):
+        for response in self.stub.Get(request, timeout=timeout, metadata=metadata):
             for block in response.blocks:
                 if block.block_hash != next(expected, None) or len(block.data) != self.layout.block_bytes:
                     raise ValueError("the kvstore answered a block out of order or of the wrong size")
                 yield block.block_hash, block.data
 
-    def put(self, blocks, timeout: float) -> int:
+    def put(self, blocks, timeout: float, metadata=()) -> int:
         """Store (hash, data) pairs, several per message; the number stored (present ones are skipped)."""
 
         def messages():
@@ -120,7 +121,7 @@ class KVStoreClient:
             if batch or first:
                 yield kvstore_pb2.PutRequest(layout=self._proto_layout if first else None, blocks=batch)
 
-        return self.stub.Put(messages(), timeout=timeout).num_stored
+        return self.stub.Put(messages(), timeout=timeout, metadata=metadata).num_stored
 
     def close(self) -> None:
         self.channel.close()

@@ -61,6 +61,7 @@ class LoadJob:
     job_id: int
     block_ids: list[int]
     block_hashes: list[bytes]
+    trace_headers: tuple = ()  # the request's (Request.trace_headers): its kvstore calls join its trace
 
 
 @dataclass
@@ -68,6 +69,7 @@ class StoreJob:
     job_id: int
     block_ids: list[int]
     block_hashes: list[bytes]
+    trace_headers: tuple = ()
 
 
 @dataclass
@@ -187,8 +189,9 @@ class KVStoreConnector(KVConnectorBase):
             self.last_stores: list[int] = []
             # request id -> leading blocks already stored, being stored, or known to be in the store
             self.num_stored_blocks: dict[str, int] = {}
-            self.stats = {"lookups": 0, "lookup_hit_tokens": 0, "loaded_tokens": 0, "load_failed_tokens": 0,
-                          "stored_blocks": 0, "store_failed_blocks": 0, "recompute_chosen_tokens": 0}  # fmt: skip
+            self.stats = {"lookups": 0, "lookup_tokens": 0, "lookup_hit_tokens": 0, "loaded_tokens": 0,
+                          "loaded_bytes": 0, "load_failed_tokens": 0, "stored_blocks": 0, "stored_bytes": 0,
+                          "store_failed_blocks": 0, "recompute_chosen_tokens": 0}  # fmt: skip
         else:
             self.block_io = KVBlockIO(kv_caches, layout)
             self.finished = KVConnectorOutput()
@@ -226,12 +229,13 @@ class KVStoreConnector(KVConnectorBase):
         hashes = request.block_hashes[first:last]
         started = time.perf_counter()
         try:
-            num_present = self.client.lookup(hashes, self.options["lookup_timeout_s"])
+            num_present = self.client.lookup(hashes, self.options["lookup_timeout_s"], request.trace_headers)
         except Exception as e:  # noqa: BLE001 (any failure of the store means: recompute)
             self._mark_down("lookup", e)
             return 0, False
         self.cost.record_lookup(time.perf_counter() - started)
         self.stats["lookups"] += 1
+        self.stats["lookup_tokens"] += len(hashes) * bs
         self.stats["lookup_hit_tokens"] += num_present * bs
         if num_present == 0:
             return 0, False
@@ -246,7 +250,8 @@ class KVStoreConnector(KVConnectorBase):
         bs = self.block_size
         first = request.num_computed_tokens // bs
         last = first + num_external_tokens // bs
-        job = LoadJob(self._new_job_id(), [b.block_id for b in blocks[first:last]], request.block_hashes[first:last])
+        job = LoadJob(self._new_job_id(), [b.block_id for b in blocks[first:last]], request.block_hashes[first:last],
+                      request.trace_headers)
         self.pending_loads.append(job)
         self.load_jobs[job.job_id] = (request, last - first)
         # What comes from the store need not go back to it.
@@ -276,7 +281,7 @@ class KVStoreConnector(KVConnectorBase):
         blocks = self.kv_cache_manager.req_to_blocks[request.request_id][start:end]
         hashes = request.block_hashes[start:end]
         self.kv_cache_manager.block_pool.touch(blocks)
-        job = StoreJob(self._new_job_id(), [b.block_id for b in blocks], hashes)
+        job = StoreJob(self._new_job_id(), [b.block_id for b in blocks], hashes, request.trace_headers)
         event = BlockStored(
             block_hashes=hashes, parent_block_hash=request.block_hashes[start - 1] if start else None,
             token_ids=request.all_token_ids[start * bs : end * bs], block_size=bs, medium="kvstore",
@@ -296,6 +301,7 @@ class KVStoreConnector(KVConnectorBase):
             pool.free_blocks(blocks)
             self.stats["stored_blocks" if stored else "store_failed_blocks"] += len(blocks)
             if stored:
+                self.stats["stored_bytes"] += len(blocks) * self.layout.block_bytes
                 pool.record_event(event)
         for nbytes, seconds in output.load_timings:
             self.cost.record_load(nbytes, seconds)
@@ -312,6 +318,7 @@ class KVStoreConnector(KVConnectorBase):
         """The request a finished load was for; counts what came and what must be recomputed."""
         request, num_blocks = self.load_jobs.pop(job_id)
         self.stats["loaded_tokens"] += num_tokens
+        self.stats["loaded_bytes"] += num_tokens // self.block_size * self.layout.block_bytes
         self.stats["load_failed_tokens"] += num_blocks * self.block_size - num_tokens
         return request
 
@@ -350,7 +357,7 @@ class KVStoreConnector(KVConnectorBase):
         if self._store_up():
             try:
                 batch_ids, batch = [], []
-                for _, data in self.client.get(job.block_hashes, self.options["timeout_s"]):
+                for _, data in self.client.get(job.block_hashes, self.options["timeout_s"], job.trace_headers):
                     batch_ids.append(job.block_ids[loaded + len(batch)])
                     batch.append(data)
                     if len(batch) == self.client.blocks_per_message:
@@ -373,11 +380,12 @@ class KVStoreConnector(KVConnectorBase):
         stored = False
         if self._store_up():
             try:
-                present = self.client.lookup(job.block_hashes, self.options["timeout_s"])
+                present = self.client.lookup(job.block_hashes, self.options["timeout_s"], job.trace_headers)
                 todo = range(present, len(job.block_ids))
                 if todo:
                     data = self.block_io.read([job.block_ids[i] for i in todo])
-                    self.client.put(zip([job.block_hashes[i] for i in todo], data), self.options["timeout_s"])
+                    self.client.put(zip([job.block_hashes[i] for i in todo], data), self.options["timeout_s"],
+                                    job.trace_headers)
                 stored = True
             except Exception as e:  # noqa: BLE001 (a lost store costs a later recomputation only)
                 self._mark_down("store", e)
