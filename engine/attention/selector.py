@@ -2,6 +2,7 @@
 
 import logging
 
+from engine.attention import BACKEND_NAMES
 from engine.attention.backend import AttentionBackend
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
@@ -10,7 +11,7 @@ from engine.attention.triton_backend import TritonAttentionBackend
 logger = logging.getLogger("llmmesh.engine")
 
 _BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend, "cpu": CpuAttentionBackend}
-BACKEND_NAMES = ("auto", *_BACKENDS)
+assert set(BACKEND_NAMES) == {"auto", *_BACKENDS}
 _AUTO = {"cuda": "triton", "cpu": "cpu"}  # the fastest backend per device type
 
 
