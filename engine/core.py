@@ -156,7 +156,7 @@ class EngineCore:
             self._record_prefill(scheduler_output, ran - started)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
-        sample_s = 0.0 if scheduler_output.is_empty else self.worker.model_runner.sample_s
+        sample_s = self.worker.model_runner.sample_s
         self.last_step = StepStats(self.num_steps, len(scheduler_output.scheduled_requests),
                                    scheduler_output.total_num_scheduled_tokens, started - began,
                                    ran - started - sample_s, sample_s, time.perf_counter() - ran)

@@ -34,6 +34,7 @@ class ModelRunner:
         self.cudagraphs: CUDAGraphs | None = None  # set by capture_cudagraphs
         # Seconds the last step waited for the device (reading its sampled tokens): the rest was host work.
         self.device_wait_s = 0.0
+        self.sample_s = 0.0  # the last step's sampling, for StepStats
         self.sampler = Sampler()
         # Seeded requests keep one generator for their whole life.
         self.generators: dict[str, torch.Generator] = {}
@@ -76,7 +77,7 @@ class ModelRunner:
             self.prompt_logprobs_in_progress.pop(request_id, None)
         if self.sampler_client is not None:
             self.sampler_client.forget(so.finished_req_ids)
-        self.device_wait_s = 0.0
+        self.device_wait_s = self.sample_s = 0.0
         if so.is_empty:
             return ModelRunnerOutput([])
         requests, order, rows, size, input_ids, positions, metadata, logits_indices = self.prepare_inputs(so)
@@ -90,7 +91,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logits_indices]) if rows else None
         sample_started = time.perf_counter()
         sampler_output = self._sample(sampled_requests, logits, remote_prompt_chunks)
-        self.sample_s = time.perf_counter() - sample_started  # the step's sampling, for StepStats
+        self.sample_s = time.perf_counter() - sample_started
         self._finish_prompt_logprobs(prompts_done, output)
         if sampler_output is None:
             return output
