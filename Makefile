@@ -11,8 +11,8 @@ PROTO_STAMP := $(PROTO_OUT)/.generated
 # The Node.js client for the interop test (tests/test_interop.py), from the npm registry at setup only.
 NODE_DIR := tests/interop/node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed
-# The C++ CPU attention kernel (kernels/cpu/), built for this machine; the engine loads it at run time.
-CPU_KERNEL := build/kernels/llmmesh_cpu_attention.so
+# The C++ CPU kernels (kernels/cpu/), built for this machine; the engine loads them at run time.
+CPU_KERNEL := build/kernels/llmmesh_cpu_ops.so
 
 .PHONY: setup protos redis-server test run serve bench clean trace-viewer
 
@@ -47,8 +47,8 @@ redis-server:
 		else echo "redis-server is missing and this is not root: install Debian's redis-server (sudo apt-get install redis-server); the KV store and its tests need it" >&2; fi; \
 	fi
 
-$(CPU_KERNEL): kernels/cpu/paged_attention.cpp kernels/cpu_attention.py $(STAMP)
-	$(BIN)/python -m kernels.cpu_attention
+$(CPU_KERNEL): $(wildcard kernels/cpu/*.cpp) kernels/cpu_ops.py $(STAMP)
+	$(BIN)/python -m kernels.cpu_ops
 
 $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 	@if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then \

@@ -1,11 +1,13 @@
-"""The C++ CPU kernels (kernels/cpu/paged_attention.cpp) against the torch references (kernels/reference.py).
+"""The C++ CPU kernels (kernels/cpu/) against their torch references: paged attention against
+kernels/reference.py, the norm, RoPE and SiLU-and-mul layers against the torch layers of engine/models/llama.py.
 
-The cpu backend end to end is in test_correctness.py, against Hugging Face on SmolLM2."""
+The cpu backend and the layers end to end are in test_correctness.py, against Hugging Face on SmolLM2."""
 
 import pytest
 import torch
 
-from kernels.cpu_attention import load
+from engine.models.llama import RMSNorm, apply_rotary
+from kernels.cpu_ops import load
 from kernels.reference import paged_attention_ref, reshape_and_cache_ref
 from test_kernels_triton import MIXED, SHARED, make_batch
 
@@ -69,3 +71,68 @@ def test_reshape_and_cache(dtype, block_size):
     ops.reshape_and_cache(kv[:, 0], kv[:, 1], k_cache, v_cache, slots)
     for got, want in zip((k_cache, v_cache), expected):
         torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
+
+
+# Float32 differs from the torch layers by float rounding only (sum order, fused multiply-adds); the
+# half types by one rounding of the output.
+LAYER_TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", list(LAYER_TOL))
+def test_rms_norm(dtype):
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.rand(576, generator=gen) + 0.5
+    norm = norm.to(dtype)
+    x = (torch.randn(37, 576, generator=gen) * 3).to(dtype)
+    want = norm(x)
+    norm.ops = ops
+    got = norm(x)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, want, atol=LAYER_TOL[dtype], rtol=LAYER_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(LAYER_TOL))
+def test_rotary_embedding_in_place_on_strided_q_and_k(dtype):
+    """q and k are views of a fused qkv output, as in Attention.forward; v must be left alone."""
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, tokens = 9, 3, 64, 21
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
+    angles = torch.rand(tokens, dim, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    want_q, want_k = apply_rotary(q, k, cos, sin)
+    v_before = v.clone()
+    ops.rotary_embedding(q, k, cos, sin)
+    torch.testing.assert_close(q, want_q, atol=LAYER_TOL[dtype], rtol=LAYER_TOL[dtype])
+    torch.testing.assert_close(k, want_k, atol=LAYER_TOL[dtype], rtol=LAYER_TOL[dtype])
+    assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("dtype", list(LAYER_TOL))
+def test_silu_and_mul(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(19, 2 * 96, generator=gen) * 4).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = ops.silu_and_mul(x)
+    assert got.shape == (19, 96) and got.dtype == dtype
+    torch.testing.assert_close(got, want, atol=LAYER_TOL[dtype], rtol=LAYER_TOL[dtype])
+
+
+def test_layers_take_no_rows():
+    # A step can have no tokens for a layer (the profiling pass, an empty batch): shapes, not crashes.
+    assert ops.rms_norm(torch.empty(0, 8), torch.ones(8), 1e-6).shape == (0, 8)
+    assert ops.silu_and_mul(torch.empty(0, 8)).shape == (0, 4)
+    q, k = torch.empty(0, 2, 8), torch.empty(0, 1, 8)
+    ops.rotary_embedding(q, k, torch.empty(0, 8), torch.empty(0, 8))
+
+
+def test_layer_kernels_refuse_bad_shapes():
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.rms_norm(torch.ones(2, 8), torch.ones(7), 1e-6)
+    with pytest.raises(RuntimeError, match="2 \\* d"):
+        ops.silu_and_mul(torch.ones(2, 7))
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        ops.rotary_embedding(torch.ones(3, 2, 8), torch.ones(3, 1, 8), torch.ones(2, 8), torch.ones(2, 8))

@@ -14,7 +14,7 @@ class CpuAttentionBackend(AttentionBackend):
 
     def __init__(self, block_size: int):
         # Imported here: loading may build the kernel, which only this backend needs.
-        from kernels.cpu_attention import load
+        from kernels.cpu_ops import load
 
         self.block_size = block_size
         self._ops = load()

@@ -205,8 +205,3 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
     }
   }
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Causal attention over the paged KV cache, read in place");
-  m.def("reshape_and_cache", &reshape_and_cache, "Write K/V rows into their cache slots");
-}

@@ -1,8 +1,9 @@
-"""The C++ CPU attention kernel (kernels/cpu/paged_attention.cpp): built once by setup, loaded at run time.
+"""The C++ CPU kernels (kernels/cpu/: paged attention, and the model's norm, RoPE and SiLU-and-mul layers),
+one library, built once by setup and loaded at run time.
 
-    .venv/bin/python -m kernels.cpu_attention    # build into build/kernels/ (the Makefile's setup step)
+    .venv/bin/python -m kernels.cpu_ops    # build into build/kernels/ (the Makefile's setup step)
 
-load() imports the built library without compiling; if it is missing or older than its source, it builds
+load() imports the built library without compiling; if it is missing or older than its sources, it builds
 it first (once, with a log line). The build is tuned for the machine it runs on (-march=native), which is
 the machine that uses it.
 """
@@ -17,8 +18,8 @@ import torch
 
 logger = logging.getLogger("llmmesh.kernels")
 
-NAME = "llmmesh_cpu_attention"
-SOURCE = Path(__file__).parent / "cpu" / "paged_attention.cpp"
+NAME = "llmmesh_cpu_ops"
+SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cpp"))
 BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "kernels"
 LIBRARY = BUILD_DIR / f"{NAME}.so"
 
@@ -42,16 +43,16 @@ def build():
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     # torch runs `ninja` from PATH; the venv's own (pip's ninja) is next to this interpreter.
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    return cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=_flags(), extra_ldflags=["-fopenmp"],
+    return cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=_flags(), extra_ldflags=["-fopenmp"],
                               build_directory=str(BUILD_DIR), verbose=False)
 
 
 def load():
-    """The kernel module: paged_attention(...) and reshape_and_cache(...)."""
+    """The kernel module: paged_attention, reshape_and_cache, rms_norm, rotary_embedding, silu_and_mul."""
     global _module
     if _module is None:
-        if not LIBRARY.exists() or LIBRARY.stat().st_mtime < SOURCE.stat().st_mtime:
-            logger.info("Building the CPU attention kernel into %s (once)", BUILD_DIR)
+        if not LIBRARY.exists() or LIBRARY.stat().st_mtime < max(s.stat().st_mtime for s in SOURCES):
+            logger.info("Building the CPU kernels into %s (once)", BUILD_DIR)
             _module = build()
         else:
             spec = importlib.util.spec_from_file_location(NAME, LIBRARY)

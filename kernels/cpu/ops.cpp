@@ -1,0 +1,20 @@
+// The Python module of the CPU kernels: one library for paged_attention.cpp and layers.cpp.
+
+#include <torch/extension.h>
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                           const at::Tensor& block_table, double scale);
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                       const at::Tensor& slot_mapping);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_and_mul(const at::Tensor& x);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "Causal attention over the paged KV cache, read in place");
+  m.def("reshape_and_cache", &reshape_and_cache, "Write K/V rows into their cache slots");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE, in place on q and k");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up output");
+}
