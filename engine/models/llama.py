@@ -2,7 +2,9 @@
 
 Same arithmetic, in the same order, as Hugging Face's implementation, so float32 output
 matches it token for token; the differences are the flat batch (no padding) and fused
-q/k/v and gate/up projections.
+q/k/v and gate/up projections. On CPU the worker switches the layers to faster kernels after
+loading (oneDNN matmuls, kernels/cpu/layers.cpp); those differ from the torch code here by float
+rounding only, which the correctness suite holds to Hugging Face as well.
 """
 
 import math
