@@ -99,3 +99,26 @@ def test_cpu_linear_layers_run_packed_and_keep_only_shared_weights():
     torch.testing.assert_close(model.proj(x), want_proj, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model.head(x), want_head, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model.proj(x[:0]), x[:0] @ plain_proj.T)  # an empty step
+
+
+def test_engine_without_the_cpu_kernels_runs_on_torch(tmp_path, monkeypatch, caplog):
+    """A machine that cannot build kernels/cpu (no compiler) still serves, with a warning: attention on the
+    torch backend, the layers on torch ops (oneDNN matmuls are torch's own), the same greedy tokens as HF."""
+    import logging
+
+    import kernels.cpu_ops
+
+    def no_compiler():
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(kernels.cpu_ops, "load", no_compiler)
+    path, hf_model = save_random_model(tmp_path, "qwen2-qkv-bias")
+    with caplog.at_level(logging.WARNING):
+        engine = EngineCore(EngineArgs(model=str(path), kv_cache_memory="8MiB", block_size=8))
+    assert engine.worker.attn_backend.name == "torch"
+    model = engine.worker.model
+    assert model.norm.ops is None and model.layers[0].self_attn.ops is None and model.layers[0].mlp.ops is None
+    assert caplog.text.count("no C++ compiler here") == 2  # the attention backend's warning and the layers'
+    prompt = torch.randint(3, 512, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref_tokens, ref_logits = HFReference(hf_model).greedy(prompt, 12)
+    assert assert_greedy_matches(run_greedy(engine, [prompt], 12)[0], ref_tokens, ref_logits, "torch fallback")
