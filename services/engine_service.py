@@ -1,11 +1,12 @@
 """The engine service: `llmmesh.v1.Engine` and vLLM's `VllmEngine` on one port, thin adapters over AsyncLLM."""
 
 import asyncio
+import contextlib
 import time
 
 import grpc
 
-from engine.async_llm import AsyncLLM, EngineRequestError
+from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
@@ -13,9 +14,8 @@ from engine.text.tokenizer import Tokenizer
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services import config
 from services.convert import logprobs_to_proto, sampling_params_from_proto
-from services.engine_telemetry import EngineTelemetry
+from services.engine_telemetry import EngineTelemetry, serve_request
 from services.server import Server, llmmesh_version
-from services.telemetry import CURRENT_SERVER_SPAN
 from services.vllm_engine import VLLM_ENGINE_SERVICE, VllmEngineServicer, vllm_engine_pb2_grpc
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -76,42 +76,22 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def Generate(self, request: engine_pb2.EngineGenerateRequest, context):
         engine = await self.ready(context)
-        arrival = time.monotonic()
-        # Metrics and the request's span (from its arrival; the calls the engine makes for it join it).
-        watch = self.observer.watch(CURRENT_SERVER_SPAN.get(), request.request_id, arrival) if self.observer else None
-        stream = None
-        try:
-            try:
-                params = sampling_params_from_proto(request.sampling_params)
-                params.detokenize = bool(params.stop)  # token ids travel; text only to find stop strings
-                stream = engine.add_request(
-                    request.request_id, list(request.prompt_token_ids), params,
-                    priority=request.priority, cache_salt=request.cache_salt, arrival_time=arrival,
-                    trace_headers=watch.trace_headers if watch is not None else (),
-                )
-            except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except RuntimeError as e:  # the engine thread is gone
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            # If the handler is cancelled (client gone, deadline passed) or fails, the unfinished completions
-            # are aborted by close_stream: their blocks are free before the next step.
-            if watch is not None:
-                watch.state = stream.state
-            first_tokens = True
-            async for out in stream:
-                if watch is not None:
-                    watch.output(out)
+
+        def add_request(arrival, trace_headers):
+            params = sampling_params_from_proto(request.sampling_params)
+            params.detokenize = bool(params.stop)  # token ids travel; text only to find stop strings
+            return engine.add_request(
+                request.request_id, list(request.prompt_token_ids), params, priority=request.priority,
+                cache_salt=request.cache_salt, arrival_time=arrival, trace_headers=trace_headers,
+            )
+
+        first_tokens = True
+        async with contextlib.aclosing(serve_request(engine, self.observer, context, request.request_id,
+                                                     add_request)) as outputs:
+            async for out in outputs:
                 moved = any(c.token_ids for c in out.outputs)
                 yield to_response(out, first_tokens and moved)
                 first_tokens = first_tokens and not moved
-        except EngineRequestError as e:
-            code = grpc.StatusCode.UNAVAILABLE if engine.dead or e.unavailable else grpc.StatusCode.INTERNAL
-            await context.abort(code, f"request {request.request_id}: {e}")
-        finally:
-            if stream is not None:
-                engine.close_stream(stream)
-            if watch is not None:
-                watch.end()
 
     async def Abort(self, request: engine_pb2.AbortRequest, context):
         engine = await self.ready(context)

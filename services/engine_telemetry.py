@@ -13,11 +13,13 @@ step is an `engine_step` span (AsyncLLM.on_step_start / on_step), whose context 
 import logging
 import time
 
+import grpc
 from opentelemetry.trace import Link, Status, StatusCode
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from services.telemetry import Telemetry, epoch_ns, inject
+from engine.async_llm import EngineRequestError
+from services.telemetry import CURRENT_SERVER_SPAN, Telemetry, epoch_ns, inject
 
 logger = logging.getLogger("llmmesh.engine")
 
@@ -269,3 +271,40 @@ class RequestWatch:
         request.end(end_time=epoch_ns(end))
         logger.info("request %s finished (%s): %d prompt + %d generated tokens", self.request_id, ",".join(reasons),
                     len(state.prompt_token_ids), m.num_generation_tokens)
+
+
+async def serve_request(engine, observer: EngineTelemetry | None, context, request_id: str, add_request):
+    """One Generate call of either engine protocol: admit the request and yield its outputs, watched.
+
+    add_request(arrival, trace_headers) -> RequestStream admits it; its ValueError, NotImplementedError and
+    RuntimeError (the engine thread is gone) end the call INVALID_ARGUMENT, UNIMPLEMENTED and UNAVAILABLE. The
+    request's metrics and span start at its arrival, and its unfinished completions are aborted when the call
+    ends any way but finished (close_stream: their blocks are free before the next step). Callers iterate it
+    under contextlib.aclosing, so a cancelled call runs this cleanup at once, not when the generator is collected.
+    """
+    arrival = time.monotonic()
+    watch = observer.watch(CURRENT_SERVER_SPAN.get(), request_id, arrival) if observer else None
+    stream = None
+    try:
+        try:
+            stream = add_request(arrival, watch.trace_headers if watch is not None else ())
+        except NotImplementedError as e:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RuntimeError as e:  # the engine thread is gone
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        if watch is not None:
+            watch.state = stream.state
+        async for out in stream:
+            if watch is not None:
+                watch.output(out)
+            yield out
+    except EngineRequestError as e:
+        code = grpc.StatusCode.UNAVAILABLE if engine.dead or e.unavailable else grpc.StatusCode.INTERNAL
+        await context.abort(code, f"request {request_id}: {e}")
+    finally:
+        if stream is not None:
+            engine.close_stream(stream)
+        if watch is not None:
+            watch.end()

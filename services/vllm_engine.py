@@ -9,6 +9,7 @@ itself (engine/text) and aborts a completion the moment its text hits one.
 """
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import json
@@ -21,13 +22,13 @@ import grpc
 from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from engine.async_llm import AsyncLLM, EngineRequestError
+from engine.async_llm import AsyncLLM
 from engine.kv.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from engine.output_processor import RequestOutputKind
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 from services.server import llmmesh_version
-from services.telemetry import CURRENT_SERVER_SPAN
+from services.engine_telemetry import serve_request
 
 VLLM_ENGINE_SERVICE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 TOKENIZER_FILES = (
@@ -196,47 +197,29 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.last_receive_timestamp = time.time()
         if request.HasField("mm_inputs") or request.extra_mm_inputs or request.HasField("media_refs"):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "multimodal inputs: this engine serves text-only models")
-        arrival, owner = time.monotonic(), self.owner
-        # Metrics and the request's span (from its arrival; the calls the engine makes for it join it).
-        watch = owner.observer.watch(CURRENT_SERVER_SPAN.get(), request.request_id, arrival) if owner.observer else None
-        stream = None
-        try:
-            try:
-                params = sampling_params_from_vllm(request.sampling_params)
-                params.detokenize = bool(params.stop)  # token ids travel; text only to find stop strings
-                if request.WhichOneof("input") == "text":
-                    engine.limits.check_chars("text", request.text, "max_prompt_chars")
-                    prompt_ids = engine.tokenizer.encode(request.text)
-                else:
-                    prompt_ids = list(request.tokenized.input_ids)
-                kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-                stream = engine.add_request(request.request_id, prompt_ids, params, arrival_time=arrival,
-                                            output_kind=kind,
-                                            trace_headers=watch.trace_headers if watch is not None else ())
-            except NotImplementedError as e:
-                await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(e))
-            except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except RuntimeError as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            if watch is not None:
-                watch.state = stream.state
-            vocab = engine.core.model_config.vocab_size
-            num_logprobs = vocab if params.logprobs == -1 else params.logprobs or 0
-            num_prompt_logprobs = vocab if params.prompt_logprobs == -1 else params.prompt_logprobs or 0
-            async for out in stream:
-                if watch is not None:
-                    watch.output(out)
+        params = None  # the request's SamplingParams, once serve_request has admitted it
+
+        def add_request(arrival, trace_headers):
+            nonlocal params
+            params = sampling_params_from_vllm(request.sampling_params)
+            params.detokenize = bool(params.stop)  # token ids travel; text only to find stop strings
+            if request.WhichOneof("input") == "text":
+                engine.limits.check_chars("text", request.text, "max_prompt_chars")
+                prompt_ids = engine.tokenizer.encode(request.text)
+            else:
+                prompt_ids = list(request.tokenized.input_ids)
+            kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+            return engine.add_request(request.request_id, prompt_ids, params, arrival_time=arrival, output_kind=kind,
+                                      trace_headers=trace_headers)
+
+        vocab = engine.core.model_config.vocab_size
+        async with contextlib.aclosing(serve_request(engine, self.owner.observer, context, request.request_id,
+                                                     add_request)) as outputs:
+            async for out in outputs:
+                num_logprobs = vocab if params.logprobs == -1 else params.logprobs or 0
+                num_prompt_logprobs = vocab if params.prompt_logprobs == -1 else params.prompt_logprobs or 0
                 for message in to_messages(out, request.stream, num_logprobs, num_prompt_logprobs):
                     yield message
-        except EngineRequestError as e:
-            code = grpc.StatusCode.UNAVAILABLE if engine.dead or e.unavailable else grpc.StatusCode.INTERNAL
-            await context.abort(code, f"request {request.request_id}: {e}")
-        finally:
-            if stream is not None:
-                engine.close_stream(stream)
-            if watch is not None:
-                watch.end()
 
     async def Abort(self, request, context):
         engine = await self._ready(context)
