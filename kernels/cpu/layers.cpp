@@ -40,17 +40,20 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor out = at::empty({rows, n}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* w = weight.data_ptr<scalar_t>();
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    const int64_t stride = x.stride(0);
     at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
       std::vector<float> row(n), wf(n);
       load_row(w, wf.data(), n);
       for (int64_t r = r0; r < r1; ++r) {
-        load_row(x.data_ptr<scalar_t>() + r * x.stride(0), row.data(), n);
+        load_row(src + r * stride, row.data(), n);
         const float sum = at::vec::map_reduce_all<float>(
             [](Vec v) { return v * v; }, [](Vec a, Vec b) { return a + b; }, row.data(), n);
         const float inv = 1.f / std::sqrt(sum / n + static_cast<float>(eps));
         // HF rounds the normalised row to the input dtype before the weight multiplies it.
         for (int64_t i = 0; i < n; ++i) row[i] = static_cast<float>(static_cast<scalar_t>(row[i] * inv)) * wf[i];
-        store_row(row.data(), out.data_ptr<scalar_t>() + r * n, n);
+        store_row(row.data(), dst + r * n, n);
       }
     });
   });
@@ -70,14 +73,22 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const
               "q, k, cos and sin must share a dtype");
   const int64_t tokens = q.size(0), dim = q.size(2), half = dim / 2;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
+    struct Heads {
+      scalar_t* base;
+      int64_t count, token_stride, head_stride;
+    };
+    const Heads heads[] = {{q.data_ptr<scalar_t>(), q.size(1), q.stride(0), q.stride(1)},
+                           {k.data_ptr<scalar_t>(), k.size(1), k.stride(0), k.stride(1)}};
+    const scalar_t* cos_base = cos.data_ptr<scalar_t>();
+    const scalar_t* sin_base = sin.data_ptr<scalar_t>();
     at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
       std::vector<float> c(dim), s(dim), x(dim);
       for (int64_t t = t0; t < t1; ++t) {
-        load_row(cos.data_ptr<scalar_t>() + t * dim, c.data(), dim);
-        load_row(sin.data_ptr<scalar_t>() + t * dim, s.data(), dim);
-        for (at::Tensor* qk : {&q, &k}) {
-          for (int64_t h = 0; h < qk->size(1); ++h) {
-            scalar_t* p = qk->data_ptr<scalar_t>() + t * qk->stride(0) + h * qk->stride(1);
+        load_row(cos_base + t * dim, c.data(), dim);
+        load_row(sin_base + t * dim, s.data(), dim);
+        for (const Heads& qk : heads) {
+          for (int64_t h = 0; h < qk.count; ++h) {
+            scalar_t* p = qk.base + t * qk.token_stride + h * qk.head_stride;
             load_row(p, x.data(), dim);
             for (int64_t i = 0; i < half; ++i) {
               // HF: each product rounded to the dtype, then the sum.
@@ -100,15 +111,18 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   const int64_t rows = x.size(0), d = x.size(1) / 2;
   at::Tensor out = at::empty({rows, d}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* x_base = x.data_ptr<scalar_t>();
+    scalar_t* out_base = out.data_ptr<scalar_t>();
+    const int64_t stride = x.stride(0);
     at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
       std::vector<float> g(d), u(d);
       for (int64_t r = r0; r < r1; ++r) {
-        const scalar_t* src = x.data_ptr<scalar_t>() + r * x.stride(0);
+        const scalar_t* src = x_base + r * stride;
         load_row(src, g.data(), d);
         load_row(src + d, u.data(), d);
         // torch's silu kernel: x / (1 + exp(-x)), rounded to the dtype before the multiply.
         at::vec::map([](Vec v) { return v / (Vec(1.f) + v.neg().exp()); }, g.data(), g.data(), d);
-        scalar_t* dst = out.data_ptr<scalar_t>() + r * d;
+        scalar_t* dst = out_base + r * d;
         for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<scalar_t>(static_cast<float>(static_cast<scalar_t>(g[i])) * u[i]);
       }
     });
