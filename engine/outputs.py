@@ -59,6 +59,20 @@ class RequestMetrics:
     def e2e_latency(self) -> float | None:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
+    @property
+    def prefill_time(self) -> float | None:
+        """From first scheduled to first token (vLLM's request_prefill_time)."""
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> float | None:
+        """From first token to last token (vLLM's request_decode_time)."""
+        if self.first_token_time is None:
+            return None
+        return (self.last_token_time or self.first_token_time) - self.first_token_time
+
 
 @dataclass
 class RequestOutput:

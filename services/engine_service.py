@@ -27,8 +27,8 @@ def timings(out: RequestOutput) -> common_pb2.Timings:
         queue_time=m.time_in_queue or 0.0,
         time_to_first_token=m.time_to_first_token or 0.0,
         e2e_latency=time.monotonic() - m.arrival_time,
-        prefill_time=(m.first_token_time - m.first_scheduled_time) if m.first_token_time and m.first_scheduled_time else 0.0,
-        decode_time=((m.last_token_time or m.first_token_time) - m.first_token_time) if m.first_token_time else 0.0,
+        prefill_time=m.prefill_time or 0.0,
+        decode_time=m.decode_time or 0.0,
     )
 
 

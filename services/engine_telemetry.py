@@ -215,9 +215,8 @@ class RequestWatch:
         m = state.metrics
         now = time.monotonic()
         end = m.finished_time or now
-        prefill = None if m.first_token_time is None or m.first_scheduled_time is None else (
-            m.first_token_time - m.first_scheduled_time)
-        decode = None if m.first_token_time is None else (m.last_token_time or m.first_token_time) - m.first_token_time
+        prefill = m.prefill_time
+        decode = m.decode_time
         reasons = [c.finish_reason or "abort" for c in state.completions]
         owner = self.owner
         if owner.metrics:
