@@ -68,21 +68,22 @@ def throughput(llm, address, streams_list, rounds, output_len, seed) -> list[dic
     rng = random.Random(seed)
     vocab = llm.engine.model_config.vocab_size
     client = RemoteSampler(address)
+    local_sampler = runner.sampler
     results = []
     try:
         for streams in streams_list:
             prompts = [[rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(32)] for _ in range(streams)]
-            for mode in (None, client):  # warm-up: the whole batch once each way (the first run allocates)
-                runner.sampler_client = mode
+            for mode in (local_sampler, client):  # warm-up: the whole batch once each way (the first run allocates)
+                runner.sampler = mode
                 run_round(llm, prompts, 4)
             local, remote, ratios = [], [], []
             for r in range(rounds):
                 order = ("local", "remote") if r % 2 == 0 else ("remote", "local")
                 got = {}
                 for mode in order:
-                    runner.sampler_client = client if mode == "remote" else None
+                    runner.sampler = client if mode == "remote" else local_sampler
                     got[mode] = run_round(llm, prompts, output_len)
-                runner.sampler_client = None
+                runner.sampler = local_sampler
                 assert got["local"][1] == got["remote"][1], "remote sampling gave other tokens"
                 local.append(got["local"][0])
                 remote.append(got["remote"][0])
@@ -92,7 +93,7 @@ def throughput(llm, address, streams_list, rounds, output_len, seed) -> list[dic
             results.append({"streams": streams, "in_process_tok_s": local, "remote_tok_s": remote, "ratios": ratios,
                             "median_ratio": statistics.median(ratios)})
     finally:
-        runner.sampler_client = None
+        runner.sampler = local_sampler
         client.close()
     return results
 

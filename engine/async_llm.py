@@ -24,23 +24,32 @@ from collections.abc import Callable
 
 from engine.core import EngineCore
 from engine.limits import RequestLimits
-from engine.output_processor import OutputProcessor, RequestOutputKind, truncate_prompt
+from engine.output_processor import OutputProcessor, RequestOutputKind
 from engine.outputs import RequestOutput
+from engine.processor import Processor
 from engine.request import SamplingParams
 from engine.sample.sampler import SamplerUnavailableError
 
 logger = logging.getLogger("llmmesh.engine")
 
 _STOP = object()
+# KV event batches a subscriber may fall behind by; past it the oldest are dropped (and counted).
+KV_EVENT_QUEUE_SIZE = 1024
 
 
 class EngineRequestError(Exception):
-    """The engine failed this request (its step raised, or the engine thread died); it is gone from the engine.
-    `unavailable`: because a service the engine depends on (the sampler) is down, not because of a bug."""
+    """The engine failed this request and it is gone from the engine; the engine goes on serving the others.
+    `invalid_input`: the request's own input was at fault; `unavailable`: a service the engine depends on (the
+    sampler) is down; neither: the engine failed it (a bug), and the message names the request."""
 
-    def __init__(self, message: str, unavailable: bool = False):
+    def __init__(self, message: str, unavailable: bool = False, invalid_input: bool = False):
         super().__init__(message)
         self.unavailable = unavailable
+        self.invalid_input = invalid_input
+
+
+class EngineDeadError(Exception):
+    """The engine thread has stopped (vLLM's EngineDeadError): no request can be served until it is restarted."""
 
 
 class RequestStream:
@@ -74,6 +83,7 @@ class AsyncLLM:
         self._loaded: asyncio.Future = self.loop.create_future()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[str, RequestStream] = {}  # user request id -> its stream, until its last output
+        self.processor: Processor | None = None  # admission, once the core is built
         self.stats = None  # the core's SchedulerStats, replaced (not mutated) after every step
         self.dead: str | None = None  # why the engine thread stopped
         self.died = asyncio.Event()
@@ -81,12 +91,15 @@ class AsyncLLM:
         self.kv_event_seq = 0
         self.kv_event_history: deque[tuple[int, float, list]] = deque(maxlen=1024)
         self.kv_event_subscribers: set[asyncio.Queue] = set()
+        self.kv_event_drops = 0  # batches dropped from subscribers that fell KV_EVENT_QUEUE_SIZE behind
         # Called on the engine thread after every step with (core.last_step, the step's outputs): metrics and
         # detailed traces. None (the default) costs nothing.
         self.on_step: Callable | None = None
         # Called on the engine thread before every step (detailed traces): returns the step span's
         # traceparent/tracestate, which the step's call to the sampler service carries.
         self.on_step_start: Callable | None = None
+        # Telemetry hooks that raised (logged and counted, nothing else: telemetry never fails a request).
+        self.hook_errors = 0
         self._ids = itertools.count()
         self.thread = threading.Thread(target=self._run, args=(build_core,), name="engine-core", daemon=True)
         self.thread.start()
@@ -97,6 +110,8 @@ class AsyncLLM:
 
     def set_tokenizer(self, tokenizer) -> None:
         self.output_processor.tokenizer = tokenizer
+        if self.processor is not None:
+            self.processor.tokenizer = tokenizer
 
     @property
     def tokenizer(self):
@@ -118,32 +133,38 @@ class AsyncLLM:
         """Check and queue a request (n engine requests when n > 1); ValueError names what is wrong.
         trace_headers: the request span's traceparent/tracestate, for the calls the engine makes for it."""
         if self.dead is not None:
-            raise RuntimeError(f"the engine thread has stopped: {self.dead}")
-        core = self.core
+            raise EngineDeadError(f"the engine thread has stopped: {self.dead}")
         request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
-        self.limits.check_id("request_id", request_id)
-        self.limits.check_id("cache_salt", cache_salt or "")
-        self.limits.check_params(params, core.max_model_len)
-        prompt_token_ids = truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens, core.max_model_len)
-        try:
-            core.validate_prompt(prompt_token_ids)
-        except ValueError as e:
-            raise ValueError(f"prompt_token_ids: {e}") from None
-        core.validate_params(params)  # with validate_prompt, the engine's validate_request
-        if params.bad_words:
-            if self.tokenizer is None:
-                raise ValueError("bad_words needs the engine's tokenizer, which is not loaded.")
-            params.update_from_tokenizer(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs the engine's tokenizer, which is not loaded.")
+        prompt_token_ids = self.processor.process_inputs(request_id, prompt_token_ids, params, cache_salt)
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use by a running request.")
         state = self.output_processor.add_request(request_id, None, prompt_token_ids, params, arrival_time, output_kind)
-        eos = tuple(core.model_config.eos_token_ids)
         for r in state.engine_requests:
-            r.priority, r.cache_salt, r.eos_token_ids = priority, cache_salt or None, eos
+            r.priority, r.cache_salt, r.eos_token_ids = priority, cache_salt or None, self.processor.eos_token_ids
             r.trace_headers = trace_headers
         stream = self.streams[request_id] = RequestStream(request_id, state)
         self.inbox.put(("add", state.engine_requests))
         return stream
+
+    def subscribe_kv_events(self) -> asyncio.Queue:
+        """A queue of (seq, timestamp, events) batches from now on; unsubscribe_kv_events when done."""
+        queue_ = asyncio.Queue(maxsize=KV_EVENT_QUEUE_SIZE)
+        self.kv_event_subscribers.add(queue_)
+        return queue_
+
+    def unsubscribe_kv_events(self, queue_: asyncio.Queue) -> None:
+        self.kv_event_subscribers.discard(queue_)
+
+    def call_hook(self, hook: Callable, *args):
+        """A telemetry hook: what it raises is logged and counted, and goes no further (None is returned)."""
+        try:
+            return hook(*args)
+        except Exception:
+            self.hook_errors += 1
+            logger.exception("a telemetry hook (%s) raised; ignored", getattr(hook, "__qualname__", hook))
+            return None
 
     def abort(self, request_ids) -> int:
         """Abort user requests (all their completions) or single engine requests (one child `i_<id>` of an
@@ -177,6 +198,9 @@ class AsyncLLM:
             batch = (self.kv_event_seq, time.time(), kv_events)
             self.kv_event_history.append(batch)
             for subscriber in self.kv_event_subscribers:
+                if subscriber.full():  # a subscriber that does not keep up loses the oldest batch
+                    subscriber.get_nowait()
+                    self.kv_event_drops += 1
                 subscriber.put_nowait(batch)
         for engine_id, error in failed.items():
             state = self.output_processor.parent_of.get(engine_id)
@@ -189,25 +213,30 @@ class AsyncLLM:
             stream = self.streams.get(output.request_id)
             if stream is None:
                 continue
+            if output.error is not None:  # it failed on its own: its stream raises, its batch mates go on
+                error = output.error
+                self._fail(stream, output.request_id, EngineRequestError(error.message, invalid_input=error.invalid_input))
+                continue
             stream.queue.put_nowait(output)
             if output.finished:
                 stream.finished = True
                 del self.streams[output.request_id]
 
-    def _fail(self, stream: RequestStream | None, request_id: str, error: "EngineRequestError | str") -> None:
+    def _fail(self, stream: RequestStream | None, request_id: str,
+              error: "EngineRequestError | EngineDeadError | str") -> None:
         """End a request with an error: its other completions are aborted, its stream raises."""
         engine_ids = self.output_processor.abort_requests([request_id])
         if engine_ids:
             self.inbox.put(("abort", engine_ids))
         if stream is not None:
             stream.finished = True
-            stream.queue.put_nowait(error if isinstance(error, EngineRequestError) else EngineRequestError(error))
+            stream.queue.put_nowait(error if isinstance(error, Exception) else EngineRequestError(error))
             self.streams.pop(request_id, None)
 
     def _fail_all(self, message: str) -> None:
         self.died.set()
         for request_id, stream in list(self.streams.items()):
-            self._fail(stream, request_id, message)
+            self._fail(stream, request_id, EngineDeadError(message))
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self.inbox.put((_STOP, None))
@@ -218,6 +247,7 @@ class AsyncLLM:
     def _run(self, build_core: Callable[[], EngineCore]) -> None:
         try:
             self.core = build_core()
+            self.processor = Processor.for_engine(self.core, self.limits, self.tokenizer)
             self.stats = self.core.get_stats()
         except BaseException as e:
             error = e if isinstance(e, Exception) else RuntimeError(f"loading the engine was interrupted: {e!r}")
@@ -267,9 +297,9 @@ class AsyncLLM:
                     core.abort_requests(payload)
             outputs = []
             if core.has_unfinished_requests():
+                if self.on_step_start is not None:
+                    core.set_step_trace_headers(self.call_hook(self.on_step_start) or ())
                 try:
-                    if self.on_step_start is not None:
-                        core.set_step_trace_headers(self.on_step_start())
                     outputs = core.step()
                 except SamplerUnavailableError as e:  # the sampler service is down: fail the batch, keep serving
                     logger.warning("engine step failed: %s", e)
@@ -282,7 +312,7 @@ class AsyncLLM:
                     failed.update(dict.fromkeys(core.fail_running_requests(), message))
                 else:
                     if self.on_step is not None:
-                        self.on_step(core.last_step, outputs)
+                        self.call_hook(self.on_step, core.last_step, outputs)
             self.stats = core.get_stats()
             kv_events = core.take_kv_events()  # always empty without --enable-kv-cache-events
             if (failed or outputs or kv_events) and not self._call_soon(

@@ -10,7 +10,7 @@ from engine.kv.connector.factory import create_connector
 from engine.kv.manager import KVCacheManager
 from engine.models.files import load_config
 from engine.models.loader import prepare_model_dir
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.request import Request, RequestStatus
 from engine.sched.output import EngineCoreOutput, SchedulerStats
 from engine.sched.scheduler import Scheduler
 from engine.worker.worker import Worker
@@ -95,39 +95,12 @@ class EngineCore:
     # ---- the API the offline LLM and the gRPC engine service drive -------------
 
     def add_request(self, request: Request) -> None:
-        """Admit a request its caller has checked with validate_request (once, where it entered: the n
-        children of one request are not checked again)."""
+        """Admit a request that engine.processor.Processor has checked (once, where it entered: the n children of
+        one request are not checked again)."""
         request.eos_token_ids = request.eos_token_ids or tuple(self.model_config.eos_token_ids)
         if self.has_request(request.request_id):
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
         self.scheduler.add_request(request)
-
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming what is wrong with a request for this model and cache."""
-        self.validate_prompt(prompt_token_ids)
-        self.validate_params(params)
-
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        n, vocab = len(prompt_token_ids), self.model_config.vocab_size
-        if n == 0:
-            raise ValueError("The prompt is empty; it must contain at least one token.")
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"Token id {bad[0]} is out of vocabulary; prompt token ids must be in [0, {vocab}).")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"The prompt (length {n}) is longer than the maximum model length of {self.max_model_len}; "
-                f"it must be at most {self.max_model_len - 1} tokens so one can be generated."
-            )
-        capacity = self.num_blocks * self.args.block_size
-        if n >= capacity:
-            raise ValueError(
-                f"The prompt (length {n}) can never fit the KV cache, which holds {capacity} tokens "
-                f"({self.num_blocks} blocks of {self.args.block_size}); raise --kv-cache-memory."
-            )
-
-    def validate_params(self, params: SamplingParams) -> None:
-        params.verify_for_model(self.model_config.vocab_size, self.args.max_logprobs)
 
     def abort_requests(self, request_ids) -> None:
         """End requests in any state; their blocks go back to the pool immediately."""
@@ -154,9 +127,10 @@ class EngineCore:
         ran = time.perf_counter()
         if self.connector is not None:
             self._record_prefill(scheduler_output, ran - started)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        failed = self._end_failed_requests(scheduler_output, runner_output)
+        outputs = failed + self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
-        sample_s = self.worker.model_runner.sample_s
+        sample_s = runner_output.sample_s
         self.last_step = StepStats(self.num_steps, len(scheduler_output.scheduled_requests),
                                    scheduler_output.total_num_scheduled_tokens, started - began,
                                    ran - started - sample_s, sample_s, time.perf_counter() - ran)
@@ -164,11 +138,25 @@ class EngineCore:
         aborted, self._aborted = self._aborted, []
         return aborted + outputs
 
+    def _end_failed_requests(self, so, runner_output) -> list[EngineCoreOutput]:
+        """Requests that failed on their own in this step (runner_output.failed) end now with FinishReason.ERROR,
+        their blocks free; they leave the step's batch, so the rest of it is advanced as without them."""
+        if not runner_output.failed:
+            return []
+        keep = [i for i, r in enumerate(so.scheduled_requests) if r.request_id not in runner_output.failed]
+        so.scheduled_requests = [so.scheduled_requests[i] for i in keep]
+        runner_output.sampled_token_ids = [runner_output.sampled_token_ids[i] for i in keep]
+        outputs = []
+        for request in self.scheduler.finish_requests(list(runner_output.failed), RequestStatus.FINISHED_ERROR):
+            request.failure = runner_output.failed[request.request_id]
+            logger.warning("%s", request.failure.message)
+            outputs.append(EngineCoreOutput(request.request_id, [], request.get_finished_reason(),
+                                            events=request.take_events(), failure=request.failure))
+        return outputs
+
     def set_step_trace_headers(self, trace_headers: tuple[tuple[str, str], ...]) -> None:
         """The next step's span context (--collect-detailed-traces): its call to the sampler service joins it."""
-        client = self.worker.model_runner.sampler_client
-        if client is not None:
-            client.trace_headers = trace_headers
+        self.worker.set_step_trace_headers(trace_headers)
 
     def _record_prefill(self, so, seconds: float) -> None:
         """Prefill speed for the connector's load-or-recompute estimate, from steps that are mostly prefill."""
@@ -201,9 +189,7 @@ class EngineCore:
         for connector in (self.connector, self.worker.connector):
             if connector is not None:
                 connector.shutdown()
-        runner = self.worker.model_runner
-        if runner is not None and runner.sampler_client is not None:
-            runner.sampler_client.close()
+        self.worker.shutdown()
 
     def take_kv_events(self):
         return self.kv_cache_manager.take_events()

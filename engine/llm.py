@@ -9,8 +9,9 @@ from tqdm import tqdm
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.models.loader import DEFAULT_MODEL
-from engine.output_processor import OutputProcessor, truncate_prompt
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.processor import Processor
 from engine.request import SamplingParams
 from engine.text.tokenizer import Tokenizer
 
@@ -22,6 +23,7 @@ class LLM:
         self.engine = EngineCore(EngineArgs(model=model, **engine_args))
         self.tokenizer = Tokenizer.from_pretrained(self.engine.model_dir)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.processor = Processor.for_engine(self.engine, tokenizer=self.tokenizer)
         self._counter = itertools.count()
 
     def get_tokenizer(self):
@@ -45,12 +47,12 @@ class LLM:
         params = self._as_params_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries, expected one per prompt ({len(prompts)}).")
-        inputs = [self._tokenize(p, sp) for p, sp in zip(prompts, params)]
         # Check every request before adding any, so a bad one leaves the engine untouched.
-        for (_, token_ids), sp in zip(inputs, params):
-            self.engine.validate_request(token_ids, sp)
-            if sp.bad_words:
-                sp.update_from_tokenizer(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        inputs = []
+        for prompt, sp in zip(prompts, params):
+            text, token_ids = self._tokenize(prompt)
+            self.processor.process_params(sp)
+            inputs.append((text, self.processor.process_prompt(token_ids, sp)))
 
         index: dict[str, int] = {}
         now = time.monotonic()
@@ -104,7 +106,7 @@ class LLM:
             raise ValueError(f"Got {len(sampling_params)} sampling_params for {n} prompts; pass one or one per prompt.")
         return sampling_params
 
-    def _tokenize(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict):
@@ -118,7 +120,7 @@ class LLM:
             text, token_ids = None, list(prompt)
         else:
             raise ValueError(f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
-        return text, truncate_prompt(token_ids, params.truncate_prompt_tokens, self.engine.max_model_len)
+        return text, token_ids
 
     def _run_engine(self, index: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(index)

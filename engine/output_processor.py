@@ -11,7 +11,7 @@ import enum
 import time
 
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.request import EngineCoreEventType, FinishReason, Request, SamplingParams
+from engine.request import EngineCoreEventType, FinishReason, Request, RequestFailure, SamplingParams
 from engine.text.detokenizer import RequestDetokenizer
 
 # The KV connector's request events, as RequestMetrics.kv_transfers names them.
@@ -127,6 +127,7 @@ class RequestState:
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self._prompt_logprobs_sent = 0
         self.num_cached_tokens = 0
+        self.error: RequestFailure | None = None  # the request failed on its own (its outputs end "error")
         self.engine_requests: list[Request] = []  # what the engine runs (OutputProcessor.add_request fills it)
         with_logprobs = params.logprobs is not None
         self.completions = [
@@ -177,6 +178,15 @@ class RequestState:
         if self.finished:
             self.metrics.finished_time = time.monotonic() if now is None else now
 
+    def fail(self, failure: RequestFailure, now: float | None = None) -> list[str]:
+        """The request failed: every unfinished completion ends "error". Returns their engine request ids."""
+        self.error = self.error or failure
+        unfinished = self.unfinished_engine_ids()
+        for c in self.completions:
+            if not c.finished:
+                self.finish(c, FinishReason.ERROR, now=now)
+        return unfinished
+
     def stop_at_string(self, completion: CompletionState, stop_str: str, engine_finished: bool) -> str | None:
         """A stop string ended this completion. Returns its engine request id when the engine is still running
         it (the caller aborts it, so its blocks are free before the next step), else None."""
@@ -203,6 +213,7 @@ class RequestState:
             self.metrics,
             self.num_cached_tokens,
             prompt_logprobs,
+            self.error,
         )
 
 
@@ -258,30 +269,20 @@ class OutputProcessor:
             state = self.parent_of.get(out.request_id)
             if state is None:
                 continue  # already finished here (a stop string) or aborted: a stale output
-            completion = state.by_engine_id[out.request_id]
-            state.add_events(out.events)
-            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
-            token_text = self.tokenizer.token_text if completion.detokenizer is not None else _no_text
-            if out.new_prompt_logprobs is not None:
-                state.add_prompt_logprobs(logprob_dicts(out.new_prompt_logprobs, token_text))
-            logprobs = None
-            if out.new_logprobs is not None:
-                logprobs = logprob_dicts(out.new_logprobs, token_text)
-            sampled = sum(entry[t].logprob for entry, t in zip(logprobs or (), out.new_token_ids))
-            state.add_tokens(completion, out.new_token_ids, logprobs, sampled, now)
             touched[state.request_id] = state
-            stop_str = None
-            if completion.detokenizer is not None:
-                stop_str = completion.detokenizer.update(out.new_token_ids, out.finish_reason == FinishReason.STOP)
-                ended = out.finished or stop_str is not None
-                completion.text += completion.detokenizer.get_next_output_text(ended, delta=True)
-            if stop_str is not None:
-                abort = state.stop_at_string(completion, stop_str, out.finished)
-                if abort is not None:
-                    reqs_to_abort.append(abort)
-            elif out.finished:
-                state.finish(completion, out.finish_reason, out.stop_reason, now)
-            if completion.finished:
+            try:
+                failure = out.failure
+                if failure is None:
+                    abort = self._process_output(state, state.by_engine_id[out.request_id], out, now)
+                    if abort is not None:
+                        reqs_to_abort.append(abort)
+            except Exception as e:  # detokenizing or stop strings failed for this request: it alone ends
+                failure = RequestFailure.from_exception(state.request_id, "output processing", e)
+            if failure is not None:
+                reqs_to_abort += [i for i in state.fail(failure, now) if i != out.request_id or not out.finished]
+                for c in state.completions:
+                    self.parent_of.pop(c.engine_request_id, None)
+            elif state.by_engine_id[out.request_id].finished:
                 del self.parent_of[out.request_id]
         results = []
         for state in touched.values():
@@ -291,6 +292,31 @@ class OutputProcessor:
             if output is not None:
                 results.append(output)
         return results, reqs_to_abort
+
+
+    def _process_output(self, state: RequestState, completion: CompletionState, out, now: float) -> str | None:
+        """One engine request's step: tokens, logprobs, text, stop strings. Returns its engine request id when a
+        stop string ended it while the engine still runs it (to abort there), else None."""
+        state.add_events(out.events)
+        state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+        token_text = self.tokenizer.token_text if completion.detokenizer is not None else _no_text
+        if out.new_prompt_logprobs is not None:
+            state.add_prompt_logprobs(logprob_dicts(out.new_prompt_logprobs, token_text))
+        logprobs = None
+        if out.new_logprobs is not None:
+            logprobs = logprob_dicts(out.new_logprobs, token_text)
+        sampled = sum(entry[t].logprob for entry, t in zip(logprobs or (), out.new_token_ids))
+        state.add_tokens(completion, out.new_token_ids, logprobs, sampled, now)
+        stop_str = None
+        if completion.detokenizer is not None:
+            stop_str = completion.detokenizer.update(out.new_token_ids, out.finish_reason == FinishReason.STOP)
+            ended = out.finished or stop_str is not None
+            completion.text += completion.detokenizer.get_next_output_text(ended, delta=True)
+        if stop_str is not None:
+            return state.stop_at_string(completion, stop_str, out.finished)
+        if out.finished:
+            state.finish(completion, out.finish_reason, out.stop_reason, now)
+        return None
 
 
 def _no_text(token_id: int) -> None:

@@ -1,6 +1,10 @@
 """What the offline API returns, shaped like vllm.RequestOutput."""
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.request import RequestFailure
 
 
 @dataclass
@@ -84,3 +88,6 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    # Set when the request failed on its own (its completions end with finish_reason "error"); its batch mates
+    # were not affected.
+    error: "RequestFailure | None" = None

@@ -18,6 +18,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 5
     FINISHED_ABORTED = 6
     FINISHED_IGNORED = 7
+    # Per-request work in a step raised for this request alone (Request.failure says what).
+    FINISHED_ERROR = 8
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -32,6 +34,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"
 
     def __str__(self) -> str:
         return self.value
@@ -42,7 +45,22 @@ _FINISHED_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
+
+
+@dataclass
+class RequestFailure:
+    """Why one request ended with FinishReason.ERROR while its batch mates went on. invalid_input: its own input
+    was at fault (a ValueError from a check of what it asked for); otherwise the engine failed it."""
+
+    message: str
+    invalid_input: bool = False
+
+    @classmethod
+    def from_exception(cls, request_id: str, where: str, error: Exception) -> "RequestFailure":
+        return cls(f"request {request_id}: {where} failed: {type(error).__name__}: {error}",
+                   invalid_input=isinstance(error, ValueError))
 
 
 class EngineCoreEventType(enum.IntEnum):
@@ -230,6 +248,7 @@ class Request:
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.failure: RequestFailure | None = None  # set with FINISHED_ERROR
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0

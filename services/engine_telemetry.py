@@ -18,7 +18,7 @@ from opentelemetry.trace import Link, Status, StatusCode
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.async_llm import EngineRequestError
+from engine.async_llm import EngineDeadError, EngineRequestError
 from services.telemetry import CURRENT_SERVER_SPAN, Telemetry, epoch_ns, inject
 
 logger = logging.getLogger("llmmesh.engine")
@@ -75,6 +75,11 @@ class SchedulerCollector:
             ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits),
             ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", stats.num_preemptions),
         ]
+        counters += [
+            ("llmmesh:telemetry_hook_errors", "Telemetry hooks that raised (logged and ignored).", engine.hook_errors),
+            ("llmmesh:kv_event_drops", "KV event batches dropped from subscribers that fell behind.",
+             engine.kv_event_drops),
+        ]
         for key, value in sorted((stats.kv_connector_stats or {}).items()):
             name, doc = KV_CONNECTOR_METRICS.get(key, (f"llmmesh:kv_connector_{key}", f"KV connector: {key}."))
             counters.append((name, doc, value))
@@ -103,7 +108,8 @@ class EngineTelemetry:
         self.metrics = telemetry.metrics_port is not None
         self.detailed = detailed_traces and telemetry.tracer is not None
         # engine request id -> [(StepStats, step end monotonic, new tokens, the step span's context)], with
-        # --collect-detailed-traces
+        # --collect-detailed-traces: only for requests being watched (a step that ends after a request's watch has
+        # ended adds nothing), so it holds no more than the requests in flight.
         self.steps_of: dict[str, list] = {}
         self.step_span = None  # the step under way, with --collect-detailed-traces
         if self.metrics:
@@ -167,8 +173,9 @@ class EngineTelemetry:
             span.end()
             context = span.get_span_context()
             for out in outputs:
-                if out.new_token_ids:
-                    self.steps_of.setdefault(out.request_id, []).append((step, end, len(out.new_token_ids), context))
+                steps = self.steps_of.get(out.request_id)
+                if out.new_token_ids and steps is not None:
+                    steps.append((step, end, len(out.new_token_ids), context))
 
     def watch(self, server_span, request_id: str, arrival: float) -> "RequestWatch | None":
         if not self.active:
@@ -193,6 +200,13 @@ class RequestWatch:
         self.trace_headers = inject(self.span)
         self.last_token_time: float | None = None
         self.ended = False
+
+    def admitted(self, state) -> None:
+        """The engine took the request: its steps are followed (detailed traces) until end()."""
+        self.state = state
+        if self.owner.detailed:
+            for c in state.completions:
+                self.owner.steps_of[c.engine_request_id] = []
 
     def output(self, out) -> None:
         m = out.metrics
@@ -276,13 +290,15 @@ async def serve_request(engine, observer: EngineTelemetry | None, context, reque
     """One Generate call of either engine protocol: admit the request and yield its outputs, watched.
 
     add_request(arrival, trace_headers) -> RequestStream admits it; its ValueError, NotImplementedError and
-    RuntimeError (the engine thread is gone) end the call INVALID_ARGUMENT, UNIMPLEMENTED and UNAVAILABLE. The
+    EngineDeadError end the call INVALID_ARGUMENT, UNIMPLEMENTED and UNAVAILABLE; a request the engine failed on
+    its own ends INVALID_ARGUMENT (its input), UNAVAILABLE (the sampler service) or INTERNAL (naming it). The
     request's metrics and span start at its arrival, and its unfinished completions are aborted when the call
     ends any way but finished (close_stream: their blocks are free before the next step). Callers iterate it
     under contextlib.aclosing, so a cancelled call runs this cleanup at once, not when the generator is collected.
+    Telemetry goes through engine.call_hook: a hook that raises is counted, and the request goes on.
     """
     arrival = time.monotonic()
-    watch = observer.watch(CURRENT_SERVER_SPAN.get(), request_id, arrival) if observer else None
+    watch = engine.call_hook(observer.watch, CURRENT_SERVER_SPAN.get(), request_id, arrival) if observer else None
     stream = None
     try:
         try:
@@ -291,19 +307,21 @@ async def serve_request(engine, observer: EngineTelemetry | None, context, reque
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except RuntimeError as e:  # the engine thread is gone
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         if watch is not None:
-            watch.state = stream.state
+            engine.call_hook(watch.admitted, stream.state)
         async for out in stream:
             if watch is not None:
-                watch.output(out)
+                engine.call_hook(watch.output, out)
             yield out
+    except EngineDeadError as e:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
     except EngineRequestError as e:
-        code = grpc.StatusCode.UNAVAILABLE if engine.dead or e.unavailable else grpc.StatusCode.INTERNAL
-        await context.abort(code, f"request {request_id}: {e}")
+        code = (grpc.StatusCode.UNAVAILABLE if e.unavailable else
+                grpc.StatusCode.INVALID_ARGUMENT if e.invalid_input else grpc.StatusCode.INTERNAL)
+        message = str(e) if str(e).startswith(f"request {request_id}") else f"request {request_id}: {e}"
+        await context.abort(code, message)
     finally:
         if stream is not None:
             engine.close_stream(stream)
         if watch is not None:
-            watch.end()
+            engine.call_hook(watch.end)

@@ -20,8 +20,8 @@ import torch
 from engine.request import SamplingParams
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
-from engine.sample.wire import (LOGITS_DTYPES, check_token_ids, logprobs_to_proto, sampling_params_from_proto,
-                                tensor_from_proto)
+from engine.sample.wire import (LOGITS_DTYPES, check_wire_token_ids, logprobs_tensors_to_proto,
+                                sampler_params_from_proto, tensor_from_proto)
 from llmmesh.v1 import sampler_pb2, sampler_pb2_grpc
 from services import config
 from services.server import Server
@@ -32,7 +32,7 @@ logger = logging.getLogger("llmmesh.sampler")
 
 
 @dataclass
-class RequestState:
+class SamplingState:
     """What SamplingMetadata.from_requests reads of a request, kept across steps."""
 
     request_id: str
@@ -48,7 +48,7 @@ class StreamState:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, SamplingState] = {}
         self.sampler = Sampler()
 
     @torch.inference_mode()
@@ -60,7 +60,7 @@ class StreamState:
         for new in news:
             self.requests[new.request_id] = new
         result = sampler_pb2.SampleResult(step_id=msg.step_id)
-        result.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in self._prompt_logprobs(msg, prompt_logits))
+        result.prompt_logprobs.extend(logprobs_tensors_to_proto(lp) for lp in self._prompt_logprobs(msg, prompt_logits))
         if not rows:
             return result
         start = 0
@@ -72,8 +72,10 @@ class StreamState:
         metadata = SamplingMetadata.from_requests(states, generators, logits.shape[-1], self.device)
         output = self.sampler(logits, metadata)
         result.sampled_token_ids.extend(output.sampled_token_ids.tolist())
+        for row, failure in output.failed.items():
+            result.failed.add(row=row, message=failure.message, invalid_input=failure.invalid_input)
         if output.logprobs is not None:
-            result.logprobs.CopyFrom(logprobs_to_proto(output.logprobs))
+            result.logprobs.CopyFrom(logprobs_tensors_to_proto(output.logprobs))
         return result
 
     def _check(self, msg: sampler_pb2.SampleStep):
@@ -92,7 +94,7 @@ class StreamState:
             raise ValueError(f"new_token_ids holds {len(msg.new_token_ids)} tokens; num_new_tokens adds up to "
                              f"{sum(msg.num_new_tokens)} (each must be >= 0)")
         if vocab is not None:
-            check_token_ids(msg.new_token_ids, vocab, "new_token_ids")
+            check_wire_token_ids(msg.new_token_ids, vocab, "new_token_ids")
         forgotten = set(msg.finished_request_ids)
         news = {}
         for i, new in enumerate(msg.new_requests):
@@ -101,13 +103,13 @@ class StreamState:
                 raise ValueError(f"{where}.request_id {new.request_id!r} is already known on this stream")
             if vocab is None:
                 raise ValueError(f"{where}: a new request needs its row in request_ids and logits")
-            params = sampling_params_from_proto(new.params, vocab, f"{where}.params")
-            check_token_ids(new.params.eos_token_ids, vocab, f"{where}.params.eos_token_ids")
-            check_token_ids(new.prompt_token_ids, vocab, f"{where}.prompt_token_ids")
+            params = sampler_params_from_proto(new.params, vocab, f"{where}.params")
+            check_wire_token_ids(new.params.eos_token_ids, vocab, f"{where}.params.eos_token_ids")
+            check_wire_token_ids(new.prompt_token_ids, vocab, f"{where}.prompt_token_ids")
             generator = None
             if params.seed is not None and not params.greedy:
                 generator = torch.Generator(self.device).manual_seed(params.seed)
-            news[new.request_id] = RequestState(new.request_id, params, list(new.prompt_token_ids),
+            news[new.request_id] = SamplingState(new.request_id, params, list(new.prompt_token_ids),
                                                 tuple(new.params.eos_token_ids), generator=generator)
         rows = {}
         for i, request_id in enumerate(msg.request_ids):
@@ -137,7 +139,7 @@ class StreamState:
             if logits.shape[0] != len(msg.prompt_target_ids) or vocab == 0:
                 raise ValueError(f"prompt_logits.shape must be [{len(msg.prompt_target_ids)} rows (one per "
                                  f"prompt_target_ids), vocab], got {list(logits.shape)}")
-            check_token_ids(msg.prompt_target_ids, vocab, "prompt_target_ids")
+            check_wire_token_ids(msg.prompt_target_ids, vocab, "prompt_target_ids")
             bad = [k for k in msg.prompt_num_logprobs if not 0 <= k <= vocab]
             if bad:
                 raise ValueError(f"prompt_num_logprobs must be in [0, {vocab}], got {bad[0]}")

@@ -50,7 +50,7 @@ def test_refused_prompt_leaves_others_running(llm, prompt, message):
     engine.add_request(Request("good-1", [10, 11, 12], greedy(5)))
     first = engine.step()
     with pytest.raises(ValueError, match=message):
-        engine.validate_request(prompt, greedy(5))
+        llm.processor.process_prompt(prompt, greedy(5))
     engine.add_request(Request("good-2", [13, 14], greedy(4)))
     finished = run_to_completion(engine, first)
     assert set(finished) == {"good-1", "good-2"}
@@ -61,7 +61,7 @@ def test_refused_prompt_leaves_others_running(llm, prompt, message):
 def test_prompt_that_can_never_fit_the_pool_is_refused():
     small = LLM(kv_cache_memory=str(4 * SMOLLM2_BLOCK_BYTES), max_model_len=200)  # 64 tokens of KV
     with pytest.raises(ValueError, match="can never fit the KV cache, which holds 64 tokens"):
-        small.engine.validate_request(list(range(20, 90)), greedy(2))
+        small.processor.process_prompt(list(range(20, 90)), greedy(2))
     # A request that would outgrow the pool is capped at its size instead of livelocking.
     out = small.generate([list(range(20, 60))], greedy(100), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 64 - 40

@@ -60,11 +60,11 @@ def test_remote_sampling_equals_in_process_under_preemption_and_chunked_prefill(
     llm = LLM(kv_cache_memory=str(16 * SMOLLM2_BLOCK_BYTES), max_num_batched_tokens=32)
     runner = llm.engine.worker.model_runner
     local, local_preemptions = outputs(llm)
-    runner.sampler_client = RemoteSampler(sampler.address)
+    runner.sampler = RemoteSampler(sampler.address)
     try:
         remote, remote_preemptions = outputs(llm)
     finally:
-        runner.sampler_client.close()
+        runner.sampler.close()
     assert local_preemptions > 0 and remote_preemptions == local_preemptions
     assert remote == local
     # The batch really exercised what it claims to.
@@ -83,7 +83,7 @@ def test_prompt_logprobs_split_over_several_messages(sampler, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=4, logprobs=1)
     local = llm.generate(POEM, params, use_tqdm=False)[0]
     monkeypatch.setattr(remote, "MESSAGE_TARGET_BYTES", 7 * llm.engine.model_config.vocab_size * 4)  # 7 rows
-    llm.engine.worker.model_runner.sampler_client = client = RemoteSampler(sampler.address)
+    llm.engine.worker.model_runner.sampler = client = RemoteSampler(sampler.address)
     try:
         out = llm.generate(POEM, params, use_tqdm=False)[0]
     finally:

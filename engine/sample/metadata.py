@@ -4,6 +4,10 @@ Every decision that depends on the settings (which rows need penalties, a sort, 
 made here from Python values, so the sampler itself never has to read a tensor back to the host.
 Row subsets are int64 index tensors. A feature no row uses has None for all its tensors; a subset
 that is every row is None too, so the sampler works on the whole block without gathering.
+
+Each request's own settings (its bans, bias, allowed ids) are worked out and checked on their own first: if that
+raises for one request, its row is sampled as a plain greedy row, its token is thrown away and `failed` says why,
+and the rest of the batch is sampled exactly as it would have been without it.
 """
 
 from dataclasses import dataclass, field
@@ -12,8 +16,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.request import RequestFailure, SamplingParams
+
 if TYPE_CHECKING:
-    from engine.request import Request, SamplingParams
+    from engine.request import Request
+
+# What a failed row samples with: greedy, nothing else (its token is dropped).
+_FAILED_ROW = SamplingParams(temperature=0.0)
 
 
 @dataclass
@@ -59,6 +68,8 @@ class SamplingMetadata:
 
     # The largest logprobs asked for in the batch (-1 made vocab_size); None when no row asks.
     max_num_logprobs: int | None = None
+    # Rows whose own settings could not be worked out: sampled greedily, their token not to be used.
+    failed: dict[int, RequestFailure] = field(default_factory=dict)
 
     @classmethod
     def from_requests(
@@ -69,7 +80,15 @@ class SamplingMetadata:
         device: torch.device,
     ) -> "SamplingMetadata":
         """Row i is requests[i]. generators maps row -> that row's torch.Generator (only seeded, non-greedy rows)."""
-        params = [r.sampling_params for r in requests]
+        rows: list[_Row | None] = []
+        failed = {}
+        for i, request in enumerate(requests):
+            try:
+                rows.append(_Row.of(request, vocab_size))
+            except Exception as e:  # this request's settings alone: its batch mates go on
+                rows.append(None)
+                failed[i] = RequestFailure.from_exception(request.request_id, "sampling", e)
+        params = [_FAILED_ROW if row is None else row.params for row in rows]
         random = [i for i, p in enumerate(params) if not p.greedy]
         asked = [vocab_size if p.logprobs == -1 else p.logprobs for p in params if p.logprobs is not None]
         md = cls(
@@ -78,6 +97,7 @@ class SamplingMetadata:
             all_greedy=not random,
             all_random=bool(random) and len(random) == len(requests),
             max_num_logprobs=max(asked) if asked else None,
+            failed=failed,
         )
         if random and not md.all_random:
             md.random_rows = _tensor(random, torch.int64, device)
@@ -85,9 +105,34 @@ class SamplingMetadata:
             _set_random_row_settings(md, [params[i] for i in random], device)
             position = {row: j for j, row in enumerate(random)}
             md.generators = {position[row]: g for row, g in generators.items() if row in position}
-        _set_bans_and_bias(md, requests, vocab_size, device)
-        _set_penalties(md, requests, vocab_size, device)
+        _set_bans_and_bias(md, rows, vocab_size, device)
+        _set_penalties(md, rows, vocab_size, device)
         return md
+
+
+@dataclass
+class _Row:
+    """One request's sampling settings as host values, checked against the vocabulary."""
+
+    params: SamplingParams
+    banned: list[int]  # tokens that get -inf this step: bad words' last tokens, stop tokens before min_tokens
+    bias: list[tuple[int, float]]
+    allowed: list[int] | None
+    output_token_ids: list[int]
+    prompt_token_ids: list[int]
+
+    @classmethod
+    def of(cls, request: "Request", vocab_size: int) -> "_Row":
+        p = request.sampling_params
+        row = cls(p, sorted(_banned_bad_words(request) | _banned_before_min_tokens(request)),
+                  list((p.logit_bias or {}).items()), p.allowed_token_ids, request.output_token_ids,
+                  request.prompt_token_ids)
+        for name, ids in (("bad_words/stop_token_ids", row.banned), ("logit_bias", [t for t, _ in row.bias]),
+                          ("allowed_token_ids", row.allowed or ())):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[:3]}")
+        return row
 
 
 def _tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -99,7 +144,7 @@ def _subset(rows: list[int], total: int, device: torch.device) -> torch.Tensor |
     return None if len(rows) == total else _tensor(rows, torch.int64, device)
 
 
-def _set_random_row_settings(md: SamplingMetadata, random: list["SamplingParams"], device: torch.device) -> None:
+def _set_random_row_settings(md: SamplingMetadata, random: list[SamplingParams], device: torch.device) -> None:
     n = len(random)
     if any(p.temperature != 1.0 for p in random):
         md.temperature = _tensor([p.temperature for p in random], torch.float32, device)
@@ -120,32 +165,28 @@ def _set_random_row_settings(md: SamplingMetadata, random: list["SamplingParams"
         md.top_p = _tensor([random[j].top_p for j in top_p], torch.float32, device)
 
 
-def _set_bans_and_bias(md: SamplingMetadata, requests: list["Request"], vocab_size: int, device: torch.device) -> None:
-    allowed = [i for i, r in enumerate(requests) if r.sampling_params.allowed_token_ids is not None]
+def _set_bans_and_bias(md: SamplingMetadata, rows: list[_Row | None], vocab_size: int, device: torch.device) -> None:
+    allowed = [i for i, row in enumerate(rows) if row is not None and row.allowed is not None]
     if allowed:
         mask = torch.ones(len(allowed), vocab_size, dtype=torch.bool)
         for j, i in enumerate(allowed):
-            mask[j, requests[i].sampling_params.allowed_token_ids] = False
+            mask[j, rows[i].allowed] = False
         md.allowed_rows = _tensor(allowed, torch.int64, device)
         md.allowed_mask = mask.to(device, non_blocking=True)
 
     banned_rows, banned_tokens = [], []
-    for i, request in enumerate(requests):
-        tokens = sorted(_banned_bad_words(request) | _banned_before_min_tokens(request))
-        banned_rows += [i] * len(tokens)
-        banned_tokens += tokens
+    for i, row in enumerate(rows):
+        if row is not None:
+            banned_rows += [i] * len(row.banned)
+            banned_tokens += row.banned
     if banned_rows:
         md.banned_rows = _tensor(banned_rows, torch.int64, device)
         md.banned_token_ids = _tensor(banned_tokens, torch.int64, device)
 
-    bias = [
-        (i, token, value)
-        for i, r in enumerate(requests)
-        for token, value in (r.sampling_params.logit_bias or {}).items()
-    ]
+    bias = [(i, token, value) for i, row in enumerate(rows) if row is not None for token, value in row.bias]
     if bias:
-        rows, tokens, values = zip(*bias)
-        md.bias_rows = _tensor(rows, torch.int64, device)
+        rows_, tokens, values = zip(*bias)
+        md.bias_rows = _tensor(rows_, torch.int64, device)
         md.bias_token_ids = _tensor(tokens, torch.int64, device)
         md.bias_values = _tensor(values, torch.float32, device)
 
@@ -172,22 +213,22 @@ def _banned_before_min_tokens(request: "Request") -> set[int]:
     return stop
 
 
-def _set_penalties(md: SamplingMetadata, requests: list["Request"], vocab_size: int, device: torch.device) -> None:
-    rows = [i for i, r in enumerate(requests) if _has_penalty(r.sampling_params)]
-    if not rows:
+def _set_penalties(md: SamplingMetadata, rows: list[_Row | None], vocab_size: int, device: torch.device) -> None:
+    penalized = [i for i, row in enumerate(rows) if row is not None and _has_penalty(row.params)]
+    if not penalized:
         return
-    params = [requests[i].sampling_params for i in rows]
-    md.penalty_rows = _subset(rows, len(requests), device)
+    params = [rows[i].params for i in penalized]
+    md.penalty_rows = _subset(penalized, len(rows), device)
     md.presence_penalties = _tensor([p.presence_penalty for p in params], torch.float32, device)
     md.frequency_penalties = _tensor([p.frequency_penalty for p in params], torch.float32, device)
     md.repetition_penalties = _tensor([p.repetition_penalty for p in params], torch.float32, device)
-    md.output_token_counts = _token_counts([requests[i].output_token_ids for i in rows], vocab_size, device)
+    md.output_token_counts = _token_counts([rows[i].output_token_ids for i in penalized], vocab_size, device)
     if any(p.repetition_penalty != 1.0 for p in params):
-        seen = [requests[i].prompt_token_ids + requests[i].output_token_ids for i in rows]
+        seen = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in penalized]
         md.seen_token_mask = _token_mask(seen, vocab_size, device)
 
 
-def _has_penalty(p: "SamplingParams") -> bool:
+def _has_penalty(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 

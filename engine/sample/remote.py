@@ -7,7 +7,8 @@ since. Requests that finished are forgotten in the next message. Prompt-logprob 
 split over several messages when they are many. Blocking: the engine thread waits for each reply, at most
 `timeout` seconds; any failure ends the stream (the service forgets its requests) and raises
 SamplerUnavailableError, naming the other requests whose seeded generator is lost with it (the engine fails
-them too: a seed must give in-process sampling's tokens or nothing), and the next step opens a new one.
+them too: a seed must give in-process sampling's tokens or nothing), and the next step opens a new one. Given a
+fallback (--sampler-fallback: a LocalSampler), a step the service cannot serve samples there instead.
 """
 
 import logging
@@ -19,8 +20,9 @@ import torch
 from llmmesh.v1 import sampler_pb2
 
 from engine.grpc_policy import CHANNEL_OPTIONS
-from engine.sample.sampler import LogprobsTensors, SamplerOutput, SamplerUnavailableError
-from engine.sample.wire import logprobs_from_proto, new_request_to_proto, serialize_with_tensors
+from engine.request import RequestFailure
+from engine.sample.sampler import BatchSampler, LogprobsTensors, SamplerOutput, SamplerUnavailableError
+from engine.sample.wire import logprobs_tensors_from_proto, new_request_to_proto, serialize_with_tensors
 
 logger = logging.getLogger("llmmesh.engine")
 
@@ -55,29 +57,36 @@ class _Stream:
         self.call.cancel()
 
 
-class RemoteSampler:
-    def __init__(self, address: str, timeout: float = 10.0):
+class RemoteSampler(BatchSampler):
+    def __init__(self, address: str, timeout: float = 10.0, fallback: BatchSampler | None = None):
         self.address = address
         self.timeout = timeout
+        self.fallback = fallback
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stream: _Stream | None = None
         self._sent: dict[str, int] = {}  # request id -> output tokens the service has of it
         self._seeded: set[str] = set()  # those of them with a generator on the service
         self._finished: list[str] = []  # known requests to forget in the next message
         self._step_id = 0
-        # The engine step's traceparent/tracestate (--collect-detailed-traces), sent with the step's messages.
-        self.trace_headers: tuple[tuple[str, str], ...] = ()
 
     def forget(self, request_ids) -> None:
+        if self.fallback is not None:
+            self.fallback.forget(request_ids)
         for request_id in request_ids:
             if self._sent.pop(request_id, None) is not None:
                 self._seeded.discard(request_id)
                 self._finished.append(request_id)
 
-    def sample(self, requests: list, logits: torch.Tensor | None,
-               prompt_chunks: list[tuple[torch.Tensor, int, torch.Tensor]]) -> tuple[SamplerOutput | None, list]:
-        """Row i of logits samples for requests[i]; prompt_chunks are (logits, num_logprobs, targets).
-        Returns the SamplerOutput (None without rows) and each prompt chunk's LogprobsTensors."""
+    def sample(self, requests, logits, prompt_chunks):
+        try:
+            return self._sample(requests, logits, prompt_chunks)
+        except SamplerUnavailableError as e:
+            if self.fallback is None:
+                raise
+            logger.warning("%s; sampling this step in process", e)
+            return self.fallback.sample(requests, logits, prompt_chunks)
+
+    def _sample(self, requests, logits, prompt_chunks):
         if self._stream is None:
             self._stream = _Stream(self.channel)
         try:
@@ -87,9 +96,9 @@ class RemoteSampler:
             last, prompt_logits = self._prompt_message(batches[-1])
             self._add_rows(last, requests)
             replies.append(self._exchange(last, prompt_logits, logits if requests else None))
-            results = [logprobs_from_proto(lp, "prompt_logprobs") for r in replies for lp in r.prompt_logprobs]
+            results = [logprobs_tensors_from_proto(lp, "prompt_logprobs") for r in replies for lp in r.prompt_logprobs]
             reply = replies[-1]
-            logprobs = logprobs_from_proto(reply.logprobs, "logprobs") if reply.HasField("logprobs") else None
+            logprobs = logprobs_tensors_from_proto(reply.logprobs, "logprobs") if reply.HasField("logprobs") else None
         except (SamplerUnavailableError, ValueError) as e:  # ValueError: a reply that does not decode
             lost = self._seeded - {r.request_id for r in requests}
             self.reset()
@@ -102,7 +111,9 @@ class RemoteSampler:
         prompt_results = _join_pieces(pieces, results, len(prompt_chunks))
         if not requests:
             return None, prompt_results
-        return SamplerOutput(torch.tensor(list(reply.sampled_token_ids), dtype=torch.int64), logprobs), prompt_results
+        failed = {f.row: RequestFailure(f.message, f.invalid_input) for f in reply.failed}
+        sampled = torch.tensor(list(reply.sampled_token_ids), dtype=torch.int64)
+        return SamplerOutput(sampled, logprobs, failed), prompt_results
 
     def reset(self) -> None:
         """End the stream: the service forgets every request, the next step starts a new stream."""

@@ -7,10 +7,11 @@ Everything that can move the argmax comes before the greedy/random split; greedy
 rest. Nothing here reads a tensor back to the host: the metadata decided every branch already.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from engine.request import RequestFailure
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.ops import apply_min_p, apply_penalties, apply_top_k_top_p, apply_top_p, random_sample
 
@@ -36,6 +37,8 @@ class LogprobsTensors:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [num_reqs] int64
     logprobs: LogprobsTensors | None  # all rows, None when no row asked for logprobs
+    # Rows whose request failed on its own (their token is not to be used); the other rows are as without them.
+    failed: dict[int, RequestFailure] = field(default_factory=dict)
 
 
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -96,7 +99,7 @@ class Sampler:
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs, failed=metadata.failed)
 
     @staticmethod
     def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -117,3 +120,53 @@ class Sampler:
         if greedy is None:
             return drawn
         return greedy.index_copy_(0, md.random_rows, drawn)
+
+
+# A chunk of a prompt's logits to turn into prompt logprobs: (logits, num_logprobs, the prompt tokens they predict).
+PromptChunk = tuple[torch.Tensor, int, torch.Tensor]
+
+
+class BatchSampler:
+    """The model runner's sampler, one step at a time: in process (LocalSampler) or on the sampler service
+    (engine.sample.remote.RemoteSampler). Per-request state that lives across steps (seeded generators, token
+    histories) is its own; forget() drops it when requests finish."""
+
+    # The engine step's traceparent/tracestate (--collect-detailed-traces), for a sampler that makes calls.
+    trace_headers: tuple[tuple[str, str], ...] = ()
+
+    def sample(self, requests: list, logits: torch.Tensor | None,
+               prompt_chunks: list[PromptChunk]) -> tuple[SamplerOutput | None, list[LogprobsTensors]]:
+        """Row i of logits samples for requests[i]; also each prompt chunk's logprobs. None without rows."""
+        raise NotImplementedError
+
+    def forget(self, request_ids) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class LocalSampler(BatchSampler):
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.sampler = Sampler()
+        # Seeded requests keep one generator for their whole life.
+        self.generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids) -> None:
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)
+
+    def sample(self, requests, logits, prompt_chunks):
+        prompt_logprobs = [gather_logprobs(compute_logprobs(lg), k, targets) for lg, k, targets in prompt_chunks]
+        if logits is None:
+            return None, prompt_logprobs
+        generators = {}
+        for row, request in enumerate(requests):
+            params = request.sampling_params
+            if params.seed is not None and not params.greedy:
+                if request.request_id not in self.generators:
+                    self.generators[request.request_id] = torch.Generator(self.device).manual_seed(params.seed)
+                generators[row] = self.generators[request.request_id]
+        metadata = SamplingMetadata.from_requests(requests, generators, logits.shape[-1], self.device)
+        return self.sampler(logits, metadata), prompt_logprobs

@@ -81,12 +81,12 @@ def tensor_from_proto(msg: sampler_pb2.Tensor, field: str, dtypes=tuple(DTYPES),
     return torch.frombuffer(bytearray(msg.data), dtype=dtype).view(shape).to(device)
 
 
-def logprobs_to_proto(lp: LogprobsTensors) -> sampler_pb2.Logprobs:
+def logprobs_tensors_to_proto(lp: LogprobsTensors) -> sampler_pb2.Logprobs:
     return sampler_pb2.Logprobs(token_ids=tensor_to_proto(lp.token_ids), logprobs=tensor_to_proto(lp.logprobs),
                                 ranks=tensor_to_proto(lp.ranks))
 
 
-def logprobs_from_proto(msg: sampler_pb2.Logprobs, field: str) -> LogprobsTensors:
+def logprobs_tensors_from_proto(msg: sampler_pb2.Logprobs, field: str) -> LogprobsTensors:
     return LogprobsTensors(
         tensor_from_proto(msg.token_ids, f"{field}.token_ids", ("int64",), 2),
         tensor_from_proto(msg.logprobs, f"{field}.logprobs", ("float32",), 2),
@@ -109,7 +109,7 @@ def new_request_to_proto(request: "Request") -> sampler_pb2.NewRequest:
     return sampler_pb2.NewRequest(request_id=request.request_id, params=params, prompt_token_ids=prompt)
 
 
-def sampling_params_from_proto(msg: sampler_pb2.SamplerParams, vocab_size: int, field: str) -> SamplingParams:
+def sampler_params_from_proto(msg: sampler_pb2.SamplerParams, vocab_size: int, field: str) -> SamplingParams:
     """The request's SamplingParams as far as sampling goes (max_tokens is the engine's business)."""
     try:
         optional = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
@@ -124,13 +124,13 @@ def sampling_params_from_proto(msg: sampler_pb2.SamplerParams, vocab_size: int, 
     except ValueError as e:
         raise ValueError(f"{field}.{e}") from None
     params.bad_words_token_ids = [list(w.ids) for w in msg.bad_words_token_ids]
-    check_token_ids([t for w in params.bad_words_token_ids for t in w], vocab_size, f"{field}.bad_words_token_ids")
+    check_wire_token_ids([t for w in params.bad_words_token_ids for t in w], vocab_size, f"{field}.bad_words_token_ids")
     if any(not w for w in params.bad_words_token_ids):
         raise ValueError(f"{field}.bad_words_token_ids: a bad word must have at least one token")
     return params
 
 
-def check_token_ids(token_ids, vocab_size: int, field: str) -> None:
+def check_wire_token_ids(token_ids, vocab_size: int, field: str) -> None:
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"{field}: token ids must be in [0, {vocab_size}), got {bad[:3]}")

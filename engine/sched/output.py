@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from engine.request import EngineCoreEvent, FinishReason, Request
+from engine.request import EngineCoreEvent, FinishReason, Request, RequestFailure
 from engine.sample.sampler import LogprobsTensors
 
 
@@ -37,6 +37,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
     # Transfers the KV connector finished (None without a connector).
     kv_connector_output: object = None
+    # Requests that failed on their own in this step (their row has no token); the core ends them alone.
+    failed: dict[str, RequestFailure] = field(default_factory=dict)
+    sample_s: float = 0.0  # the step's sampling, in process or on the sampler service (host time)
 
 
 @dataclass
@@ -49,6 +52,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     new_logprobs: LogprobsTensors | None = None
     new_prompt_logprobs: LogprobsTensors | None = None
+    failure: RequestFailure | None = None  # with FinishReason.ERROR
 
     @property
     def finished(self) -> bool:

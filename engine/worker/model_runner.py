@@ -1,31 +1,27 @@
 """ModelRunner: turns a SchedulerOutput into one flat batch, runs the model, samples.
 
-It samples in process, or, given a sampler_client (engine.sample.remote.RemoteSampler), on the sampler
-service: the same rows and prompt-logprob rows go there, and the same outputs come back.
+It samples through its BatchSampler, in process (LocalSampler) or on the sampler service (RemoteSampler): the
+same rows and prompt-logprob chunks go either way, and the same outputs come back. A row whose request failed
+on its own in sampling gets no token, and the request is reported in ModelRunnerOutput.failed.
 
 Nothing in a step waits for the device but the one read of the sampled tokens: inputs are built on the
 host and copied without waiting (engine.worker.cuda_graphs.InputBuffers), and a decode-only step with
 CUDA graphs captured replays one instead of launching the model's kernels one by one.
 """
 
-import logging
 import time
 
 import torch
 
 from engine.kv.manager import cdiv
-from engine.sample.metadata import SamplingMetadata
-from engine.sample.sampler import (LogprobsTensors, Sampler, SamplerOutput, SamplerUnavailableError, compute_logprobs,
-                                   gather_logprobs)
+from engine.sample.sampler import BatchSampler, LocalSampler, LogprobsTensors
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cuda_graphs import CUDAGraphs, InputBuffers
-
-logger = logging.getLogger("llmmesh.engine")
 
 
 class ModelRunner:
     def __init__(self, model, kv_caches, block_size: int, device: torch.device, max_num_tokens: int, max_num_reqs: int,
-                 max_model_len: int, sampler_client=None, sampler_fallback: bool = False):
+                 max_model_len: int, sampler: BatchSampler | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -34,15 +30,9 @@ class ModelRunner:
         self.cudagraphs: CUDAGraphs | None = None  # set by capture_cudagraphs
         # Seconds the last step waited for the device (reading its sampled tokens): the rest was host work.
         self.device_wait_s = 0.0
-        self.sample_s = 0.0  # the last step's sampling, for StepStats
-        self.sampler = Sampler()
-        # Seeded requests keep one generator for their whole life.
-        self.generators: dict[str, torch.Generator] = {}
+        self.sampler = sampler or LocalSampler(device)
         # Prompt logprobs of requests whose prompt is still being prefilled in chunks.
         self.prompt_logprobs_in_progress: dict[str, list[LogprobsTensors]] = {}
-        # The sampler service, when sampling is remote; with sampler_fallback, a step it cannot serve samples here.
-        self.sampler_client = sampler_client
-        self.sampler_fallback = sampler_fallback
 
     def capture_cudagraphs(self, sizes: list[int]) -> None:
         """CUDA graphs of the model's forward for decode batches of these sizes (after the KV cache exists)."""
@@ -73,11 +63,9 @@ class ModelRunner:
         generator advances only when it really emits a token.
         """
         for request_id in so.finished_req_ids:
-            self.generators.pop(request_id, None)
             self.prompt_logprobs_in_progress.pop(request_id, None)
-        if self.sampler_client is not None:
-            self.sampler_client.forget(so.finished_req_ids)
-        self.device_wait_s = self.sample_s = 0.0
+        self.sampler.forget(so.finished_req_ids)
+        self.device_wait_s = 0.0
         if so.is_empty:
             return ModelRunnerOutput([])
         requests, order, rows, size, input_ids, positions, metadata, logits_indices = self.prepare_inputs(so)
@@ -86,12 +74,14 @@ class ModelRunner:
         else:
             hidden = self.cudagraphs.replay(size)
         output = ModelRunnerOutput([None] * len(order))
-        remote_prompt_chunks, prompts_done = self._compute_prompt_logprobs(requests, metadata, hidden)
+        prompt_chunks, prompts_done = self._prompt_logprob_chunks(requests, metadata, hidden)
         sampled_requests = [requests[i] for i in rows]
         logits = self.model.compute_logits(hidden[logits_indices]) if rows else None
         sample_started = time.perf_counter()
-        sampler_output = self._sample(sampled_requests, logits, remote_prompt_chunks)
-        self.sample_s = time.perf_counter() - sample_started
+        sampler_output, prompt_logprobs = self.sampler.sample(sampled_requests, logits, [c for _, c in prompt_chunks])
+        output.sample_s = time.perf_counter() - sample_started
+        for (chunks, _), result in zip(prompt_chunks, prompt_logprobs):
+            chunks.append(result)
         self._finish_prompt_logprobs(prompts_done, output)
         if sampler_output is None:
             return output
@@ -99,12 +89,15 @@ class ModelRunner:
         sampled = sampler_output.sampled_token_ids.tolist()  # the step's one wait for the device
         self.device_wait_s = time.perf_counter() - waited
         for row, token_id in enumerate(sampled):
-            output.sampled_token_ids[order[rows[row]]] = token_id
+            if row in sampler_output.failed:
+                output.failed[sampled_requests[row].request_id] = sampler_output.failed[row]
+            else:
+                output.sampled_token_ids[order[rows[row]]] = token_id
         if sampler_output.logprobs is not None:
             lp, vocab = sampler_output.logprobs, logits.shape[-1]
             for row, request in enumerate(sampled_requests):
                 k = request.sampling_params.logprobs
-                if k is not None:
+                if k is not None and row not in sampler_output.failed:
                     k = vocab if k == -1 else k
                     output.logprobs[request.request_id] = LogprobsTensors(
                         lp.token_ids[row : row + 1, : k + 1].clone(),
@@ -113,41 +106,10 @@ class ModelRunner:
                     )
         return output
 
-    def _sample(self, sampled_requests, logits, remote_prompt_chunks) -> SamplerOutput | None:
-        """Sample the rows (None without any) and finish the prompt-logprob chunks left for the sampler service."""
-        if self.sampler_client is not None:
-            try:
-                sampler_output, results = self.sampler_client.sample(
-                    sampled_requests, logits, [(lg, k, targets) for _, lg, k, targets in remote_prompt_chunks]
-                )
-            except SamplerUnavailableError as e:
-                if not self.sampler_fallback:
-                    raise
-                logger.warning("%s; sampling this step in process", e)
-            else:
-                for (chunks, *_), result in zip(remote_prompt_chunks, results):
-                    chunks.append(result)
-                return sampler_output
-        for chunks, lg, k, targets in remote_prompt_chunks:
-            chunks.append(gather_logprobs(compute_logprobs(lg), k, targets))
-        if logits is None:
-            return None
-        generators = {}
-        for row, request in enumerate(sampled_requests):
-            params = request.sampling_params
-            if params.seed is not None and not params.greedy:
-                if request.request_id not in self.generators:
-                    self.generators[request.request_id] = torch.Generator(self.device).manual_seed(params.seed)
-                generators[row] = self.generators[request.request_id]
-        sampling_metadata = SamplingMetadata.from_requests(sampled_requests, generators, logits.shape[-1], self.device)
-        return self.sampler(logits, sampling_metadata)
-
-    def _compute_prompt_logprobs(self, requests, metadata, hidden):
-        """Raw logprobs of each prompt token after the first, collected chunk by chunk.
-
-        In process they are computed here; with a sampler service, the chunks' (list to append to, logits,
-        num_logprobs, targets) are returned for it. Also returns the requests whose prompt is complete."""
-        remote, done = [], []
+    def _prompt_logprob_chunks(self, requests, metadata, hidden):
+        """This step's chunk of each prompt that wants logprobs: (the list its results gather in, (logits,
+        num_logprobs, the prompt tokens they predict)); and the requests whose prompt is complete."""
+        chunks_out, done = [], []
         for i, request in enumerate(requests):
             k = request.sampling_params.prompt_logprobs
             # After a preemption the prompt runs again, but its logprobs were already sent.
@@ -165,13 +127,10 @@ class ModelRunner:
                 vocab = logits.shape[-1]
                 # Built on the host, copied without waiting: a plain torch.tensor(..., device=) waits for the device.
                 targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1]).to(self.device, non_blocking=True)
-                if self.sampler_client is None:
-                    chunks.append(gather_logprobs(compute_logprobs(logits), vocab if k == -1 else k, targets))
-                else:
-                    remote.append((chunks, logits, vocab if k == -1 else k, targets))
+                chunks_out.append((chunks, (logits, vocab if k == -1 else k, targets)))
             if start + n >= request.num_prompt_tokens:
                 done.append(request.request_id)
-        return remote, done
+        return chunks_out, done
 
     def _finish_prompt_logprobs(self, request_ids: list[str], output: ModelRunnerOutput) -> None:
         """Requests whose whole prompt has run: their prompt logprobs, all chunks joined."""

@@ -22,7 +22,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import check_dtype, load_weights
 from engine.request import Request, SamplingParams
 from engine.sample.metadata import SamplingMetadata
-from engine.sample.sampler import Sampler
+from engine.sample.sampler import BatchSampler, LocalSampler, Sampler
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cuda_graphs import use_cudagraphs
 from engine.worker.model_runner import ModelRunner
@@ -192,19 +192,32 @@ class Worker:
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(cfg.num_hidden_layers)
         ]
-        sampler_client = None
-        if self.args.sampler_address:
-            from engine.sample.remote import RemoteSampler  # noqa: PLC0415 (gRPC only for a remote sampler)
+        self.model_runner, _ = self._make_model_runner(self.kv_caches, self._make_sampler())
 
-            sampler_client = RemoteSampler(self.args.sampler_address, self.args.sampler_timeout)
-        self.model_runner, _ = self._make_model_runner(self.kv_caches, sampler_client)
+    def _make_sampler(self) -> BatchSampler:
+        """In process, or on the sampler service at --sampler-address (falling back here with --sampler-fallback)."""
+        local = LocalSampler(self.device)
+        if not self.args.sampler_address:
+            return local
+        from engine.sample.remote import RemoteSampler  # noqa: PLC0415 (gRPC only for a remote sampler)
 
-    def _make_model_runner(self, kv_caches, sampler_client=None) -> tuple[ModelRunner, int]:
+        return RemoteSampler(self.args.sampler_address, self.args.sampler_timeout,
+                             fallback=local if self.args.sampler_fallback else None)
+
+    def set_step_trace_headers(self, trace_headers: tuple[tuple[str, str], ...]) -> None:
+        """The next step's span context (--collect-detailed-traces): its sampler's calls join it."""
+        self.model_runner.sampler.trace_headers = trace_headers
+
+    def shutdown(self) -> None:
+        if self.model_runner is not None:
+            self.model_runner.sampler.close()
+
+    def _make_model_runner(self, kv_caches, sampler: BatchSampler | None = None) -> tuple[ModelRunner, int]:
         """A runner over these caches, with its CUDA graphs captured if they are used; and the device memory it took."""
         a, dev = self.args, self.device
         free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
         runner = ModelRunner(self.model, kv_caches, a.block_size, dev, a.max_num_batched_tokens, a.max_num_seqs,
-                             self.max_model_len, sampler_client, a.sampler_fallback)
+                             self.max_model_len, sampler)
         if self.use_cudagraphs:
             began, sizes = time.perf_counter(), a.get_cudagraph_capture_sizes()
             runner.capture_cudagraphs(sizes)
