@@ -54,7 +54,25 @@ def apply_env(parser: argparse.ArgumentParser) -> None:
                         raise ValueError(f"must be one of {', '.join(map(str, action.choices))}")
                 except ValueError as e:
                     raise SystemExit(f"error: {env_name(action.dest)}={value!r}: {e}") from None
-            action.help = f"{action.help or ''} [env {env_name(action.dest)}]".strip()
+            # Escaped: argparse formats help with %; the default and the variable are shown as they are.
+            action.help = f"{action.help or ''} {help_suffix(action).replace('%', '%%')}".strip()
+
+
+def default_text(action: argparse.Action) -> str:
+    """A flag's default as --help and docs/flags.md show it (after LLMMESH_* variables are applied)."""
+    value = action.default
+    if action.nargs == 0:  # a switch
+        return "on" if value else "off"
+    if value is None:
+        return "unset"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value) if value != "" else '""'
+
+
+def help_suffix(action: argparse.Action) -> str:
+    """What apply_env appends to a flag's help: its default and its variable."""
+    return f"(default: {default_text(action)}) [env {env_name(action.dest)}]"
 
 
 def service_parser(subparsers, name: str, help: str, port_of: str | None = None) -> argparse.ArgumentParser:
