@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from engine.request import SamplingParams
+from engine.request import RequestFailure, SamplingParams
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
 from engine.sample.wire import (LOGITS_DTYPES, check_wire_token_ids, logprobs_tensors_to_proto,
@@ -29,6 +29,7 @@ from services.telemetry import Telemetry, set_error
 
 SERVICE_NAME = sampler_pb2.DESCRIPTOR.services_by_name["Sampler"].full_name
 logger = logging.getLogger("llmmesh.sampler")
+_FAILED_ROW = SamplingParams(temperature=0.0)  # what a refused request's row samples with (its token is dropped)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class SamplingState:
     eos_token_ids: tuple[int, ...]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    failure: RequestFailure | None = None  # its parameters were refused: its row fails, the others go on
 
 
 class StreamState:
@@ -70,6 +72,7 @@ class StreamState:
         states = [rows[request_id] for request_id in msg.request_ids]
         generators = {row: s.generator for row, s in enumerate(states) if s.generator is not None}
         metadata = SamplingMetadata.from_requests(states, generators, logits.shape[-1], self.device)
+        metadata.failed.update({row: s.failure for row, s in enumerate(states) if s.failure is not None})
         output = self.sampler(logits, metadata)
         result.sampled_token_ids.extend(output.sampled_token_ids.tolist())
         for row, failure in output.failed.items():
@@ -103,14 +106,19 @@ class StreamState:
                 raise ValueError(f"{where}.request_id {new.request_id!r} is already known on this stream")
             if vocab is None:
                 raise ValueError(f"{where}: a new request needs its row in request_ids and logits")
-            params = sampler_params_from_proto(new.params, vocab, f"{where}.params")
-            check_wire_token_ids(new.params.eos_token_ids, vocab, f"{where}.params.eos_token_ids")
-            check_wire_token_ids(new.prompt_token_ids, vocab, f"{where}.prompt_token_ids")
+            try:  # a request's own parameters fail its row alone, not the stream
+                params = sampler_params_from_proto(new.params, vocab, f"{where}.params")
+                check_wire_token_ids(new.params.eos_token_ids, vocab, f"{where}.params.eos_token_ids")
+                check_wire_token_ids(new.prompt_token_ids, vocab, f"{where}.prompt_token_ids")
+            except ValueError as e:
+                failure = RequestFailure(f"request {new.request_id}: sampling failed: {e}", invalid_input=True)
+                news[new.request_id] = SamplingState(new.request_id, _FAILED_ROW, [], (), failure=failure)
+                continue
             generator = None
             if params.seed is not None and not params.greedy:
                 generator = torch.Generator(self.device).manual_seed(params.seed)
             news[new.request_id] = SamplingState(new.request_id, params, list(new.prompt_token_ids),
-                                                tuple(new.params.eos_token_ids), generator=generator)
+                                                 tuple(new.params.eos_token_ids), generator=generator)
         rows = {}
         for i, request_id in enumerate(msg.request_ids):
             state = news.get(request_id) or (self.requests.get(request_id) if request_id not in forgotten else None)

@@ -167,9 +167,11 @@ class Server:
         self.broken: str | None = None  # why the service can no longer serve (health stays NOT_SERVING)
         self.announced = False
         self._watchers: list[asyncio.Task] = []
+        self.servicers: list = []  # what add() registered, for whoever holds the server (an in-process test)
 
     def add(self, add_servicer_to_server, servicer) -> None:
         add_servicer_to_server(servicer, self.registrar)
+        self.servicers.append(servicer)
 
     async def set_serving(self, serving: bool) -> None:
         serving = serving and self.broken is None and not self.stop_requested.is_set()

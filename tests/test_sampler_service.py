@@ -17,7 +17,7 @@ from engine.request import Request
 from engine.sample.remote import RemoteSampler
 from engine.sample.sampler import SamplerUnavailableError
 from engine.sample.wire import tensor_to_proto
-from llmmesh.v1 import engine_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+from llmmesh.v1 import common_pb2, engine_pb2_grpc, sampler_pb2, sampler_pb2_grpc
 from services.client import collect, generate
 from services.supervisor import Mesh
 from test_mesh import expect_error, first_chunks, kill_while_streaming, wait_idle
@@ -143,8 +143,6 @@ GOOD = dict(new_requests=[new_request(temperature=0)], request_ids=["a"], num_ne
     (dict(GOOD, new_requests=[], request_ids=["nobody"]), "request_ids[0]"),
     (dict(GOOD, num_new_tokens=[1]), "new_token_ids"),
     (dict(GOOD, num_new_tokens=[1], new_token_ids=[8]), "new_token_ids"),
-    (dict(GOOD, new_requests=[new_request(temperature=-1)]), "new_requests[0].params.temperature"),
-    (dict(GOOD, new_requests=[new_request(temperature=1, logit_bias={99: 1.0})]), "new_requests[0].params.logit_bias"),
     (dict(GOOD, new_requests=[new_request(temperature=0), new_request(temperature=0)]), "new_requests[1].request_id"),
     (dict(GOOD, prompt_num_targets=[1], prompt_num_logprobs=[2], prompt_target_ids=[3]), "prompt_logits"),
 ])
@@ -159,6 +157,26 @@ def test_bad_messages_are_invalid_argument_naming_the_field(sampler, fields, nam
         replies = list(stub.Sample(iter([step(**GOOD)]), timeout=30))
         assert [list(r.sampled_token_ids) for r in replies] == [[7]]
     wait_for_health(sampler.address, SERVING)
+
+
+@pytest.mark.parametrize("params, named", [
+    (dict(temperature=-1), "new_requests[1].params.temperature"),
+    (dict(temperature=1, logit_bias={99: 1.0}), "new_requests[1].params.logit_bias"),
+    (dict(temperature=0, bad_words_token_ids=[common_pb2.TokenIds()]), "new_requests[1].params.bad_words_token_ids"),
+])
+def test_a_request_with_bad_parameters_fails_its_row_alone(sampler, params, named):
+    """The stream and the step's other rows go on; the row says why (its input), and the next step is served."""
+    logits = tensor_to_proto(torch.arange(16, dtype=torch.float32).view(2, 8))
+    first = step(new_requests=[new_request("a", temperature=0), new_request("b", **params)], request_ids=["a", "b"],
+                 num_new_tokens=[0, 0], logits=logits)
+    second = sampler_pb2.SampleStep(step_id=2, finished_request_ids=["b"], request_ids=["a"], num_new_tokens=[1],
+                                    new_token_ids=[7], logits=tensor_to_proto(torch.arange(8.0).view(1, 8)))
+    with grpc.insecure_channel(sampler.address) as channel:
+        replies = list(sampler_pb2_grpc.SamplerStub(channel).Sample(iter([first, second]), timeout=30))
+    assert replies[0].sampled_token_ids[0] == 7
+    [failed] = replies[0].failed
+    assert failed.row == 1 and failed.invalid_input and named in failed.message
+    assert list(replies[1].sampled_token_ids) == [7] and not replies[1].failed
 
 
 def test_state_carries_across_steps_and_finished_requests_are_forgotten(sampler):
