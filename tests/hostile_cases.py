@@ -209,6 +209,7 @@ def sampling_mutations(vocab: int, max_model_len: int, max_logprobs: int, vllm: 
             bad("allowed_token_ids"))
         add("allowed_token_ids=[42, 42]", _extend("allowed_token_ids", [42, 42]), OK)
         add("bad_words=['']", _extend("bad_words", [""]), bad("bad_words"))
+        add("bad_words whitespace only", _extend("bad_words", ["\n\n", " "]), bad("bad_words"))
         add("bad_words=[10,000 chars]", _extend("bad_words", ["b" * LONG]), bad("bad_words"))
         add(f"bad_words {LIMITS.max_bad_words + 1}",
             _extend("bad_words", [f"w{i}" for i in range(LIMITS.max_bad_words + 1)]), bad("bad_words"))
