@@ -56,10 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     EngineArgs.add_cli_args(engine)
     config.add_limit_args(engine)
-    engine.add_argument("--collect-detailed-traces", nargs="?", const="all", default=None,
-                        choices=["all", "model", "worker"],
-                        help="(vLLM's flag) add each engine step to request traces: the tokens it produced, "
-                             "its batch, its time in schedule, model and output processing")
+    config.add_detailed_traces_arg(engine)
     engine.set_defaults(func=run_engine)
     for module in (server, tokenizer_service, detokenizer_service, kvstore_service, sampler_service, gateway, supervisor,
                    client):

@@ -94,6 +94,14 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
 
 
+def add_detailed_traces_arg(parser: argparse.ArgumentParser) -> None:
+    """The engine's --collect-detailed-traces (`llmmesh serve` passes it on to its engine)."""
+    parser.add_argument("--collect-detailed-traces", nargs="?", const="all", default=None,
+                        choices=["all", "model", "worker"],
+                        help="(vLLM's flag) add each engine step to request traces: the tokens it produced, "
+                             "its batch, its time in schedule, model and output processing")
+
+
 def limits_from_args(args) -> RequestLimits:
     limits = RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)})
     for f in dataclasses.fields(RequestLimits):

@@ -2,8 +2,9 @@
 
 `llmmesh serve` starts the engine, tokenizer, detokenizer and gateway as separate processes on loopback
 (each on a free port, read from its "listening on" line), waits until the gateway reports every service
-healthy, prints the gateway's address and stops everything on Ctrl-C or SIGTERM. `llmmesh demo` does the
-same, streams a few generations through it and stops. Tests and benchmarks start services the same way.
+healthy, prints the gateway's address and stops everything on Ctrl-C or SIGTERM. A service that dies is
+started again on its port (supervise); one that keeps dying stops the mesh. `llmmesh demo` does the same,
+streams a few generations through it and stops. Tests and benchmarks start services the same way.
 With the KV store, a `redis-server` (RedisServer) and the kvstore start first, and the engine is given a
 --kv-transfer-config that points its connector at the kvstore.
 """
@@ -23,11 +24,22 @@ import threading
 import time
 
 from engine.config import EngineArgs
+from engine.limits import RequestLimits
 from services import client, config
 from services.gateway import add_gateway_args
+from services.prometheus import scrape_config
 
 LISTENING = re.compile(r"llmmesh (\w+) listening on (\S+)")
 METRICS = re.compile(r"llmmesh (\w+) metrics on (\S+)")  # with --metrics-port (services.telemetry)
+
+# `llmmesh serve` starts a service that died again after RESTART_BACKOFF_S, doubled for each time it was restarted
+# in the last RESTART_WINDOW_S. A service that dies once more after MAX_RESTARTS restarts in that window is in a
+# crash loop: serve stops the mesh and says so. The window is long enough to hold five deaths of an engine that
+# fails each time after loading for a minute.
+RESTART_BACKOFF_S = 0.25
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 300.0
+REDIS = "redis-server"  # Redis's name among the mesh's processes
 
 
 # ---- running services as processes --------------------------------------------------------------
@@ -100,6 +112,21 @@ class ServiceProcess:
     def kill(self) -> None:
         self.popen.kill()
         self.popen.wait()
+
+
+def exit_status(returncode: int) -> str:
+    """A process's exit as words: "exit code 1", "killed by SIGKILL"."""
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
+
+
+def set_flag(args: list[str], flag: str, value) -> list[str]:
+    """args with flag set to value: in place of its last occurrence (the one argparse keeps), else appended."""
+    if flag not in args:
+        return [*args, flag, str(value)]
+    i = len(args) - 1 - args[::-1].index(flag)
+    return [*args[: i + 1], str(value), *args[i + 2 :]]
 
 
 def free_port() -> int:
@@ -231,14 +258,18 @@ def kv_transfer_config(kvstore_address: str, **options) -> str:
 
 class Mesh:
     """Engine, tokenizer, detokenizer and gateway processes on loopback; with kv_store, also a redis-server
-    and the kvstore, started before the engine, which is given a --kv-transfer-config pointing at the kvstore."""
+    and the kvstore, started before the engine, which is given a --kv-transfer-config pointing at the kvstore.
+
+    service_args: further flags for the services behind the gateway, by service ("engine": every replica,
+    "tokenizer", "detokenizer", "kvstore", "sampler"); the gateway's own are gateway_args."""
 
     def __init__(self, engine_args: EngineArgs, gateway_args: list[str] = (), port: int = 0, echo: bool = False,
                  kv_store: bool = False, redis_maxmemory: str = "2gb", num_engines: int = 1, sampler: bool = False,
-                 env: dict | None = None):
+                 env: dict | None = None, service_args: dict[str, list[str]] | None = None):
         self.engine_args = engine_args
         self.env = env  # variables every service gets on top of this process's (LLMMESH_*, OTEL_*)
         self.gateway_args = list(gateway_args)
+        self.service_args = dict(service_args or {})
         self.port = port
         self.echo = echo
         self.kv_store = kv_store
@@ -257,24 +288,25 @@ class Mesh:
     def launch(self, timeout: float = 60.0) -> None:
         """Start the engine, tokenizer and detokenizer (they load at the same time), after Redis and the kvstore
         when the KV store is on; wait() finishes the job."""
-        engine_args = self.engine_args
+        engine_args, flags = self.engine_args, self.service_args
         try:
             if self.kv_store:
                 self.redis = RedisServer(maxmemory=self.redis_maxmemory, echo=self.echo)
-                kvstore = self._start("kvstore", ["--port", "0", "--redis-url", self.redis.url])
+                kvstore = self._start("kvstore", ["--port", "0", "--redis-url", self.redis.url,
+                                                  *flags.get("kvstore", [])])
                 engine_args = dataclasses.replace(engine_args, kv_transfer_config=kv_transfer_config(
                     kvstore.wait_listening(timeout)))
             if self.sampler:
-                sampler = self._start("sampler", ["--port", "0"])
+                sampler = self._start("sampler", ["--port", "0", *flags.get("sampler", [])])
                 engine_args = dataclasses.replace(engine_args, sampler_address=sampler.wait_listening(timeout))
         except BaseException:
             self.stop()
             raise
         model = ["--model", engine_args.model]
         for name in self.engine_names:
-            self._start(name, ["--port", "0", *engine_flags(engine_args)], service="engine")
-        self._start("tokenizer", ["--port", "0", *model])
-        self._start("detokenizer", ["--port", "0", *model])
+            self._start(name, ["--port", "0", *engine_flags(engine_args), *flags.get("engine", [])], service="engine")
+        self._start("tokenizer", ["--port", "0", *model, *flags.get("tokenizer", [])])
+        self._start("detokenizer", ["--port", "0", *model, *flags.get("detokenizer", [])])
 
     def wait(self, timeout: float = 600.0) -> str:
         """Wait for the services, then start the gateway in front of them and wait until it is serving."""
@@ -303,27 +335,37 @@ class Mesh:
         return process
 
     def restart(self, name: str, timeout: float = 120.0) -> ServiceProcess:
-        """Start a service again with its flags, on the port it had (after it died or was killed)."""
-        old = self.services[name]
-        if old.alive():
-            old.kill()
-        self._start(name, [*old.args, "--port", str(old.port)], service=old.service)  # the last --port wins
+        """Start a service again with its flags, on the port it had (after it died or was killed), and wait
+        until it is serving."""
+        self.relaunch(name)
         self.services[name].wait_listening(timeout)
         return self.services[name]
 
-    def revive_store(self) -> list[str]:
-        """Start a Redis or kvstore that died again, on its port (the store is a cache: meanwhile the engine
-        recomputes, and Redis comes back empty), and a sampler that died (meanwhile the engines fail the
-        requests of each step they cannot sample, then find it again). Returns what was restarted."""
-        revived = []
-        if self.redis is not None and not self.redis.alive():
+    def relaunch(self, name: str) -> None:
+        """Start a service (or REDIS) again with its flags, on the ports it had, its /metrics too; kill it first if
+        it still runs. The others find it there again: the gateway and engines reconnect on their own. Redis comes
+        back empty (the store is a cache), and blocks until it is ready; a service is serving once .listening."""
+        if name == REDIS:
             self.redis.start()
-            revived.append("redis-server")
-        for name in ("kvstore", "sampler"):
-            if name in self.services and not self.services[name].alive():
-                self.restart(name)
-                revived.append(name)
-        return revived
+            return
+        old = self.services[name]
+        if old.alive():
+            old.kill()
+        args = old.args
+        if old.address is not None:  # else it died before it served, and its args hold the ports to use
+            args = set_flag(args, "--port", old.port)
+        if old.metrics_address is not None:
+            args = set_flag(args, "--metrics-port", old.metrics_address.rsplit(":", 1)[1])
+        self._start(name, args, service=old.service)
+
+    def dead(self) -> list[str]:
+        """The services (and REDIS) whose process has exited."""
+        dead = [REDIS] if self.redis is not None and not self.redis.alive() else []
+        return dead + [name for name, process in self.services.items() if not process.alive()]
+
+    def popen(self, name: str) -> subprocess.Popen:
+        """The process of a service, or of REDIS."""
+        return (self.redis if name == REDIS else self.services[name]).popen
 
     @property
     def address(self) -> str:
@@ -351,43 +393,110 @@ class Mesh:
 
 
 def serve(args: argparse.Namespace) -> None:
+    if args.prometheus_config and args.metrics_port is None:
+        raise ValueError("--prometheus-config needs --metrics-port (0: each service on a free port of its own)")
     engine_args = EngineArgs.from_cli_args(args)
-    gateway_args = gateway_flags(args)
-    mesh = Mesh(engine_args, gateway_args, port=args.port, echo=True, **kv_store_options(args),
-                **sampler_options(args), env=telemetry_env(args))
-    stop = threading.Event()
+    flags = service_flags(args)
+    mesh = Mesh(engine_args, flags.pop("gateway"), port=args.port, echo=True, **kv_store_options(args),
+                **sampler_options(args), env=telemetry_env(args), service_args=flags)
+    stop, started = threading.Event(), threading.Event()
 
     def on_signal(*_):
         stop.set()
-        if not mesh.services.get("gateway") or not mesh.services["gateway"].listening.is_set():
+        if not started.is_set():
             raise KeyboardInterrupt  # still starting: Mesh.start stops what it started
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    started = time.perf_counter()
+    began = time.perf_counter()
     store = (", Redis, the kvstore" if mesh.kv_store else "") + (", the sampler" if mesh.sampler else "")
-    print(f"llmmesh serve: starting the engine, tokenizer, detokenizer{store} and gateway for {engine_args.model}",
-          flush=True)
+    say(f"starting the engine, tokenizer, detokenizer{store} and gateway for {engine_args.model}")
     try:
         try:
             address = mesh.start()
+            started.set()
         except KeyboardInterrupt:
             return
-        print(f"llmmesh serve: every service is healthy after {time.perf_counter() - started:.1f} s", flush=True)
+        say(f"every service is healthy after {time.perf_counter() - began:.1f} s")
+        for name in [REDIS] * (mesh.redis is not None) + list(mesh.services):
+            say(f"the {name} is serving: {describe(mesh, name)}")
+        if args.prometheus_config:
+            write_prometheus_config(mesh, args.prometheus_config)
         print(f"llmmesh gateway listening on {address}", flush=True)
         print(f'  try: llmmesh generate "The capital of France is" --address {address}', flush=True)
-        while not stop.wait(0.5):
-            for name in mesh.revive_store():
-                print(f"llmmesh serve: the {name} exited; restarted it", file=sys.stderr, flush=True)
-            dead = [name for name, s in mesh.services.items() if not s.alive()]
-            if dead:
-                print(f"llmmesh serve: the {', '.join(dead)} exited; stopping the mesh", file=sys.stderr, flush=True)
-                mesh.stop(args.shutdown_timeout)
-                sys.exit(1)
+        crash_loop = supervise(mesh, stop)
+        if crash_loop:
+            say(crash_loop, error=True)
+            sys.exit(1)
     finally:
-        print("llmmesh serve: stopping", flush=True)
+        say("stopping")
         mesh.stop(args.shutdown_timeout)
-        print("llmmesh serve: stopped", flush=True)
+        say("stopped")
+
+
+def say(message: str, error: bool = False) -> None:
+    print(f"llmmesh serve: {message}", file=sys.stderr if error else sys.stdout, flush=True)
+
+
+def describe(mesh: Mesh, name: str) -> str:
+    """Where a process of the mesh serves, and its pid."""
+    if name == REDIS:
+        return f"{mesh.redis.address} (pid {mesh.popen(name).pid})"
+    process = mesh.services[name]
+    metrics = f", /metrics at {process.metrics_address}" if process.metrics_address else ""
+    return f"{process.address} (pid {process.popen.pid}{metrics})"
+
+
+def restart_backoff(restarts: list[float], now: float) -> float | None:
+    """Seconds to wait before starting a process that died again, given when it was restarted before; None when
+    it was restarted MAX_RESTARTS times within the last RESTART_WINDOW_S (a crash loop)."""
+    recent = [t for t in restarts if now - t < RESTART_WINDOW_S]
+    return None if len(recent) >= MAX_RESTARTS else RESTART_BACKOFF_S * 2 ** len(recent)
+
+
+def supervise(mesh: Mesh, stop: threading.Event, poll_s: float = 0.1) -> str | None:
+    """Start every process of the mesh that dies again, on its ports, after restart_backoff, until stop is set.
+    Returns why it gave up instead: a process in a crash loop."""
+    restarts: dict[str, list[float]] = {}  # name -> when it was started again, in the last RESTART_WINDOW_S
+    due: dict[str, float] = {}  # a dead process -> when to start it again
+    starting: set[str] = set()  # started again, not serving yet
+    while not stop.wait(poll_s):
+        now = time.monotonic()
+        for name in mesh.dead():
+            if name in due:
+                continue
+            starting.discard(name)
+            restarts[name] = [t for t in restarts.get(name, []) if now - t < RESTART_WINDOW_S]
+            status = exit_status(mesh.popen(name).returncode)
+            backoff = restart_backoff(restarts[name], now)
+            if backoff is None:
+                return (f"the {name} exited ({status}) after {MAX_RESTARTS} restarts within {RESTART_WINDOW_S:g} s, "
+                        f"the most serve allows: a crash loop, so the mesh stops; the {name}'s output above says why")
+            due[name] = now + backoff
+            say(f"the {name} exited ({status}); starting it again in {backoff:g} s", error=True)
+        for name in [name for name, at in due.items() if at <= now]:
+            del due[name]
+            restarts[name].append(now)
+            try:
+                mesh.relaunch(name)
+            except (RuntimeError, TimeoutError) as e:  # Redis that did not come back: dead again, seen next time
+                say(f"the {name} did not start again: {e}", error=True)
+                continue
+            say(f"started the {name} again (pid {mesh.popen(name).pid})")
+            starting.add(name)
+        for name in [name for name in starting if name == REDIS or mesh.services[name].listening.is_set()]:
+            starting.discard(name)
+            say(f"the {name} is serving again: {describe(mesh, name)}")
+    return None
+
+
+def write_prometheus_config(mesh: Mesh, path: str) -> None:
+    """A Prometheus scrape configuration for every service's /metrics (they keep their ports when restarted)."""
+    targets = {name: process.metrics_address for name, process in mesh.services.items() if process.metrics_address}
+    with open(path, "w") as f:
+        f.write(scrape_config(targets))
+    say(f"wrote a Prometheus scrape configuration for {len(targets)} services to {os.path.abspath(path)} "
+        f"(prometheus --config.file {path})")
 
 
 DEMO_PROMPTS = ["The capital of France is", "def quicksort(items):", "Three facts about the Moon:"]
@@ -418,17 +527,32 @@ def telemetry_env(args: argparse.Namespace) -> dict:
     return env
 
 
-def gateway_flags(args: argparse.Namespace) -> list[str]:
-    """The gateway's own flags as `llmmesh serve` was given them."""
-    flags = ["--host", args.host, "--shutdown-timeout", str(args.shutdown_timeout),
-             "--max-requests-in-flight", str(args.max_requests_in_flight)]
+def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
+    """`llmmesh serve`'s flags for each service that takes them, by service. The engine's own (EngineArgs) go to it
+    as Mesh's engine_args, --model also to the text services, and tracing and metrics as telemetry_env; the
+    gateway alone binds --host and --port, the others listen on loopback."""
+    every = ["--log-level", args.log_level]
+    drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
+    limits = [flag for f in dataclasses.fields(RequestLimits)
+              for flag in ("--" + f.name.replace("_", "-"), str(getattr(args, f.name)))]
+    trust = ["--trust-request-chat-template"] if args.trust_request_chat_template else []
+    gateway = ["--host", args.host, "--max-requests-in-flight", str(args.max_requests_in_flight)]
     if args.served_model_name:
-        flags += ["--served-model-name", args.served_model_name]
+        gateway += ["--served-model-name", args.served_model_name]
     if args.api_key:
-        flags += ["--api-key", args.api_key]
-    if args.trust_request_chat_template:
-        flags.append("--trust-request-chat-template")
-    return flags
+        gateway += ["--api-key", args.api_key]
+    engine = ["--collect-detailed-traces", args.collect_detailed_traces] if args.collect_detailed_traces else []
+    # The sampler samples where the engine runs (its seeded draws follow that device's generator) when the engine's
+    # device is named; with "auto" it stays on the CPU, its default.
+    device = ["--device", args.device] if args.device != "auto" else []
+    return {
+        "gateway": [*every, *drain, *gateway, *trust, *limits],
+        "engine": [*every, *drain, *engine, *limits],
+        "tokenizer": [*every, *drain, *trust, *limits],
+        "detokenizer": [*every, *drain, *limits],
+        "kvstore": [*every, *drain],
+        "sampler": [*every, *device],  # its short drain stays: an engine's step stream lasts as long as the engine
+    }
 
 
 # Whether serve and demo (make run, make serve) run the KV store unless told --no-kv-store. Mesh itself
@@ -463,10 +587,20 @@ def add_subcommands(subparsers) -> None:
     p = config.service_parser(
         subparsers, "serve", "run the whole mesh on loopback (one process per service)", port_of="gateway"
     )
+    p.description = (
+        "Run the whole mesh on loopback, one process per service; each flag reaches every service that takes it. "
+        f"A service that dies is started again on its port after {RESTART_BACKOFF_S:g} s, doubled for each restart "
+        f"of it in the last {RESTART_WINDOW_S:g} s; one that dies after {MAX_RESTARTS} restarts within "
+        f"{RESTART_WINDOW_S:g} s is in a crash loop, and serve stops the mesh and exits with code 1."
+    )
     add_gateway_args(p)
     EngineArgs.add_cli_args(p)
+    config.add_detailed_traces_arg(p)
     add_kv_store_args(p)
     add_sampler_args(p)
+    p.add_argument("--prometheus-config", metavar="FILE", default=None,
+                   help="once the mesh is up, write a Prometheus scrape configuration for every service's /metrics "
+                        "to FILE (needs --metrics-port; each service then serves /metrics on a free port)")
     p.set_defaults(func=serve)
 
     p = subparsers.add_parser("demo", help="start the mesh, stream a few generations through it, stop it")
