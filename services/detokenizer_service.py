@@ -23,7 +23,7 @@ from engine.text import RequestDetokenizer
 from engine.text.detokenizer import MAX_PROMPT_CONTEXT
 from llmmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 from services import config
-from services.text_model import TextModel, check_token_ids, serve_text_service, text_service_parser
+from services.text_model import TextModel, check_token_ids_in_vocab, serve_text_service, text_service_parser
 from services.telemetry import Telemetry, set_error
 
 logger = logging.getLogger("llmmesh.detokenizer")
@@ -97,7 +97,7 @@ class DetokenizeStream:
             start = item.start
             # Only the prompt's tail is read (the decoder starts a few tokens before the output).
             prompt_tail = list(start.prompt_token_ids[-MAX_PROMPT_CONTEXT:])
-            check_token_ids(prompt_tail, self.tokenizer.vocab_size, f"{field}.start.prompt_token_ids")
+            check_token_ids_in_vocab(prompt_tail, self.tokenizer.vocab_size, f"{field}.start.prompt_token_ids")
             try:
                 params = params_from_start(start)
                 self.limits.check_params(params)
@@ -119,8 +119,8 @@ class DetokenizeStream:
         if detok is None:
             raise ValueError(f"{field}.step: request {rid[:256]!r} is not open on this stream (start it first)")
         step = item.step
-        check_token_ids(step.token_ids, self.tokenizer.vocab_size, f"{field}.step.token_ids", self.max_tokens)
-        check_token_ids(step.text_of_token_ids, self.tokenizer.vocab_size, f"{field}.step.text_of_token_ids")
+        check_token_ids_in_vocab(step.token_ids, self.tokenizer.vocab_size, f"{field}.step.token_ids", self.max_tokens)
+        check_token_ids_in_vocab(step.text_of_token_ids, self.tokenizer.vocab_size, f"{field}.step.text_of_token_ids")
         detok.update(list(step.token_ids), step.stop_terminated)
         finished = step.finished or detok.matched_stop is not None
         text = detok.get_next_output_text(finished, delta=True)

@@ -2,62 +2,21 @@
 
 import asyncio
 import contextlib
-import time
 
 import grpc
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
 from engine.core import EngineCore
-from engine.outputs import RequestOutput
 from engine.text.tokenizer import Tokenizer
-from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from llmmesh.v1 import engine_pb2, engine_pb2_grpc
 from services import config
-from services.convert import logprobs_to_proto, sampling_params_from_proto
+from services.convert import request_output_to_llmmesh, sampling_params_from_llmmesh
 from services.engine_telemetry import EngineTelemetry, serve_request
 from services.server import Server, llmmesh_version
 from services.vllm_engine import VLLM_ENGINE_SERVICE, VllmEngineServicer, vllm_engine_pb2_grpc
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
-
-
-def timings(out: RequestOutput) -> common_pb2.Timings:
-    m = out.metrics
-    return common_pb2.Timings(
-        queue_time=m.time_in_queue or 0.0,
-        time_to_first_token=m.time_to_first_token or 0.0,
-        e2e_latency=time.monotonic() - m.arrival_time,
-        prefill_time=m.prefill_time or 0.0,
-        decode_time=m.decode_time or 0.0,
-    )
-
-
-def to_response(out: RequestOutput, first_tokens: bool) -> engine_pb2.EngineGenerateResponse:
-    """One step's RequestOutput (delta) -> one message with every completion that moved."""
-    msg = engine_pb2.EngineGenerateResponse()
-    for c in out.outputs:
-        delta = msg.outputs.add(index=c.index, token_ids=c.token_ids, finish_reason=c.finish_reason or "")
-        if c.logprobs:
-            delta.logprobs.extend(logprobs_to_proto(c.logprobs))
-        if isinstance(c.stop_reason, str):
-            delta.stop_str = c.stop_reason
-        elif c.stop_reason is not None:
-            delta.stop_token_id = c.stop_reason
-    if out.prompt_logprobs:
-        msg.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs))
-    if first_tokens:
-        msg.num_prompt_tokens = len(out.prompt_token_ids)
-    if out.finished:
-        msg.usage.CopyFrom(common_pb2.Usage(
-            prompt_tokens=len(out.prompt_token_ids),
-            completion_tokens=out.metrics.num_generation_tokens,
-            cached_tokens=out.num_cached_tokens,
-        ))
-    # The first tokens' message carries the timings too: a caller that stops reading early, at a stop
-    # string, still has the queue time and the time to first token.
-    if out.finished or first_tokens:
-        msg.timings.CopyFrom(timings(out))
-    return msg
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
@@ -78,7 +37,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         engine = await self.ready(context)
 
         def add_request(arrival, trace_headers):
-            params = sampling_params_from_proto(request.sampling_params)
+            params = sampling_params_from_llmmesh(request.sampling_params)
             params.detokenize = bool(params.stop)  # token ids travel; text only to find stop strings
             return engine.add_request(
                 request.request_id, list(request.prompt_token_ids), params, priority=request.priority,
@@ -90,7 +49,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                                                      add_request)) as outputs:
             async for out in outputs:
                 moved = any(c.token_ids for c in out.outputs)
-                yield to_response(out, first_tokens and moved)
+                yield request_output_to_llmmesh(out, first_tokens and moved)
                 first_tokens = first_tokens and not moved
 
     async def Abort(self, request: engine_pb2.AbortRequest, context):

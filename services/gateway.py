@@ -25,7 +25,7 @@ from engine.output_processor import RequestOutputKind, RequestState
 from engine.text.detokenizer import MAX_PROMPT_CONTEXT
 from llmmesh.v1 import common_pb2, detokenizer_pb2, engine_pb2, gateway_pb2, gateway_pb2_grpc, tokenizer_pb2
 from services import config
-from services.convert import sampling_params_from_proto
+from services.convert import sampling_params_from_llmmesh
 from services.dependencies import UNARY_TIMEOUT, Dependencies
 from services.errors import RequestError, dependency_error, invalid, unavailable
 from services.server import Server
@@ -134,7 +134,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 except ValueError as e:
                     raise invalid(str(e)) from None
                 try:
-                    params = sampling_params_from_proto(request.sampling_params)
+                    params = sampling_params_from_llmmesh(request.sampling_params)
                     self.limits.check_params(params)
                 except ValueError as e:
                     raise invalid(f"sampling_params: {e}") from None

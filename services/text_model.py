@@ -53,7 +53,7 @@ def check_messages(messages, limits: RequestLimits, field: str = "messages") -> 
     return [{"role": m.role, "content": m.content} for m in messages]
 
 
-def check_token_ids(token_ids, vocab_size: int, field: str = "token_ids", max_len: int | None = None) -> None:
+def check_token_ids_in_vocab(token_ids, vocab_size: int, field: str = "token_ids", max_len: int | None = None) -> None:
     if max_len is not None and len(token_ids) > max_len:
         raise ValueError(f"{field} has {len(token_ids)} ids; at most {max_len} (the model's length) are allowed")
     for i, t in enumerate(token_ids):

@@ -6,7 +6,8 @@ from engine.limits import RequestLimits
 from engine.output_processor import truncate_prompt
 from llmmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services import config
-from services.text_model import TextModel, check_messages, check_token_ids, serve_text_service, text_service_parser
+from services.text_model import (TextModel, check_messages, check_token_ids_in_vocab, serve_text_service,
+                                 text_service_parser)
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
@@ -77,7 +78,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         await self._ready(context)
         tok = self.model.tokenizer
         try:
-            check_token_ids(request.token_ids, tok.vocab_size, max_len=self.model.max_model_len)
+            check_token_ids_in_vocab(request.token_ids, tok.vocab_size, max_len=self.model.max_model_len)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True

@@ -332,9 +332,9 @@ def test_kv_events_name_the_store(kvstore, prompts):
     # On VllmEngine's wire (SubscribeKvEvents): blocks in the store are the EXTERNAL tier; loaded ones DEVICE.
     from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
 
-    from services.vllm_engine import kv_event_batch
+    from services.vllm_convert import kv_events_to_vllm
 
-    wire = kv_event_batch(1, 0.0, stored + loaded)
+    wire = kv_events_to_vllm(1, 0.0, stored + loaded)
     tiers = {(e.stored.tier, e.stored.medium) for e in wire.events}
     assert tiers == {(smg_common_pb2.KV_CACHE_TIER_DEVICE, "device"), (smg_common_pb2.KV_CACHE_TIER_EXTERNAL, "kvstore"),
                      (smg_common_pb2.KV_CACHE_TIER_DEVICE, "device;loaded_from=kvstore")}
