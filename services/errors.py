@@ -30,6 +30,10 @@ def unavailable(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.UNAVAILABLE, message)
 
 
+def internal(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INTERNAL, message)
+
+
 def dependency_error(name: str, address: str, err: grpc.aio.AioRpcError) -> RequestError:
     if err.code() in REQUEST_CODES:
         return RequestError(err.code(), err.details() or f"{name}: {err.code().name}")

@@ -4,8 +4,9 @@ One request's path: check access and admission, check the request against the co
 tokenize (the Tokenizer service), open a Generate stream on the least-loaded healthy engine, and pass its
 steps to the shared Detokenizer stream without waiting for the answers (a reader task per request); the
 answers come back in order and are merged with the tokens into the client's chunks, one per engine step.
-The request's state (its n completions, stop strings, timings) is the engine library's RequestState, the
-same lifecycle the offline LLM and the engine service use. A client that goes away, a passed deadline or
+A GatewayRequest owns one request's state from the engine call on; its completions, stop strings and timings
+are the engine library's RequestState, the same lifecycle the offline LLM and the engine service use. Whatever
+fails for one request ends that request alone, at once. A client that goes away, a passed deadline or
 a stop-string hit that ends the last unfinished completion cancels the engine call, which aborts the engine
 request and frees its blocks; a stop-string hit in one of n > 1 completions aborts just its engine request.
 """
@@ -22,12 +23,14 @@ import grpc
 
 from engine.limits import RequestLimits
 from engine.output_processor import RequestOutputKind, RequestState
+from engine.processor import Processor
+from engine.request import SamplingParams
 from engine.text.detokenizer import MAX_PROMPT_CONTEXT
 from llmmesh.v1 import common_pb2, detokenizer_pb2, engine_pb2, gateway_pb2, gateway_pb2_grpc, tokenizer_pb2
 from services import config
 from services.convert import sampling_params_from_llmmesh
 from services.dependencies import UNARY_TIMEOUT, Dependencies
-from services.errors import RequestError, dependency_error, invalid, unavailable
+from services.errors import RequestError, dependency_error, internal, invalid, unavailable
 from services.server import Server
 from services.telemetry import (CURRENT_SERVER_SPAN, SpanKind, Telemetry, genai_request_attributes, inject, set_error,
                                 set_response_attributes)
@@ -59,6 +62,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         self.max_requests_in_flight = max_requests_in_flight
         self.api_key = api_key or None
         self.trust_request_chat_template = trust_request_chat_template
+        self.processor: Processor | None = None  # admission, once the engines' ModelInfo is in
         self.num_in_flight = 0
         self.draining = False
         self.telemetry = Telemetry("gateway", None)  # off; serve() gives it the server's
@@ -82,7 +86,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     def _check_model(self, model: str) -> None:
         if model and model != self.model:
-            raise RequestError(grpc.StatusCode.NOT_FOUND, f"model {model[:256]!r} is not served here; the served model is {self.model!r}")
+            raise RequestError(grpc.StatusCode.NOT_FOUND,
+                               f"model {model[:256]!r} is not served here; the served model is {self.model!r}")
 
     async def _unary(self, context, call):
         try:
@@ -94,29 +99,20 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     # ---- Generate / Chat -------------------------------------------------------------------------
 
     async def Generate(self, request, context):
+        prompt_field = request.WhichOneof("prompt") or "text"
         async for response in self._serve(request, context, lambda md: self._tokenize_prompt(request, md),
-                                          "text_completion"):
+                                          "text_completion", prompt_field):
             yield response
 
     async def Chat(self, request, context):
-        async for response in self._serve(request, context, lambda md: self._tokenize_chat(request, md), "chat"):
+        async for response in self._serve(request, context, lambda md: self._tokenize_chat(request, md), "chat",
+                                          "messages"):
             yield response
 
-    async def _serve(self, request, context, tokenize, operation: str):
+    async def _serve(self, request, context, tokenize, operation: str, prompt_field: str):
         arrival = time.monotonic()
-        # The request's root span (GenAI conventions): the server span the handler wrapper started in the
-        # client's trace when it sent a traceparent, else the first span of a new trace.
-        span = own_span = None
-        if self.telemetry.tracer is not None:
-            model = request.model or self.model
-            attributes = genai_request_attributes(operation, model, request.sampling_params, request.request_id)
-            span = CURRENT_SERVER_SPAN.get()
-            if span is not None:
-                span.update_name(f"{operation} {model}")
-                span.set_attributes(attributes)
-            else:
-                span = own_span = self.telemetry.new_trace(f"{operation} {model}", attributes)
-                CURRENT_SERVER_SPAN.set(span)  # this request's log lines carry its trace id
+        request_id = request.request_id or uuid.uuid4().hex
+        span, own_span = self._root_span(request, operation)
         try:
             self._check_access(context)
             if self.num_in_flight >= self.max_requests_in_flight:
@@ -127,47 +123,69 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 )
             self.num_in_flight += 1
             try:
-                self._check_model(request.model)
-                try:
-                    self.limits.check_id("request_id", request.request_id)
-                    self.limits.check_id("cache_salt", request.cache_salt)
-                except ValueError as e:
-                    raise invalid(str(e)) from None
-                try:
-                    params = sampling_params_from_llmmesh(request.sampling_params)
-                    self.limits.check_params(params)
-                except ValueError as e:
-                    raise invalid(f"sampling_params: {e}") from None
+                params = await self._admit(request)
                 with self.telemetry.client_call("llmmesh.v1.Tokenizer/Tokenize", span) as tokenize_span:
                     prompt_ids = await tokenize(inject(tokenize_span))
-                if not prompt_ids:
-                    raise invalid("prompt is empty: it must hold at least one token")
-                async for response in self._generate(request, context, params, prompt_ids, arrival, span):
+                try:
+                    prompt_ids = self.processor.process_prompt(prompt_ids, params)
+                except ValueError as e:  # named as the client's field: its token_ids, or the text they come from
+                    raise invalid(prompt_field + str(e).removeprefix("prompt_token_ids")) from None
+                async for response in self._generate(request, context, request_id, params, prompt_ids, arrival, span):
                     yield response
             finally:
                 self.num_in_flight -= 1
-        except RequestError as e:
+        except Exception as e:  # noqa: BLE001 (whatever fails ends this request alone, at once)
+            if not isinstance(e, RequestError):
+                logger.exception("request %s failed", request_id)
+                name = request_id[: self.limits.max_id_chars]
+                e = internal(f"request {name!r} failed in the gateway: {type(e).__name__}: {e}")
             if span is not None and span.is_recording():
                 set_error(span, e.code, e.message)
-                logger.info("request %s failed: %s %s", request.request_id, e.code.name, e.message)
+                logger.info("request %s failed: %s %s", request_id, e.code.name, e.message)
             await context.abort(e.code, e.message)
         finally:
             if own_span is not None:
                 own_span.end()
 
-    async def _tokenize_prompt(self, request, metadata=()) -> list[int]:
-        kind = request.WhichOneof("prompt")
-        if kind == "token_ids":
-            ids = request.token_ids.ids
+    def _root_span(self, request, operation: str):
+        """The request's root span (GenAI conventions), and the span to end when the request does: the server span
+        the handler wrapper started in the client's trace when it sent a traceparent, else the first span of a new
+        trace (ours to end). (None, None) when not traced."""
+        if self.telemetry.tracer is None:
+            return None, None
+        model = request.model or self.model
+        attributes = genai_request_attributes(operation, model, request.sampling_params, request.request_id)
+        span = CURRENT_SERVER_SPAN.get()
+        if span is not None:
+            span.update_name(f"{operation} {model}")
+            span.set_attributes(attributes)
+            return span, None
+        span = self.telemetry.new_trace(f"{operation} {model}", attributes)
+        CURRENT_SERVER_SPAN.set(span)  # this request's log lines carry its trace id
+        return span, span
+
+    async def _admit(self, request) -> SamplingParams:
+        """The request's model, ids and sampling params, checked before anything is sent anywhere, through the
+        engine library's one input processor, built for the engines' model from their ModelInfo (the engine checks
+        what the gateway cannot: --max-logprobs and the bad words' tokens)."""
+        self._check_model(request.model)
+        if self.processor is None:
             info = await self.deps.get_model_info()
-            if len(ids) >= info.max_model_len:
-                raise invalid(
-                    f"token_ids: the prompt is {len(ids)} tokens long; the model takes at most {info.max_model_len - 1}"
-                )
-            bad = [t for t in ids if not 0 <= t < info.vocab_size]
-            if bad:
-                raise invalid(f"token_ids: token id {bad[0]} is out of vocabulary; token ids must be in [0, {info.vocab_size})")
-            return list(ids)
+            self.processor = Processor(info.vocab_size, info.max_model_len, info.eos_token_ids, self.limits)
+        try:
+            self.processor.check_ids(request.request_id, request.cache_salt)
+        except ValueError as e:
+            raise invalid(str(e)) from None
+        try:
+            params = sampling_params_from_llmmesh(request.sampling_params)
+            self.processor.process_params(params)
+        except ValueError as e:
+            raise invalid(f"sampling_params.{e}") from None
+        return params
+
+    async def _tokenize_prompt(self, request, metadata=()) -> list[int]:
+        if request.WhichOneof("prompt") == "token_ids":
+            return list(request.token_ids.ids)
         if not request.text:
             raise invalid("prompt is empty: set prompt text or token_ids")
         try:
@@ -191,227 +209,20 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             chat.add_generation_prompt = request.add_generation_prompt
         return list((await self.deps.tokenize(tokenizer_pb2.TokenizeRequest(chat=chat), metadata)).token_ids)
 
-    async def _generate(self, request, context, params, prompt_ids: list[int], arrival: float, span=None):
-        request_id = request.request_id or uuid.uuid4().hex
-        # Unique at the engine even when clients reuse ids, and no longer than the engine takes.
-        if request.request_id:
-            engine_request_id = f"{request_id[: self.limits.max_id_chars - 9]}-{uuid.uuid4().hex[:8]}"
-        else:
-            engine_request_id = request_id
-        state = RequestState(engine_request_id, None, prompt_ids, params, arrival, RequestOutputKind.DELTA)
-        sp = request.sampling_params
-        engine_params = common_pb2.SamplingParams()
-        engine_params.CopyFrom(sp)
-        del engine_params.stop[:]  # stop strings are the detokenizer's job
-        # The detokenizer reads only the prompt's tail (truncate_prompt_tokens keeps the tail too).
-        start = detokenizer_pb2.DetokenizeStart(
-            prompt_token_ids=prompt_ids[-MAX_PROMPT_CONTEXT:], stop=sp.stop,
-            include_stop_str_in_output=sp.include_stop_str_in_output, min_tokens=sp.min_tokens,
-        )
-        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
-            if sp.HasField(name):
-                setattr(start, name, getattr(sp, name))
-
-        # Ids on the shared detokenizer stream: unique there, and short whatever the client's id.
-        stream_key = uuid.uuid4().hex
-        detok_ids = [f"{stream_key}/{c.index}" for c in state.completions]
-        # Per choice, what was sent to the detokenizer and awaits its answer: (delta, prompt logprobs) per step.
-        pending = {detok_id: collections.deque() for detok_id in detok_ids}
-        results: asyncio.Queue = asyncio.Queue()
-        address = self.deps.pick_engine()
-        detokenizer = self.deps.detokenizer_stream()
-        detokenizer.open(detok_ids, results)  # from here the finally below undoes everything
-        self.deps.engine_in_flight[address] += 1
-        # The engine and detokenizer calls' client spans (None when not traced); the detokenizer stream is shared,
-        # so this request's context rides on its start item.
-        engine_span = self.telemetry.start_span("llmmesh.v1.Engine/Generate", span, SpanKind.CLIENT,
-                                                attributes={"server.address": address})
-        detokenize_span = self.telemetry.start_span("llmmesh.v1.Detokenizer/Detokenize", span, SpanKind.CLIENT)
-        start.trace_context.update(inject(detokenize_span))
-        call = self.deps.engines[address].Generate(
-            engine_pb2.EngineGenerateRequest(
-                request_id=engine_request_id, prompt_token_ids=prompt_ids, sampling_params=engine_params,
-                priority=request.priority, cache_salt=request.cache_salt,
-            ),
-            timeout=context.time_remaining(),  # the client's deadline ends the engine request too
-            metadata=inject(engine_span),
-        )
-        context.add_done_callback(lambda _: call.cancel())  # even if this generator is never resumed
-        engine_info = {"usage": None, "queue_time": None}
-        reader = asyncio.create_task(
-            self._read_engine(call, address, state, detok_ids, start, pending, results, detokenizer, engine_info)
-        )
-        prompt_logprobs: list[common_pb2.PositionLogprobs] = []
+    async def _generate(self, request, context, request_id: str, params, prompt_ids: list[int], arrival: float,
+                        span=None):
+        req = GatewayRequest(self, request, request_id, params, prompt_ids, arrival, span)
         try:
-            engine_done = False
-            while not state.finished and not (engine_done and not any(pending.values())):
-                # The engine may take its time; the detokenizer, once it has something to answer, may not.
-                timeout = DETOKENIZE_TIMEOUT if any(pending.values()) else None
-                try:
-                    item = await asyncio.wait_for(results.get(), timeout)
-                except TimeoutError:
-                    raise unavailable(f"the detokenizer at {detokenizer.address} did not answer within {DETOKENIZE_TIMEOUT:.0f} s") from None
-                batch = [item]
-                while not results.empty():
-                    batch.append(results.get_nowait())
-                deltas = []
-                for item in batch:
-                    if item is _ENGINE_DONE:
-                        engine_done = True
-                        continue
-                    if isinstance(item, RequestError):
-                        raise item
-                    delta = self._apply(item, state, pending, detokenizer, address, prompt_logprobs, span)
-                    if delta is not None:
-                        deltas.append(delta)
+            req.start(context)
+            async for deltas in req.deltas():
                 if request.stream and deltas:
                     yield gateway_pb2.GenerateResponse(request_id=request_id, chunk=gateway_pb2.Chunk(choices=deltas))
-            # The engine sent its last message (usage): its stream is ending by itself. Let it end rather than
-            # cancel the call, which would end the engine's side of a normal request CANCELLED.
-            with contextlib.suppress(TimeoutError):
-                while not engine_done and engine_info["usage"] is not None:
-                    item = await asyncio.wait_for(results.get(), ENGINE_END_TIMEOUT)
-                    engine_done = item is _ENGINE_DONE or isinstance(item, RequestError)
-            for c in state.completions:
-                if not c.finished:  # the engine stream ended without finishing it
-                    state.finish(c, "abort")
-            complete = self._complete(state, request.stream, engine_info, prompt_logprobs, len(prompt_ids))
+            await req.end()
+            complete = req.complete()
             set_response_attributes(span, request_id, complete)
             yield gateway_pb2.GenerateResponse(request_id=request_id, complete=complete)
         finally:
-            for child in (engine_span, detokenize_span):
-                if child is not None:
-                    child.end()
-            # Finished, failed, cancelled by the client or past its deadline: end the engine request now.
-            call.cancel()
-            reader.cancel()
-            self.deps.engine_in_flight[address] -= 1
-            for c, detok_id in zip(state.completions, detok_ids):
-                detokenizer.close(detok_id, forget_remote=not c.finished)
-
-    async def _read_engine(self, call, address, state, detok_ids, start, pending, results, detokenizer, engine_info):
-        """Pass every engine step to the detokenizer at once (one item per choice that moved), not waiting
-        for its answers; then queue _ENGINE_DONE (or the engine's error)."""
-        started = [False] * len(detok_ids)
-        try:
-            async for msg in call:
-                items = []
-                prompt_positions = list(msg.prompt_logprobs)
-                for d in msg.outputs:
-                    if not 0 <= d.index < len(detok_ids):
-                        raise unavailable(f"the engine at {address} sent completion index {d.index} of {len(detok_ids)}")
-                    detok_id = detok_ids[d.index]
-                    if state.completions[d.index].finished:
-                        continue  # a stop string ended it; the engine abort is on its way
-                    if not started[d.index]:
-                        items.append(detokenizer_pb2.DetokenizeItem(request_id=detok_id, start=start))
-                        pending[detok_id].append(None)
-                        started[d.index] = True
-                    positions = [*d.logprobs, *prompt_positions]
-                    items.append(detokenizer_pb2.DetokenizeItem(request_id=detok_id, step=detokenizer_pb2.DetokenizeStep(
-                        token_ids=d.token_ids,
-                        finished=bool(d.finish_reason),
-                        stop_terminated=d.finish_reason == "stop" and d.WhichOneof("stop_reason") != "stop_str",
-                        text_of_token_ids=[e.token_id for p in positions for e in p.entries],
-                    )))
-                    pending[detok_id].append((d, prompt_positions))
-                    prompt_positions = []  # their texts ride on the first step of the message
-                if msg.HasField("usage"):
-                    engine_info["usage"] = msg.usage
-                if msg.HasField("timings") and engine_info["queue_time"] is None:
-                    engine_info["queue_time"] = msg.timings.queue_time
-                if msg.HasField("usage"):  # the last message: the engine's own prefill and decode times
-                    engine_info["prefill_time"] = msg.timings.prefill_time
-                    engine_info["decode_time"] = msg.timings.decode_time
-                detokenizer.send(items)
-            results.put_nowait(_ENGINE_DONE)
-        except grpc.aio.AioRpcError as e:
-            results.put_nowait(dependency_error("engine", address, e))
-        except RequestError as e:
-            results.put_nowait(e)
-
-    def _apply(self, result, state: RequestState, pending, detokenizer, address, prompt_logprobs, span=None):
-        """One detokenizer answer, matched with the engine step it answers; the choice's delta for the client."""
-        queue = pending.get(result.request_id)
-        if not queue:
-            return None  # a choice already closed (its stop string), or an answer to nothing sent
-        sent = queue.popleft()
-        if result.error:  # the detokenizer refused an item: a request it cannot decode
-            raise invalid(f"detokenizer: {result.error}")
-        if sent is None:
-            return None  # the answer to a start
-        d, prompt_positions = sent
-        index = d.index
-        c = state.completions[index]
-        if c.finished:
-            return None
-        fill_decoded_tokens([*d.logprobs, *prompt_positions], result.token_texts)
-        prompt_logprobs.extend(prompt_positions)
-        sampled = sum(p.entries[0].logprob for p in d.logprobs if p.entries)
-        state.add_tokens(c, list(d.token_ids), list(d.logprobs), sampled)
-        c.text += result.text
-        if result.stop_str:
-            abort = state.stop_at_string(c, result.stop_str, engine_finished=bool(d.finish_reason))
-            detokenizer.close(result.request_id, forget_remote=True)
-            pending.pop(result.request_id, None)
-            if span is not None:
-                span.add_event("stop_string", {"gen_ai.response.choice.index": index, "llmmesh.stop_str": result.stop_str,
-                                               "llmmesh.engine_aborted": abort is not None})
-            if abort is not None and not state.finished:
-                # End this completion's engine request alone (its blocks are free next step); the others go on.
-                asyncio.get_running_loop().create_task(self._abort_engine(address, abort, span))
-            elif abort is not None and span is not None:
-                # The last completion: the engine call is cancelled, which aborts the engine request.
-                self.telemetry.start_span("stop_string_abort", span, attributes={
-                    "llmmesh.engine_request_id": abort, "llmmesh.stop_str": result.stop_str}).end()
-        elif d.finish_reason:
-            stop_token = d.stop_token_id if d.WhichOneof("stop_reason") == "stop_token_id" else None
-            state.finish(c, d.finish_reason, stop_token if stop_token is not None else (d.stop_str or None))
-        if not d.token_ids and not result.text:
-            return None
-        return gateway_pb2.ChoiceDelta(index=index, text=result.text, token_ids=d.token_ids, logprobs=d.logprobs)
-
-    async def _abort_engine(self, address: str, engine_request_id: str, span) -> None:
-        """Abort one completion's engine request that a stop string ended (a child span of the request's)."""
-        with self.telemetry.client_call("stop_string_abort", span, {"llmmesh.engine_request_id": engine_request_id}) as s:
-            await self.deps.abort(address, engine_request_id, inject(s))
-
-    def _complete(self, state: RequestState, stream: bool, engine_info, prompt_logprobs, num_prompt_ids) -> gateway_pb2.Complete:
-        choices = []
-        for c in state.completions:
-            choice = gateway_pb2.Choice(index=c.index, finish_reason=c.finish_reason)
-            if not stream:
-                choice.text = c.text
-                choice.token_ids.extend(c.token_ids)
-                choice.logprobs.extend(c.logprobs or ())
-            if isinstance(c.stop_reason, str):
-                choice.stop_str = c.stop_reason
-            elif c.stop_reason is not None:
-                choice.stop_token_id = c.stop_reason
-            if c.cumulative_logprob is not None:
-                choice.cumulative_logprob = c.cumulative_logprob
-            choices.append(choice)
-        usage = engine_info["usage"]
-        m = state.metrics
-        now = time.monotonic()
-        return gateway_pb2.Complete(
-            choices=choices,
-            usage=common_pb2.Usage(
-                prompt_tokens=usage.prompt_tokens if usage is not None else num_prompt_ids,
-                completion_tokens=m.num_generation_tokens,
-                cached_tokens=usage.cached_tokens if usage is not None else 0,
-            ),
-            # Time to first token and end to end as the client sees them from the gateway; time in the
-            # engine's queue as the engine measured it (sent with the first tokens).
-            timings=common_pb2.Timings(
-                queue_time=engine_info["queue_time"] or 0.0,
-                time_to_first_token=(m.first_token_time or now) - m.arrival_time,
-                e2e_latency=now - m.arrival_time,
-                prefill_time=engine_info.get("prefill_time") or 0.0,
-                decode_time=engine_info.get("decode_time") or 0.0,
-            ),
-            prompt_logprobs=prompt_logprobs,
-        )
+            req.close()
 
     # ---- the rest of the API ---------------------------------------------------------------------
 
@@ -440,6 +251,271 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 raise dependency_error("tokenizer", self.deps.tokenizer_address, e) from None
 
         return await self._unary(context, detokenize)
+
+
+class GatewayRequest:
+    """One Generate or Chat call from its engine call to its Complete message: the state it owns.
+
+    That is the engine library's RequestState (its n completions, stop strings, timings), the engine call and its
+    reader task, and per completion the steps sent to the shared detokenizer stream that await its answer. The
+    reader passes every engine step on to the detokenizer at once; the answers come back in order on `results`
+    and are merged with the steps they answer into the client's deltas.
+    """
+
+    def __init__(self, gateway: Gateway, request, request_id: str, params, prompt_ids: list[int], arrival: float,
+                 span=None):
+        self.deps, self.telemetry, self.span = gateway.deps, gateway.telemetry, span
+        self.request, self.request_id, self.prompt_ids = request, request_id, prompt_ids
+        # Unique at the engine even when clients reuse ids, and no longer than the engine takes.
+        max_chars = gateway.limits.max_id_chars
+        engine_request_id = request_id
+        if request.request_id:
+            engine_request_id = f"{request_id[: max_chars - 9]}-{uuid.uuid4().hex[:8]}"
+        self.state = RequestState(engine_request_id, None, prompt_ids, params, arrival, RequestOutputKind.DELTA)
+        # Ids on the shared detokenizer stream: unique there, and short whatever the client's id.
+        stream_key = uuid.uuid4().hex
+        self.detok_ids = [f"{stream_key}/{c.index}" for c in self.state.completions]
+        self.started = [False] * len(self.detok_ids)  # whether a completion's detokenizer start was sent
+        # Per completion, what was sent to the detokenizer and awaits its answer: None for the start, then
+        # (engine delta, prompt logprobs) per step.
+        self.pending = {detok_id: collections.deque() for detok_id in self.detok_ids}
+        self.results: asyncio.Queue = asyncio.Queue()  # detokenizer answers, then _ENGINE_DONE or an exception
+        self.engine_done = False
+        self.queue_time: float | None = None  # the engine's, sent with the first tokens
+        self.engine_final = None  # the engine's last message: usage, and its own prefill and decode times
+        self.prompt_logprobs: list[common_pb2.PositionLogprobs] = []
+        self.address = self.detokenizer = self.detokenize_start = self.call = self.reader = None
+        self.engine_span = self.detokenize_span = None
+
+    def start(self, context) -> None:
+        """Open the engine call on the least-loaded healthy engine, route the detokenizer's answers here, and start
+        the reader. close() undoes as much of this as was done."""
+        self.address = self.deps.pick_engine()
+        self.deps.engine_in_flight[self.address] += 1
+        self.detokenizer = self.deps.detokenizer_stream()
+        self.detokenizer.open(self.detok_ids, self.results)
+        # The engine and detokenizer calls' client spans (None when not traced); the detokenizer stream is shared,
+        # so this request's context rides on its start item.
+        self.engine_span = self.telemetry.start_span("llmmesh.v1.Engine/Generate", self.span, SpanKind.CLIENT,
+                                                     attributes={"server.address": self.address})
+        self.detokenize_span = self.telemetry.start_span("llmmesh.v1.Detokenizer/Detokenize", self.span,
+                                                         SpanKind.CLIENT)
+        self.detokenize_start = self._detokenize_start()
+        self.detokenize_start.trace_context.update(inject(self.detokenize_span))
+        self.call = call = self.deps.engines[self.address].Generate(
+            self._engine_request(),
+            timeout=context.time_remaining(),  # the client's deadline ends the engine request too
+            metadata=inject(self.engine_span),
+        )
+        context.add_done_callback(lambda _: call.cancel())  # even if the handler is never resumed
+        self.reader = asyncio.create_task(self.read_engine())
+
+    def _engine_request(self) -> engine_pb2.EngineGenerateRequest:
+        params = common_pb2.SamplingParams()
+        params.CopyFrom(self.request.sampling_params)
+        del params.stop[:]  # stop strings are the detokenizer's job
+        return engine_pb2.EngineGenerateRequest(
+            request_id=self.state.request_id, prompt_token_ids=self.prompt_ids, sampling_params=params,
+            priority=self.request.priority, cache_salt=self.request.cache_salt,
+        )
+
+    def _detokenize_start(self) -> detokenizer_pb2.DetokenizeStart:
+        sp = self.request.sampling_params
+        # The detokenizer reads only the prompt's tail (truncate_prompt_tokens keeps the tail too).
+        start = detokenizer_pb2.DetokenizeStart(
+            prompt_token_ids=self.prompt_ids[-MAX_PROMPT_CONTEXT:], stop=sp.stop,
+            include_stop_str_in_output=sp.include_stop_str_in_output, min_tokens=sp.min_tokens,
+        )
+        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+            if sp.HasField(name):
+                setattr(start, name, getattr(sp, name))
+        return start
+
+    async def read_engine(self) -> None:
+        """The reader task: every engine step goes to the detokenizer at once, not waiting for its answers. Then it
+        queues _ENGINE_DONE, or what ended the call: the engine's status, or any exception at all, so that the
+        request fails now rather than wait for its deadline."""
+        try:
+            async for msg in self.call:
+                self.detokenizer.send(self._detokenize_items(msg))
+            self.results.put_nowait(_ENGINE_DONE)
+        except grpc.aio.AioRpcError as e:
+            self.results.put_nowait(dependency_error("engine", self.address, e))
+        except Exception as e:  # noqa: BLE001 (handed to the request, which ends with it)
+            self.results.put_nowait(e)
+
+    def _detokenize_items(self, msg: engine_pb2.EngineGenerateResponse) -> list[detokenizer_pb2.DetokenizeItem]:
+        """One engine message -> a detokenizer item per completion that moved (after its start, the first time);
+        each step waits in `pending` for its answer."""
+        items = []
+        prompt_positions = list(msg.prompt_logprobs)
+        n = len(self.detok_ids)
+        for d in msg.outputs:
+            if not 0 <= d.index < n:
+                raise unavailable(f"the engine at {self.address} sent completion index {d.index} of {n}")
+            detok_id = self.detok_ids[d.index]
+            if self.state.completions[d.index].finished:
+                continue  # a stop string ended it; the engine abort is on its way
+            if not self.started[d.index]:
+                items.append(detokenizer_pb2.DetokenizeItem(request_id=detok_id, start=self.detokenize_start))
+                self.pending[detok_id].append(None)
+                self.started[d.index] = True
+            positions = [*d.logprobs, *prompt_positions]
+            items.append(detokenizer_pb2.DetokenizeItem(request_id=detok_id, step=detokenizer_pb2.DetokenizeStep(
+                token_ids=d.token_ids,
+                finished=bool(d.finish_reason),
+                stop_terminated=d.finish_reason == "stop" and d.WhichOneof("stop_reason") != "stop_str",
+                text_of_token_ids=[e.token_id for p in positions for e in p.entries],
+            )))
+            self.pending[detok_id].append((d, prompt_positions))
+            prompt_positions = []  # their texts ride on the first step of the message
+        if msg.HasField("timings") and self.queue_time is None:
+            self.queue_time = msg.timings.queue_time
+        if msg.HasField("usage"):
+            self.engine_final = msg
+        return items
+
+    @property
+    def awaiting_answers(self) -> bool:
+        return any(self.pending.values())
+
+    async def deltas(self):
+        """The client's deltas, a list per batch of detokenizer answers, until every completion finished or the
+        engine's stream ended and every answer is in. An exception from the reader ends the request."""
+        while not self.state.finished and not (self.engine_done and not self.awaiting_answers):
+            # The engine may take its time; the detokenizer, once it has something to answer, may not.
+            timeout = DETOKENIZE_TIMEOUT if self.awaiting_answers else None
+            try:
+                items = [await asyncio.wait_for(self.results.get(), timeout)]
+            except TimeoutError:
+                raise unavailable(f"the detokenizer at {self.detokenizer.address} did not answer within "
+                                  f"{DETOKENIZE_TIMEOUT:.0f} s") from None
+            while not self.results.empty():
+                items.append(self.results.get_nowait())
+            deltas = []
+            for item in items:
+                if item is _ENGINE_DONE:
+                    self.engine_done = True
+                elif isinstance(item, Exception):
+                    raise item
+                elif (delta := self._merge(item)) is not None:
+                    deltas.append(delta)
+            yield deltas
+
+    def _merge(self, result: detokenizer_pb2.DetokenizeResult) -> gateway_pb2.ChoiceDelta | None:
+        """One detokenizer answer, merged with the engine step it answers; the completion's delta for the client."""
+        queue = self.pending.get(result.request_id)
+        if not queue:
+            return None  # a completion already closed (its stop string), or an answer to nothing sent
+        sent = queue.popleft()
+        if result.error:  # the detokenizer refused an item: a request it cannot decode
+            raise invalid(f"detokenizer: {result.error}")
+        if sent is None:
+            return None  # the answer to a start
+        d, prompt_positions = sent
+        state, c = self.state, self.state.completions[d.index]
+        if c.finished:
+            return None
+        fill_decoded_tokens([*d.logprobs, *prompt_positions], result.token_texts)
+        self.prompt_logprobs.extend(prompt_positions)
+        sampled = sum(p.entries[0].logprob for p in d.logprobs if p.entries)
+        state.add_tokens(c, list(d.token_ids), list(d.logprobs), sampled)
+        c.text += result.text
+        if result.stop_str:
+            self._stop_at_string(c, result.stop_str, engine_finished=bool(d.finish_reason))
+            self.detokenizer.close(result.request_id, forget_remote=True)
+            self.pending.pop(result.request_id, None)
+        elif d.finish_reason:
+            stop_token = d.stop_token_id if d.WhichOneof("stop_reason") == "stop_token_id" else None
+            state.finish(c, d.finish_reason, stop_token if stop_token is not None else (d.stop_str or None))
+        if not d.token_ids and not result.text:
+            return None
+        return gateway_pb2.ChoiceDelta(index=d.index, text=result.text, token_ids=d.token_ids, logprobs=d.logprobs)
+
+    def _stop_at_string(self, c, stop_str: str, engine_finished: bool) -> None:
+        abort = self.state.stop_at_string(c, stop_str, engine_finished)
+        span = self.span
+        if span is not None:
+            span.add_event("stop_string", {"gen_ai.response.choice.index": c.index, "llmmesh.stop_str": stop_str,
+                                           "llmmesh.engine_aborted": abort is not None})
+        if abort is not None and not self.state.finished:
+            # End this completion's engine request alone (its blocks are free next step); the others go on.
+            asyncio.get_running_loop().create_task(self._abort_engine(abort))
+        elif abort is not None and span is not None:
+            # The last completion: the engine call is cancelled, which aborts the engine request.
+            self.telemetry.start_span("stop_string_abort", span, attributes={
+                "llmmesh.engine_request_id": abort, "llmmesh.stop_str": stop_str}).end()
+
+    async def _abort_engine(self, engine_request_id: str) -> None:
+        """Abort one completion's engine request that a stop string ended (a child span of the request's)."""
+        with self.telemetry.client_call("stop_string_abort", self.span,
+                                        {"llmmesh.engine_request_id": engine_request_id}) as s:
+            await self.deps.abort(self.address, engine_request_id, inject(s))
+
+    async def end(self) -> None:
+        """Every completion is finished, or the engine's stream ended (what it left unfinished is aborted)."""
+        # Once the engine sent its last message (usage), its stream is ending by itself. Let it end rather than
+        # cancel the call, which would end the engine's side of a normal request CANCELLED.
+        with contextlib.suppress(TimeoutError):
+            while not self.engine_done and self.engine_final is not None:
+                item = await asyncio.wait_for(self.results.get(), ENGINE_END_TIMEOUT)
+                self.engine_done = item is _ENGINE_DONE or isinstance(item, Exception)
+        for c in self.state.completions:
+            if not c.finished:  # the engine stream ended without finishing it
+                self.state.finish(c, "abort")
+
+    def complete(self) -> gateway_pb2.Complete:
+        stream = self.request.stream
+        choices = []
+        for c in self.state.completions:
+            choice = gateway_pb2.Choice(index=c.index, finish_reason=c.finish_reason)
+            if not stream:
+                choice.text = c.text
+                choice.token_ids.extend(c.token_ids)
+                choice.logprobs.extend(c.logprobs or ())
+            if isinstance(c.stop_reason, str):
+                choice.stop_str = c.stop_reason
+            elif c.stop_reason is not None:
+                choice.stop_token_id = c.stop_reason
+            if c.cumulative_logprob is not None:
+                choice.cumulative_logprob = c.cumulative_logprob
+            choices.append(choice)
+        final = self.engine_final
+        m = self.state.metrics
+        now = time.monotonic()
+        return gateway_pb2.Complete(
+            choices=choices,
+            usage=common_pb2.Usage(
+                prompt_tokens=final.usage.prompt_tokens if final is not None else len(self.prompt_ids),
+                completion_tokens=m.num_generation_tokens,
+                cached_tokens=final.usage.cached_tokens if final is not None else 0,
+            ),
+            # Time to first token and end to end as the client sees them from the gateway; time in the engine's
+            # queue, prefill and decode as the engine measured them.
+            timings=common_pb2.Timings(
+                queue_time=self.queue_time or 0.0,
+                time_to_first_token=(m.first_token_time or now) - m.arrival_time,
+                e2e_latency=now - m.arrival_time,
+                prefill_time=final.timings.prefill_time if final is not None else 0.0,
+                decode_time=final.timings.decode_time if final is not None else 0.0,
+            ),
+            prompt_logprobs=self.prompt_logprobs,
+        )
+
+    def close(self) -> None:
+        """Finished, failed, cancelled by the client or past its deadline: end the engine request now."""
+        for child in (self.engine_span, self.detokenize_span):
+            if child is not None:
+                child.end()
+        if self.call is not None:
+            self.call.cancel()
+        if self.reader is not None:
+            self.reader.cancel()
+        if self.address is not None:
+            self.deps.engine_in_flight[self.address] -= 1
+        if self.detokenizer is not None:
+            for c, detok_id in zip(self.state.completions, self.detok_ids):
+                self.detokenizer.close(detok_id, forget_remote=not c.finished)
 
 
 # ---- the process ---------------------------------------------------------------------------------

@@ -288,12 +288,15 @@ def bad_requests(max_model_len, vocab_size):
         ("top_p must be in (0, 1]", lambda a: generate(a, "hi", top_p=2.0)),
         ("prompt is empty", lambda a: generate(a, "")),
         ("prompt is empty", lambda a: generate(a, [])),
-        (f"prompt is {max_model_len} tokens long", lambda a: generate(a, [42] * max_model_len)),
+        (f"token_ids: the prompt (length {max_model_len}) is longer than the maximum model length",
+         lambda a: generate(a, [42] * max_model_len)),
         # Named as the client's field, not the engine's prompt_token_ids.
         (f"token_ids: token id {vocab_size} {out_of_vocab}", lambda a: generate(a, [1, vocab_size, 2])),
         (f"token_ids: token id -1 {out_of_vocab}", lambda a: generate(a, [-1, 1])),
         ("n must be at least 1", lambda a: generate(a, "hi", n=0)),
         ("n must be at most 128 (--max-n)", lambda a: generate(a, "hi", n=129)),
+        ("sampling_params.bad_words[0] must contain a character other than whitespace",
+         lambda a: generate(a, "hi", bad_words=["\n\n"])),
         ("messages[0].role must be one of", lambda a: chat(a, [{"role": "", "content": "hi"}])),
         ("messages[1].role must be one of",
          lambda a: chat(a, [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}])),
@@ -317,6 +320,9 @@ def test_bad_input_is_invalid_argument_and_others_go_on(mesh, refs, engine):
     # A model the gateway does not serve is NOT_FOUND.
     details = expect_error(grpc.StatusCode.NOT_FOUND, lambda: generate(mesh.address, "hi", model="gpt-9"))
     assert details == "model 'gpt-9' is not served here; the served model is 'smollm2-135m-instruct'"
+    # Admission truncates before it checks the length, as the engine does.
+    truncated = collect(generate(mesh.address, [42] * card.max_model_len, truncate_prompt_tokens=8, max_tokens=2))
+    assert truncated.complete.usage.prompt_tokens == 8
     result = collect(shown + list(good))
     assert result.text() == ref.text
 
