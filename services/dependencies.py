@@ -11,6 +11,7 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.limits import RequestLimits
 from llmmesh.v1 import detokenizer_pb2_grpc, engine_pb2, engine_pb2_grpc, tokenizer_pb2_grpc
 from services.detokenizer_client import DetokenizerStream
 from services.errors import RequestError, dependency_error, unavailable
@@ -24,7 +25,8 @@ HEALTH_TIMEOUT = 1.0
 
 
 class Dependencies:
-    def __init__(self, engines: list[str], tokenizer: str, detokenizer: str):
+    def __init__(self, engines: list[str], tokenizer: str, detokenizer: str, max_batch: int = RequestLimits.max_batch):
+        self.max_batch = max_batch  # items per DetokenizeBatch: the detokenizer's --max-batch (serve gives both one)
         if not engines:
             raise ValueError("engine: give at least one engine address (--engine HOST:PORT).")
         self.channels = {address: channel(address) for address in dict.fromkeys([*engines, tokenizer, detokenizer])}
@@ -91,7 +93,7 @@ class Dependencies:
 
     def detokenizer_stream(self) -> DetokenizerStream:
         if self.detokenizer is None or self.detokenizer.error is not None:
-            self.detokenizer = DetokenizerStream(self.detokenizer_stub, self.detokenizer_address)
+            self.detokenizer = DetokenizerStream(self.detokenizer_stub, self.detokenizer_address, self.max_batch)
         return self.detokenizer
 
     async def tokenize(self, request, metadata=()):

@@ -1,7 +1,8 @@
 """DetokenizerStream: the gateway's one bidirectional stream to the Detokenizer, shared by many requests.
 
-Items sent in the same event-loop turn leave as one DetokenizeBatch, so concurrent requests' steps travel
-together. Sending never waits for an answer: the detokenizer answers every item with one result, in
+Items sent in the same event-loop turn leave together, in DetokenizeBatches of at most max_batch items (the
+detokenizer refuses a larger one, which would end the stream for every request on it), so concurrent requests'
+steps travel together. Sending never waits for an answer: the detokenizer answers every item with one result, in
 order, and each result goes to the queue its request opened. When the stream breaks (the detokenizer
 went away), every open queue gets a RequestError; the gateway opens a new stream for the next requests.
 """
@@ -15,8 +16,9 @@ from services.errors import RequestError, unavailable
 
 
 class DetokenizerStream:
-    def __init__(self, stub: detokenizer_pb2_grpc.DetokenizerStub, address: str):
+    def __init__(self, stub: detokenizer_pb2_grpc.DetokenizerStub, address: str, max_batch: int):
         self.address = address
+        self.max_batch = max_batch
         self.error: RequestError | None = None
         self.outbox: list[detokenizer_pb2.DetokenizeItem] = []
         self.has_items = asyncio.Event()
@@ -29,7 +31,8 @@ class DetokenizerStream:
             await self.has_items.wait()
             self.has_items.clear()
             items, self.outbox = self.outbox, []
-            yield detokenizer_pb2.DetokenizeBatch(items=items)
+            for start in range(0, len(items), self.max_batch):
+                yield detokenizer_pb2.DetokenizeBatch(items=items[start : start + self.max_batch])
 
     async def _read(self) -> None:
         reason = "the stream ended"

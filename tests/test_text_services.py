@@ -395,3 +395,32 @@ def test_state_is_per_stream(detokenizer_stub, tok):
     second = Stream(detokenizer_stub)
     assert "not open" in second.send(step("same", tok.encode("x")))[0].error  # the ended stream's state is gone
     second.close()
+
+
+def test_the_gateways_stream_splits_a_turn_into_batches_the_detokenizer_takes(tok):
+    """More items in one event-loop turn than the detokenizer's --max-batch: they leave as several batches, every
+    item is answered, and the shared stream stays open (one over-full batch would end it for every request)."""
+    import asyncio
+
+    from services.detokenizer_client import DetokenizerStream
+    from services.server import channel
+
+    async def run(address):
+        async with channel(address) as chan:
+            stream = DetokenizerStream(detokenizer_pb2_grpc.DetokenizerStub(chan), address, max_batch=2)
+            results: asyncio.Queue = asyncio.Queue()
+            ids = [f"r{i}" for i in range(5)]
+            stream.open(ids, results)
+            start = detokenizer_pb2.DetokenizeStart(prompt_token_ids=tok.encode("Hi"))
+            stream.send([detokenizer_pb2.DetokenizeItem(request_id=rid, start=start) for rid in ids])
+            stream.send([detokenizer_pb2.DetokenizeItem(request_id=rid, step=detokenizer_pb2.DetokenizeStep(
+                token_ids=tok.encode(" there"))) for rid in ids])
+            answers = [await asyncio.wait_for(results.get(), 30) for _ in range(10)]
+            assert stream.error is None
+            stream.cancel()
+            return answers
+
+    with InProcessService("detokenizer", ["--max-batch", "2"]) as detokenizer:
+        answers = asyncio.run(run(detokenizer.address))
+    assert all(not a.error for a in answers), [a.error for a in answers]
+    assert sorted(a.text for a in answers if a.text) == [" there"] * 5
