@@ -14,9 +14,9 @@ NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 # The C++ CPU kernels (kernels/cpu/), built for this machine; the engine loads them at run time.
 CPU_KERNEL := build/kernels/llmmesh_cpu_ops.so
 
-.PHONY: setup protos redis-server test run serve bench clean trace-viewer
+.PHONY: setup protos redis-server prometheus test run serve bench clean trace-viewer
 
-setup: $(STAMP) $(PROTO_STAMP) $(CPU_KERNEL) $(NODE_STAMP) redis-server
+setup: $(STAMP) $(PROTO_STAMP) $(CPU_KERNEL) $(NODE_STAMP) redis-server prometheus
 
 protos: $(PROTO_STAMP)
 
@@ -45,6 +45,16 @@ redis-server:
 			DEBIAN_FRONTEND=noninteractive apt-get update -q && \
 			DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server; \
 		else echo "redis-server is missing and this is not root: install Debian's redis-server (sudo apt-get install redis-server); the KV store and its tests need it" >&2; fi; \
+	fi
+
+# Debian's prometheus, for tests/test_prometheus.py (a real one scraping the mesh) and the README's local
+# recipe. Checked on every setup, as redis-server is.
+prometheus:
+	@if ! command -v prometheus >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; \
+		else echo "prometheus is missing and this is not root: install Debian's prometheus (sudo apt-get install prometheus); tests/test_prometheus.py is skipped without it" >&2; fi; \
 	fi
 
 $(CPU_KERNEL): $(wildcard kernels/cpu/*.cpp) kernels/cpu_ops.py $(STAMP)
