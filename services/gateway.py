@@ -523,7 +523,7 @@ class GatewayRequest:
 
 async def serve(args) -> None:
     limits = config.limits_from_args(args)
-    deps = Dependencies(args.engine, args.tokenizer, args.detokenizer)
+    deps = Dependencies(args.engine, args.tokenizer, args.detokenizer, limits.max_batch)
     gateway = Gateway(deps, args.served_model_name, limits, args.max_requests_in_flight, args.api_key,
                       args.trust_request_chat_template)
     # The public port takes prompts of up to --max-prompt-chars (4 bytes a character at most) and no more.

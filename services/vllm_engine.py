@@ -169,8 +169,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             await context.abort(
                 grpc.StatusCode.UNIMPLEMENTED, "KV cache events are off; start the engine with --enable-kv-cache-events"
             )
-        queue: asyncio.Queue = asyncio.Queue()
-        engine.kv_event_subscribers.add(queue)
+        queue = engine.subscribe_kv_events()  # bounded: a subscriber that falls behind loses the oldest batches
         # Answer at once (response headers), not at the first event: a router treats a silent
         # subscription as an unreachable worker.
         await context.send_initial_metadata(())
@@ -186,7 +185,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 if seq > last:
                     yield kv_events_to_vllm(seq, timestamp, events, self._engine_load(engine))
         finally:
-            engine.kv_event_subscribers.discard(queue)
+            engine.unsubscribe_kv_events(queue)
 
     def _engine_load(self, engine: AsyncLLM) -> smg_common_pb2.EngineLoad:
         stats = engine.stats

@@ -272,3 +272,29 @@ def test_a_request_whose_output_processing_raises_ends_alone(llm):
     assert {c.finish_reason for c in hostile.outputs} == {"error"}
     assert to_abort == ["0_hostile", "1_hostile"]  # both completions are still running in the engine
     assert "hostile" not in processor.request_states and "1_hostile" not in processor.parent_of
+
+
+# ---- nothing grows without bound ----------------------------------------------------------------------
+
+
+def test_a_kv_event_subscriber_that_falls_behind_loses_its_oldest_batches(service, monkeypatch):
+    """A subscriber that never reads holds at most KV_EVENT_QUEUE_SIZE batches; the rest are dropped and counted."""
+    import asyncio
+
+    import engine.async_llm
+
+    engine_ = async_llm(service)
+    monkeypatch.setattr(engine.async_llm, "KV_EVENT_QUEUE_SIZE", 4)
+
+    async def deliver_ten():
+        queue = engine_.subscribe_kv_events()
+        drops = engine_.kv_event_drops
+        try:
+            for _ in range(10):
+                engine_._deliver(0.0, [], {}, [object()])
+            return [queue.get_nowait()[0] for _ in range(queue.qsize())], engine_.kv_event_drops - drops
+        finally:
+            engine_.unsubscribe_kv_events(queue)
+
+    seqs, dropped = asyncio.run_coroutine_threadsafe(deliver_ten(), service.loop).result(30)
+    assert len(seqs) == 4 and seqs == list(range(seqs[0], seqs[0] + 4)) and dropped == 6
