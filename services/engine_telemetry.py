@@ -19,6 +19,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.async_llm import EngineDeadError, EngineRequestError
+from engine.request import FinishReason
 from services.telemetry import CURRENT_SERVER_SPAN, Telemetry, epoch_ns, inject
 
 logger = logging.getLogger("llmmesh.engine")
@@ -126,6 +127,8 @@ class EngineTelemetry:
             self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
             self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                            ["model_name", "finished_reason"], registry=registry)
+            for reason in FinishReason:  # every reason from 0, as vLLM does: rate() sees a reason's first request
+                self.request_success.labels(model_name, str(reason))
             self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                                   TTFT_BUCKETS)
             self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
