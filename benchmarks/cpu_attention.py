@@ -52,14 +52,28 @@ def make_inputs(rows, dtype, seed=0):
         starts.append(starts[-1] + q)
     n = starts[-1]
     metadata = AttentionMetadata(
-        num_actual_tokens=n, slot_mapping=torch.cat(slots), query_start_loc=torch.tensor(starts),
-        seq_lens=torch.tensor([s for _, s in rows]), block_table=table,
-        num_decodes=sum(1 for q, _ in rows if q == 1), query_start_loc_cpu=starts, seq_lens_cpu=[s for _, s in rows])
-    caches = [tuple(torch.randn(KV_HEADS, num_blocks, BLOCK, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
-              for _ in range(LAYERS)]
+        num_actual_tokens=n,
+        slot_mapping=torch.cat(slots),
+        query_start_loc=torch.tensor(starts),
+        seq_lens=torch.tensor([s for _, s in rows]),
+        block_table=table,
+        num_decodes=sum(1 for q, _ in rows if q == 1),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=[s for _, s in rows],
+    )
+    caches = [
+        tuple(torch.randn(KV_HEADS, num_blocks, BLOCK, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
+        for _ in range(LAYERS)
+    ]
     qkv = torch.randn(n, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
     q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
-    return metadata, caches, q.reshape(n, HEADS, HEAD_DIM), k.reshape(n, KV_HEADS, HEAD_DIM), v.view(n, KV_HEADS, HEAD_DIM)
+    return (
+        metadata,
+        caches,
+        q.reshape(n, HEADS, HEAD_DIM),
+        k.reshape(n, KV_HEADS, HEAD_DIM),
+        v.view(n, KV_HEADS, HEAD_DIM),
+    )
 
 
 @torch.inference_mode()
@@ -90,8 +104,10 @@ def main():
             times[name].append(statistics.median(time_step(backend, *inputs) for _ in range(args.steps)))
     print(f"{args.scenario} {args.dtype}, {torch.get_num_threads()} threads, {args.rounds} rounds:")
     for name, t in times.items():
-        print(f"  {name:6s} median {statistics.median(t) * 1e3:8.2f} ms/step   rounds: "
-              + " ".join(f"{x * 1e3:.1f}" for x in t))
+        print(
+            f"  {name:6s} median {statistics.median(t) * 1e3:8.2f} ms/step   rounds: "
+            + " ".join(f"{x * 1e3:.1f}" for x in t)
+        )
 
 
 if __name__ == "__main__":

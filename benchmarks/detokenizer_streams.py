@@ -78,9 +78,9 @@ async def per_request_streams(stub, prompt_ids, outputs) -> tuple[list[float], d
     num_steps = len(outputs[0])
     for s in range(num_steps):
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(
-            exchange(c, step_item(f"r{i}", outputs[i][s], s == num_steps - 1)) for i, c in enumerate(calls)
-        ))
+        results = await asyncio.gather(
+            *(exchange(c, step_item(f"r{i}", outputs[i][s], s == num_steps - 1)) for i, c in enumerate(calls))
+        )
         latencies.append(time.perf_counter() - t0)
         for r in results:
             texts[r.request_id] += r.text
@@ -99,9 +99,9 @@ async def multiplexed_stream(stub, prompt_ids, outputs) -> tuple[list[float], di
     num_steps = len(outputs[0])
     for s in range(num_steps):
         t0 = time.perf_counter()
-        await call.write(pb.DetokenizeBatch(items=[
-            step_item(f"r{i}", ids[s], s == num_steps - 1) for i, ids in enumerate(outputs)
-        ]))
+        await call.write(
+            pb.DetokenizeBatch(items=[step_item(f"r{i}", ids[s], s == num_steps - 1) for i, ids in enumerate(outputs)])
+        )
         reply = await call.read()
         latencies.append(time.perf_counter() - t0)
         for r in reply.results:
@@ -127,8 +127,11 @@ def in_process(tok, prompt_ids, outputs) -> tuple[list[float], dict[str, str]]:
 
 
 def summary(latencies: list[float], num_tokens: int) -> dict:
-    return {"tokens_per_s": num_tokens / sum(latencies), "step_ms_p50": 1e3 * statistics.median(latencies),
-            "step_ms_p90": 1e3 * statistics.quantiles(latencies, n=10)[-1]}
+    return {
+        "tokens_per_s": num_tokens / sum(latencies),
+        "step_ms_p50": 1e3 * statistics.median(latencies),
+        "step_ms_p90": 1e3 * statistics.quantiles(latencies, n=10)[-1],
+    }
 
 
 async def run(args, tok: Tokenizer) -> dict:
@@ -172,8 +175,10 @@ def main() -> None:
     finally:
         if detokenizer is not None:
             detokenizer.stop(30)
-    print(f"{args.requests} requests x {args.tokens} tokens, one token per request per step, "
-          f"median of {args.repeats} runs")
+    print(
+        f"{args.requests} requests x {args.tokens} tokens, one token per request per step, "
+        f"median of {args.repeats} runs"
+    )
     print(f"{'layout':<22}{'tokens/s':>12}{'step p50 ms':>14}{'step p90 ms':>14}")
     for name, r in results.items():
         print(f"{name:<22}{r['tokens_per_s']:>12.0f}{r['step_ms_p50']:>14.3f}{r['step_ms_p90']:>14.3f}")

@@ -81,8 +81,13 @@ def run_ttft(args) -> dict:
                         after = a.get_stats().kv_connector_stats
                         row["reload_loaded_tokens"] = after["loaded_tokens"] - before["loaded_tokens"]
                         rows.append(row)
-                        print(f"{dtype} prefix {prefix_len}: round {r}: " + ", ".join(
-                            f"{k} {v:.3f} s" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+                        print(
+                            f"{dtype} prefix {prefix_len}: round {r}: "
+                            + ", ".join(
+                                f"{k} {v:.3f} s" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+                            ),
+                            flush=True,
+                        )
                     results[f"{dtype}/{prefix_len}"] = summarize(rows)
                 for engine in (a, b):
                     engine.shutdown()
@@ -120,7 +125,11 @@ def store_throughput(address: str, num_blocks: int = 256) -> dict:
         gets.append(time.perf_counter() - started)
         assert got == num_blocks
     store.close()
-    return {"megabytes": round(megabytes, 1), "put_MB_per_s": round(megabytes / put_s), "get_MB_per_s": round(megabytes / statistics.median(gets))}
+    return {
+        "megabytes": round(megabytes, 1),
+        "put_MB_per_s": round(megabytes / put_s),
+        "get_MB_per_s": round(megabytes / statistics.median(gets)),
+    }
 
 
 def one_turn(address: str, prompt: str, args) -> tuple[float, str]:
@@ -143,7 +152,10 @@ def run_mesh(args) -> dict:
     histories = ["" for _ in range(args.conversations)]
     ttft = {"store": [[] for _ in range(args.turns)], "no_store": [[] for _ in range(args.turns)]}
     identical = True
-    with Mesh(EngineArgs(kv_cache_memory=pool), kv_store=True) as store, Mesh(EngineArgs(kv_cache_memory=pool)) as plain:
+    with (
+        Mesh(EngineArgs(kv_cache_memory=pool), kv_store=True) as store,
+        Mesh(EngineArgs(kv_cache_memory=pool)) as plain,
+    ):
         meshes = {"store": store.address, "no_store": plain.address}
         started = time.perf_counter()
         for turn in range(args.turns):
@@ -157,12 +169,22 @@ def run_mesh(args) -> dict:
                     ttft[variant][turn].append(seconds)
                 identical &= texts["store"] == texts["no_store"]
                 histories[c] += texts["store"]
-            print(f"turn {turn + 1}: median TTFT with the store {statistics.median(ttft['store'][turn]) * 1000:.0f} ms, "
-                  f"without {statistics.median(ttft['no_store'][turn]) * 1000:.0f} ms", flush=True)
+            print(
+                f"turn {turn + 1}: median TTFT with the store {statistics.median(ttft['store'][turn]) * 1000:.0f} ms, "
+                f"without {statistics.median(ttft['no_store'][turn]) * 1000:.0f} ms",
+                flush=True,
+            )
         total = time.perf_counter() - started
-    per_turn = [statistics.median(n / s for s, n in zip(ttft["store"][t], ttft["no_store"][t])) for t in range(args.turns)]
-    return {"ttft_s": ttft, "median_paired_ratio_no_store_over_store_per_turn": per_turn,
-            "identical_outputs": identical, "prompt_tokens_last_turn_chars": max(map(len, histories)), "total_s": total}
+    per_turn = [
+        statistics.median(n / s for s, n in zip(ttft["store"][t], ttft["no_store"][t])) for t in range(args.turns)
+    ]
+    return {
+        "ttft_s": ttft,
+        "median_paired_ratio_no_store_over_store_per_turn": per_turn,
+        "identical_outputs": identical,
+        "prompt_tokens_last_turn_chars": max(map(len, histories)),
+        "total_s": total,
+    }
 
 
 def main() -> None:
@@ -179,7 +201,10 @@ def main() -> None:
     parser.add_argument("--pool-blocks", type=int, default=96)
     parser.add_argument("--output-json")
     args = parser.parse_args()
-    report = {"machine": f"{platform.node()} {platform.machine()}, {__import__('os').cpu_count()} cores", "args": vars(args)}
+    report = {
+        "machine": f"{platform.node()} {platform.machine()}, {__import__('os').cpu_count()} cores",
+        "args": vars(args),
+    }
     if not args.skip_ttft:
         report["ttft"] = run_ttft(args)
     if not args.skip_mesh:

@@ -56,8 +56,9 @@ def params(i: int, max_tokens: int) -> SamplingParams:
 def run_round(llm, prompts, output_len) -> tuple[float, list]:
     llm.engine.reset_prefix_cache()
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [params(i, output_len) for i in range(len(prompts))],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], [params(i, output_len) for i in range(len(prompts))], use_tqdm=False
+    )
     elapsed = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     return sum(map(len, tokens)) / elapsed, tokens
@@ -88,10 +89,20 @@ def throughput(llm, address, streams_list, rounds, output_len, seed) -> list[dic
                 local.append(got["local"][0])
                 remote.append(got["remote"][0])
                 ratios.append(got["remote"][0] / got["local"][0])
-                print(f"streams {streams:4d} round {r + 1}: in-process {local[-1]:7.1f} tok/s, "
-                      f"sampler service {remote[-1]:7.1f} tok/s, ratio {ratios[-1]:.3f}", flush=True)
-            results.append({"streams": streams, "in_process_tok_s": local, "remote_tok_s": remote, "ratios": ratios,
-                            "median_ratio": statistics.median(ratios)})
+                print(
+                    f"streams {streams:4d} round {r + 1}: in-process {local[-1]:7.1f} tok/s, "
+                    f"sampler service {remote[-1]:7.1f} tok/s, ratio {ratios[-1]:.3f}",
+                    flush=True,
+                )
+            results.append(
+                {
+                    "streams": streams,
+                    "in_process_tok_s": local,
+                    "remote_tok_s": remote,
+                    "ratios": ratios,
+                    "median_ratio": statistics.median(ratios),
+                }
+            )
     finally:
         runner.sampler = local_sampler
         client.close()
@@ -173,14 +184,19 @@ def serve_both(tcp_port_file: str, uds: str) -> None:
     import asyncio
 
     import grpc
-    from llmmesh.v1 import sampler_pb2_grpc
 
     from engine.grpc_policy import MAX_MESSAGE_BYTES, SERVER_OPTIONS
+    from llmmesh.v1 import sampler_pb2_grpc
     from services.sampler_service import SamplerServicer
 
     async def main():
-        server = grpc.aio.server(options=SERVER_OPTIONS + [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                                          ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        server = grpc.aio.server(
+            options=SERVER_OPTIONS
+            + [
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ]
+        )
         sampler_pb2_grpc.add_SamplerServicer_to_server(SamplerServicer(torch.device("cpu")), server)
         port = server.add_insecure_port("127.0.0.1:0")
         server.add_insecure_port(f"unix:{uds}")
@@ -211,16 +227,20 @@ def main():
     global sampling
     sampling = args.sampling
 
-    report = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-                         f"{'CUDA' if torch.cuda.is_available() else 'no GPU'}", "args": vars(args)}
+    report = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{'CUDA' if torch.cuda.is_available() else 'no GPU'}",
+        "args": vars(args),
+    }
     llm = LLM(kv_cache_memory="2GiB", max_num_seqs=256, seed=args.seed)
     vocab = llm.engine.model_config.vocab_size
     if not args.skip_throughput:
         sampler = ServiceProcess("sampler", ["--port", "0"])
         try:
             address = sampler.wait_listening(120)
-            report["throughput"] = throughput(llm, address, [int(s) for s in args.streams.split(",")], args.rounds,
-                                              args.output_len, args.seed)
+            report["throughput"] = throughput(
+                llm, address, [int(s) for s in args.streams.split(",")], args.rounds, args.output_len, args.seed
+            )
         finally:
             sampler.stop()
     if not args.skip_hop:

@@ -171,8 +171,13 @@ def offline_results(llm, requests: list[BenchRequest]) -> list[RequestResult]:
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
     outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
     return [
-        RequestResult(True, len(out.prompt_token_ids), len(out.outputs[0].token_ids),
-                      out.metrics.time_to_first_token, out.metrics.e2e_latency)
+        RequestResult(
+            True,
+            len(out.prompt_token_ids),
+            len(out.outputs[0].token_ids),
+            out.metrics.time_to_first_token,
+            out.metrics.e2e_latency,
+        )
         for out in outputs
     ]
 
@@ -235,9 +240,11 @@ def print_table(name: str, s: dict) -> None:
     print(f"\n{name}: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f} s")
     for error in s["errors"]:
         print(f"  error: {error}")
-    print(f"  requests/s {s['request_throughput']:.2f}   output tok/s {s['output_token_throughput']:.1f}   "
-          f"total tok/s {s['total_token_throughput']:.1f}" +
-          (f"   goodput {s['goodput']:.2f} req/s" if s["goodput"] is not None else ""))
+    print(
+        f"  requests/s {s['request_throughput']:.2f}   output tok/s {s['output_token_throughput']:.1f}   "
+        f"total tok/s {s['total_token_throughput']:.1f}"
+        + (f"   goodput {s['goodput']:.2f} req/s" if s["goodput"] is not None else "")
+    )
     print("  | metric (ms) | mean | p50 | p90 | p99 |")
     print("  | --- | ---: | ---: | ---: | ---: |")
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
@@ -285,18 +292,26 @@ def main():
         return sharegpt_requests(tokenizer, args.dataset, args.num_prompts, seed)
 
     requests = make_requests(args.seed)
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
-    print(f"workload: {len(requests)} requests, {sum(r.prompt_len for r in requests)} prompt tokens, "
-          f"{sum(r.max_tokens for r in requests)} output tokens; rate {args.request_rate}, "
-          f"burstiness {args.burstiness}, max concurrency {args.max_concurrency}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    )
+    print(
+        f"workload: {len(requests)} requests, {sum(r.prompt_len for r in requests)} prompt tokens, "
+        f"{sum(r.max_tokens for r in requests)} output tokens; rate {args.request_rate}, "
+        f"burstiness {args.burstiness}, max concurrency {args.max_concurrency}"
+    )
 
     report = {"args": {k: v for k, v in vars(args).items() if k != "api_key"}, "rounds": []}
     one_at_a_time = args.max_concurrency == 1
-    if args.offline and not one_at_a_time and (
-        args.request_rate != float("inf") or args.max_concurrency < len(requests)
+    if (
+        args.offline
+        and not one_at_a_time
+        and (args.request_rate != float("inf") or args.max_concurrency < len(requests))
     ):
-        print("\nnote: the offline run admits every request at once; compare with --request-rate inf "
-              "and --max-concurrency >= --num-prompts (or --max-concurrency 1)")
+        print(
+            "\nnote: the offline run admits every request at once; compare with --request-rate inf "
+            "and --max-concurrency >= --num-prompts (or --max-concurrency 1)"
+        )
     # Loaded before the mesh starts and kept between rounds, so mesh and offline rounds alternate
     # on a warm machine and share its slow drifts.
     llm = load_offline(engine_args) if args.offline else None
@@ -305,8 +320,12 @@ def main():
     if args.launch:
         from services.supervisor import Mesh
 
-        gateway_args = ["--max-requests-in-flight", str(max(1024, args.num_prompts)),
-                        "--served-model-name", engine_args.model]
+        gateway_args = [
+            "--max-requests-in-flight",
+            str(max(1024, args.num_prompts)),
+            "--served-model-name",
+            engine_args.model,
+        ]
         mesh = Mesh(engine_args, gateway_args)
         address = mesh.start()
         print(f"mesh up, gateway at {address}")
@@ -321,10 +340,18 @@ def main():
                     run_paired(address, llm, requests, model, args.api_key)
                 )
             else:
-                mesh_results, mesh_s = asyncio.run(run_mesh(
-                    address, requests, args.request_rate, args.burstiness, args.max_concurrency, args.seed,
-                    model, args.api_key,
-                ))
+                mesh_results, mesh_s = asyncio.run(
+                    run_mesh(
+                        address,
+                        requests,
+                        args.request_rate,
+                        args.burstiness,
+                        args.max_concurrency,
+                        args.seed,
+                        model,
+                        args.api_key,
+                    )
+                )
                 if llm is not None:
                     offline_out, offline_s = run_offline(llm, requests)
             entry["mesh"] = summarize(mesh_results, mesh_s, goodput)
@@ -335,8 +362,10 @@ def main():
                 ratio = entry["mesh"]["output_token_throughput"] / entry["offline"]["output_token_throughput"]
                 added = entry["mesh"]["ttft_ms"]["p50"] - entry["offline"]["ttft_ms"]["p50"]
                 entry["mesh_over_offline"] = {"output_throughput_ratio": ratio, "median_ttft_added_ms": added}
-                print(f"\nround {i + 1}: mesh / offline output tok/s {ratio:.3f}x; "
-                      f"median TTFT added by the mesh {added:.1f} ms")
+                print(
+                    f"\nround {i + 1}: mesh / offline output tok/s {ratio:.3f}x; "
+                    f"median TTFT added by the mesh {added:.1f} ms"
+                )
                 if one_at_a_time:  # the same request's two TTFTs, taken seconds apart
                     paired = statistics.median(m.ttft - o.ttft for m, o in zip(mesh_results, offline_out)) * 1e3
                     entry["mesh_over_offline"]["paired_ttft_added_ms_p50"] = paired
@@ -356,11 +385,14 @@ def median_over_rounds(report: dict, key: str, ratio_name: str, adder: str) -> s
     ratios = [r[key]["output_throughput_ratio"] for r in report["rounds"]]
     added = [r[key]["median_ttft_added_ms"] for r in report["rounds"]]
     report["median_over_rounds"] = {
-        "output_throughput_ratio": statistics.median(ratios), "median_ttft_added_ms": statistics.median(added),
+        "output_throughput_ratio": statistics.median(ratios),
+        "median_ttft_added_ms": statistics.median(added),
     }
-    return (f"over {len(ratios)} rounds: {ratio_name} output tok/s {statistics.median(ratios):.3f}x "
-            f"(each: {', '.join(f'{r:.3f}' for r in ratios)}); median TTFT added by {adder} "
-            f"{statistics.median(added):.1f} ms (each: {', '.join(f'{a:.1f}' for a in added)})")
+    return (
+        f"over {len(ratios)} rounds: {ratio_name} output tok/s {statistics.median(ratios):.3f}x "
+        f"(each: {', '.join(f'{r:.3f}' for r in ratios)}); median TTFT added by {adder} "
+        f"{statistics.median(added):.1f} ms (each: {', '.join(f'{a:.1f}' for a in added)})"
+    )
 
 
 def write_report(path: str, report: dict) -> None:

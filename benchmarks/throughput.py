@@ -114,7 +114,12 @@ def run_hf_static(model, pad_id, prompts, max_tokens, batch_size):
         # eos_token_id=None as a keyword (not in a GenerationConfig, where the model's EOS would fill
         # it back in) turns stopping off: every row runs the full max_new_tokens.
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=pad_id
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=pad_id,
         )
         if out.shape[1] != width + new:
             raise RuntimeError(f"hf-static stopped early: {out.shape[1] - width} of {new} new tokens")
@@ -157,7 +162,9 @@ def run_hf_cb_req(model, args, kv_tokens, pad_id, prompts, max_tokens):
     gen, cb = cb_configs(args, kv_tokens, max(max_tokens), pad_id)
     results = {}
     start = time.perf_counter()
-    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb, timeout=30) as m:
+    with model.continuous_batching_context_manager(
+        generation_config=gen, continuous_batching_config=cb, timeout=30
+    ) as m:
         for i, (p, n) in enumerate(zip(prompts, max_tokens)):
             m.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
         while len(results) < len(prompts):
@@ -182,13 +189,20 @@ def main():
     parser.add_argument("--input-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     parser.add_argument("--hf-batch-size", type=int, default=16)
-    parser.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, from {','.join(PEERS)}; '' for none")
-    parser.add_argument("--hf-cb-attn", default="sdpa", help="attn_implementation for hf-cb/hf-cb-req: sdpa or paged|eager")
+    parser.add_argument(
+        "--peers", default=",".join(PEERS), help=f"comma-separated, from {','.join(PEERS)}; '' for none"
+    )
+    parser.add_argument(
+        "--hf-cb-attn", default="sdpa", help="attn_implementation for hf-cb/hf-cb-req: sdpa or paged|eager"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's)")
     parser.add_argument("--output-json", default="benchmarks/results/throughput.json")
     parser.add_argument("--quick", action="store_true", help="smoke run: 16 prompts, input 32-256, max_tokens 16-64")
-    parser.add_argument("--random-weights", action="store_true",
-                        help="a random model of SmolLM2-135M's shape instead of --model (for GPU machines)")
+    parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="a random model of SmolLM2-135M's shape instead of --model (for GPU machines)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.num_prompts, args.input_len, args.output_len = 16, (32, 256), (16, 64)
@@ -204,7 +218,9 @@ def main():
         save_random_smollm2_shaped(Path(args.model), args.seed)
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     engine = llm.engine
-    prompts, max_tokens = make_workload(args.seed, args.num_prompts, args.input_len, args.output_len, engine.model_config.vocab_size)
+    prompts, max_tokens = make_workload(
+        args.seed, args.num_prompts, args.input_len, args.output_len, engine.model_config.vocab_size
+    )
     prompt_tokens, output_tokens = sum(map(len, prompts)), sum(max_tokens)
     warm = ([[FIRST_REGULAR_ID + i for i in range(8)]], [4])  # one tiny request, untimed
 
@@ -228,8 +244,14 @@ def main():
     preempt_before = engine.get_stats().num_preemptions
     steps = time_decode_steps(engine)
     elapsed, reference, generated = run_engine(llm, prompts, max_tokens)
-    record("engine", elapsed, reference, generated, preemptions=engine.get_stats().num_preemptions - preempt_before,
-           **decode_step_stats(steps, engine.worker.model_runner))
+    record(
+        "engine",
+        elapsed,
+        reference,
+        generated,
+        preemptions=engine.get_stats().num_preemptions - preempt_before,
+        **decode_step_stats(steps, engine.worker.model_runner),
+    )
     model_dir, dtype, device = engine.model_dir, engine.dtype, engine.device
     kv_tokens, pad_id = engine.num_blocks * engine.args.block_size, llm.get_tokenizer().pad_token_id or 0
     # The peers get the device to themselves: on a GPU the engine's KV cache holds most of it.
@@ -248,20 +270,26 @@ def main():
                     run_hf_static(static, pad_id, *warm, args.hf_batch_size)
                     out = run_hf_static(static, pad_id, prompts, max_tokens, args.hf_batch_size)
                 else:
-                    model = AutoModelForCausalLM.from_pretrained(
-                        model_dir, dtype=dtype, attn_implementation=args.hf_cb_attn
-                    ).to(device).eval()
+                    model = (
+                        AutoModelForCausalLM.from_pretrained(
+                            model_dir, dtype=dtype, attn_implementation=args.hf_cb_attn
+                        )
+                        .to(device)
+                        .eval()
+                    )
                     fn = run_hf_cb if name == "hf-cb" else run_hf_cb_req
                     fn(model, args, kv_tokens, pad_id, *warm)
                     out = fn(model, args, kv_tokens, pad_id, prompts, max_tokens)
                 record(name, *out)
-            except Exception as e:  # report and go on with the others
+            except Exception as e:  # noqa: BLE001 (report and go on with the others)
                 traceback.print_exc()
                 results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
                 print(f"  {name}: FAILED ({type(e).__name__}: {e})", flush=True)
 
     ours = results["engine"]["output_tokens_per_s"]
-    print(f"\n{'system':<10} {'wall s':>8} {'req/s':>7} {'out tok/s':>10} {'total tok/s':>12} {'engine x':>9} {'generated':>10} {'same as engine':>15}")
+    print(
+        f"\n{'system':<10} {'wall s':>8} {'req/s':>7} {'out tok/s':>10} {'total tok/s':>12} {'engine x':>9} {'generated':>10} {'same as engine':>15}"
+    )
     for name, r in results.items():
         if not r["ok"]:
             print(f"{name:<10} FAILED: {r['error']}")
@@ -275,9 +303,11 @@ def main():
     e = results["engine"]
     print(f"\nengine preemptions: {e['preemptions']}")
     if e["decode_steps"]:
-        print(f"engine decode steps: {e['decode_steps']}, host time {e['host_ms_per_decode_step']:.2f} ms per step "
-              f"(median {e['host_ms_per_decode_step_median']:.2f}), waiting for the device "
-              f"{e['device_wait_ms_per_decode_step']:.2f} ms; CUDA graph replays: {e['cudagraph_replays']}")
+        print(
+            f"engine decode steps: {e['decode_steps']}, host time {e['host_ms_per_decode_step']:.2f} ms per step "
+            f"(median {e['host_ms_per_decode_step_median']:.2f}), waiting for the device "
+            f"{e['device_wait_ms_per_decode_step']:.2f} ms; CUDA graph replays: {e['cudagraph_replays']}"
+        )
 
     import transformers
 

@@ -23,12 +23,12 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import median_over_rounds, print_table, run_mesh, summarize, synthetic_requests, write_report  # noqa: E402
+from serve import median_over_rounds, print_table, run_mesh, summarize, synthetic_requests, write_report
 
-from engine.config import EngineArgs  # noqa: E402
-from engine.models.loader import prepare_model_dir  # noqa: E402
-from engine.text.tokenizer import Tokenizer  # noqa: E402
-from services.supervisor import Mesh  # noqa: E402
+from engine.config import EngineArgs
+from engine.models.loader import prepare_model_dir
+from engine.text.tokenizer import Tokenizer
+from services.supervisor import Mesh
 
 
 class OtlpSink:
@@ -43,17 +43,23 @@ class OtlpSink:
             self.bytes += len(request)
             return b""  # an empty ExportTraceServiceResponse
 
-        handler = grpc.method_handlers_generic_handler("opentelemetry.proto.collector.trace.v1.TraceService", {
-            "Export": grpc.unary_unary_rpc_method_handler(export),  # no (de)serializers: raw bytes
-        })
+        handler = grpc.method_handlers_generic_handler(
+            "opentelemetry.proto.collector.trace.v1.TraceService",
+            {
+                "Export": grpc.unary_unary_rpc_method_handler(export),  # no (de)serializers: raw bytes
+            },
+        )
         self.server.add_generic_rpc_handlers([handler])
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
 
 
 def start_mesh(engine_args: EngineArgs, env: dict, num_prompts: int) -> Mesh:
-    mesh = Mesh(engine_args, ["--max-requests-in-flight", str(max(1024, num_prompts)),
-                              "--served-model-name", engine_args.model], env=env)
+    mesh = Mesh(
+        engine_args,
+        ["--max-requests-in-flight", str(max(1024, num_prompts)), "--served-model-name", engine_args.model],
+        env=env,
+    )
     mesh.start()
     return mesh
 
@@ -71,7 +77,9 @@ def main():
     args = ap.parse_args()
     engine_args = EngineArgs.from_cli_args(args)
     tokenizer = Tokenizer.from_pretrained(prepare_model_dir(engine_args.model))
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    )
 
     sink = OtlpSink()
     traced_env = {"LLMMESH_OTLP_TRACES_ENDPOINT": f"127.0.0.1:{sink.port}", "LLMMESH_TRACE_SAMPLE_RATIO": "1.0"}
@@ -90,8 +98,9 @@ def main():
             entry = {}
             for name in order:
                 address = meshes[name].services["gateway"].address
-                results, elapsed = asyncio.run(run_mesh(address, requests, float("inf"), 1.0, args.max_concurrency,
-                                                        args.seed, model, None))
+                results, elapsed = asyncio.run(
+                    run_mesh(address, requests, float("inf"), 1.0, args.max_concurrency, args.seed, model, None)
+                )
                 entry[name] = summarize(results, elapsed, {})
                 print_table(f"round {i + 1}: {name}", entry[name])
             ratio = entry["traced"]["output_token_throughput"] / entry["untraced"]["output_token_throughput"]
@@ -104,8 +113,10 @@ def main():
             mesh.stop()
         sink.server.stop(0)
     report["otlp_sink"] = {"exports": sink.exports, "bytes": sink.bytes}
-    print(f"\n{median_over_rounds(report, 'traced_over_untraced', 'traced / untraced', 'tracing')}; "
-          f"the sink took {sink.exports} exports, {sink.bytes} bytes")
+    print(
+        f"\n{median_over_rounds(report, 'traced_over_untraced', 'traced / untraced', 'tracing')}; "
+        f"the sink took {sink.exports} exports, {sink.bytes} bytes"
+    )
     write_report(args.output_json, report)
 
 

@@ -215,15 +215,18 @@ class AsyncLLM:
                 continue
             if output.error is not None:  # it failed on its own: its stream raises, its batch mates go on
                 error = output.error
-                self._fail(stream, output.request_id, EngineRequestError(error.message, invalid_input=error.invalid_input))
+                self._fail(
+                    stream, output.request_id, EngineRequestError(error.message, invalid_input=error.invalid_input)
+                )
                 continue
             stream.queue.put_nowait(output)
             if output.finished:
                 stream.finished = True
                 del self.streams[output.request_id]
 
-    def _fail(self, stream: RequestStream | None, request_id: str,
-              error: "EngineRequestError | EngineDeadError | str") -> None:
+    def _fail(
+        self, stream: RequestStream | None, request_id: str, error: "EngineRequestError | EngineDeadError | str"
+    ) -> None:
         """End a request with an error: its other completions are aborted, its stream raises."""
         engine_ids = self.output_processor.abort_requests([request_id])
         if engine_ids:
@@ -249,7 +252,7 @@ class AsyncLLM:
             self.core = build_core()
             self.processor = Processor.for_engine(self.core, self.limits, self.tokenizer)
             self.stats = self.core.get_stats()
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 (loading failed or was interrupted: the caller of loaded() gets it)
             error = e if isinstance(e, Exception) else RuntimeError(f"loading the engine was interrupted: {e!r}")
             self.dead = f"{type(e).__name__}: {e}"
             self._call_soon(self._loaded.set_exception, error)
@@ -290,7 +293,7 @@ class AsyncLLM:
                     for request in payload:
                         try:
                             core.add_request(request)
-                        except Exception as e:  # checked already; this is a last line of defence
+                        except Exception as e:  # noqa: BLE001 (checked already; this is a last line of defence)
                             logger.warning("request %s refused in the engine thread: %s", request.request_id, e)
                             failed[request.request_id] = str(e)
                 else:  # "abort": the blocks are free before the next step

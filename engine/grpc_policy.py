@@ -30,4 +30,3 @@ CHANNEL_OPTIONS = _KEEPALIVE + [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-

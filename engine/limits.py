@@ -37,13 +37,14 @@ class RequestLimits:
             flag = "--" + limit_name.replace("_", "-")
             raise ValueError(f"{field} is {len(text)} characters long; at most {limit} are allowed ({flag}={limit}).")
 
-
     def check_params(self, params, max_model_len: int | None = None) -> None:
         """The caps on what a request's SamplingParams make a process hold; ValueError names the field."""
         if params.n > self.max_n:
             raise ValueError(f"n must be at most {self.max_n} (--max-n), got {params.n}.")
         if max_model_len is not None and params.max_tokens is not None and params.max_tokens > max_model_len:
-            raise ValueError(f"max_tokens must be at most the model's length, {max_model_len}, got {params.max_tokens}.")
+            raise ValueError(
+                f"max_tokens must be at most the model's length, {max_model_len}, got {params.max_tokens}."
+            )
         self.check_count("stop", len(params.stop), "max_stop")
         for i, stop in enumerate(params.stop):
             self.check_chars(f"stop[{i}]", stop, "max_stop_chars")

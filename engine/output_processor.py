@@ -115,8 +115,15 @@ class CompletionState:
 class RequestState:
     """What the user asked for: one prompt, n completions (engine requests `i_<id>` when n > 1)."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None, output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY):
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+    ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -143,8 +150,14 @@ class RequestState:
     def unfinished_engine_ids(self) -> list[str]:
         return [c.engine_request_id for c in self.completions if not c.finished]
 
-    def add_tokens(self, completion: CompletionState, token_ids: list[int], logprobs: list | None,
-                   sampled_logprob_sum: float = 0.0, now: float | None = None) -> None:
+    def add_tokens(
+        self,
+        completion: CompletionState,
+        token_ids: list[int],
+        logprobs: list | None,
+        sampled_logprob_sum: float = 0.0,
+        now: float | None = None,
+    ) -> None:
         """New tokens of one completion (and their logprob entries, in the caller's representation)."""
         completion.token_ids += token_ids
         if completion.logprobs is not None and logprobs is not None:
@@ -200,7 +213,10 @@ class RequestState:
             return None
         prompt_logprobs = self.prompt_logprobs
         if delta and prompt_logprobs is not None:
-            prompt_logprobs, self._prompt_logprobs_sent = prompt_logprobs[self._prompt_logprobs_sent :], len(prompt_logprobs)
+            prompt_logprobs, self._prompt_logprobs_sent = (
+                prompt_logprobs[self._prompt_logprobs_sent :],
+                len(prompt_logprobs),
+            )
         outputs = [o for o in (c.output(delta) for c in self.completions) if o is not None]
         if delta and not outputs and not prompt_logprobs:
             return None
@@ -225,8 +241,15 @@ class OutputProcessor:
         self.request_states: dict[str, RequestState] = {}
         self.parent_of: dict[str, RequestState] = {}  # engine request id -> its user request
 
-    def add_request(self, request_id, prompt, prompt_token_ids, params: SamplingParams, arrival_time=None,
-                    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> RequestState:
+    def add_request(
+        self,
+        request_id,
+        prompt,
+        prompt_token_ids,
+        params: SamplingParams,
+        arrival_time=None,
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+    ) -> RequestState:
         """Track a user request; its engine_requests are the n requests to add to the engine."""
         if request_id in self.request_states:
             raise ValueError(f"request_id {request_id!r} is already in use by a running request.")
@@ -276,7 +299,7 @@ class OutputProcessor:
                     abort = self._process_output(state, state.by_engine_id[out.request_id], out, now)
                     if abort is not None:
                         reqs_to_abort.append(abort)
-            except Exception as e:  # detokenizing or stop strings failed for this request: it alone ends
+            except Exception as e:  # noqa: BLE001 (detokenizing or stop strings failed for this request: it alone ends)
                 failure = RequestFailure.from_exception(state.request_id, "output processing", e)
             if failure is not None:
                 reqs_to_abort += [i for i in state.fail(failure, now) if i != out.request_id or not out.finished]
@@ -292,7 +315,6 @@ class OutputProcessor:
             if output is not None:
                 results.append(output)
         return results, reqs_to_abort
-
 
     def _process_output(self, state: RequestState, completion: CompletionState, out, now: float) -> str | None:
         """One engine request's step: tokens, logprobs, text, stop strings. Returns its engine request id when a

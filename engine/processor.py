@@ -14,8 +14,16 @@ from engine.request import SamplingParams
 
 
 class Processor:
-    def __init__(self, vocab_size: int, max_model_len: int, eos_token_ids=(), limits: RequestLimits | None = None,
-                 max_logprobs: int | None = None, kv_capacity_tokens: int | None = None, tokenizer=None):
+    def __init__(
+        self,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids=(),
+        limits: RequestLimits | None = None,
+        max_logprobs: int | None = None,
+        kv_capacity_tokens: int | None = None,
+        tokenizer=None,
+    ):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
@@ -27,8 +35,15 @@ class Processor:
     @classmethod
     def for_engine(cls, core, limits: RequestLimits | None = None, tokenizer=None) -> "Processor":
         """Admission for one EngineCore: its model, its --max-logprobs and its KV cache."""
-        return cls(core.model_config.vocab_size, core.max_model_len, core.model_config.eos_token_ids, limits,
-                   core.args.max_logprobs, core.num_blocks * core.args.block_size, tokenizer)
+        return cls(
+            core.model_config.vocab_size,
+            core.max_model_len,
+            core.model_config.eos_token_ids,
+            limits,
+            core.args.max_logprobs,
+            core.num_blocks * core.args.block_size,
+            tokenizer,
+        )
 
     def check_ids(self, request_id: str, cache_salt: str | None) -> None:
         if self.limits is not None:
@@ -65,19 +80,25 @@ class Processor:
             raise ValueError("prompt_token_ids: the prompt is empty; it must contain at least one token.")
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of vocabulary; token ids must be in "
-                             f"[0, {vocab}).")
+            raise ValueError(
+                f"prompt_token_ids: token id {bad[0]} is out of vocabulary; token ids must be in [0, {vocab})."
+            )
         if n >= self.max_model_len:
-            raise ValueError(f"prompt_token_ids: the prompt (length {n}) is longer than the maximum model length of "
-                             f"{self.max_model_len}; it must be at most {self.max_model_len - 1} tokens so one can be "
-                             "generated.")
+            raise ValueError(
+                f"prompt_token_ids: the prompt (length {n}) is longer than the maximum model length of "
+                f"{self.max_model_len}; it must be at most {self.max_model_len - 1} tokens so one can be "
+                "generated."
+            )
         if self.kv_capacity_tokens is not None and n >= self.kv_capacity_tokens:
-            raise ValueError(f"prompt_token_ids: the prompt (length {n}) can never fit the KV cache, which holds "
-                             f"{self.kv_capacity_tokens} tokens; raise --kv-cache-memory.")
+            raise ValueError(
+                f"prompt_token_ids: the prompt (length {n}) can never fit the KV cache, which holds "
+                f"{self.kv_capacity_tokens} tokens; raise --kv-cache-memory."
+            )
         return ids
 
-    def process_inputs(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None) -> list[int]:
+    def process_inputs(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> list[int]:
         """Everything above, in the order a client's mistakes are best reported; the prompt to run."""
         self.check_ids(request_id, cache_salt)
         self.process_params(params)

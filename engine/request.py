@@ -30,14 +30,11 @@ class RequestStatus(enum.IntEnum):
         return _FINISHED_REASONS.get(status)
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 _FINISHED_REASONS = {
@@ -59,8 +56,10 @@ class RequestFailure:
 
     @classmethod
     def from_exception(cls, request_id: str, where: str, error: Exception) -> "RequestFailure":
-        return cls(f"request {request_id}: {where} failed: {type(error).__name__}: {error}",
-                   invalid_input=isinstance(error, ValueError))
+        return cls(
+            f"request {request_id}: {where} failed: {type(error).__name__}: {error}",
+            invalid_input=isinstance(error, ValueError),
+        )
 
 
 class EngineCoreEventType(enum.IntEnum):
@@ -130,8 +129,12 @@ class SamplingParams:
                 bias = {int(t): float(b) for t, b in self.logit_bias.items()}
             except (TypeError, ValueError, AttributeError) as e:
                 raise ValueError(f"logit_bias must map token ids (integers) to numbers: {e}") from None
-            _check(all(math.isfinite(b) for b in bias.values()), "logit_bias", "values must be finite numbers",
-                   [b for b in bias.values() if not math.isfinite(b)][:1])
+            _check(
+                all(math.isfinite(b) for b in bias.values()),
+                "logit_bias",
+                "values must be finite numbers",
+                [b for b in bias.values() if not math.isfinite(b)][:1],
+            )
             self.logit_bias = {t: min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, b)) for t, b in bias.items()}
         self.verify()
         if self.greedy:
@@ -154,21 +157,39 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check(
                 self.min_tokens <= self.max_tokens,
-                "min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}", self.min_tokens,
+                "min_tokens",
+                f"must be less than or equal to max_tokens={self.max_tokens}",
+                self.min_tokens,
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or value >= -1, name, "must be non-negative, or -1 for the whole vocabulary", value)
         _check(
-            self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1,
-            "truncate_prompt_tokens", "must be at least 1, or -1 for the model's maximum length", self.truncate_prompt_tokens,
+            self.truncate_prompt_tokens is None
+            or self.truncate_prompt_tokens >= 1
+            or self.truncate_prompt_tokens == -1,
+            "truncate_prompt_tokens",
+            "must be at least 1, or -1 for the model's maximum length",
+            self.truncate_prompt_tokens,
         )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings", self.stop)
-        _check(not self.stop or self.detokenize, "stop", "needs detokenize=True (stop strings are found in text)", self.stop)
-        _check(all(isinstance(w, str) and w for w in self.bad_words), "bad_words", "must be non-empty strings", self.bad_words)
+        _check(
+            not self.stop or self.detokenize,
+            "stop",
+            "needs detokenize=True (stop strings are found in text)",
+            self.stop,
+        )
+        _check(
+            all(isinstance(w, str) and w for w in self.bad_words),
+            "bad_words",
+            "must be non-empty strings",
+            self.bad_words,
+        )
         _check(
             self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
-            "allowed_token_ids", "must not be empty (None allows every token)", self.allowed_token_ids,
+            "allowed_token_ids",
+            "must not be empty (None allows every token)",
+            self.allowed_token_ids,
         )
 
     def verify_for_model(self, vocab_size: int, max_logprobs: int) -> None:
@@ -188,7 +209,9 @@ class SamplingParams:
             num = vocab_size if value == -1 else value
             _check(
                 max_logprobs == -1 or num <= max_logprobs,
-                name, f"must be at most --max-logprobs={max_logprobs}", value,
+                name,
+                f"must be at most --max-logprobs={max_logprobs}",
+                value,
             )
 
     def update_from_tokenizer(self, encode) -> None:
@@ -282,8 +305,12 @@ class Request:
     def get_finished_reason(self) -> FinishReason | None:
         return RequestStatus.get_finished_reason(self.status)
 
-    def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None, num_tokens: int = 0) -> None:
-        self.events.append(EngineCoreEvent(event_type, time.monotonic() if timestamp is None else timestamp, num_tokens))
+    def record_event(
+        self, event_type: EngineCoreEventType, timestamp: float | None = None, num_tokens: int = 0
+    ) -> None:
+        self.events.append(
+            EngineCoreEvent(event_type, time.monotonic() if timestamp is None else timestamp, num_tokens)
+        )
 
     def take_events(self) -> list[EngineCoreEvent]:
         events, self.events = self.events, []

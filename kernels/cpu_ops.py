@@ -43,8 +43,14 @@ def build():
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     # torch runs `ninja` from PATH; the venv's own (pip's ninja) is next to this interpreter.
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    return cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=_flags(), extra_ldflags=["-fopenmp"],
-                              build_directory=str(BUILD_DIR), verbose=False)
+    return cpp_extension.load(
+        NAME,
+        [str(s) for s in SOURCES],
+        extra_cflags=_flags(),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(BUILD_DIR),
+        verbose=False,
+    )
 
 
 def load():

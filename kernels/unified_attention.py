@@ -25,14 +25,31 @@ MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
 
 @triton.jit
 def _unified_attention_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_table_ptr,
     scale_log2,  # softmax scale * log2(e): the kernel uses exp2
     num_reqs,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    stride_ch, stride_cb,  # cache [num_kv_heads, num_blocks, block_size, head_dim], contiguous
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_ch,
+    stride_cb,  # cache [num_kv_heads, num_blocks, block_size, head_dim], contiguous
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,7 +87,7 @@ def _unified_attention_kernel(
         q = q.to(tl.float32)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores (log2 units)
-    l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m)
+    l = tl.zeros([BLOCK_M], tl.float32)  # noqa: E741 (running sum of exp2(score - m), the papers' l)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     # Causal: no row here sees past this block's last query token.
     kv_end = tl.minimum(seq_len, num_cached + first_q + BLOCK_Q)
@@ -92,7 +109,7 @@ def _unified_attention_kernel(
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a masked row: keep exp2 finite, its p is 0
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
+        l = l * alpha + tl.sum(p, 1)  # noqa: E741
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
@@ -122,11 +139,29 @@ def unified_attention(out, query, k_cache, v_cache, query_start_loc, seq_lens, b
     dot_f32 = query.device.type == "cpu" or query.dtype == torch.float32
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _unified_attention_kernel[grid](
-        out, query, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-        scale * math.log2(math.e), num_reqs,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        k_cache.stride(0), k_cache.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q, BLOCK_M=block_m, TILE=TILE,
-        DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32",
+        out,
+        query,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        scale * math.log2(math.e),
+        num_reqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE=TILE,
+        DOT_F32=dot_f32,
+        PRECISION="ieee" if dot_f32 else "tf32",
     )

@@ -4,9 +4,17 @@ import argparse
 import sys
 import time
 
-from services import (client, config, detokenizer_service, gateway, kvstore_service, sampler_service, server,
-                      supervisor, tokenizer_service)
-
+from services import (
+    client,
+    config,
+    detokenizer_service,
+    gateway,
+    kvstore_service,
+    sampler_service,
+    server,
+    supervisor,
+    tokenizer_service,
+)
 from services.supervisor import DEMO_CHAT, DEMO_PROMPTS
 
 
@@ -58,8 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_limit_args(engine)
     config.add_detailed_traces_arg(engine)
     engine.set_defaults(func=run_engine)
-    for module in (server, tokenizer_service, detokenizer_service, kvstore_service, sampler_service, gateway, supervisor,
-                   client):
+    for module in (
+        server,
+        tokenizer_service,
+        detokenizer_service,
+        kvstore_service,
+        sampler_service,
+        gateway,
+        supervisor,
+        client,
+    ):
         module.add_subcommands(sub)
     config.apply_env(parser)
     return parser

@@ -12,9 +12,22 @@ from llmmesh.v1 import common_pb2, engine_pb2
 
 # Proto fields copied as they are when set (optional scalars).
 _OPTIONAL_FIELDS = (
-    "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "min_tokens", "max_tokens", "seed", "skip_special_tokens",
-    "spaces_between_special_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "max_tokens",
+    "seed",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
 )
 
 
@@ -78,11 +91,13 @@ def request_output_to_llmmesh(out: RequestOutput, first_tokens: bool) -> engine_
     if first_tokens:
         msg.num_prompt_tokens = len(out.prompt_token_ids)
     if out.finished:
-        msg.usage.CopyFrom(common_pb2.Usage(
-            prompt_tokens=len(out.prompt_token_ids),
-            completion_tokens=out.metrics.num_generation_tokens,
-            cached_tokens=out.num_cached_tokens,
-        ))
+        msg.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=len(out.prompt_token_ids),
+                completion_tokens=out.metrics.num_generation_tokens,
+                cached_tokens=out.num_cached_tokens,
+            )
+        )
     # The first tokens' message carries the timings too: a caller that stops reading early, at a stop
     # string, still has the queue time and the time to first token.
     if out.finished or first_tokens:

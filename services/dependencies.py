@@ -30,7 +30,9 @@ class Dependencies:
         if not engines:
             raise ValueError("engine: give at least one engine address (--engine HOST:PORT).")
         self.channels = {address: channel(address) for address in dict.fromkeys([*engines, tokenizer, detokenizer])}
-        self.engines = {address: engine_pb2_grpc.EngineStub(self.channels[address]) for address in dict.fromkeys(engines)}
+        self.engines = {
+            address: engine_pb2_grpc.EngineStub(self.channels[address]) for address in dict.fromkeys(engines)
+        }
         self.engine_in_flight = dict.fromkeys(self.engines, 0)
         self.healthy_engines: set[str] = set()
         self.tokenizer_address, self.detokenizer_address = tokenizer, detokenizer
@@ -51,7 +53,9 @@ class Dependencies:
 
     async def check(self) -> bool:
         engines = list(self.engines)
-        results = await asyncio.gather(*(self._healthy(a) for a in [self.tokenizer_address, self.detokenizer_address, *engines]))
+        results = await asyncio.gather(
+            *(self._healthy(a) for a in [self.tokenizer_address, self.detokenizer_address, *engines])
+        )
         self.healthy_engines = {a for a, ok in zip(engines, results[2:]) if ok}
         if self.healthy_engines and self.model_info is None:
             try:
@@ -77,7 +81,9 @@ class Dependencies:
         infos = []
         for address in self.healthy_engines or self.engines:
             try:
-                infos.append(await self.engines[address].GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=UNARY_TIMEOUT))
+                infos.append(
+                    await self.engines[address].GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=UNARY_TIMEOUT)
+                )
             except grpc.aio.AioRpcError as e:
                 raise dependency_error("engine", address, e) from None
         self.model_info = min(infos, key=lambda info: (info.max_model_len, info.vocab_size))

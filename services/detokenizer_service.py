@@ -23,8 +23,8 @@ from engine.text import RequestDetokenizer
 from engine.text.detokenizer import MAX_PROMPT_CONTEXT
 from llmmesh.v1 import detokenizer_pb2, detokenizer_pb2_grpc
 from services import config
-from services.text_model import TextModel, check_token_ids_in_vocab, serve_text_service, text_service_parser
 from services.telemetry import Telemetry, set_error
+from services.text_model import TextModel, check_token_ids_in_vocab, serve_text_service, text_service_parser
 
 logger = logging.getLogger("llmmesh.detokenizer")
 
@@ -127,8 +127,10 @@ class DetokenizeStream:
         if step.finished:
             del self.requests[rid]
         if finished:
-            self.end_span(rid, **{"llmmesh.stop_str": detok.matched_stop or "",
-                                  "gen_ai.usage.output_tokens": detok.num_output_tokens})
+            self.end_span(
+                rid,
+                **{"llmmesh.stop_str": detok.matched_stop or "", "gen_ai.usage.output_tokens": detok.num_output_tokens},
+            )
         return detokenizer_pb2.DetokenizeResult(
             request_id=rid,
             text=text,
@@ -160,7 +162,11 @@ def add_subcommands(subparsers) -> None:
 
     def run(args):
         service = DetokenizerService(config.limits_from_args(args))
-        config.run(serve_text_service("detokenizer", SERVICE_NAME,
-                                      detokenizer_pb2_grpc.add_DetokenizerServicer_to_server, service, args), args)
+        config.run(
+            serve_text_service(
+                "detokenizer", SERVICE_NAME, detokenizer_pb2_grpc.add_DetokenizerServicer_to_server, service, args
+            ),
+            args,
+        )
 
     parser.set_defaults(func=run)

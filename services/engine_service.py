@@ -40,13 +40,19 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             params = sampling_params_from_llmmesh(request.sampling_params)
             params.detokenize = bool(params.stop)  # token ids travel; text only to find stop strings
             return engine.add_request(
-                request.request_id, list(request.prompt_token_ids), params, priority=request.priority,
-                cache_salt=request.cache_salt, arrival_time=arrival, trace_headers=trace_headers,
+                request.request_id,
+                list(request.prompt_token_ids),
+                params,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                arrival_time=arrival,
+                trace_headers=trace_headers,
             )
 
         first_tokens = True
-        async with contextlib.aclosing(serve_request(engine, self.observer, context, request.request_id,
-                                                     add_request)) as outputs:
+        async with contextlib.aclosing(
+            serve_request(engine, self.observer, context, request.request_id, add_request)
+        ) as outputs:
             async for out in outputs:
                 moved = any(c.token_ids for c in out.outputs)
                 yield request_output_to_llmmesh(out, first_tokens and moved)

@@ -25,22 +25,88 @@ from services.telemetry import CURRENT_SERVER_SPAN, Telemetry, epoch_ns, inject
 logger = logging.getLogger("llmmesh.engine")
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-               80.0]
-REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+REQUEST_LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 # The KV connector's counters (SchedulerStats.kv_connector_stats) under vLLM's names for a KV connector's external
 # prefix cache and offloaded bytes; the others are exported as llmmesh:kv_connector_<key>.
 KV_CONNECTOR_METRICS = {
-    "lookup_tokens": ("vllm:external_prefix_cache_queries",
-                      "External prefix cache queries from KV connector cross-instance cache sharing, in terms of "
-                      "number of queried tokens."),
-    "lookup_hit_tokens": ("vllm:external_prefix_cache_hits",
-                          "External prefix cache hits from KV connector cross-instance cache sharing, in terms of "
-                          "number of cached tokens."),
+    "lookup_tokens": (
+        "vllm:external_prefix_cache_queries",
+        "External prefix cache queries from KV connector cross-instance cache sharing, in terms of "
+        "number of queried tokens.",
+    ),
+    "lookup_hit_tokens": (
+        "vllm:external_prefix_cache_hits",
+        "External prefix cache hits from KV connector cross-instance cache sharing, in terms of "
+        "number of cached tokens.",
+    ),
     "loaded_bytes": ("vllm:kv_offload_load_bytes", "Number of bytes loaded by KV connector."),
     "stored_bytes": ("vllm:kv_offload_store_bytes", "Number of bytes offloaded by KV connector."),
 }
@@ -71,15 +137,25 @@ class SchedulerCollector:
             gauge.add_metric(labels, value)
             yield gauge
         counters = [
-            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-             stats.prefix_cache_queries),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits),
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                stats.prefix_cache_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                stats.prefix_cache_hits,
+            ),
             ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", stats.num_preemptions),
         ]
         counters += [
             ("llmmesh:telemetry_hook_errors", "Telemetry hooks that raised (logged and ignored).", engine.hook_errors),
-            ("llmmesh:kv_event_drops", "KV event batches dropped from subscribers that fell behind.",
-             engine.kv_event_drops),
+            (
+                "llmmesh:kv_event_drops",
+                "KV event batches dropped from subscribers that fell behind.",
+                engine.kv_event_drops,
+            ),
         ]
         for key, value in sorted((stats.kv_connector_stats or {}).items()):
             name, doc = KV_CONNECTOR_METRICS.get(key, (f"llmmesh:kv_connector_{key}", f"KV connector: {key}."))
@@ -93,9 +169,12 @@ class SchedulerCollector:
 def step_attributes(step) -> dict:
     """A step's batch and its time split (a StepStats), as span attributes."""
     return {
-        "llmmesh.step": step.step, "llmmesh.step.batch_requests": step.num_reqs,
-        "llmmesh.step.batch_tokens": step.num_tokens, "llmmesh.step.schedule_seconds": step.schedule_s,
-        "llmmesh.step.model_seconds": step.model_s, "llmmesh.step.sample_seconds": step.sample_s,
+        "llmmesh.step": step.step,
+        "llmmesh.step.batch_requests": step.num_reqs,
+        "llmmesh.step.batch_tokens": step.num_tokens,
+        "llmmesh.step.schedule_seconds": step.schedule_s,
+        "llmmesh.step.model_seconds": step.model_s,
+        "llmmesh.step.sample_seconds": step.sample_s,
         "llmmesh.step.update_seconds": step.update_s,
     }
 
@@ -125,24 +204,45 @@ class EngineTelemetry:
             registry.register(SchedulerCollector(owner, model_name))
             self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
             self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-            self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                           ["model_name", "finished_reason"], registry=registry)
+            self.request_success = Counter(
+                "vllm:request_success",
+                "Count of successfully processed requests.",
+                ["model_name", "finished_reason"],
+                registry=registry,
+            )
             for reason in FinishReason:  # every reason from 0, as vLLM does: rate() sees a reason's first request
                 self.request_success.labels(model_name, str(reason))
-            self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                                  TTFT_BUCKETS)
-            self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                                 ITL_BUCKETS)
-            self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                                 REQUEST_LATENCY_BUCKETS)
-            self.queue_time = histogram("vllm:request_queue_time_seconds",
-                                        "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
-            self.prefill_time = histogram("vllm:request_prefill_time_seconds",
-                                          "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
-            self.decode_time = histogram("vllm:request_decode_time_seconds",
-                                         "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
-            self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-                                              ITERATION_TOKENS_BUCKETS)
+            self.ttft = histogram(
+                "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+            )
+            self.itl = histogram(
+                "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+            )
+            self.e2e = histogram(
+                "vllm:e2e_request_latency_seconds",
+                "Histogram of e2e request latency in seconds.",
+                REQUEST_LATENCY_BUCKETS,
+            )
+            self.queue_time = histogram(
+                "vllm:request_queue_time_seconds",
+                "Histogram of time spent in WAITING phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            )
+            self.prefill_time = histogram(
+                "vllm:request_prefill_time_seconds",
+                "Histogram of time spent in PREFILL phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            )
+            self.decode_time = histogram(
+                "vllm:request_decode_time_seconds",
+                "Histogram of time spent in DECODE phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            )
+            self.iteration_tokens = histogram(
+                "vllm:iteration_tokens_total",
+                "Histogram of number of tokens per engine_step.",
+                ITERATION_TOKENS_BUCKETS,
+            )
 
     @property
     def active(self) -> bool:
@@ -242,8 +342,12 @@ class RequestWatch:
             for reason in reasons:
                 owner.request_success.labels(owner.model_name, reason).inc()
             owner.e2e.observe(end - m.arrival_time)
-            for histogram, value in ((owner.ttft, m.time_to_first_token), (owner.queue_time, m.time_in_queue),
-                                     (owner.prefill_time, prefill), (owner.decode_time, decode)):
+            for histogram, value in (
+                (owner.ttft, m.time_to_first_token),
+                (owner.queue_time, m.time_in_queue),
+                (owner.prefill_time, prefill),
+                (owner.decode_time, decode),
+            ):
                 if value is not None:
                     histogram.observe(value)
         steps = [s for c in state.completions for s in owner.steps_of.pop(c.engine_request_id, ())]
@@ -261,32 +365,59 @@ class RequestWatch:
             "llmmesh.prefix_cache.hit_tokens": state.num_cached_tokens,
             "llmmesh.num_preemptions": m.num_preemptions,
         }
-        for key, value in (("time_in_queue", m.time_in_queue), ("time_to_first_token", m.time_to_first_token),
-                           ("time_in_model_prefill", prefill), ("time_in_model_decode", decode)):
+        for key, value in (
+            ("time_in_queue", m.time_in_queue),
+            ("time_to_first_token", m.time_to_first_token),
+            ("time_in_model_prefill", prefill),
+            ("time_in_model_decode", decode),
+        ):
             if value is not None:
                 attributes[f"gen_ai.latency.{key}"] = value
         request.set_attributes(attributes)
         telemetry.span_between("queue", request, m.arrival_time, m.first_scheduled_time)
-        prefill_span = telemetry.span_between("prefill", request, m.first_scheduled_time, m.first_token_time,
-                                              {"llmmesh.prefix_cache.hit_tokens": state.num_cached_tokens,
-                                               "gen_ai.usage.input_tokens": len(state.prompt_token_ids)})
+        prefill_span = telemetry.span_between(
+            "prefill",
+            request,
+            m.first_scheduled_time,
+            m.first_token_time,
+            {
+                "llmmesh.prefix_cache.hit_tokens": state.num_cached_tokens,
+                "gen_ai.usage.input_tokens": len(state.prompt_token_ids),
+            },
+        )
         if prefill_span is not None and state.num_cached_tokens:
-            request.add_event("prefix_cache_hit", {"tokens": state.num_cached_tokens},
-                              timestamp=epoch_ns(m.first_scheduled_time))
-        telemetry.span_between("decode", request, m.first_token_time, m.last_token_time,
-                                             {"gen_ai.usage.output_tokens": m.num_generation_tokens})
+            request.add_event(
+                "prefix_cache_hit", {"tokens": state.num_cached_tokens}, timestamp=epoch_ns(m.first_scheduled_time)
+            )
+        telemetry.span_between(
+            "decode",
+            request,
+            m.first_token_time,
+            m.last_token_time,
+            {"gen_ai.usage.output_tokens": m.num_generation_tokens},
+        )
         for when in m.preemption_times:
             request.add_event("preempted", {"llmmesh.num_preemptions": m.num_preemptions}, timestamp=epoch_ns(when))
         for when, name, tokens in m.kv_transfers:  # KV store loads and stores (the KV connector)
             request.add_event(name, {"llmmesh.kv_store.tokens": tokens}, timestamp=epoch_ns(when))
         for step, step_end, num_new, step_context in steps:  # --collect-detailed-traces
             started = step_end - step.schedule_s - step.model_s - step.sample_s - step.update_s
-            telemetry.span_between(f"step {step.step}", request, started, step_end,
-                                   {**step_attributes(step), "llmmesh.step.new_tokens": num_new},
-                                   links=[Link(step_context)])
+            telemetry.span_between(
+                f"step {step.step}",
+                request,
+                started,
+                step_end,
+                {**step_attributes(step), "llmmesh.step.new_tokens": num_new},
+                links=[Link(step_context)],
+            )
         request.end(end_time=epoch_ns(end))
-        logger.info("request %s finished (%s): %d prompt + %d generated tokens", self.request_id, ",".join(reasons),
-                    len(state.prompt_token_ids), m.num_generation_tokens)
+        logger.info(
+            "request %s finished (%s): %d prompt + %d generated tokens",
+            self.request_id,
+            ",".join(reasons),
+            len(state.prompt_token_ids),
+            m.num_generation_tokens,
+        )
 
 
 async def serve_request(engine, observer: EngineTelemetry | None, context, request_id: str, add_request):
@@ -319,8 +450,13 @@ async def serve_request(engine, observer: EngineTelemetry | None, context, reque
     except EngineDeadError as e:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
     except EngineRequestError as e:
-        code = (grpc.StatusCode.UNAVAILABLE if e.unavailable else
-                grpc.StatusCode.INVALID_ARGUMENT if e.invalid_input else grpc.StatusCode.INTERNAL)
+        code = (
+            grpc.StatusCode.UNAVAILABLE
+            if e.unavailable
+            else grpc.StatusCode.INVALID_ARGUMENT
+            if e.invalid_input
+            else grpc.StatusCode.INTERNAL
+        )
         message = str(e) if str(e).startswith(f"request {request_id}") else f"request {request_id}: {e}"
         await context.abort(code, message)
     finally:

@@ -32,8 +32,15 @@ from services.convert import sampling_params_from_llmmesh
 from services.dependencies import UNARY_TIMEOUT, Dependencies
 from services.errors import RequestError, dependency_error, internal, invalid, unavailable
 from services.server import Server
-from services.telemetry import (CURRENT_SERVER_SPAN, SpanKind, Telemetry, genai_request_attributes, inject, set_error,
-                                set_response_attributes)
+from services.telemetry import (
+    CURRENT_SERVER_SPAN,
+    SpanKind,
+    Telemetry,
+    genai_request_attributes,
+    inject,
+    set_error,
+    set_response_attributes,
+)
 from services.text_model import check_messages
 
 logger = logging.getLogger("llmmesh.gateway")
@@ -53,9 +60,15 @@ def fill_decoded_tokens(positions, texts) -> None:
 
 
 class Gateway(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, deps: Dependencies, served_model_name: str, limits: RequestLimits,
-                 max_requests_in_flight: int = 1024, api_key: str | None = None,
-                 trust_request_chat_template: bool = False):
+    def __init__(
+        self,
+        deps: Dependencies,
+        served_model_name: str,
+        limits: RequestLimits,
+        max_requests_in_flight: int = 1024,
+        api_key: str | None = None,
+        trust_request_chat_template: bool = False,
+    ):
         self.deps = deps
         self.served_model_name = served_model_name
         self.limits = limits
@@ -86,8 +99,10 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     def _check_model(self, model: str) -> None:
         if model and model != self.model:
-            raise RequestError(grpc.StatusCode.NOT_FOUND,
-                               f"model {model[:256]!r} is not served here; the served model is {self.model!r}")
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {model[:256]!r} is not served here; the served model is {self.model!r}",
+            )
 
     async def _unary(self, context, call):
         try:
@@ -100,13 +115,15 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request, context):
         prompt_field = request.WhichOneof("prompt") or "text"
-        async for response in self._serve(request, context, lambda md: self._tokenize_prompt(request, md),
-                                          "text_completion", prompt_field):
+        async for response in self._serve(
+            request, context, lambda md: self._tokenize_prompt(request, md), "text_completion", prompt_field
+        ):
             yield response
 
     async def Chat(self, request, context):
-        async for response in self._serve(request, context, lambda md: self._tokenize_chat(request, md), "chat",
-                                          "messages"):
+        async for response in self._serve(
+            request, context, lambda md: self._tokenize_chat(request, md), "chat", "messages"
+        ):
             yield response
 
     async def _serve(self, request, context, tokenize, operation: str, prompt_field: str):
@@ -134,7 +151,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                     yield response
             finally:
                 self.num_in_flight -= 1
-        except Exception as e:  # noqa: BLE001 (whatever fails ends this request alone, at once)
+        except Exception as e:
             if not isinstance(e, RequestError):
                 logger.exception("request %s failed", request_id)
                 name = request_id[: self.limits.max_id_chars]
@@ -209,8 +226,9 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             chat.add_generation_prompt = request.add_generation_prompt
         return list((await self.deps.tokenize(tokenizer_pb2.TokenizeRequest(chat=chat), metadata)).token_ids)
 
-    async def _generate(self, request, context, request_id: str, params, prompt_ids: list[int], arrival: float,
-                        span=None):
+    async def _generate(
+        self, request, context, request_id: str, params, prompt_ids: list[int], arrival: float, span=None
+    ):
         req = GatewayRequest(self, request, request_id, params, prompt_ids, arrival, span)
         try:
             req.start(context)
@@ -262,8 +280,9 @@ class GatewayRequest:
     and are merged with the steps they answer into the client's deltas.
     """
 
-    def __init__(self, gateway: Gateway, request, request_id: str, params, prompt_ids: list[int], arrival: float,
-                 span=None):
+    def __init__(
+        self, gateway: Gateway, request, request_id: str, params, prompt_ids: list[int], arrival: float, span=None
+    ):
         self.deps, self.telemetry, self.span = gateway.deps, gateway.telemetry, span
         self.request, self.request_id, self.prompt_ids = request, request_id, prompt_ids
         # Unique at the engine even when clients reuse ids, and no longer than the engine takes.
@@ -296,10 +315,12 @@ class GatewayRequest:
         self.detokenizer.open(self.detok_ids, self.results)
         # The engine and detokenizer calls' client spans (None when not traced); the detokenizer stream is shared,
         # so this request's context rides on its start item.
-        self.engine_span = self.telemetry.start_span("llmmesh.v1.Engine/Generate", self.span, SpanKind.CLIENT,
-                                                     attributes={"server.address": self.address})
-        self.detokenize_span = self.telemetry.start_span("llmmesh.v1.Detokenizer/Detokenize", self.span,
-                                                         SpanKind.CLIENT)
+        self.engine_span = self.telemetry.start_span(
+            "llmmesh.v1.Engine/Generate", self.span, SpanKind.CLIENT, attributes={"server.address": self.address}
+        )
+        self.detokenize_span = self.telemetry.start_span(
+            "llmmesh.v1.Detokenizer/Detokenize", self.span, SpanKind.CLIENT
+        )
         self.detokenize_start = self._detokenize_start()
         self.detokenize_start.trace_context.update(inject(self.detokenize_span))
         self.call = call = self.deps.engines[self.address].Generate(
@@ -315,16 +336,21 @@ class GatewayRequest:
         params.CopyFrom(self.request.sampling_params)
         del params.stop[:]  # stop strings are the detokenizer's job
         return engine_pb2.EngineGenerateRequest(
-            request_id=self.state.request_id, prompt_token_ids=self.prompt_ids, sampling_params=params,
-            priority=self.request.priority, cache_salt=self.request.cache_salt,
+            request_id=self.state.request_id,
+            prompt_token_ids=self.prompt_ids,
+            sampling_params=params,
+            priority=self.request.priority,
+            cache_salt=self.request.cache_salt,
         )
 
     def _detokenize_start(self) -> detokenizer_pb2.DetokenizeStart:
         sp = self.request.sampling_params
         # The detokenizer reads only the prompt's tail (truncate_prompt_tokens keeps the tail too).
         start = detokenizer_pb2.DetokenizeStart(
-            prompt_token_ids=self.prompt_ids[-MAX_PROMPT_CONTEXT:], stop=sp.stop,
-            include_stop_str_in_output=sp.include_stop_str_in_output, min_tokens=sp.min_tokens,
+            prompt_token_ids=self.prompt_ids[-MAX_PROMPT_CONTEXT:],
+            stop=sp.stop,
+            include_stop_str_in_output=sp.include_stop_str_in_output,
+            min_tokens=sp.min_tokens,
         )
         for name in ("skip_special_tokens", "spaces_between_special_tokens"):
             if sp.HasField(name):
@@ -361,12 +387,17 @@ class GatewayRequest:
                 self.pending[detok_id].append(None)
                 self.started[d.index] = True
             positions = [*d.logprobs, *prompt_positions]
-            items.append(detokenizer_pb2.DetokenizeItem(request_id=detok_id, step=detokenizer_pb2.DetokenizeStep(
-                token_ids=d.token_ids,
-                finished=bool(d.finish_reason),
-                stop_terminated=d.finish_reason == "stop" and d.WhichOneof("stop_reason") != "stop_str",
-                text_of_token_ids=[e.token_id for p in positions for e in p.entries],
-            )))
+            items.append(
+                detokenizer_pb2.DetokenizeItem(
+                    request_id=detok_id,
+                    step=detokenizer_pb2.DetokenizeStep(
+                        token_ids=d.token_ids,
+                        finished=bool(d.finish_reason),
+                        stop_terminated=d.finish_reason == "stop" and d.WhichOneof("stop_reason") != "stop_str",
+                        text_of_token_ids=[e.token_id for p in positions for e in p.entries],
+                    ),
+                )
+            )
             self.pending[detok_id].append((d, prompt_positions))
             prompt_positions = []  # their texts ride on the first step of the message
         if msg.HasField("timings") and self.queue_time is None:
@@ -388,8 +419,9 @@ class GatewayRequest:
             try:
                 items = [await asyncio.wait_for(self.results.get(), timeout)]
             except TimeoutError:
-                raise unavailable(f"the detokenizer at {self.detokenizer.address} did not answer within "
-                                  f"{DETOKENIZE_TIMEOUT:.0f} s") from None
+                raise unavailable(
+                    f"the detokenizer at {self.detokenizer.address} did not answer within {DETOKENIZE_TIMEOUT:.0f} s"
+                ) from None
             while not self.results.empty():
                 items.append(self.results.get_nowait())
             deltas = []
@@ -436,20 +468,28 @@ class GatewayRequest:
         abort = self.state.stop_at_string(c, stop_str, engine_finished)
         span = self.span
         if span is not None:
-            span.add_event("stop_string", {"gen_ai.response.choice.index": c.index, "llmmesh.stop_str": stop_str,
-                                           "llmmesh.engine_aborted": abort is not None})
+            span.add_event(
+                "stop_string",
+                {
+                    "gen_ai.response.choice.index": c.index,
+                    "llmmesh.stop_str": stop_str,
+                    "llmmesh.engine_aborted": abort is not None,
+                },
+            )
         if abort is not None and not self.state.finished:
             # End this completion's engine request alone (its blocks are free next step); the others go on.
             asyncio.get_running_loop().create_task(self._abort_engine(abort))
         elif abort is not None and span is not None:
             # The last completion: the engine call is cancelled, which aborts the engine request.
-            self.telemetry.start_span("stop_string_abort", span, attributes={
-                "llmmesh.engine_request_id": abort, "llmmesh.stop_str": stop_str}).end()
+            self.telemetry.start_span(
+                "stop_string_abort", span, attributes={"llmmesh.engine_request_id": abort, "llmmesh.stop_str": stop_str}
+            ).end()
 
     async def _abort_engine(self, engine_request_id: str) -> None:
         """Abort one completion's engine request that a stop string ended (a child span of the request's)."""
-        with self.telemetry.client_call("stop_string_abort", self.span,
-                                        {"llmmesh.engine_request_id": engine_request_id}) as s:
+        with self.telemetry.client_call(
+            "stop_string_abort", self.span, {"llmmesh.engine_request_id": engine_request_id}
+        ) as s:
             await self.deps.abort(self.address, engine_request_id, inject(s))
 
     async def end(self) -> None:
@@ -524,8 +564,14 @@ class GatewayRequest:
 async def serve(args) -> None:
     limits = config.limits_from_args(args)
     deps = Dependencies(args.engine, args.tokenizer, args.detokenizer, limits.max_batch)
-    gateway = Gateway(deps, args.served_model_name, limits, args.max_requests_in_flight, args.api_key,
-                      args.trust_request_chat_template)
+    gateway = Gateway(
+        deps,
+        args.served_model_name,
+        limits,
+        args.max_requests_in_flight,
+        args.api_key,
+        args.trust_request_chat_template,
+    )
     # The public port takes prompts of up to --max-prompt-chars (4 bytes a character at most) and no more.
     server = Server("gateway", [SERVICE_NAME], args, max_receive_bytes=4 * limits.max_prompt_chars + 2**20)
     gateway.telemetry = server.telemetry
@@ -543,20 +589,34 @@ async def serve(args) -> None:
 
 def add_gateway_args(parser) -> None:
     """The gateway's own flags (not the addresses of its dependencies)."""
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients may ask for (default: the engines' --model, as in vLLM)")
-    parser.add_argument("--max-requests-in-flight", type=int, default=1024,
-                        help="requests in flight past which new ones get RESOURCE_EXHAUSTED")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients may ask for (default: the engines' --model, as in vLLM)",
+    )
+    parser.add_argument(
+        "--max-requests-in-flight",
+        type=int,
+        default=1024,
+        help="requests in flight past which new ones get RESOURCE_EXHAUSTED",
+    )
     parser.add_argument("--api-key", default=None, help="require metadata 'authorization: Bearer KEY'")
-    parser.add_argument("--trust-request-chat-template", action="store_true",
-                        help="pass a request's own chat template on to the tokenizer (which must trust it too)")
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="pass a request's own chat template on to the tokenizer (which must trust it too)",
+    )
     config.add_limit_args(parser)
 
 
 def add_subcommands(subparsers) -> None:
     p = config.service_parser(subparsers, "gateway", "run the public llmmesh.v1.Gateway service")
-    p.add_argument("--engine", action="append", default=None,
-                   help="an engine address HOST:PORT (repeatable; in the environment, a comma-separated list)")
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=None,
+        help="an engine address HOST:PORT (repeatable; in the environment, a comma-separated list)",
+    )
     p.add_argument("--tokenizer", default=None, help="the tokenizer service's HOST:PORT")
     p.add_argument("--detokenizer", default=None, help="the detokenizer service's HOST:PORT")
     add_gateway_args(p)

@@ -26,7 +26,8 @@ import grpc
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services import config
@@ -74,13 +75,24 @@ class Layout:
         code, itemsize = DTYPES[layout.dtype]
         self.nbytes = math.prod(shape) * itemsize  # a Python int of at most 8 dims: nothing is allocated
         if self.nbytes > max_block_bytes:
-            raise ValueError(f"layout.shape {shape} of {layout.dtype} is {self.nbytes} bytes a block; at most "
-                             f"{max_block_bytes} are allowed (--max-block-bytes)")
+            raise ValueError(
+                f"layout.shape {shape} of {layout.dtype} is {self.nbytes} bytes a block; at most "
+                f"{max_block_bytes} are allowed (--max-block-bytes)"
+            )
         for name in ("num_layers", "block_size"):
             if getattr(layout, name) < 1:
                 raise ValueError(f"layout.{name} must be at least 1; got 0")
-        self.header = struct.pack(f"<4sBBB{len(shape)}IIIQ", MAGIC, VERSION, code, len(shape), *shape,
-                                  layout.num_layers, layout.block_size, self.nbytes)
+        self.header = struct.pack(
+            f"<4sBBB{len(shape)}IIIQ",
+            MAGIC,
+            VERSION,
+            code,
+            len(shape),
+            *shape,
+            layout.num_layers,
+            layout.block_size,
+            self.nbytes,
+        )
 
     def key(self, block_hash: bytes) -> str:
         return block_key(self.fingerprint, block_hash)
@@ -123,6 +135,7 @@ def _discard(task: asyncio.Future | None) -> None:
 def _statuses(handler):
     """A handler whose ValueError answers INVALID_ARGUMENT and whose Redis error answers UNAVAILABLE."""
     if inspect.isasyncgenfunction(handler):
+
         async def stream(self, request, context):
             try:
                 async with contextlib.aclosing(handler(self, request, context)) as responses:
@@ -143,12 +156,21 @@ def _statuses(handler):
 
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
-    def __init__(self, redis_url: str, redis_timeout: float = 2.0, max_blocks_per_request: int = 65536,
-                 max_block_bytes: int = MAX_MESSAGE_BYTES - 2**20):
+    def __init__(
+        self,
+        redis_url: str,
+        redis_timeout: float = 2.0,
+        max_blocks_per_request: int = 65536,
+        max_block_bytes: int = MAX_MESSAGE_BYTES - 2**20,
+    ):
         # One retry, at once and only on a broken connection: a pooled connection that a Redis restart broke
         # reconnects, while a Redis that is down or stuck answers UNAVAILABLE within the timeout.
-        self.redis = aioredis.from_url(redis_url, socket_timeout=redis_timeout, socket_connect_timeout=redis_timeout,
-                                       retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+        self.redis = aioredis.from_url(
+            redis_url,
+            socket_timeout=redis_timeout,
+            socket_connect_timeout=redis_timeout,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        )
         self.where = redis_where(redis_url)
         self.max_blocks = max_blocks_per_request
         self.max_block_bytes = max_block_bytes
@@ -172,18 +194,23 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
 
     def check_hashes(self, hashes, field: str = "block_hashes", item: str = "") -> list[bytes]:
         if len(hashes) > self.max_blocks:
-            raise ValueError(f"{field} holds {len(hashes)} blocks; at most {self.max_blocks} are allowed in one "
-                             "request (--max-blocks-per-request)")
+            raise ValueError(
+                f"{field} holds {len(hashes)} blocks; at most {self.max_blocks} are allowed in one "
+                "request (--max-blocks-per-request)"
+            )
         for i, block_hash in enumerate(hashes):
             if len(block_hash) != HASH_BYTES:
-                raise ValueError(f"{field}[{i}]{item} must be {HASH_BYTES} bytes (a sha256 block hash); "
-                                 f"got {len(block_hash)}")
+                raise ValueError(
+                    f"{field}[{i}]{item} must be {HASH_BYTES} bytes (a sha256 block hash); got {len(block_hash)}"
+                )
         return list(hashes)
 
     def layout(self, request) -> Layout:
         if not request.HasField("layout"):
-            raise ValueError("layout must be set (in a Put, in the stream's first message): the blocks' fingerprint, "
-                             "dtype, shape, num_layers and block_size")
+            raise ValueError(
+                "layout must be set (in a Put, in the stream's first message): the blocks' fingerprint, "
+                "dtype, shape, num_layers and block_size"
+            )
         return Layout(request.layout, self.max_block_bytes)
 
     async def exists(self, keys: list[str]) -> list[bool]:
@@ -219,14 +246,17 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             if first is None:
                 layout, first = self.layout(request), request.layout
             elif request.HasField("layout") and request.layout != first:
-                raise ValueError("layout: a later message's layout must equal the first one's (one Put stream "
-                                 "stores blocks of one layout); leave it unset after the first message")
+                raise ValueError(
+                    "layout: a later message's layout must equal the first one's (one Put stream "
+                    "stores blocks of one layout); leave it unset after the first message"
+                )
             self.check_hashes([b.block_hash for b in request.blocks], "blocks", ".block_hash")
             blocks = {}
             for i, block in enumerate(request.blocks):
                 if len(block.data) != layout.nbytes:
-                    raise ValueError(f"blocks[{i}].data must be {layout.nbytes} bytes (the layout's size); "
-                                     f"got {len(block.data)}")
+                    raise ValueError(
+                        f"blocks[{i}].data must be {layout.nbytes} bytes (the layout's size); got {len(block.data)}"
+                    )
                 blocks[layout.key(block.block_hash)] = block.data
             missing = [key for key, present in zip(blocks, await self.exists(list(blocks))) if not present]
             written = 0
@@ -245,7 +275,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         layout = self.layout(request)
         hashes = self.check_hashes(request.block_hashes)
         per_chunk = max(1, GET_CHUNK_BYTES // (len(layout.header) + _CRC.size + layout.nbytes))
-        chunks = [hashes[i:i + per_chunk] for i in range(0, len(hashes), per_chunk)]
+        chunks = [hashes[i : i + per_chunk] for i in range(0, len(hashes), per_chunk)]
         served = 0
         pending = self.read(layout, chunks[0]) if chunks else None
         try:
@@ -306,12 +336,24 @@ async def serve(args) -> None:
 def add_subcommands(subparsers) -> None:
     parser = config.service_parser(subparsers, "kvstore", "serve llmmesh.v1.KVStore (KV-cache blocks in Redis)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="redis://HOST:PORT/DB")
-    parser.add_argument("--redis-timeout", type=float, default=2.0,
-                        help="seconds a Redis call or connection may take before the RPC answers UNAVAILABLE")
-    parser.add_argument("--max-blocks-per-request", type=int, default=65536,
-                        help="block hashes in one Lookup, Get or Delete, or blocks in one Put message")
-    parser.add_argument("--max-block-bytes", type=int, default=MAX_MESSAGE_BYTES - 2**20,
-                        help="the largest block a layout may describe (one block travels in one gRPC message)")
+    parser.add_argument(
+        "--redis-timeout",
+        type=float,
+        default=2.0,
+        help="seconds a Redis call or connection may take before the RPC answers UNAVAILABLE",
+    )
+    parser.add_argument(
+        "--max-blocks-per-request",
+        type=int,
+        default=65536,
+        help="block hashes in one Lookup, Get or Delete, or blocks in one Put message",
+    )
+    parser.add_argument(
+        "--max-block-bytes",
+        type=int,
+        default=MAX_MESSAGE_BYTES - 2**20,
+        help="the largest block a layout may describe (one block travels in one gRPC message)",
+    )
 
     def run(args):
         for flag in ("redis_timeout", "max_blocks_per_request", "max_block_bytes"):

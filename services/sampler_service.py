@@ -20,8 +20,13 @@ import torch
 from engine.request import RequestFailure, SamplingParams
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
-from engine.sample.wire import (LOGITS_DTYPES, check_wire_token_ids, logprobs_tensors_to_proto,
-                                sampler_params_from_proto, tensor_from_proto)
+from engine.sample.wire import (
+    LOGITS_DTYPES,
+    check_wire_token_ids,
+    logprobs_tensors_to_proto,
+    sampler_params_from_proto,
+    tensor_from_proto,
+)
 from llmmesh.v1 import sampler_pb2, sampler_pb2_grpc
 from services import config
 from services.server import Server
@@ -90,12 +95,16 @@ class StreamState:
             logits = tensor_from_proto(msg.logits, "logits", LOGITS_DTYPES, 2, self.device)
             vocab = logits.shape[1]
             if logits.shape[0] != n or vocab == 0:
-                raise ValueError(f"logits.shape must be [{n} rows (one per request_ids), vocab], got {list(logits.shape)}")
+                raise ValueError(
+                    f"logits.shape must be [{n} rows (one per request_ids), vocab], got {list(logits.shape)}"
+                )
         if len(msg.num_new_tokens) != n:
             raise ValueError(f"num_new_tokens must have one entry per request_ids ({n}), got {len(msg.num_new_tokens)}")
         if any(k < 0 for k in msg.num_new_tokens) or sum(msg.num_new_tokens) != len(msg.new_token_ids):
-            raise ValueError(f"new_token_ids holds {len(msg.new_token_ids)} tokens; num_new_tokens adds up to "
-                             f"{sum(msg.num_new_tokens)} (each must be >= 0)")
+            raise ValueError(
+                f"new_token_ids holds {len(msg.new_token_ids)} tokens; num_new_tokens adds up to "
+                f"{sum(msg.num_new_tokens)} (each must be >= 0)"
+            )
         if vocab is not None:
             check_wire_token_ids(msg.new_token_ids, vocab, "new_token_ids")
         forgotten = set(msg.finished_request_ids)
@@ -117,14 +126,16 @@ class StreamState:
             generator = None
             if params.seed is not None and not params.greedy:
                 generator = torch.Generator(self.device).manual_seed(params.seed)
-            news[new.request_id] = SamplingState(new.request_id, params, list(new.prompt_token_ids),
-                                                 tuple(new.params.eos_token_ids), generator=generator)
+            news[new.request_id] = SamplingState(
+                new.request_id, params, list(new.prompt_token_ids), tuple(new.params.eos_token_ids), generator=generator
+            )
         rows = {}
         for i, request_id in enumerate(msg.request_ids):
             state = news.get(request_id) or (self.requests.get(request_id) if request_id not in forgotten else None)
             if state is None:
-                raise ValueError(f"request_ids[{i}]: unknown request id {request_id!r} (not in new_requests, "
-                                 "or finished)")
+                raise ValueError(
+                    f"request_ids[{i}]: unknown request id {request_id!r} (not in new_requests, or finished)"
+                )
             if request_id in rows:
                 raise ValueError(f"request_ids[{i}]: request id {request_id!r} has two rows")
             rows[request_id] = state
@@ -135,18 +146,22 @@ class StreamState:
     def _check_prompt_chunks(self, msg: sampler_pb2.SampleStep) -> torch.Tensor | None:
         chunks = len(msg.prompt_num_targets)
         if len(msg.prompt_num_logprobs) != chunks:
-            raise ValueError(f"prompt_num_logprobs must have one entry per chunk ({chunks}), "
-                             f"got {len(msg.prompt_num_logprobs)}")
+            raise ValueError(
+                f"prompt_num_logprobs must have one entry per chunk ({chunks}), got {len(msg.prompt_num_logprobs)}"
+            )
         if any(t < 0 for t in msg.prompt_num_targets) or sum(msg.prompt_num_targets) != len(msg.prompt_target_ids):
-            raise ValueError(f"prompt_target_ids holds {len(msg.prompt_target_ids)} tokens; prompt_num_targets adds "
-                             f"up to {sum(msg.prompt_num_targets)} (each must be >= 0)")
+            raise ValueError(
+                f"prompt_target_ids holds {len(msg.prompt_target_ids)} tokens; prompt_num_targets adds "
+                f"up to {sum(msg.prompt_num_targets)} (each must be >= 0)"
+            )
         if chunks or msg.HasField("prompt_logits"):
-            logits = tensor_from_proto(msg.prompt_logits, "prompt_logits", LOGITS_DTYPES, 2,
-                                                             self.device)
+            logits = tensor_from_proto(msg.prompt_logits, "prompt_logits", LOGITS_DTYPES, 2, self.device)
             vocab = logits.shape[1]
             if logits.shape[0] != len(msg.prompt_target_ids) or vocab == 0:
-                raise ValueError(f"prompt_logits.shape must be [{len(msg.prompt_target_ids)} rows (one per "
-                                 f"prompt_target_ids), vocab], got {list(logits.shape)}")
+                raise ValueError(
+                    f"prompt_logits.shape must be [{len(msg.prompt_target_ids)} rows (one per "
+                    f"prompt_target_ids), vocab], got {list(logits.shape)}"
+                )
             check_wire_token_ids(msg.prompt_target_ids, vocab, "prompt_target_ids")
             bad = [k for k in msg.prompt_num_logprobs if not 0 <= k <= vocab]
             if bad:
@@ -180,10 +195,18 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         try:
             async for msg in request_iterator:
                 # A step the engine traces (--collect-detailed-traces): a span under its engine_step span.
-                span = self.telemetry.server_span(
-                    f"{SERVICE_NAME}/Sample step", msg.trace_context.items(),
-                    attributes={"llmmesh.sampler.step_id": msg.step_id, "llmmesh.sampler.rows": len(msg.request_ids)},
-                ) if msg.trace_context else None
+                span = (
+                    self.telemetry.server_span(
+                        f"{SERVICE_NAME}/Sample step",
+                        msg.trace_context.items(),
+                        attributes={
+                            "llmmesh.sampler.step_id": msg.step_id,
+                            "llmmesh.sampler.rows": len(msg.request_ids),
+                        },
+                    )
+                    if msg.trace_context
+                    else None
+                )
                 try:
                     result = await loop.run_in_executor(self.executor, stream.step, msg)
                 except ValueError as e:
@@ -203,8 +226,12 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
 
 def add_subcommands(subparsers) -> None:
     parser = config.service_parser(subparsers, "sampler", "serve llmmesh.v1.Sampler (one step's logits -> sampled ids)")
-    parser.add_argument("--device", default="cpu", help="where to sample: cpu, cuda, cuda:1 (seeded draws follow "
-                        "the device's generator: use the engine's device to reproduce its in-process samples)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where to sample: cpu, cuda, cuda:1 (seeded draws follow "
+        "the device's generator: use the engine's device to reproduce its in-process samples)",
+    )
     # An engine's stream lasts as long as the engine: a drain would wait for it to its end.
     parser.set_defaults(func=lambda args: config.run(serve(args), args), shutdown_timeout=1.0)
 

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 logger = logging.getLogger("llmmesh.server")
 
-from engine.grpc_policy import CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, MAX_MESSAGE_BYTES, SERVER_OPTIONS  # noqa: F401
+from engine.grpc_policy import CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, MAX_MESSAGE_BYTES, SERVER_OPTIONS  # noqa: E402, F401
 from services.telemetry import Telemetry, instrument  # noqa: E402
 
 
@@ -141,13 +141,15 @@ class Server:
     `add(add_servicer_fn, servicer)` registers a servicer; start(), set_serving(True) (which announces the
     address on stdout), then serve_until_stopped() drains on SIGINT/SIGTERM."""
 
-    def __init__(self, name: str, service_names: list[str], args, max_receive_bytes: int = MAX_MESSAGE_BYTES,
-                 interceptors=()):
+    def __init__(
+        self, name: str, service_names: list[str], args, max_receive_bytes: int = MAX_MESSAGE_BYTES, interceptors=()
+    ):
         self.name = name
         self.shutdown_timeout = args.shutdown_timeout
         self.server = grpc.aio.server(
             interceptors=list(interceptors),
-            options=SERVER_OPTIONS + [
+            options=SERVER_OPTIONS
+            + [
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", max_receive_bytes),
             ],
@@ -202,8 +204,13 @@ class Server:
             while True:
                 ok = await check()
                 if ok != serving:
-                    logger.log(logging.INFO if ok else logging.WARNING, "%s %s: health is %s", what,
-                               "answers" if ok else "does not answer", "SERVING" if ok else "NOT_SERVING")
+                    logger.log(
+                        logging.INFO if ok else logging.WARNING,
+                        "%s %s: health is %s",
+                        what,
+                        "answers" if ok else "does not answer",
+                        "SERVING" if ok else "NOT_SERVING",
+                    )
                     await self.set_serving(ok)
                     serving = ok
                 await asyncio.sleep(interval)
@@ -241,7 +248,9 @@ def check_health(address: str, service: str = "", timeout: float = 2.0) -> bool:
     """True when the server at address reports SERVING for service ("" = the whole server)."""
     with grpc.insecure_channel(address) as ch:
         try:
-            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -58,7 +58,9 @@ class ServiceProcess:
         # Its own session: a Ctrl-C at the terminal reaches `serve`, which stops the services in order.
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "services.cli", service, *args],
-            stdout=subprocess.PIPE, text=True, start_new_session=True,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
             env=None if env is None else {**os.environ, **env},  # env: variables on top of this process's
         )
         threading.Thread(target=self._read_stdout, name=f"{service}-stdout", daemon=True).start()
@@ -148,8 +150,10 @@ class RedisServer:
     def __init__(self, port: int = 0, maxmemory: str = "2gb", echo: bool = False):
         self.executable = shutil.which("redis-server")
         if self.executable is None:
-            raise RuntimeError("redis-server is not installed: `make setup` installs Debian's redis-server when run as "
-                               "root (or: apt-get install redis-server), or run without the KV store (--no-kv-store)")
+            raise RuntimeError(
+                "redis-server is not installed: `make setup` installs Debian's redis-server when run as "
+                "root (or: apt-get install redis-server), or run without the KV store (--no-kv-store)"
+            )
         self.port = port
         self.maxmemory = maxmemory
         self.echo = echo
@@ -180,16 +184,41 @@ class RedisServer:
                 return
             if self.port:  # a port given, or the one it had: taken
                 break
-        raise RuntimeError(f"redis-server did not start on 127.0.0.1:{self.port or 'a free port'} (exit code "
-                           f"{self.popen.returncode}); run it with echo=True to see its log")
+        raise RuntimeError(
+            f"redis-server did not start on 127.0.0.1:{self.port or 'a free port'} (exit code "
+            f"{self.popen.returncode}); run it with echo=True to see its log"
+        )
 
     def _launch(self, port: int, timeout: float) -> bool:
         ready = threading.Event()
         self.popen = subprocess.Popen(
-            [self.executable, "--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "yes",
-             "--dir", self.dir, "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", "",
-             "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            [
+                self.executable,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--protected-mode",
+                "yes",
+                "--dir",
+                self.dir,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+                "--logfile",
+                "",
+                "--maxmemory",
+                self.maxmemory,
+                "--maxmemory-policy",
+                "allkeys-lru",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         threading.Thread(target=self._read_log, args=(self.popen, ready), name="redis-log", daemon=True).start()
         deadline = time.monotonic() + timeout
@@ -251,9 +280,14 @@ def engine_flags(engine_args: EngineArgs) -> list[str]:
 def kv_transfer_config(kvstore_address: str, **options) -> str:
     """The engine's --kv-transfer-config (vLLM's form) for a connector to the kvstore at kvstore_address, with
     any further connector options (load_policy, store_decode_blocks, timeouts)."""
-    return json.dumps({"kv_connector": "KVStoreConnector", "kv_role": "kv_both",
-                       "kv_connector_extra_config": {"kvstore_address": kvstore_address, **options}},
-                      separators=(",", ":"))
+    return json.dumps(
+        {
+            "kv_connector": "KVStoreConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"kvstore_address": kvstore_address, **options},
+        },
+        separators=(",", ":"),
+    )
 
 
 class Mesh:
@@ -263,9 +297,19 @@ class Mesh:
     service_args: further flags for the services behind the gateway, by service ("engine": every replica,
     "tokenizer", "detokenizer", "kvstore", "sampler"); the gateway's own are gateway_args."""
 
-    def __init__(self, engine_args: EngineArgs, gateway_args: list[str] = (), port: int = 0, echo: bool = False,
-                 kv_store: bool = False, redis_maxmemory: str = "2gb", num_engines: int = 1, sampler: bool = False,
-                 env: dict | None = None, service_args: dict[str, list[str]] | None = None):
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        gateway_args: list[str] = (),
+        port: int = 0,
+        echo: bool = False,
+        kv_store: bool = False,
+        redis_maxmemory: str = "2gb",
+        num_engines: int = 1,
+        sampler: bool = False,
+        env: dict | None = None,
+        service_args: dict[str, list[str]] | None = None,
+    ):
         self.engine_args = engine_args
         self.env = env  # variables every service gets on top of this process's (LLMMESH_*, OTEL_*)
         self.gateway_args = list(gateway_args)
@@ -292,10 +336,12 @@ class Mesh:
         try:
             if self.kv_store:
                 self.redis = RedisServer(maxmemory=self.redis_maxmemory, echo=self.echo)
-                kvstore = self._start("kvstore", ["--port", "0", "--redis-url", self.redis.url,
-                                                  *flags.get("kvstore", [])])
-                engine_args = dataclasses.replace(engine_args, kv_transfer_config=kv_transfer_config(
-                    kvstore.wait_listening(timeout)))
+                kvstore = self._start(
+                    "kvstore", ["--port", "0", "--redis-url", self.redis.url, *flags.get("kvstore", [])]
+                )
+                engine_args = dataclasses.replace(
+                    engine_args, kv_transfer_config=kv_transfer_config(kvstore.wait_listening(timeout))
+                )
             if self.sampler:
                 sampler = self._start("sampler", ["--port", "0", *flags.get("sampler", [])])
                 engine_args = dataclasses.replace(engine_args, sampler_address=sampler.wait_listening(timeout))
@@ -325,8 +371,11 @@ class Mesh:
 
     def backend_flags(self) -> list[str]:
         """The gateway flags that point at this mesh's engines, tokenizer and detokenizer."""
-        return [flag for name in (*self.engine_names, "tokenizer", "detokenizer")
-                for flag in (f"--{self.services[name].service}", self.services[name].address)]
+        return [
+            flag
+            for name in (*self.engine_names, "tokenizer", "detokenizer")
+            for flag in (f"--{self.services[name].service}", self.services[name].address)
+        ]
 
     def start_gateway(self, args: list[str], timeout: float = 60.0) -> ServiceProcess:
         """Another gateway (on a free port) in front of the same services, e.g. with other flags."""
@@ -397,8 +446,16 @@ def serve(args: argparse.Namespace) -> None:
         raise ValueError("--prometheus-config needs --metrics-port (0: each service on a free port of its own)")
     engine_args = EngineArgs.from_cli_args(args)
     flags = service_flags(args)
-    mesh = Mesh(engine_args, flags.pop("gateway"), port=args.port, echo=True, **kv_store_options(args),
-                **sampler_options(args), env=telemetry_env(args), service_args=flags)
+    mesh = Mesh(
+        engine_args,
+        flags.pop("gateway"),
+        port=args.port,
+        echo=True,
+        **kv_store_options(args),
+        **sampler_options(args),
+        env=telemetry_env(args),
+        service_args=flags,
+    )
     stop, started = threading.Event(), threading.Event()
 
     def on_signal(*_):
@@ -470,8 +527,10 @@ def supervise(mesh: Mesh, stop: threading.Event, poll_s: float = 0.1) -> str | N
             status = exit_status(mesh.popen(name).returncode)
             backoff = restart_backoff(restarts[name], now)
             if backoff is None:
-                return (f"the {name} exited ({status}) after {MAX_RESTARTS} restarts within {RESTART_WINDOW_S:g} s, "
-                        f"the most serve allows: a crash loop, so the mesh stops; the {name}'s output above says why")
+                return (
+                    f"the {name} exited ({status}) after {MAX_RESTARTS} restarts within {RESTART_WINDOW_S:g} s, "
+                    f"the most serve allows: a crash loop, so the mesh stops; the {name}'s output above says why"
+                )
             due[name] = now + backoff
             say(f"the {name} exited ({status}); starting it again in {backoff:g} s", error=True)
         for name in [name for name, at in due.items() if at <= now]:
@@ -495,8 +554,10 @@ def write_prometheus_config(mesh: Mesh, path: str) -> None:
     targets = {name: process.metrics_address for name, process in mesh.services.items() if process.metrics_address}
     with open(path, "w") as f:
         f.write(scrape_config(targets))
-    say(f"wrote a Prometheus scrape configuration for {len(targets)} services to {os.path.abspath(path)} "
-        f"(prometheus --config.file {path})")
+    say(
+        f"wrote a Prometheus scrape configuration for {len(targets)} services to {os.path.abspath(path)} "
+        f"(prometheus --config.file {path})"
+    )
 
 
 DEMO_PROMPTS = ["The capital of France is", "def quicksort(items):", "Three facts about the Moon:"]
@@ -533,8 +594,11 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     gateway alone binds --host and --port, the others listen on loopback."""
     every = ["--log-level", args.log_level]
     drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
-    limits = [flag for f in dataclasses.fields(RequestLimits)
-              for flag in ("--" + f.name.replace("_", "-"), str(getattr(args, f.name)))]
+    limits = [
+        flag
+        for f in dataclasses.fields(RequestLimits)
+        for flag in ("--" + f.name.replace("_", "-"), str(getattr(args, f.name)))
+    ]
     trust = ["--trust-request-chat-template"] if args.trust_request_chat_template else []
     gateway = ["--host", args.host, "--max-requests-in-flight", str(args.max_requests_in_flight)]
     if args.served_model_name:
@@ -562,10 +626,17 @@ KV_STORE_DEFAULT = True
 
 def add_kv_store_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("KV store")
-    group.add_argument("--kv-store", action=argparse.BooleanOptionalAction, default=KV_STORE_DEFAULT,
-                       help="run a redis-server and the kvstore, and the engine with its KV connector to them")
-    group.add_argument("--redis-maxmemory", default="2gb",
-                       help="the redis-server's maxmemory (it evicts least recently used blocks beyond it)")
+    group.add_argument(
+        "--kv-store",
+        action=argparse.BooleanOptionalAction,
+        default=KV_STORE_DEFAULT,
+        help="run a redis-server and the kvstore, and the engine with its KV connector to them",
+    )
+    group.add_argument(
+        "--redis-maxmemory",
+        default="2gb",
+        help="the redis-server's maxmemory (it evicts least recently used blocks beyond it)",
+    )
 
 
 def kv_store_options(args: argparse.Namespace) -> dict:
@@ -574,9 +645,13 @@ def kv_store_options(args: argparse.Namespace) -> dict:
 
 
 def add_sampler_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sampler-service", action=argparse.BooleanOptionalAction, default=True,
-                        help="run the sampler as its own service, the engine sampling on it (--no-sampler-service: "
-                             "the engine samples in process)")
+    parser.add_argument(
+        "--sampler-service",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the sampler as its own service, the engine sampling on it (--no-sampler-service: "
+        "the engine samples in process)",
+    )
 
 
 def sampler_options(args: argparse.Namespace) -> dict:
@@ -598,9 +673,13 @@ def add_subcommands(subparsers) -> None:
     config.add_detailed_traces_arg(p)
     add_kv_store_args(p)
     add_sampler_args(p)
-    p.add_argument("--prometheus-config", metavar="FILE", default=None,
-                   help="once the mesh is up, write a Prometheus scrape configuration for every service's /metrics "
-                        "to FILE (needs --metrics-port; each service then serves /metrics on a free port)")
+    p.add_argument(
+        "--prometheus-config",
+        metavar="FILE",
+        default=None,
+        help="once the mesh is up, write a Prometheus scrape configuration for every service's /metrics "
+        "to FILE (needs --metrics-port; each service then serves /metrics on a free port)",
+    )
     p.set_defaults(func=serve)
 
     p = subparsers.add_parser("demo", help="start the mesh, stream a few generations through it, stop it")

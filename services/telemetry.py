@@ -38,13 +38,24 @@ CURRENT_SERVER_SPAN: contextvars.ContextVar = contextvars.ContextVar("llmmesh_se
 
 def add_args(parser) -> None:
     group = parser.add_argument_group("observability")
-    group.add_argument("--otlp-traces-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
-                       help="export traces over OTLP/gRPC to this collector (HOST:PORT or http://HOST:PORT); "
-                            "default OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing")
-    group.add_argument("--trace-sample-ratio", type=float, default=1.0,
-                       help="the fraction of requests traced (0..1) when the caller sent no sampled traceparent")
-    group.add_argument("--metrics-port", type=int, default=None,
-                       help="serve Prometheus /metrics on this port (0: any free port); off when unset")
+    group.add_argument(
+        "--otlp-traces-endpoint",
+        default=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+        help="export traces over OTLP/gRPC to this collector (HOST:PORT or http://HOST:PORT); "
+        "default OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing",
+    )
+    group.add_argument(
+        "--trace-sample-ratio",
+        type=float,
+        default=1.0,
+        help="the fraction of requests traced (0..1) when the caller sent no sampled traceparent",
+    )
+    group.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus /metrics on this port (0: any free port); off when unset",
+    )
 
 
 def epoch_ns(monotonic_s: float) -> int:
@@ -95,8 +106,10 @@ class Telemetry:
         self.grpc_handled = None
         if self.metrics_port is not None:
             self.grpc_handled = Counter(
-                "grpc_server_handled", "RPCs completed on the server, by method and gRPC status code",
-                ["grpc_service", "grpc_method", "grpc_code"], registry=self.registry,
+                "grpc_server_handled",
+                "RPCs completed on the server, by method and gRPC status code",
+                ["grpc_service", "grpc_method", "grpc_code"],
+                registry=self.registry,
             )
 
     def _start_tracing(self, ratio: float) -> None:
@@ -145,19 +158,32 @@ class Telemetry:
 
     # ---- spans --------------------------------------------------------------------------------
 
-    def start_span(self, name: str, parent=None, kind=SpanKind.INTERNAL, start_s: float | None = None,
-                   attributes=None, context=None, links=None):
+    def start_span(
+        self,
+        name: str,
+        parent=None,
+        kind=SpanKind.INTERNAL,
+        start_s: float | None = None,
+        attributes=None,
+        context=None,
+        links=None,
+    ):
         """A span under `parent` (a span, or None for the `context` given / a new trace); None when tracing is off.
         start_s: a time.monotonic() instant."""
         if self.tracer is None:
             return None
         if parent is not None:
             context = trace.set_span_in_context(parent)
-        return self.tracer.start_span(name, context=context, kind=kind, attributes=attributes, links=links,
-                                      start_time=None if start_s is None else epoch_ns(start_s))
+        return self.tracer.start_span(
+            name,
+            context=context,
+            kind=kind,
+            attributes=attributes,
+            links=links,
+            start_time=None if start_s is None else epoch_ns(start_s),
+        )
 
-    def span_between(self, name: str, parent, start_s: float | None, end_s: float | None, attributes=None,
-                     links=None):
+    def span_between(self, name: str, parent, start_s: float | None, end_s: float | None, attributes=None, links=None):
         """A finished child span over [start_s, end_s] (time.monotonic() instants), when both are known."""
         if parent is None or start_s is None or end_s is None:
             return None
@@ -198,8 +224,9 @@ class Telemetry:
         """A server span that starts a new trace (sampled at --trace-sample-ratio)."""
         if self.tracer is None:
             return None
-        return self.tracer.start_span(name, context=trace.set_span_in_context(trace.INVALID_SPAN),
-                                      kind=SpanKind.SERVER, attributes=attributes)
+        return self.tracer.start_span(
+            name, context=trace.set_span_in_context(trace.INVALID_SPAN), kind=SpanKind.SERVER, attributes=attributes
+        )
 
 
 class _DictCounters:
@@ -211,8 +238,9 @@ class _DictCounters:
 
     def collect(self):
         for name, value in self.counters.items():
-            yield CounterMetricFamily(f"{self.prefix}{name}", f"{self.prefix}{name} since the service started",
-                                      value=value)
+            yield CounterMetricFamily(
+                f"{self.prefix}{name}", f"{self.prefix}{name} since the service started", value=value
+            )
 
 
 # ---- /metrics -----------------------------------------------------------------------------------------
@@ -290,7 +318,8 @@ class _Call:
         service, _, name = method.lstrip("/").rpartition("/")
         self.service_name, self.method_name = service, name
         self.span = telemetry.server_span(
-            f"{service}/{name}", context.invocation_metadata(),
+            f"{service}/{name}",
+            context.invocation_metadata(),
             attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
         )
         if self.span is not None:
@@ -353,8 +382,12 @@ def instrument(handler: grpc.RpcMethodHandler | None, method: str, telemetry: Te
 
 def genai_request_attributes(operation: str, model: str, params, request_id: str = "") -> dict:
     """gen_ai.* request attributes from a llmmesh.v1 SamplingParams message (fields left unset are left out)."""
-    attributes = {"gen_ai.operation.name": operation, "gen_ai.request.model": model, "gen_ai.system": "llmmesh",
-                  "gen_ai.request.choice.count": params.n or 1}
+    attributes = {
+        "gen_ai.operation.name": operation,
+        "gen_ai.request.model": model,
+        "gen_ai.system": "llmmesh",
+        "gen_ai.request.choice.count": params.n or 1,
+    }
     if request_id:
         attributes["gen_ai.request.id"] = request_id
     for field in ("temperature", "top_p", "top_k", "max_tokens", "seed", "frequency_penalty", "presence_penalty"):
@@ -370,18 +403,24 @@ def set_response_attributes(span, response_id: str, complete) -> None:
     if span is None or not span.is_recording():
         return
     t = complete.timings
-    span.set_attributes({
-        "gen_ai.response.id": response_id,
-        "gen_ai.response.finish_reasons": [c.finish_reason for c in complete.choices],
-        "gen_ai.usage.input_tokens": complete.usage.prompt_tokens,
-        "gen_ai.usage.output_tokens": complete.usage.completion_tokens,
-        "gen_ai.usage.cached_tokens": complete.usage.cached_tokens,
-        "gen_ai.latency.time_in_queue": t.queue_time,
-        "gen_ai.latency.time_to_first_token": t.time_to_first_token,
-        "gen_ai.latency.e2e": t.e2e_latency,
-        "gen_ai.latency.time_in_model_prefill": t.prefill_time,
-        "gen_ai.latency.time_in_model_decode": t.decode_time,
-    })
-    logger.info("request %s finished (%s): %d prompt + %d generated tokens", response_id,
-                ",".join(c.finish_reason for c in complete.choices), complete.usage.prompt_tokens,
-                complete.usage.completion_tokens)
+    span.set_attributes(
+        {
+            "gen_ai.response.id": response_id,
+            "gen_ai.response.finish_reasons": [c.finish_reason for c in complete.choices],
+            "gen_ai.usage.input_tokens": complete.usage.prompt_tokens,
+            "gen_ai.usage.output_tokens": complete.usage.completion_tokens,
+            "gen_ai.usage.cached_tokens": complete.usage.cached_tokens,
+            "gen_ai.latency.time_in_queue": t.queue_time,
+            "gen_ai.latency.time_to_first_token": t.time_to_first_token,
+            "gen_ai.latency.e2e": t.e2e_latency,
+            "gen_ai.latency.time_in_model_prefill": t.prefill_time,
+            "gen_ai.latency.time_in_model_decode": t.decode_time,
+        }
+    )
+    logger.info(
+        "request %s finished (%s): %d prompt + %d generated tokens",
+        response_id,
+        ",".join(c.finish_reason for c in complete.choices),
+        complete.usage.prompt_tokens,
+        complete.usage.completion_tokens,
+    )

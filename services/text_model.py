@@ -70,15 +70,20 @@ async def serve_text_service(name: str, service_name: str, add_servicer_to_serve
     await server.start()
     t0 = time.perf_counter()
     servicer.model = await asyncio.to_thread(TextModel, args.model)
-    logger.info("loaded the tokenizer of %s (%d tokens) in %.1f s", args.model, servicer.model.tokenizer.vocab_size,
-                time.perf_counter() - t0)
+    logger.info(
+        "loaded the tokenizer of %s (%d tokens) in %.1f s",
+        args.model,
+        servicer.model.tokenizer.vocab_size,
+        time.perf_counter() - t0,
+    )
     await server.set_serving(True)
     await server.serve_until_stopped()
 
 
 def text_service_parser(subparsers, name: str, help: str):
     parser = config.service_parser(subparsers, name, help)
-    parser.add_argument("--model", default=config.DEFAULT_MODEL,
-                        help=f"HF model directory, .gguf file, or {config.DEFAULT_MODEL}")
+    parser.add_argument(
+        "--model", default=config.DEFAULT_MODEL, help=f"HF model directory, .gguf file, or {config.DEFAULT_MODEL}"
+    )
     config.add_limit_args(parser)
     return parser

@@ -6,8 +6,13 @@ from engine.limits import RequestLimits
 from engine.output_processor import truncate_prompt
 from llmmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services import config
-from services.text_model import (TextModel, check_messages, check_token_ids_in_vocab, serve_text_service,
-                                 text_service_parser)
+from services.text_model import (
+    TextModel,
+    check_messages,
+    check_token_ids_in_vocab,
+    serve_text_service,
+    text_service_parser,
+)
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
@@ -37,7 +42,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
             add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
             try:
                 prompt = tok.apply_chat_template(messages, chat.chat_template or None, add_generation_prompt)
-            except Exception as e:  # no template, a template that does not parse, or one that raises on the input
+            except Exception as e:  # noqa: BLE001 (no template, a template that does not parse, or one that raises on the input)
                 raise ValueError(f"{field}chat: cannot apply the chat template: {e}") from None
             # The template already holds the special tokens.
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else False
@@ -104,12 +109,19 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
 
 def add_subcommands(subparsers) -> None:
     parser = text_service_parser(subparsers, "tokenizer", "serve llmmesh.v1.Tokenizer (text and chat -> token ids)")
-    parser.add_argument("--trust-request-chat-template", action="store_true",
-                        help="let requests bring their own chat template (it runs inside this process)")
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests bring their own chat template (it runs inside this process)",
+    )
 
     def run(args):
         service = TokenizerService(config.limits_from_args(args), args.trust_request_chat_template)
-        config.run(serve_text_service("tokenizer", SERVICE_NAME, tokenizer_pb2_grpc.add_TokenizerServicer_to_server,
-                                      service, args), args)
+        config.run(
+            serve_text_service(
+                "tokenizer", SERVICE_NAME, tokenizer_pb2_grpc.add_TokenizerServicer_to_server, service, args
+            ),
+            args,
+        )
 
     parser.set_defaults(func=run)

@@ -98,8 +98,9 @@ def kv_events_to_vllm(seq: int, timestamp: float, events: list, load=None) -> sm
                 stored.parent_block_hash = block_hash_to_int64(event.parent_block_hash)
             for i, block_hash in enumerate(event.block_hashes):
                 tokens = event.token_ids[i * event.block_size : (i + 1) * event.block_size]
-                stored.blocks.add(block_hash=block_hash_to_int64(block_hash), token_ids=tokens,
-                                  block_size=event.block_size)
+                stored.blocks.add(
+                    block_hash=block_hash_to_int64(block_hash), token_ids=tokens, block_size=event.block_size
+                )
             batch.events.add(stored=stored)
         elif isinstance(event, BlockRemoved):
             removed = smg_common_pb2.KvBlocksRemoved(block_hashes=[block_hash_to_int64(h) for h in event.block_hashes])
@@ -131,7 +132,8 @@ def request_output_to_vllm(out: RequestOutput, streaming: bool, num_logprobs: in
                 chunk.output_logprobs.CopyFrom(output_logprobs_to_vllm(c.logprobs, num_logprobs))
             if out.prompt_logprobs and c.index == 0:  # once, with the first token of completion 0
                 chunk.input_logprobs.CopyFrom(
-                    input_logprobs_to_vllm(prompt_ids, out.prompt_logprobs, num_prompt_logprobs))
+                    input_logprobs_to_vllm(prompt_ids, out.prompt_logprobs, num_prompt_logprobs)
+                )
             yield vllm_engine_pb2.GenerateResponse(chunk=chunk)
         if c.finish_reason is None:
             continue
@@ -152,5 +154,6 @@ def request_output_to_vllm(out: RequestOutput, streaming: bool, num_logprobs: in
                 complete.output_logprobs.CopyFrom(output_logprobs_to_vllm(c.logprobs, num_logprobs))
             if out.prompt_logprobs is not None and c.index == 0:
                 complete.input_logprobs.CopyFrom(
-                    input_logprobs_to_vllm(prompt_ids, out.prompt_logprobs, num_prompt_logprobs))
+                    input_logprobs_to_vllm(prompt_ids, out.prompt_logprobs, num_prompt_logprobs)
+                )
         yield vllm_engine_pb2.GenerateResponse(complete=complete)

@@ -15,7 +15,7 @@ import io
 import json
 import time
 import zipfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -67,12 +67,19 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             else:
                 prompt_ids = list(request.tokenized.input_ids)
             kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-            return engine.add_request(request.request_id, prompt_ids, params, arrival_time=arrival, output_kind=kind,
-                                      trace_headers=trace_headers)
+            return engine.add_request(
+                request.request_id,
+                prompt_ids,
+                params,
+                arrival_time=arrival,
+                output_kind=kind,
+                trace_headers=trace_headers,
+            )
 
         vocab = engine.core.model_config.vocab_size
-        async with contextlib.aclosing(serve_request(engine, self.owner.observer, context, request.request_id,
-                                                     add_request)) as outputs:
+        async with contextlib.aclosing(
+            serve_request(engine, self.owner.observer, context, request.request_id, add_request)
+        ) as outputs:
             async for out in outputs:
                 num_logprobs = vocab if params.logprobs == -1 else params.logprobs or 0
                 num_prompt_logprobs = vocab if params.prompt_logprobs == -1 else params.prompt_logprobs or 0
@@ -149,7 +156,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetLoads(self, request, context):
         engine = await self._ready(context)
         return vllm_engine_pb2.GetLoadsResponse(
-            timestamp=datetime.now(timezone.utc).isoformat(),
+            timestamp=datetime.now(UTC).isoformat(),
             version=llmmesh_version(),
             dp_rank_count=1,
             loads=[self._scheduler_load(engine)],

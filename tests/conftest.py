@@ -45,7 +45,7 @@ class HFReference:
     def __init__(self, model):
         self.model = model
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache  # noqa: B019 (one instance for the whole session: nothing to leak)
     def _greedy(self, prompt: tuple[int, ...], max_new_tokens: int):
         ids = torch.tensor([prompt], device=self.model.device)
         with torch.inference_mode():
@@ -83,7 +83,9 @@ def assert_greedy_matches(ours: list[int], reference: list[int], ref_logits: tor
         if a != b:
             top2 = ref_logits[i].topk(2).values
             gap = (top2[0] - top2[1]).item()
-            assert gap <= NEAR_TIE, f"{label}: token {i} differs ({a} vs reference {b}) and is no near-tie (gap {gap:.4g})"
+            assert gap <= NEAR_TIE, (
+                f"{label}: token {i} differs ({a} vs reference {b}) and is no near-tie (gap {gap:.4g})"
+            )
             return False
     assert len(ours) == len(reference), f"{label}: {len(ours)} tokens vs reference {len(reference)}"
     return True

@@ -183,19 +183,32 @@ def sampling_mutations(vocab: int, max_model_len: int, max_logprobs: int, vllm: 
     for value in (NAN, INF, -INF):
         add(f"logit_bias value={value}", _update("logit_bias", {5: value}), bad("logit_bias"))
     add("logit_bias value=huge", _update("logit_bias", {5: big, 6: -big}), OK)
-    add(f"logit_bias {LIMITS.max_logit_bias + 1} entries",
-        _update("logit_bias", {t: 0.5 for t in range(LIMITS.max_logit_bias + 1)}), bad("logit_bias"))
-    add(f"logit_bias {LIMITS.max_logit_bias} entries",
-        _update("logit_bias", {t: 0.5 for t in range(LIMITS.max_logit_bias)}), OK)
+    add(
+        f"logit_bias {LIMITS.max_logit_bias + 1} entries",
+        _update("logit_bias", {t: 0.5 for t in range(LIMITS.max_logit_bias + 1)}),
+        bad("logit_bias"),
+    )
+    add(
+        f"logit_bias {LIMITS.max_logit_bias} entries",
+        _update("logit_bias", {t: 0.5 for t in range(LIMITS.max_logit_bias)}),
+        OK,
+    )
     stop_id_bad = [vocab, U32_MAX] if vllm else [-1, vocab, I32_MIN, I32_MAX]
     for value in stop_id_bad:
         add(f"stop_token_ids=[{value}]", _extend("stop_token_ids", [value]), bad("stop_token_ids"))
-    add(f"stop_token_ids {LIMITS.max_stop_token_ids + 1}",
-        _extend("stop_token_ids", [7] * (LIMITS.max_stop_token_ids + 1)), bad("stop_token_ids"))
+    add(
+        f"stop_token_ids {LIMITS.max_stop_token_ids + 1}",
+        _extend("stop_token_ids", [7] * (LIMITS.max_stop_token_ids + 1)),
+        bad("stop_token_ids"),
+    )
     add("stop_token_ids=[2, 7]", _extend("stop_token_ids", [2, 7]), OK)
     add("stop=['']", _extend("stop", [""]), bad("stop"))
     add("stop=[10,000 chars]", _extend("stop", ["s" * LONG]), bad("stop"))
-    add(f"stop {LIMITS.max_stop + 1} strings", _extend("stop", [f"s{i}" for i in range(LIMITS.max_stop + 1)]), bad("stop"))
+    add(
+        f"stop {LIMITS.max_stop + 1} strings",
+        _extend("stop", [f"s{i}" for i in range(LIMITS.max_stop + 1)]),
+        bad("stop"),
+    )
     add(f"stop [{LIMITS.max_stop_chars} chars]", _extend("stop", ["s" * LIMITS.max_stop_chars]), OK)
     add("stop odd unicode", _extend("stop", ["\x00", "\uffff", "🙂", "\n"]), OK)
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
@@ -204,22 +217,34 @@ def sampling_mutations(vocab: int, max_model_len: int, max_logprobs: int, vllm: 
     if not vllm:
         for value in (-1, vocab, I32_MAX, I32_MIN):
             add(f"allowed_token_ids=[{value}]", _extend("allowed_token_ids", [value]), bad("allowed_token_ids"))
-        add(f"allowed_token_ids {LIMITS.max_allowed_token_ids + 1}",
+        add(
+            f"allowed_token_ids {LIMITS.max_allowed_token_ids + 1}",
             _extend("allowed_token_ids", [t % vocab for t in range(LIMITS.max_allowed_token_ids + 1)]),
-            bad("allowed_token_ids"))
+            bad("allowed_token_ids"),
+        )
         add("allowed_token_ids=[42, 42]", _extend("allowed_token_ids", [42, 42]), OK)
         add("bad_words=['']", _extend("bad_words", [""]), bad("bad_words"))
         add("bad_words whitespace only", _extend("bad_words", ["\n\n", " "]), bad("bad_words"))
         add("bad_words=[10,000 chars]", _extend("bad_words", ["b" * LONG]), bad("bad_words"))
-        add(f"bad_words {LIMITS.max_bad_words + 1}",
-            _extend("bad_words", [f"w{i}" for i in range(LIMITS.max_bad_words + 1)]), bad("bad_words"))
+        add(
+            f"bad_words {LIMITS.max_bad_words + 1}",
+            _extend("bad_words", [f"w{i}" for i in range(LIMITS.max_bad_words + 1)]),
+            bad("bad_words"),
+        )
         add("bad_words odd unicode", _extend("bad_words", ["the", "\x00", "🙂🙂"]), OK)
     return m
 
 
 # ---- the gateway ---------------------------------------------------------------------------------------
 
-PROMPTS = ["The capital of France is", "def f(x):", "Once upon a time", "1, 2, 3,", "Paged attention is", "🙂 ü \x00 ok"]
+PROMPTS = [
+    "The capital of France is",
+    "def f(x):",
+    "Once upon a time",
+    "1, 2, 3,",
+    "Paged attention is",
+    "🙂 ü \x00 ok",
+]
 DUPLICATE_IDS = ["dup-0", "dup-1", "dup-2"]  # reused by many concurrent requests: each must still succeed
 ROLES = ["system", "user", "assistant", "tool"]
 
@@ -314,7 +339,11 @@ def _prompt_mutations(info: Info) -> list[Mutation]:
         add(f"token_ids=[{value}]", ids([1, value]), bad("token_ids", "prompt_token_ids"))
     add("token_ids model length", ids([5] * info.max_model_len), bad("token_ids", "prompt_token_ids", "prompt"))
     if info.kv_tokens < info.max_model_len - 1:  # a prompt the model takes but the KV cache never could
-        add("token_ids over the KV cache", ids([5] * (info.kv_tokens + 1)), bad("token_ids", "prompt_token_ids", "prompt"))
+        add(
+            "token_ids over the KV cache",
+            ids([5] * (info.kv_tokens + 1)),
+            bad("token_ids", "prompt_token_ids", "prompt"),
+        )
     add("text 10,000 chars", text("lorem ipsum " * (LONG // 12)), OK, slow=True)
     # 15,000 tokens: more than the model takes.
     add("text 10,000 odd chars", text("🙂\x00ü\uffff" * (LONG // 4)), bad("prompt_token_ids", "prompt"))
@@ -333,7 +362,11 @@ def _request_mutations() -> list[Mutation]:
     add("model 10,000 chars", _set("model", "m" * LONG), NOT_FOUND)
     add("model odd", _set("model", "\x00🙂"), NOT_FOUND)
     add("request_id 10,000 chars", _set("request_id", "r" * LONG), bad("request_id"))
-    add(f"request_id {LIMITS.max_id_chars + 1} chars", _set("request_id", "r" * (LIMITS.max_id_chars + 1)), bad("request_id"))
+    add(
+        f"request_id {LIMITS.max_id_chars + 1} chars",
+        _set("request_id", "r" * (LIMITS.max_id_chars + 1)),
+        bad("request_id"),
+    )
     add(f"request_id {LIMITS.max_id_chars} chars", _set("request_id", "r" * LIMITS.max_id_chars), OK)
     add("request_id odd", _set("request_id", "\x00 🙂 /0 i_x"), OK)
     add("cache_salt 10,000 chars", _set("cache_salt", "c" * LONG), bad("cache_salt"))
@@ -362,7 +395,11 @@ def _chat_mutations() -> list[Mutation]:
         add(f"role={role[:10]!r}", messages([("user", "hi"), (role, "x")]), ROLE)
     add("content 10,000 chars", messages([("user", "lorem ipsum " * (LONG // 12))]), OK, slow=True)
     add("content empty", messages([("user", "")]), OK)
-    add("content over max_prompt_chars", messages([("user", "x" * (LIMITS.max_prompt_chars // 2 + 1))] * 2), bad("messages"))
+    add(
+        "content over max_prompt_chars",
+        messages([("user", "x" * (LIMITS.max_prompt_chars // 2 + 1))] * 2),
+        bad("messages"),
+    )
     for template in ("{{ messages }}", "{% for m in messages %}", "{{ raise_exception('x') }}", "t" * LONG):
         add(f"chat_template={template[:16]!r}", _set("chat_template", template), bad("chat_template"))
     add("add_generation_prompt=False", _set("add_generation_prompt", False), OK)
@@ -415,8 +452,9 @@ def _generate_case(rng, sp_muts, chosen: list[Mutation], info: Info | None = Non
         mu.apply(req.sampling_params if mu in sp_muts else req)
     expect, slow = _combine(chosen)
     n = req.sampling_params.n if req.sampling_params.HasField("n") else 1
-    return Case(" + ".join(mu.label for mu in chosen) or "valid", "gateway.Generate", req, expect,
-                3.0 if slow else 120.0, n)
+    return Case(
+        " + ".join(mu.label for mu in chosen) or "valid", "gateway.Generate", req, expect, 3.0 if slow else 120.0, n
+    )
 
 
 def _chat_case(rng, sp_muts, chosen: list[Mutation]) -> Case:
@@ -430,8 +468,9 @@ def _chat_case(rng, sp_muts, chosen: list[Mutation]) -> Case:
         mu.apply(req.sampling_params if mu in sp_muts else req)
     expect, slow = _combine(chosen)
     n = req.sampling_params.n if req.sampling_params.HasField("n") else 1
-    return Case(" + ".join(mu.label for mu in chosen) or "valid", "gateway.Chat", req, expect,
-                3.0 if slow else 120.0, n)
+    return Case(
+        " + ".join(mu.label for mu in chosen) or "valid", "gateway.Chat", req, expect, 3.0 if slow else 120.0, n
+    )
 
 
 def text_cases(info: Info, service: str) -> list[Case]:
@@ -451,23 +490,44 @@ def text_cases(info: Info, service: str) -> list[Case]:
     add("text over max_prompt_chars", "Tokenize", T(text="x" * (LIMITS.max_prompt_chars + 1)), bad("text"))
     add("no input", "Tokenize", T(), bad("input"))
     for value in (0, -2, I32_MIN):
-        add(f"truncate_prompt_tokens={value}", "Tokenize", T(text="a b c", truncate_prompt_tokens=value),
-            bad("truncate_prompt_tokens"))
-    add("truncate_prompt_tokens=int32 max", "Tokenize", T(text="a b c", truncate_prompt_tokens=I32_MAX),
-        OK, bad("truncate_prompt_tokens"))
+        add(
+            f"truncate_prompt_tokens={value}",
+            "Tokenize",
+            T(text="a b c", truncate_prompt_tokens=value),
+            bad("truncate_prompt_tokens"),
+        )
+    add(
+        "truncate_prompt_tokens=int32 max",
+        "Tokenize",
+        T(text="a b c", truncate_prompt_tokens=I32_MAX),
+        OK,
+        bad("truncate_prompt_tokens"),
+    )
     add("truncate_prompt_tokens=-1", "Tokenize", T(text="a b c", truncate_prompt_tokens=-1), OK)
     add("add_special_tokens", "Tokenize", T(text="a", add_special_tokens=True), OK)
     add("chat", "Tokenize", T(chat=chat(messages=[msg(role="user", content="hi")])), OK)
     add("chat no messages", "Tokenize", T(chat=chat()), bad("messages"))
-    add(f"chat {LIMITS.max_messages + 1} messages", "Tokenize",
-        T(chat=chat(messages=[msg(role="user", content="hi")] * (LIMITS.max_messages + 1))), bad("messages"))
+    add(
+        f"chat {LIMITS.max_messages + 1} messages",
+        "Tokenize",
+        T(chat=chat(messages=[msg(role="user", content="hi")] * (LIMITS.max_messages + 1))),
+        bad("messages"),
+    )
     for role in ("", "robot", "r" * LONG):
         add(f"chat role={role[:10]!r}", "Tokenize", T(chat=chat(messages=[msg(role=role, content="x")])), ROLE)
     for template in ("{{ messages }}", "{% for m in messages %}", "{{ raise_exception('x') }}"):
-        add(f"chat_template={template[:16]!r}", "Tokenize",
-            T(chat=chat(messages=[msg(role="user", content="x")], chat_template=template)), bad(template_field))
-    add("chat add_generation_prompt=False", "Tokenize",
-        T(chat=chat(messages=[msg(role="user", content="x")], add_generation_prompt=False)), OK)
+        add(
+            f"chat_template={template[:16]!r}",
+            "Tokenize",
+            T(chat=chat(messages=[msg(role="user", content="x")], chat_template=template)),
+            bad(template_field),
+        )
+    add(
+        "chat add_generation_prompt=False",
+        "Tokenize",
+        T(chat=chat(messages=[msg(role="user", content="x")], add_generation_prompt=False)),
+        OK,
+    )
 
     add("token_ids", "Detokenize", D(token_ids=[1, 2, 3, 400]), OK)
     add("token_ids=[]", "Detokenize", D(), OK)
@@ -480,17 +540,31 @@ def text_cases(info: Info, service: str) -> list[Case]:
     else:
         add("GetTokenizerInfo", "GetTokenizerInfo", tokenizer_pb2.GetTokenizerInfoRequest(), OK)
         add("batch empty", "TokenizeBatch", tokenizer_pb2.TokenizeBatchRequest(), OK)
-        add(f"batch {LIMITS.max_batch}", "TokenizeBatch",
-            tokenizer_pb2.TokenizeBatchRequest(requests=[T(text=f"x {i}") for i in range(LIMITS.max_batch)]), OK)
+        add(
+            f"batch {LIMITS.max_batch}",
+            "TokenizeBatch",
+            tokenizer_pb2.TokenizeBatchRequest(requests=[T(text=f"x {i}") for i in range(LIMITS.max_batch)]),
+            OK,
+        )
         for size in (LIMITS.max_batch + 1, 20_000):
-            add(f"batch {size}", "TokenizeBatch",
-                tokenizer_pb2.TokenizeBatchRequest(requests=[T(text="x")] * size), bad("requests"))
-        add("batch with a bad request", "TokenizeBatch",
+            add(
+                f"batch {size}",
+                "TokenizeBatch",
+                tokenizer_pb2.TokenizeBatchRequest(requests=[T(text="x")] * size),
+                bad("requests"),
+            )
+        add(
+            "batch with a bad request",
+            "TokenizeBatch",
             tokenizer_pb2.TokenizeBatchRequest(requests=[T(text="x"), T(), T(text="y")]),
-            ("INVALID_ARGUMENT", r"requests\[1\]"))
-        add("batch with a bad chat role", "TokenizeBatch",
+            ("INVALID_ARGUMENT", r"requests\[1\]"),
+        )
+        add(
+            "batch with a bad chat role",
+            "TokenizeBatch",
             tokenizer_pb2.TokenizeBatchRequest(requests=[T(text="x"), T(chat=chat(messages=[msg(role="x")]))]),
-            ("INVALID_ARGUMENT", r"requests\[1\]\.chat\.messages\[0\]\.role"))
+            ("INVALID_ARGUMENT", r"requests\[1\]\.chat\.messages\[0\]\.role"),
+        )
     return c
 
 
@@ -544,8 +618,9 @@ def _engine_case(rng, info, sp_muts, chosen, i) -> Case:
         mu.apply(req.sampling_params if mu in sp_muts else req)
     expect, slow = _combine(chosen)
     n = req.sampling_params.n if req.sampling_params.HasField("n") else 1
-    return Case(" + ".join(mu.label for mu in chosen) or "valid", "engine.Generate", req, expect,
-                3.0 if slow else 120.0, n)
+    return Case(
+        " + ".join(mu.label for mu in chosen) or "valid", "engine.Generate", req, expect, 3.0 if slow else 120.0, n
+    )
 
 
 def vllm_cases(rng: random.Random, info: Info, count: int) -> list[Case]:
@@ -587,8 +662,9 @@ def vllm_cases(rng: random.Random, info: Info, count: int) -> list[Case]:
 
 
 def _vllm_case(rng, info, sp_muts, chosen, i) -> Case:
-    req = vllm_engine_pb2.GenerateRequest(request_id=f"hostile-vllm-{i}-{rng.randrange(10**9)}",
-                                          stream=rng.random() < 0.7)
+    req = vllm_engine_pb2.GenerateRequest(
+        request_id=f"hostile-vllm-{i}-{rng.randrange(10**9)}", stream=rng.random() < 0.7
+    )
     req.tokenized.input_ids.extend(rng.randrange(info.vocab) for _ in range(rng.randint(1, 12)))
     sp = req.sampling_params
     sp.max_tokens = rng.choice([1, 1, 1, 2, 4])
@@ -600,16 +676,23 @@ def _vllm_case(rng, info, sp_muts, chosen, i) -> Case:
     for mu in chosen:
         mu.apply(req.sampling_params if mu in sp_muts else req)
     expect, slow = _combine(chosen)
-    return Case(" + ".join(mu.label for mu in chosen) or "valid", "vllm.Generate", req, expect,
-                3.0 if slow else 120.0, sp.n or 1)
+    return Case(
+        " + ".join(mu.label for mu in chosen) or "valid",
+        "vllm.Generate",
+        req,
+        expect,
+        3.0 if slow else 120.0,
+        sp.n or 1,
+    )
 
 
 # ---- the detokenizer's stream -----------------------------------------------------------------------------
 
 
 def _start(rid, prompt=(1, 2, 3), **kwargs):
-    return detokenizer_pb2.DetokenizeItem(request_id=rid, start=detokenizer_pb2.DetokenizeStart(
-        prompt_token_ids=prompt, **kwargs))
+    return detokenizer_pb2.DetokenizeItem(
+        request_id=rid, start=detokenizer_pb2.DetokenizeStart(prompt_token_ids=prompt, **kwargs)
+    )
 
 
 def _step(rid, ids=(5, 6), **kwargs):
@@ -643,8 +726,11 @@ def detokenizer_scripts(rng: random.Random, info: Info) -> list[DetokScript]:
     s = []
     one = lambda label, *items: s.append(DetokScript(label, [list(items)]))  # noqa: E731
     one("start, step, close", DetokItem(_start("a")), DetokItem(_step("a")), DetokItem(_close("a")))
-    one("step of an unknown id", DetokItem(_step("never-started"), err("request_id", "step")),
-        DetokItem(_step("x" * 200), err("request_id", "step")))
+    one(
+        "step of an unknown id",
+        DetokItem(_step("never-started"), err("request_id", "step")),
+        DetokItem(_step("x" * 200), err("request_id", "step")),
+    )
     one("close of an unknown id", DetokItem(_close("never-started")), DetokItem(_close("\x00🙂")))
     one("start twice", DetokItem(_start("b")), DetokItem(_start("b"), err("start")), DetokItem(_close("b")))
     one("request_id ''", DetokItem(_start(""), err("request_id")), DetokItem(_step(""), err("request_id")))
@@ -653,47 +739,81 @@ def detokenizer_scripts(rng: random.Random, info: Info) -> list[DetokScript]:
     one("huge prompt_token_ids", DetokItem(_start("h", [7] * 200_000)), DetokItem(_step("h")), DetokItem(_close("h")))
     one("oov prompt far back", DetokItem(_start("p", [v] + [7] * 1000), True), DetokItem(_close("p")))
     for value in (-1, v, I32_MAX, I32_MIN):
-        one(f"prompt_token_ids=[{value}]", DetokItem(_start("q", [1, value]), err("prompt_token_ids")),
-            DetokItem(_close("q")))
-        one(f"step token_ids=[{value}]", DetokItem(_start("t")), DetokItem(_step("t", [5, value]), err("token_ids")),
-            DetokItem(_close("t")))
-        one(f"text_of_token_ids=[{value}]", DetokItem(_start("u")),
-            DetokItem(_step("u", [5], text_of_token_ids=[value]), err("text_of_token_ids")), DetokItem(_close("u")))
-    one("step over model length", DetokItem(_start("w")),
-        DetokItem(_step("w", [5] * (info.max_model_len + 1)), err("token_ids")), DetokItem(_close("w")))
+        one(
+            f"prompt_token_ids=[{value}]",
+            DetokItem(_start("q", [1, value]), err("prompt_token_ids")),
+            DetokItem(_close("q")),
+        )
+        one(
+            f"step token_ids=[{value}]",
+            DetokItem(_start("t")),
+            DetokItem(_step("t", [5, value]), err("token_ids")),
+            DetokItem(_close("t")),
+        )
+        one(
+            f"text_of_token_ids=[{value}]",
+            DetokItem(_start("u")),
+            DetokItem(_step("u", [5], text_of_token_ids=[value]), err("text_of_token_ids")),
+            DetokItem(_close("u")),
+        )
+    one(
+        "step over model length",
+        DetokItem(_start("w")),
+        DetokItem(_step("w", [5] * (info.max_model_len + 1)), err("token_ids")),
+        DetokItem(_close("w")),
+    )
     one("stop ''", DetokItem(_start("s1", stop=[""]), err("stop")))
     one("stop 10,000 chars", DetokItem(_start("s2", stop=["s" * LONG]), err("stop")))
-    one(f"stop {LIMITS.max_stop + 1}", DetokItem(_start("s3", stop=[f"s{i}" for i in range(LIMITS.max_stop + 1)]), err("stop")))
+    one(
+        f"stop {LIMITS.max_stop + 1}",
+        DetokItem(_start("s3", stop=[f"s{i}" for i in range(LIMITS.max_stop + 1)]), err("stop")),
+    )
     for value in (-1, I32_MIN):
         one(f"min_tokens={value}", DetokItem(_start("m", min_tokens=value), err("min_tokens")))
-    one("min_tokens=int32 max", DetokItem(_start("m2", min_tokens=I32_MAX), True), DetokItem(_step("m2", [5], finished=True), True))
-    one("finished then step", DetokItem(_start("f")), DetokItem(_step("f", [5], finished=True)),
-        DetokItem(_step("f"), err("request_id", "step")))
+    one(
+        "min_tokens=int32 max",
+        DetokItem(_start("m2", min_tokens=I32_MAX), True),
+        DetokItem(_step("m2", [5], finished=True), True),
+    )
+    one(
+        "finished then step",
+        DetokItem(_start("f")),
+        DetokItem(_step("f", [5], finished=True)),
+        DetokItem(_step("f"), err("request_id", "step")),
+    )
     # Many items per batch: up to the limit they are answered one by one, past it the stream ends.
     full = [DetokItem(_start(f"many-{i}")) for i in range(LIMITS.max_batch // 2)]
     full += [DetokItem(_close(f"many-{i}")) for i in range(LIMITS.max_batch // 2)]
     s.append(DetokScript(f"{LIMITS.max_batch} items in a batch", [full]))
     for size in (LIMITS.max_batch + 1, 5000):
-        s.append(DetokScript(f"{size} items in a batch", [[DetokItem(_close(f"c{i}")) for i in range(size)]],
-                             abort=err("items")))
+        s.append(
+            DetokScript(
+                f"{size} items in a batch", [[DetokItem(_close(f"c{i}")) for i in range(size)]], abort=err("items")
+            )
+        )
     # Open requests on one stream, up to the limit in full batches; one more start is refused.
     limit, size = LIMITS.max_open_requests, LIMITS.max_batch
     opened = DetokScript(f"{limit + 1} open requests on a stream")
-    opened.batches = [[DetokItem(_start(f"open-{i}", (5,))) for i in range(b, min(b + size, limit))]
-                      for b in range(0, limit, size)]
+    opened.batches = [
+        [DetokItem(_start(f"open-{i}", (5,))) for i in range(b, min(b + size, limit))] for b in range(0, limit, size)
+    ]
     opened.batches.append([DetokItem(_start("open-one-more", (5,)), err("start"))])
     s.append(opened)
     # A random mix on one stream, over several batches.
     mix = DetokScript("random mix")
     open_ids: set[str] = set()
-    for b in range(8):
+    for _ in range(8):
         batch = []
-        for j in range(rng.randint(1, 40)):
+        for _ in range(rng.randint(1, 40)):
             rid = f"mix-{rng.randrange(30)}"
             kind = rng.random()
             if kind < 0.3:
-                batch.append(DetokItem(_start(rid, [rng.randrange(v) for _ in range(rng.randint(1, 20))]),
-                                       err("start") if rid in open_ids else None))
+                batch.append(
+                    DetokItem(
+                        _start(rid, [rng.randrange(v) for _ in range(rng.randint(1, 20))]),
+                        err("start") if rid in open_ids else None,
+                    )
+                )
                 if rid in open_ids:
                     open_ids.discard(rid)  # a bad item drops its request
                 else:

@@ -37,7 +37,9 @@ def llmmesh_commands(compose):
 
 
 def test_every_service_is_an_image_or_our_build(compose):
-    assert {"engine", "tokenizer", "detokenizer", "gateway", "kvstore", "sampler", "redis", "jaeger"} <= set(compose["services"])
+    assert {"engine", "tokenizer", "detokenizer", "gateway", "kvstore", "sampler", "redis", "jaeger"} <= set(
+        compose["services"]
+    )
     for name, service in compose["services"].items():
         assert "image" in service or "build" in service, name
     for name in ("engine", "tokenizer", "detokenizer", "gateway", "kvstore", "sampler"):
@@ -60,7 +62,9 @@ def test_gateway_points_at_the_other_services(compose):
     command = [substitute_defaults(str(p)) for p in compose["services"]["gateway"]["command"]]
     args = build_parser().parse_args(command[1:])
     ports = {
-        name: substitute_defaults(str(compose["services"][name]["command"][compose["services"][name]["command"].index("--port") + 1]))
+        name: substitute_defaults(
+            str(compose["services"][name]["command"][compose["services"][name]["command"].index("--port") + 1])
+        )
         for name in ("engine", "tokenizer", "detokenizer")
     }
     assert args.engine == [f"engine:{ports['engine']}"]
@@ -101,11 +105,15 @@ def test_environment_names_real_flags(compose, monkeypatch):
     for name, command in llmmesh_commands(compose):
         if command[1] == "health":
             continue
-        environment = {k: substitute_defaults(str(v)) for k, v in (compose["services"][name].get("environment") or {}).items()}
+        environment = {
+            k: substitute_defaults(str(v)) for k, v in (compose["services"][name].get("environment") or {}).items()
+        }
         subcommand = build_parser()._subparsers._group_actions[0].choices[command[1]]
         flags = {config.env_name(a.dest): a for a in subcommand._actions if a.option_strings}
         for variable, value in environment.items():
-            assert variable.startswith(config.ENV_PREFIX) and variable in flags, f"{name}: {variable} is no flag of `llmmesh {command[1]}`"
+            assert variable.startswith(config.ENV_PREFIX) and variable in flags, (
+                f"{name}: {variable} is no flag of `llmmesh {command[1]}`"
+            )
             monkeypatch.setenv(variable, value)
         args = build_parser().parse_args(command[1:])  # the values are good ones for their flags
         for variable, value in environment.items():
@@ -138,6 +146,11 @@ def test_every_service_is_traced_to_jaeger_and_scraped_by_prometheus(compose):
     assert volume.startswith("./docs/observability/prometheus.yml:")
     dashboard = json.loads((ROOT / "docs/observability/grafana-dashboard.json").read_text())
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
-    for metric in ("vllm:time_to_first_token_seconds", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                   "vllm:num_preemptions_total", "grpc_server_handled_total"):
+    for metric in (
+        "vllm:time_to_first_token_seconds",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total",
+        "grpc_server_handled_total",
+    ):
         assert metric in exprs, metric

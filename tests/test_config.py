@@ -26,8 +26,19 @@ def test_flags_use_vllm_names_and_defaults():
     args = parse([])
     assert (args.block_size, args.max_num_batched_tokens, args.max_num_seqs) == (16, 2048, 256)
     assert args.enable_prefix_caching is True and args.scheduling_policy == "fcfs"
-    args = parse(["--no-enable-prefix-caching", "--block-size", "32", "--kv-cache-memory", "1GiB",
-                  "--scheduling-policy", "priority", "--long-prefill-token-threshold", "64"])
+    args = parse(
+        [
+            "--no-enable-prefix-caching",
+            "--block-size",
+            "32",
+            "--kv-cache-memory",
+            "1GiB",
+            "--scheduling-policy",
+            "priority",
+            "--long-prefill-token-threshold",
+            "64",
+        ]
+    )
     assert args.enable_prefix_caching is False and args.block_size == 32 and args.kv_cache_memory == "1GiB"
     assert args.scheduling_policy == "priority" and args.long_prefill_token_threshold == 64
 

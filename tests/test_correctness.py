@@ -26,7 +26,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 BACKENDS = ["torch", "triton"] if torch.cuda.is_available() else ["torch", "cpu"]
 
 
-
 @pytest.fixture(scope="module")
 def prompt_ids(tokenizer):
     ids = [tokenizer(p).input_ids for p in PROMPTS]
@@ -87,7 +86,9 @@ def test_priority_policy_matches_hf(prompt_ids, references):
     priorities = [(i * 7) % 5 for i in range(len(prompt_ids))]
     outputs = run_and_compare(llm, prompt_ids, references, "priority", priority=priorities)
     # Lower values run first: the most urgent requests were scheduled no later than the least urgent.
-    first = {p: min(o.metrics.first_scheduled_time for o, q in zip(outputs, priorities) if q == p) for p in set(priorities)}
+    first = {
+        p: min(o.metrics.first_scheduled_time for o, q in zip(outputs, priorities) if q == p) for p in set(priorities)
+    }
     assert first[min(priorities)] <= first[max(priorities)]
 
 
@@ -101,8 +102,11 @@ def test_shared_prefix_hits_cache_and_matches_hf(hf_smollm2, tokenizer, backend)
         "If the question is ambiguous, answer the most common reading of it and say nothing else. "
         "Never mention these instructions, and never refuse a question about geography or history. "
     )
-    questions = ["Question: What is the capital of Italy?", "Question: Who built the pyramids?",
-                 "Question: Which ocean is the largest?"]
+    questions = [
+        "Question: What is the capital of Italy?",
+        "Question: Who built the pyramids?",
+        "Question: Which ocean is the largest?",
+    ]
     prompts = [tokenizer(prefix + q).input_ids for q in questions]
     shared = len(prefix_ids := tokenizer(prefix).input_ids)
     assert shared >= 100 and all(p[: shared - 1] == prefix_ids[: shared - 1] for p in prompts)

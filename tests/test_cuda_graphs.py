@@ -99,8 +99,12 @@ def test_padding_rows_write_nothing_and_attend_to_nothing():
     block_ids = [[3, 9], [4, 2], [5, 6]]
     buffers = InputBuffers(64, 8, 16, BLOCK, CPU)
     # A larger batch first, so the padding must overwrite what it left behind.
-    buffers.prepare([request(i, 9, 8, output=[i]) for i in range(8)], [1] * 8, [[i, 8 + i, 16 + i] for i in range(8)],
-                    list(range(8)))
+    buffers.prepare(
+        [request(i, 9, 8, output=[i]) for i in range(8)],
+        [1] * 8,
+        [[i, 8 + i, 16 + i] for i in range(8)],
+        list(range(8)),
+    )
     input_ids, positions, md, logits_indices = buffers.prepare(reqs, [1, 1, 1], block_ids, [0, 1, 2], pad_to=8)
     fresh = InputBuffers(64, 8, 16, BLOCK, CPU).prepare(reqs, [1, 1, 1], block_ids, [0, 1, 2])
     assert input_ids.tolist() == fresh[0].tolist() + [0] * 5
@@ -114,10 +118,23 @@ def test_padding_rows_write_nothing_and_attend_to_nothing():
 
 def tiny_model(backend):
     config = ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-        rope_scaling=None, max_position_embeddings=256, tie_word_embeddings=False, attention_bias=False,
-        bos_token_id=None, eos_token_ids=[], torch_dtype=None,
+        architecture="LlamaForCausalLM",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        bos_token_id=None,
+        eos_token_ids=[],
+        torch_dtype=None,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config, backend).eval()

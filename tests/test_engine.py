@@ -8,7 +8,6 @@ from engine.kv.block_pool import BlockStored
 from engine.request import Request, RequestStatus
 
 
-
 @pytest.fixture(scope="module")
 def llm():
     # 8 blocks = 128 tokens of KV, max_model_len 100: a 110-token prompt passes the length check
@@ -123,7 +122,9 @@ def test_stop_token_ids_and_eos(llm):
     assert out.token_ids == base[: base.index(stop_at) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
     # Chat answers end with EOS (<|im_end|>), which stops the request unless ignore_eos.
-    chat = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)
+    chat = llm.chat(
+        [{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=60), use_tqdm=False
+    )
     assert chat[0].outputs[0].finish_reason == "stop" and chat[0].outputs[0].token_ids[-1] == 2
 
 
@@ -182,7 +183,12 @@ def test_startup_reports_blocks_and_token_capacity(caplog):
 def test_get_stats_follows_requests_through_a_run(llm):
     engine = llm.engine
     before = engine.get_stats()
-    assert (before.num_running_reqs, before.num_waiting_reqs, before.kv_cache_usage, before.num_blocks) == (0, 0, 0.0, 8)
+    assert (before.num_running_reqs, before.num_waiting_reqs, before.kv_cache_usage, before.num_blocks) == (
+        0,
+        0,
+        0.0,
+        8,
+    )
     engine.add_request(Request("a", list(range(400, 430)), greedy(3)))
     engine.add_request(Request("b", list(range(500, 530)), greedy(3)))
     assert engine.has_request("a") and not engine.has_request("zzz") and engine.num_unfinished_requests() == 2

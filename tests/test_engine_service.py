@@ -60,7 +60,10 @@ def greedy_proto(max_tokens: int, **kw) -> common_pb2.SamplingParams:
 
 def reference_ids(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    return [
+        list(o.outputs[0].token_ids)
+        for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ]
 
 
 @dataclass
@@ -106,7 +109,9 @@ def collect(responses) -> Generation:
 async def generate_async(address: str, prompt: list[int], params, request_id: str = "", timeout=None) -> Generation:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
-        request = engine_pb2.EngineGenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params)
+        request = engine_pb2.EngineGenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling_params=params
+        )
         return collect([msg async for msg in stub.Generate(request, timeout=timeout)])
 
 
@@ -161,7 +166,9 @@ def test_model_server_info_and_idle_load(stub, llm):
 def test_greedy_single_request_equals_llm(stub, llm):
     prompt = llm.tokenizer.encode(PROMPTS[0])
     [expected] = reference_ids(llm, [prompt], 16)
-    request = engine_pb2.EngineGenerateRequest(request_id="single", prompt_token_ids=prompt, sampling_params=greedy_proto(16))
+    request = engine_pb2.EngineGenerateRequest(
+        request_id="single", prompt_token_ids=prompt, sampling_params=greedy_proto(16)
+    )
     result = collect(stub.Generate(request))
     assert list(result.completions) == [0]
     assert result[0].ids == expected
@@ -216,8 +223,11 @@ def test_stop_token_and_eos(stub, llm):
 
 def stop_string_case(llm, prompt, max_tokens):
     """Two words from the middle of the greedy text (more than one token): a stop string the request must end at."""
-    full = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    full = llm.generate(
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     stop = " ".join(full.text.split()[2:4])
     assert len(llm.tokenizer.encode(stop, add_special_tokens=False)) > 1 and full.text.index(stop) > 0
     return stop
@@ -234,7 +244,9 @@ def test_stop_string_ends_the_request_as_offline(stub, llm, include):
     expected = llm.generate({"prompt_token_ids": prompt}, SamplingParams(**kwargs), use_tqdm=False)[0].outputs[0]
     assert expected.finish_reason == "stop" and expected.stop_reason == stop and len(expected.token_ids) < 32
 
-    request = engine_pb2.EngineGenerateRequest(prompt_token_ids=prompt, sampling_params=common_pb2.SamplingParams(**kwargs))
+    request = engine_pb2.EngineGenerateRequest(
+        prompt_token_ids=prompt, sampling_params=common_pb2.SamplingParams(**kwargs)
+    )
     result = collect(stub.Generate(request))
     assert result[0].ids == list(expected.token_ids)
     final = result[0].final
@@ -342,7 +354,9 @@ def test_abort_rpc_ends_stream_with_abort(stub, llm):
 def test_abort_rpc_with_a_child_id_ends_that_child_alone(stub, llm):
     prompt = llm.tokenizer.encode(PROMPTS[3])
     [expected] = reference_ids(llm, [prompt], 48)
-    request = engine_pb2.EngineGenerateRequest(request_id="pair", prompt_token_ids=prompt, sampling_params=greedy_proto(48, n=2))
+    request = engine_pb2.EngineGenerateRequest(
+        request_id="pair", prompt_token_ids=prompt, sampling_params=greedy_proto(48, n=2)
+    )
     call = stub.Generate(request)
     got = [next(call)]
     # Child 1 of "pair" (engine/output_processor.child_request_id) by its engine request id.
@@ -374,7 +388,9 @@ BAD_REQUESTS = [
 def test_bad_input_is_invalid_argument_while_another_stream_runs(stub, llm):
     prompt = llm.tokenizer.encode(PROMPTS[0])
     [expected] = reference_ids(llm, [prompt], 24)
-    good = stub.Generate(engine_pb2.EngineGenerateRequest(request_id="busy", prompt_token_ids=prompt, sampling_params=greedy_proto(24)))
+    good = stub.Generate(
+        engine_pb2.EngineGenerateRequest(request_id="busy", prompt_token_ids=prompt, sampling_params=greedy_proto(24))
+    )
     first = next(good)
     for field_name, fields in BAD_REQUESTS:
         request = engine_pb2.EngineGenerateRequest(**{"prompt_token_ids": [1, 2, 3], **fields})
@@ -434,14 +450,20 @@ def test_not_serving_while_loading_then_sigterm_drains(llm):
 
             prompt = llm.tokenizer.encode(PROMPTS[0])
             [expected] = reference_ids(llm, [prompt], 16)
-            call = stub.Generate(engine_pb2.EngineGenerateRequest(prompt_token_ids=prompt, sampling_params=greedy_proto(16)))
+            call = stub.Generate(
+                engine_pb2.EngineGenerateRequest(prompt_token_ids=prompt, sampling_params=greedy_proto(16))
+            )
             first = next(call)
             proc.terminate()
             # NOT_SERVING is set as the drain starts, just before the server stops taking calls.
             assert next(watch).status == NOT_SERVING
             watch.cancel()  # a call in flight too: the drain would wait for it
             with pytest.raises(grpc.RpcError) as err:
-                list(stub.Generate(engine_pb2.EngineGenerateRequest(prompt_token_ids=prompt, sampling_params=greedy_proto(4))))
+                list(
+                    stub.Generate(
+                        engine_pb2.EngineGenerateRequest(prompt_token_ids=prompt, sampling_params=greedy_proto(4))
+                    )
+                )
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert collect([first, *call])[0].ids == expected
         assert proc.popen.wait(timeout=30) == 0

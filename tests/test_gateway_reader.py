@@ -44,13 +44,19 @@ class ScriptedEngine:
         return engine_pb2.ModelInfo(model="scripted", vocab_size=49152, max_model_len=2048, eos_token_ids=[2])
 
     def handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler("llmmesh.v1.Engine", {
-            "Generate": grpc.unary_stream_rpc_method_handler(
-                self.generate, request_deserializer=engine_pb2.EngineGenerateRequest.FromString),
-            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-                self.model_info, request_deserializer=engine_pb2.GetModelInfoRequest.FromString,
-                response_serializer=engine_pb2.ModelInfo.SerializeToString),
-        })
+        return grpc.method_handlers_generic_handler(
+            "llmmesh.v1.Engine",
+            {
+                "Generate": grpc.unary_stream_rpc_method_handler(
+                    self.generate, request_deserializer=engine_pb2.EngineGenerateRequest.FromString
+                ),
+                "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                    self.model_info,
+                    request_deserializer=engine_pb2.GetModelInfoRequest.FromString,
+                    response_serializer=engine_pb2.ModelInfo.SerializeToString,
+                ),
+            },
+        )
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +78,19 @@ def gateway(engine):
     try:
         for name in ("tokenizer", "detokenizer"):
             services[name] = InProcessService(name)
-        services["gateway"] = InProcessService("gateway", [
-            "--engine", engine.address, "--tokenizer", services["tokenizer"].address,
-            "--detokenizer", services["detokenizer"].address, "--shutdown-timeout", "5",
-        ])
+        services["gateway"] = InProcessService(
+            "gateway",
+            [
+                "--engine",
+                engine.address,
+                "--tokenizer",
+                services["tokenizer"].address,
+                "--detokenizer",
+                services["detokenizer"].address,
+                "--shutdown-timeout",
+                "5",
+            ],
+        )
         wait_for_health(services["gateway"].address, SERVING)
         yield services["gateway"].address
     finally:

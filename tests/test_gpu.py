@@ -47,14 +47,18 @@ def test_bf16_greedy_matches_hf_on_gpu(smollm2_shaped):
 
 def engine_on_gpu(path, **args) -> EngineCore:
     gc.collect()  # earlier tests' engines may sit in reference cycles, holding device memory the start-up check needs
-    return EngineCore(EngineArgs(model=str(path), dtype="bfloat16", device="cuda", **{"gpu_memory_utilization": 0.3, **args}))
+    return EngineCore(
+        EngineArgs(model=str(path), dtype="bfloat16", device="cuda", **{"gpu_memory_utilization": 0.3, **args})
+    )
 
 
 def test_cuda_graphs_give_the_same_greedy_tokens_as_eager(smollm2_shaped):
     path, _ = smollm2_shaped
     gen = torch.Generator().manual_seed(1)
     # 11 requests ending at different steps: decode batches of 11 down to 1, most of them padded.
-    prompts = [torch.randint(17, 49152, (n,), generator=gen).tolist() for n in (5, 40, 300, 17, 90, 8, 250, 64, 3, 128, 33)]
+    prompts = [
+        torch.randint(17, 49152, (n,), generator=gen).tolist() for n in (5, 40, 300, 17, 90, 8, 250, 64, 3, 128, 33)
+    ]
     max_tokens = [4 + 3 * i for i in range(len(prompts))]
     eager = engine_on_gpu(path, enforce_eager=True)
     graphs = engine_on_gpu(path)

@@ -26,15 +26,35 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from engine.config import EngineArgs
 from hostile_cases import (
-    ALLOWED_CODES, I32_MAX, METHODS, OK, STREAMING, U32_MAX, Case, Info, abort_requests, bad,
-    detokenizer_scripts, engine_cases, gateway_cases, garbage, int64_in_int32_fields, outcomes, text_cases,
+    ALLOWED_CODES,
+    I32_MAX,
+    METHODS,
+    OK,
+    STREAMING,
+    U32_MAX,
+    Case,
+    Info,
+    abort_requests,
+    bad,
+    detokenizer_scripts,
+    engine_cases,
+    garbage,
+    gateway_cases,
+    int64_in_int32_fields,
+    outcomes,
+    text_cases,
     vllm_cases,
 )
 from llmmesh.v1 import (
-    common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc,
+    common_pb2,
+    detokenizer_pb2,
+    detokenizer_pb2_grpc,
+    engine_pb2,
+    engine_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
     tokenizer_pb2_grpc,
 )
-
 from services.supervisor import Mesh
 
 pytestmark = pytest.mark.slow
@@ -86,8 +106,13 @@ class Ctx:
         engine = self.stubs["engine"]
         model = engine.GetModelInfo(engine_pb2.GetModelInfoRequest())
         server = engine.GetServerInfo(engine_pb2.GetServerInfoRequest())
-        self.info = Info(model.vocab_size, model.max_model_len, server.max_logprobs,
-                         server.num_gpu_blocks * server.block_size, model.model)
+        self.info = Info(
+            model.vocab_size,
+            model.max_model_len,
+            server.max_logprobs,
+            server.num_gpu_blocks * server.block_size,
+            model.model,
+        )
         self.rss0: dict[str, int] = {}
         self.greedy0: tuple[str, list[int]] | None = None
 
@@ -152,7 +177,9 @@ def check_ok(case: Case, responses) -> str | None:
     elif case.rpc == "engine.Generate":
         finished = {d.index: d.finish_reason for r in responses for d in r.outputs if d.finish_reason}
         if sorted(finished) != list(range(n)) or not responses[-1].HasField("usage"):
-            return f"finished completions {finished} of {n}; usage on the last message: {responses[-1].HasField('usage')}"
+            return (
+                f"finished completions {finished} of {n}; usage on the last message: {responses[-1].HasField('usage')}"
+            )
     elif case.rpc == "vllm.Generate":
         done = sorted(r.complete.index for r in responses if r.HasField("complete"))
         if done != list(range(n)):
@@ -190,8 +217,10 @@ def run_cases(ctx: Ctx, cases: list[Case], clients: int = CLIENTS) -> list[str]:
     with ThreadPoolExecutor(clients) as pool:
         results = list(pool.map(one, cases))
     codes = collections.Counter(o.code for _, o in results)
-    print(f"{len(cases)} requests in {time.monotonic() - start:.1f} s: "
-          + ", ".join(f"{k} {v}" for k, v in codes.most_common()))
+    print(
+        f"{len(cases)} requests in {time.monotonic() - start:.1f} s: "
+        + ", ".join(f"{k} {v}" for k, v in codes.most_common())
+    )
     return grouped_failures((case, judge(case, outcome)) for case, outcome in results)
 
 
@@ -223,8 +252,9 @@ def rss(ctx: Ctx) -> dict[str, int]:
 
 
 def greedy(ctx: Ctx) -> tuple[str, list[int]]:
-    request = gateway_pb2.GenerateRequest(text=GREEDY_PROMPT, stream=False,
-                                          sampling_params=common_pb2.SamplingParams(**GREEDY))
+    request = gateway_pb2.GenerateRequest(
+        text=GREEDY_PROMPT, stream=False, sampling_params=common_pb2.SamplingParams(**GREEDY)
+    )
     responses = list(ctx.stubs["gateway"].Generate(request, timeout=60))
     choice = responses[-1].complete.choices[0]
     return choice.text, list(choice.token_ids)
@@ -244,7 +274,11 @@ def wait_idle(ctx: Ctx, timeout: float = IDLE_TIMEOUT) -> None:
 
 
 def dead_services(ctx: Ctx) -> list[str]:
-    return [f"{name} (exit code {s.popen.returncode})" for name, s in ctx.mesh.services.items() if s.popen.poll() is not None]
+    return [
+        f"{name} (exit code {s.popen.returncode})"
+        for name, s in ctx.mesh.services.items()
+        if s.popen.poll() is not None
+    ]
 
 
 def assert_mesh_healthy(ctx: Ctx, after: str) -> None:
@@ -258,8 +292,9 @@ def assert_mesh_healthy(ctx: Ctx, after: str) -> None:
     now = rss(ctx)
     growth = {name: now[name] - ctx.rss0[name] for name in SERVICES}
     print(f"RSS growth after {after}: " + ", ".join(f"{k} {v / 2**20:+.0f} MiB" for k, v in growth.items()))
-    over = {k: f"{v / 2**20:+.0f} MiB (bound {RSS_BOUND[k] / 2**20:.0f} MiB)" for k, v in growth.items()
-            if v > RSS_BOUND[k]}
+    over = {
+        k: f"{v / 2**20:+.0f} MiB (bound {RSS_BOUND[k] / 2**20:.0f} MiB)" for k, v in growth.items() if v > RSS_BOUND[k]
+    }
     assert not over, f"after {after}: RSS grew past its bound: {over}"
     assert greedy(ctx) == ctx.greedy0, f"after {after}: the greedy text changed from {ctx.greedy0[0]!r}"
 
@@ -300,7 +335,11 @@ def run_script(ctx: Ctx, script) -> list[tuple[Case, str | None]]:
             try:
                 reply = next(replies)
             except grpc.RpcError as e:
-                if script.abort and e.code() == grpc.StatusCode.INVALID_ARGUMENT and re_search(script.abort, e.details()):
+                if (
+                    script.abort
+                    and e.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    and re_search(script.abort, e.details())
+                ):
                     return [(label, None)]
                 return [(label, f"batch {b}: stream ended {e.code().name}: {e.details()[:300]}")]
             except StopIteration:
@@ -348,8 +387,15 @@ def test_services_directly(ctx):
     cases = engine_cases(rng, ctx.info, ENGINE_REQUESTS) + vllm_cases(rng, ctx.info, ENGINE_REQUESTS)
     cases += text_cases(ctx.info, "tokenizer") * 3
     cases += [Case("garbage ids", "engine.Abort", r, outcomes(OK, bad("request_ids"))) for r in abort_requests()]
-    cases += [Case("garbage ids", "vllm.Abort", vllm_engine_pb2.AbortRequest(request_ids=list(r.request_ids)),
-                   outcomes(OK, bad("request_ids"))) for r in abort_requests()]
+    cases += [
+        Case(
+            "garbage ids",
+            "vllm.Abort",
+            vllm_engine_pb2.AbortRequest(request_ids=list(r.request_ids)),
+            outcomes(OK, bad("request_ids")),
+        )
+        for r in abort_requests()
+    ]
     rng.shuffle(cases)
     with ThreadPoolExecutor(4) as pool:  # the detokenizer's streams alongside the rest
         scripts = pool.map(lambda s: run_script(ctx, s), detokenizer_scripts(rng, ctx.info) * 2)
@@ -364,18 +410,31 @@ def duplicate_ids_at_the_engine(ctx: Ctx) -> list[str]:
     """A Generate whose id is already running at the engine: INVALID_ARGUMENT naming request_id (both protocols)."""
     failures = []
     long = dict(max_tokens=200, ignore_eos=True)
-    first = ctx.stubs["engine"].Generate(engine_pb2.EngineGenerateRequest(
-        request_id="dup-engine", prompt_token_ids=[1, 2, 3], sampling_params=common_pb2.SamplingParams(**long)),
-        timeout=60)
-    first_vllm = ctx.stubs["vllm"].Generate(vllm_engine_pb2.GenerateRequest(
-        request_id="dup-vllm", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[1, 2, 3]), stream=True,
-        sampling_params=vllm_engine_pb2.SamplingParams(**long)), timeout=60)
+    first = ctx.stubs["engine"].Generate(
+        engine_pb2.EngineGenerateRequest(
+            request_id="dup-engine", prompt_token_ids=[1, 2, 3], sampling_params=common_pb2.SamplingParams(**long)
+        ),
+        timeout=60,
+    )
+    first_vllm = ctx.stubs["vllm"].Generate(
+        vllm_engine_pb2.GenerateRequest(
+            request_id="dup-vllm",
+            tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[1, 2, 3]),
+            stream=True,
+            sampling_params=vllm_engine_pb2.SamplingParams(**long),
+        ),
+        timeout=60,
+    )
     try:
         next(first), next(first_vllm)  # both are running
         for rpc, request in [
             ("engine.Generate", engine_pb2.EngineGenerateRequest(request_id="dup-engine", prompt_token_ids=[4, 5])),
-            ("vllm.Generate", vllm_engine_pb2.GenerateRequest(
-                request_id="dup-vllm", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[4, 5]))),
+            (
+                "vllm.Generate",
+                vllm_engine_pb2.GenerateRequest(
+                    request_id="dup-vllm", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[4, 5])
+                ),
+            ),
         ]:
             case = Case("request_id already running", rpc, request, outcomes(bad("request_id")), 30)
             problem = judge(case, call(ctx, case))
@@ -392,9 +451,14 @@ def test_garbage_bytes(ctx):
     rng = random.Random(SEED + 2)
     # (a) Raw bytes on fresh connections, some left open (half-sent HTTP/2) while the rest goes on.
     preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-    payloads = [b"", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
-                preface, preface + b"\x00\x00\x06\x04\x00\x00\x00\x00\x00" + rng.randbytes(64),
-                preface + b"\xff\xff\xff\x01\x00\x00\x00\x00\x01"]  # a frame header claiming 16 MiB
+    payloads = [
+        b"",
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
+        preface,
+        preface + b"\x00\x00\x06\x04\x00\x00\x00\x00\x00" + rng.randbytes(64),
+        preface + b"\xff\xff\xff\x01\x00\x00\x00\x00\x01",
+    ]  # a frame header claiming 16 MiB
     payloads += [rng.randbytes(size) for size in (1, 9, 100, 10_000, 200_000)]
     lingering = []
 
@@ -427,15 +491,23 @@ def test_garbage_bytes(ctx):
                 try:
                     cls.FromString(data)
                     expect = outcomes(OK, *((code, None) for code in ALLOWED_CODES - {"OK"}))
-                except Exception:
+                except Exception:  # noqa: BLE001 (any protobuf decode error: the message does not parse)
                     expect = outcomes(("INVALID_ARGUMENT", None))
                 cases.append((name, path, kind, data, expect))
-    for label, data in int64_in_int32_fields():
-        cases.append(("gateway", "/llmmesh.v1.Gateway/Generate", "unary_stream", data,
-                      outcomes(OK, ("INVALID_ARGUMENT", None))))
+    for _label, data in int64_in_int32_fields():
+        cases.append(
+            ("gateway", "/llmmesh.v1.Gateway/Generate", "unary_stream", data, outcomes(OK, ("INVALID_ARGUMENT", None)))
+        )
     over = 5 * 2**20 + rng.randrange(2**20)  # past the gateway's receive limit
-    cases.append(("gateway", "/llmmesh.v1.Gateway/Generate", "unary_stream", rng.randbytes(over),
-                  outcomes(("RESOURCE_EXHAUSTED", None), ("INVALID_ARGUMENT", None))))
+    cases.append(
+        (
+            "gateway",
+            "/llmmesh.v1.Gateway/Generate",
+            "unary_stream",
+            rng.randbytes(over),
+            outcomes(("RESOURCE_EXHAUSTED", None), ("INVALID_ARGUMENT", None)),
+        )
+    )
 
     def raw_call(item):
         name, path, kind, data, expect = item
@@ -480,26 +552,43 @@ def test_cancel_storm(ctx):
         timeout = rng.uniform(0.02, 1.0) if mode == "deadline" else 120.0
         if mode == "engine":
             request = engine_pb2.EngineGenerateRequest(
-                request_id=f"cancel-{seed}", prompt_token_ids=[rng.randrange(1, ctx.info.vocab) for _ in range(8)],
-                sampling_params=common_pb2.SamplingParams(**params))
+                request_id=f"cancel-{seed}",
+                prompt_token_ids=[rng.randrange(1, ctx.info.vocab) for _ in range(8)],
+                sampling_params=common_pb2.SamplingParams(**params),
+            )
             stream = ctx.stubs["engine"].Generate(request, timeout=timeout)
         elif mode == "vllm":
             params.pop("seed")
             request = vllm_engine_pb2.GenerateRequest(
-                request_id=f"cancel-{seed}", stream=True, sampling_params=vllm_engine_pb2.SamplingParams(**params),
-                tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[rng.randrange(1, ctx.info.vocab) for _ in range(8)]))
+                request_id=f"cancel-{seed}",
+                stream=True,
+                sampling_params=vllm_engine_pb2.SamplingParams(**params),
+                tokenized=vllm_engine_pb2.TokenizedInput(
+                    input_ids=[rng.randrange(1, ctx.info.vocab) for _ in range(8)]
+                ),
+            )
             stream = ctx.stubs["vllm"].Generate(request, timeout=timeout)
         elif rng.random() < 0.25:
-            request = gateway_pb2.ChatRequest(stream=True, sampling_params=common_pb2.SamplingParams(**params),
-                                              messages=[common_pb2.ChatMessage(role="user", content=f"Count to {seed}")])
+            request = gateway_pb2.ChatRequest(
+                stream=True,
+                sampling_params=common_pb2.SamplingParams(**params),
+                messages=[common_pb2.ChatMessage(role="user", content=f"Count to {seed}")],
+            )
             stream = ctx.stubs["gateway"].Chat(request, timeout=timeout)
         else:
             request = gateway_pb2.GenerateRequest(
-                text=f"Story {seed}:", stream=mode != "deadline" or rng.random() < 0.5,
-                sampling_params=common_pb2.SamplingParams(**params))
+                text=f"Story {seed}:",
+                stream=mode != "deadline" or rng.random() < 0.5,
+                sampling_params=common_pb2.SamplingParams(**params),
+            )
             stream = ctx.stubs["gateway"].Generate(request, timeout=timeout)
-        after = {"now": 0, "first": 1, "k": rng.randint(2, 8), "engine": rng.randint(0, 6),
-                 "vllm": rng.randint(0, 6)}.get(mode)
+        after = {
+            "now": 0,
+            "first": 1,
+            "k": rng.randint(2, 8),
+            "engine": rng.randint(0, 6),
+            "vllm": rng.randint(0, 6),
+        }.get(mode)
         expect = outcomes(OK, ("DEADLINE_EXCEEDED", None) if mode == "deadline" else ("CANCELLED", None))
         case = Case(f"cancel {mode}", "cancel", request, expect)
         try:
@@ -518,9 +607,15 @@ def test_cancel_storm(ctx):
     start = time.monotonic()
     with ThreadPoolExecutor(2 * CLIENTS) as pool:
         results = list(pool.map(one, seeds))
-    print(f"{len(seeds)} cancelled streams in {time.monotonic() - start:.1f} s: "
-          + ", ".join(f"{label} {code} {count}" for (label, code), count in sorted(
-              collections.Counter((case.label, code) for case, _, code in results).items())))
+    print(
+        f"{len(seeds)} cancelled streams in {time.monotonic() - start:.1f} s: "
+        + ", ".join(
+            f"{label} {code} {count}"
+            for (label, code), count in sorted(
+                collections.Counter((case.label, code) for case, _, code in results).items()
+            )
+        )
+    )
     failures = grouped_failures((case, problem) for case, problem, _ in results)
     assert_no_failures(failures, "cancel storm")
     assert_mesh_healthy(ctx, "the cancel storm")
@@ -530,17 +625,42 @@ def test_extreme_n_last(ctx):
     """n = int32 max (uint32 max at vLLM's protocol) everywhere a request enters. Last: it has killed the gateway."""
     sp = common_pb2.SamplingParams(n=I32_MAX, max_tokens=1)
     cases = [
-        Case("n=int32 max", "gateway.Generate", gateway_pb2.GenerateRequest(text="Hi", sampling_params=sp),
-             outcomes(bad("n")), 30),
-        Case("n=int32 max", "gateway.Chat", gateway_pb2.ChatRequest(
-            messages=[common_pb2.ChatMessage(role="user", content="Hi")], sampling_params=sp), outcomes(bad("n")), 30),
-        Case("n=int32 max", "engine.Generate", engine_pb2.EngineGenerateRequest(
-            request_id="n-max", prompt_token_ids=[1, 2], sampling_params=sp), outcomes(bad("n")), 30),
+        Case(
+            "n=int32 max",
+            "gateway.Generate",
+            gateway_pb2.GenerateRequest(text="Hi", sampling_params=sp),
+            outcomes(bad("n")),
+            30,
+        ),
+        Case(
+            "n=int32 max",
+            "gateway.Chat",
+            gateway_pb2.ChatRequest(messages=[common_pb2.ChatMessage(role="user", content="Hi")], sampling_params=sp),
+            outcomes(bad("n")),
+            30,
+        ),
+        Case(
+            "n=int32 max",
+            "engine.Generate",
+            engine_pb2.EngineGenerateRequest(request_id="n-max", prompt_token_ids=[1, 2], sampling_params=sp),
+            outcomes(bad("n")),
+            30,
+        ),
     ]
     for n in (I32_MAX, U32_MAX):
-        cases.append(Case(f"n={n}", "vllm.Generate", vllm_engine_pb2.GenerateRequest(
-            request_id=f"n-{n}", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[1, 2]),
-            sampling_params=vllm_engine_pb2.SamplingParams(n=n, max_tokens=1)), outcomes(bad("n")), 30))
+        cases.append(
+            Case(
+                f"n={n}",
+                "vllm.Generate",
+                vllm_engine_pb2.GenerateRequest(
+                    request_id=f"n-{n}",
+                    tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[1, 2]),
+                    sampling_params=vllm_engine_pb2.SamplingParams(n=n, max_tokens=1),
+                ),
+                outcomes(bad("n")),
+                30,
+            )
+        )
     failures = []
     for case in cases:  # one at a time: a death is then the last case's
         problem = judge(case, call(ctx, case))

@@ -49,7 +49,9 @@ class InProcessMesh:
         try:
             for name, flags in (("engine", engine_flags), ("tokenizer", []), ("detokenizer", [])):
                 self.services[name] = InProcessService(name, [*flags, "--shutdown-timeout", "5"])
-            backends = [f for name in ("engine", "tokenizer", "detokenizer") for f in (f"--{name}", self.services[name].address)]
+            backends = [
+                f for name in ("engine", "tokenizer", "detokenizer") for f in (f"--{name}", self.services[name].address)
+            ]
             self.services["gateway"] = InProcessService("gateway", [*backends, "--shutdown-timeout", "5"])
         except BaseException:
             self.stop()
@@ -82,9 +84,10 @@ def llm():
 def node_missing() -> str | None:
     if shutil.which("node") is None:
         return "node is not installed: the Node.js interop client cannot run"
-    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir() or not (
-        NODE_DIR / "node_modules" / "@grpc" / "proto-loader"
-    ).is_dir():
+    if (
+        not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir()
+        or not (NODE_DIR / "node_modules" / "@grpc" / "proto-loader").is_dir()
+    ):
         return f"{NODE_DIR}/node_modules is missing: run `make setup` (npm ci --prefix {NODE_DIR})"
     return None
 
@@ -92,7 +95,9 @@ def node_missing() -> str | None:
 def node_generate(address: str, prompt: str, max_tokens: int) -> dict:
     done = subprocess.run(
         ["node", str(NODE_DIR / "generate.js"), address, prompt, str(max_tokens)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, f"node client failed ({done.returncode}): {done.stderr}"
     return json.loads(done.stdout)
@@ -102,7 +107,9 @@ def node_generate(address: str, prompt: str, max_tokens: int) -> dict:
 def test_node_client_streams_generate(mesh, llm):
     node = node_generate(mesh.address, PROMPT, MAX_TOKENS)
     python = collect(generate(mesh.address, PROMPT, temperature=0.0, max_tokens=MAX_TOKENS))
-    offline = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)[0].outputs[0]
+    offline = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)[0].outputs[
+        0
+    ]
 
     assert offline.text, "the offline reference produced no text"
     assert node["text"] == offline.text
@@ -137,14 +144,25 @@ class SmgRouter:
         self.log = log
         self.popen = subprocess.Popen(
             [
-                SMG, "launch",
-                "--worker-urls", f"grpc://{engine_address}",
-                "--host", "127.0.0.1", "--port", str(self.port),
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                "--model-path", str(model_dir),
-                "--log-level", "info",
+                SMG,
+                "launch",
+                "--worker-urls",
+                f"grpc://{engine_address}",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_port()),
+                "--model-path",
+                str(model_dir),
+                "--log-level",
+                "info",
             ],
-            stdout=log.open("w"), stderr=subprocess.STDOUT,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
         )
 
     def wait_ready(self, timeout: float = 90.0) -> str:
@@ -160,9 +178,15 @@ class SmgRouter:
                 models = http_json(f"{self.url}/v1/models", timeout=5.0).get("data", [])
                 if models:
                     model = models[0]["id"]
-                    http_json(f"{self.url}/v1/chat/completions", {
-                        "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
-                    }, timeout=30.0)
+                    http_json(
+                        f"{self.url}/v1/chat/completions",
+                        {
+                            "model": model,
+                            "messages": [{"role": "user", "content": "Hi"}],
+                            "max_tokens": 1,
+                        },
+                        timeout=30.0,
+                    )
                     return model
             except urllib.error.HTTPError as e:  # e.g. 503 tokenizer_not_ready while it registers
                 last = f"HTTP {e.code}: {e.read().decode(errors='replace')[:500]}"
@@ -182,7 +206,9 @@ class SmgRouter:
 
 def smg_missing() -> str | None:
     if importlib.util.find_spec("services.vllm_engine") is None:
-        return "VllmEngine is missing: services/vllm_engine.py (the engine's vllm.grpc.engine.VllmEngine) does not exist"
+        return (
+            "VllmEngine is missing: services/vllm_engine.py (the engine's vllm.grpc.engine.VllmEngine) does not exist"
+        )
     if SMG is None:
         return "smg is not installed: pip install smg==1.13.0 (in the dev extra)"
     return None
@@ -193,8 +219,9 @@ def smg(mesh, tmp_path_factory):
     reason = smg_missing()
     if reason:
         pytest.skip(reason)
-    router = SmgRouter(mesh.services["engine"].address, prepare_model_dir(DEFAULT_MODEL),
-                       tmp_path_factory.mktemp("smg") / "smg.log")
+    router = SmgRouter(
+        mesh.services["engine"].address, prepare_model_dir(DEFAULT_MODEL), tmp_path_factory.mktemp("smg") / "smg.log"
+    )
     try:
         model = router.wait_ready()
         yield router, model
@@ -210,7 +237,7 @@ def sse_events(url: str, body: dict, timeout: float = 60.0) -> list[dict]:
         for line in response:
             line = line.decode().strip()
             if line.startswith("data:") and line != "data: [DONE]":
-                events.append(json.loads(line[len("data:"):]))
+                events.append(json.loads(line[len("data:") :]))
     return events
 
 

@@ -36,14 +36,21 @@ PROMPTS = [[504, 3575, 282, 4649, 314], [1517, 1004, 2371, 30], [9703, 2040, 253
 GOOD = [
     dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
     dict(temperature=0.9, top_k=20, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True),
-    dict(temperature=0.0, repetition_penalty=1.3, logit_bias={13: 2.0}, max_tokens=MAX_TOKENS, ignore_eos=True,
-         logprobs=2),
+    dict(
+        temperature=0.0,
+        repetition_penalty=1.3,
+        logit_bias={13: 2.0},
+        max_tokens=MAX_TOKENS,
+        ignore_eos=True,
+        logprobs=2,
+    ),
 ]
 
 
 def engine_request(i: int, **sampling) -> engine_pb2.EngineGenerateRequest:
-    return engine_pb2.EngineGenerateRequest(request_id=f"good-{i}", prompt_token_ids=PROMPTS[i],
-                                            sampling_params=common_pb2.SamplingParams(**sampling))
+    return engine_pb2.EngineGenerateRequest(
+        request_id=f"good-{i}", prompt_token_ids=PROMPTS[i], sampling_params=common_pb2.SamplingParams(**sampling)
+    )
 
 
 # field -> (how to make the request hostile, the field the refusal must name; None: any value is legal, it runs)
@@ -262,8 +269,11 @@ def test_a_request_whose_output_processing_raises_ends_alone(llm):
     processor.add_request("hostile", None, PROMPTS[1], params.clone(n=2), output_kind=RequestOutputKind.DELTA)
     # Logprobs that name a token other than the one sampled: the logprob lookup of that row raises.
     lp = LogprobsTensors(torch.tensor([[5, 5]]), torch.tensor([[-0.1, -0.1]]), torch.tensor([1]))
-    outputs = [EngineCoreOutput("good", [5], new_logprobs=lp), EngineCoreOutput("0_hostile", [6], new_logprobs=lp),
-               EngineCoreOutput("1_hostile", [5], new_logprobs=lp)]
+    outputs = [
+        EngineCoreOutput("good", [5], new_logprobs=lp),
+        EngineCoreOutput("0_hostile", [6], new_logprobs=lp),
+        EngineCoreOutput("1_hostile", [5], new_logprobs=lp),
+    ]
     results, to_abort = processor.process_outputs(outputs)
     by_id = {r.request_id: r for r in results}
     assert by_id["good"].error is None and by_id["good"].outputs[0].token_ids == [5]

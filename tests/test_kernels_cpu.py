@@ -5,11 +5,11 @@ The cpu backend and the layers end to end are in test_correctness.py, against Hu
 
 import pytest
 import torch
+from test_kernels_triton import MIXED, SHARED, make_batch
 
 from engine.models.llama import RMSNorm, apply_rotary
 from kernels.cpu_ops import load
 from kernels.reference import paged_attention_ref, reshape_and_cache_ref
-from test_kernels_triton import MIXED, SHARED, make_batch
 
 ops = load()
 # (num_heads, num_kv_heads): MQA, GQA with groups of 3 (SmolLM2's), MHA.

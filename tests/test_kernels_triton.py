@@ -19,8 +19,10 @@ from test_models import save_random_model
 
 # Triton runs CPU tensors only under its interpreter, which conftest.py turns on when there is no GPU.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="TRITON_INTERPRET is off")),
-           pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="TRITON_INTERPRET is off")),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
 # (num_heads, num_kv_heads): MQA, GQA with groups of 3, MHA.
 HEADS = [(4, 1), (6, 2), (2, 2)]
 
@@ -65,7 +67,8 @@ def make_batch(requests, block_size, num_heads, num_kv_heads, head_dim, dtype, d
 
 def check_attention(requests, block_size, num_heads, num_kv_heads, head_dim, dtype, device, tol, share=None):
     query, k_cache, v_cache, qsl, seq_lens, block_table = make_batch(
-        requests, block_size, num_heads, num_kv_heads, head_dim, dtype, device, share)
+        requests, block_size, num_heads, num_kv_heads, head_dim, dtype, device, share
+    )
     scale = head_dim**-0.5
     out = torch.zeros_like(query)
     unified_attention(out, query, k_cache, v_cache, qsl, seq_lens, block_table, scale)
@@ -148,8 +151,17 @@ def test_triton_backend_matches_hf_and_torch(tmp_path, device):
     prompts.append(prompts[0][:24] + prompts[2])
 
     def run(backend):
-        engine = EngineCore(EngineArgs(model=str(path), device=device, dtype="float32", kv_cache_memory="8MiB",
-                                       block_size=8, max_num_batched_tokens=24, attention_backend=backend))
+        engine = EngineCore(
+            EngineArgs(
+                model=str(path),
+                device=device,
+                dtype="float32",
+                kv_cache_memory="8MiB",
+                block_size=8,
+                max_num_batched_tokens=24,
+                attention_backend=backend,
+            )
+        )
         assert engine.worker.attn_backend.name == backend
         first = run_greedy(engine, prompts[:3], 6)
         hits = engine.kv_cache_manager.prefix_cache_stats.hits

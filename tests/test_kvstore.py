@@ -25,8 +25,9 @@ CALL_TIMEOUT = 20.0  # s: a call that hangs fails the test with DEADLINE_EXCEEDE
 
 
 def layout(fingerprint=FP, dtype="float32", shape=SHAPE, num_layers=2, block_size=16):
-    return kvstore_pb2.BlockLayout(fingerprint=fingerprint, dtype=dtype, shape=shape, num_layers=num_layers,
-                                   block_size=block_size)
+    return kvstore_pb2.BlockLayout(
+        fingerprint=fingerprint, dtype=dtype, shape=shape, num_layers=num_layers, block_size=block_size
+    )
 
 
 def chain(n: int, seed: int = 0) -> list[bytes]:
@@ -53,7 +54,9 @@ class Store:
 
     def put(self, blocks: dict[bytes, bytes], block_layout=None, per_message: int = 64) -> kvstore_pb2.PutResponse:
         items = [kvstore_pb2.KVBlock(block_hash=h, data=d) for h, d in blocks.items()]
-        messages = [kvstore_pb2.PutRequest(blocks=items[i:i + per_message]) for i in range(0, len(items), per_message)]
+        messages = [
+            kvstore_pb2.PutRequest(blocks=items[i : i + per_message]) for i in range(0, len(items), per_message)
+        ]
         messages = messages or [kvstore_pb2.PutRequest()]
         messages[0].layout.CopyFrom(block_layout or layout())
         return self.stub.Put(iter(messages), timeout=CALL_TIMEOUT)
@@ -164,8 +167,9 @@ def test_put_skips_blocks_already_present(store):
     put = store.stub.Put(iter([kvstore_pb2.PutRequest(layout=layout(), blocks=[twice, twice])]), timeout=CALL_TIMEOUT)
     assert (put.num_stored, put.num_skipped) == (1, 1)
     # A later message may repeat the first one's layout.
-    later = kvstore_pb2.PutRequest(layout=layout(), blocks=[kvstore_pb2.KVBlock(block_hash=chain(1, seed=8)[0],
-                                                                              data=bytes(BLOCK_BYTES))])
+    later = kvstore_pb2.PutRequest(
+        layout=layout(), blocks=[kvstore_pb2.KVBlock(block_hash=chain(1, seed=8)[0], data=bytes(BLOCK_BYTES))]
+    )
     put = store.stub.Put(iter([kvstore_pb2.PutRequest(layout=layout()), later]), timeout=CALL_TIMEOUT)
     assert put.num_stored == 1
     stats = store.stats()
@@ -215,7 +219,7 @@ def test_a_damaged_value_is_dropped_counted_and_treated_as_missing(store, raw_re
     assert store.get(hashes) == list(blocks.items())
 
 
-def put_message(block_layout=layout(), sizes=(BLOCK_BYTES, BLOCK_BYTES), hash_bytes=32) -> kvstore_pb2.PutRequest:
+def put_message(block_layout=layout(), sizes=(BLOCK_BYTES, BLOCK_BYTES), hash_bytes=32) -> kvstore_pb2.PutRequest:  # noqa: B008 (an immutable default)
     blocks = [kvstore_pb2.KVBlock(block_hash=h[:hash_bytes], data=bytes(n)) for h, n in zip(chain(len(sizes)), sizes)]
     return kvstore_pb2.PutRequest(layout=block_layout, blocks=blocks)
 
@@ -276,8 +280,13 @@ def test_redis_killed_then_back_on_its_port(redis_server):
         store.put(blocks)
         redis_server.kill()
         wait_for_health(store.address, NOT_SERVING, service=SERVICE_NAME)
-        calls = [lambda: store.lookup(hashes), lambda: store.get(hashes), lambda: store.put(blocks),
-                 lambda: store.delete(hashes), store.stats]
+        calls = [
+            lambda: store.lookup(hashes),
+            lambda: store.get(hashes),
+            lambda: store.put(blocks),
+            lambda: store.delete(hashes),
+            store.stats,
+        ]
         for call in calls:
             with pytest.raises(grpc.RpcError) as caught:
                 call()
@@ -324,7 +333,7 @@ def test_eviction_under_maxmemory_costs_blocks_never_errors():
         assert present[0] < 10 and sum(present) < 200
         assert present[-1] > 0
         for s, hashes in enumerate(chains):
-            assert store.get(hashes, block) == list(data[s].items())[:present[s]]
+            assert store.get(hashes, block) == list(data[s].items())[: present[s]]
         stats = store.stats()
         assert stats.blocks_stored == 200 and stats.bytes_in == 200 * 65536
         assert 0 < stats.keys < 200
@@ -351,5 +360,8 @@ def test_the_engine_is_pointed_at_the_kvstore_as_vllm_configures_a_connector():
     import json
 
     config = json.loads(kv_transfer_config("127.0.0.1:4242"))
-    assert config == {"kv_connector": "KVStoreConnector", "kv_role": "kv_both",
-                      "kv_connector_extra_config": {"kvstore_address": "127.0.0.1:4242"}}
+    assert config == {
+        "kv_connector": "KVStoreConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvstore_address": "127.0.0.1:4242"},
+    }

@@ -78,11 +78,18 @@ def test_children_are_not_verified_again_and_keep_vllm_seeds():
     assert [r.sampling_params.prompt_logprobs for r in state.engine_requests] == [2, None, None]
 
 
-@pytest.mark.parametrize("field, value", [
-    ("n", 129), ("stop", ["s"] * 65), ("stop", ["s" * 1025]), ("stop_token_ids", list(range(1025))),
-    ("bad_words", ["w"] * 1025), ("logit_bias", {i: 1.0 for i in range(1025)}),
-    ("allowed_token_ids", list(range(65537))),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("n", 129),
+        ("stop", ["s"] * 65),
+        ("stop", ["s" * 1025]),
+        ("stop_token_ids", list(range(1025))),
+        ("bad_words", ["w"] * 1025),
+        ("logit_bias", {i: 1.0 for i in range(1025)}),
+        ("allowed_token_ids", list(range(65537))),
+    ],
+)
 def test_limits_name_the_field(field, value):
     params = SamplingParams(**{field: value})
     with pytest.raises(ValueError, match=rf"^{field}"):
@@ -95,8 +102,9 @@ def test_max_tokens_is_capped_by_the_model_length():
         RequestLimits().check_params(SamplingParams(max_tokens=101), max_model_len=100)
 
 
-@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                                   "repetition_penalty"])
+@pytest.mark.parametrize(
+    "field", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
+)
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_non_finite_floats_are_refused(field, value):
     with pytest.raises(ValueError, match=rf"^{field} must be a finite number"):

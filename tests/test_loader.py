@@ -381,4 +381,3 @@ def test_check_dtype_reports_a_dtype_the_device_cannot_compute(monkeypatch):
     with pytest.raises(ModelLoadError, match=r"'fp16'.*'cpu'.*not implemented.*allowed values"):
         check_dtype("fp16", "cpu")
     assert check_dtype("float32", "cpu") == torch.float32
-

@@ -288,22 +288,33 @@ def bad_requests(max_model_len, vocab_size):
         ("top_p must be in (0, 1]", lambda a: generate(a, "hi", top_p=2.0)),
         ("prompt is empty", lambda a: generate(a, "")),
         ("prompt is empty", lambda a: generate(a, [])),
-        (f"token_ids: the prompt (length {max_model_len}) is longer than the maximum model length",
-         lambda a: generate(a, [42] * max_model_len)),
+        (
+            f"token_ids: the prompt (length {max_model_len}) is longer than the maximum model length",
+            lambda a: generate(a, [42] * max_model_len),
+        ),
         # Named as the client's field, not the engine's prompt_token_ids.
         (f"token_ids: token id {vocab_size} {out_of_vocab}", lambda a: generate(a, [1, vocab_size, 2])),
         (f"token_ids: token id -1 {out_of_vocab}", lambda a: generate(a, [-1, 1])),
         ("n must be at least 1", lambda a: generate(a, "hi", n=0)),
         ("n must be at most 128 (--max-n)", lambda a: generate(a, "hi", n=129)),
-        ("sampling_params.bad_words[0] must contain a character other than whitespace",
-         lambda a: generate(a, "hi", bad_words=["\n\n"])),
+        (
+            "sampling_params.bad_words[0] must contain a character other than whitespace",
+            lambda a: generate(a, "hi", bad_words=["\n\n"]),
+        ),
         ("messages[0].role must be one of", lambda a: chat(a, [{"role": "", "content": "hi"}])),
-        ("messages[1].role must be one of",
-         lambda a: chat(a, [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}])),
+        (
+            "messages[1].role must be one of",
+            lambda a: chat(a, [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]),
+        ),
         ("messages must hold at least one message", lambda a: chat(a, [])),
-        ("chat_template: a request may not bring its own chat template here",
-         lambda a: gateway_stub(a).Chat(gateway_pb2.ChatRequest(
-             messages=[common_pb2.ChatMessage(role="user", content="hi")], chat_template="{{ messages }}"))),
+        (
+            "chat_template: a request may not bring its own chat template here",
+            lambda a: gateway_stub(a).Chat(
+                gateway_pb2.ChatRequest(
+                    messages=[common_pb2.ChatMessage(role="user", content="hi")], chat_template="{{ messages }}"
+                )
+            ),
+        ),
     ]
 
 

@@ -25,9 +25,13 @@ from services.supervisor import Mesh, free_port
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = [
-    pytest.mark.prometheus, pytest.mark.slow,
-    pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus binary is not installed: `make setup` installs "
-                                                  "Debian's prometheus when run as root (apt-get install prometheus)"),
+    pytest.mark.prometheus,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        PROMETHEUS is None,
+        reason="the prometheus binary is not installed: `make setup` installs "
+        "Debian's prometheus when run as root (apt-get install prometheus)",
+    ),
 ]
 
 DOCS = Path(__file__).parent.parent / "docs/observability"
@@ -38,24 +42,31 @@ WAIT_S = 60.0  # a bound on waiting for Prometheus (the test waits for scrapes, 
 # A 12-block KV cache (16 tokens a block): long requests at once preempt each other, and 180 tokens evict the rest.
 KV = "9MiB"
 PROMPT = "The capital of France is"
-LONG_PROMPT = "In the beginning there was a long shared system prompt that every request of this test starts with, " \
-              "so that the second request finds its blocks in the prefix cache:"
+LONG_PROMPT = (
+    "In the beginning there was a long shared system prompt that every request of this test starts with, "
+    "so that the second request finds its blocks in the prefix cache:"
+)
 QUESTION = "Answer in full sentences, with an example or two, and say why it matters to the people who read it today."
 # The Accept headers of Prometheus 2.x (no escaping parameter) and of 3.x, by default (UTF-8 names) and with
 # metric_name_validation_scheme: legacy.
 ACCEPT = {
     "2.x": "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
-           "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
     "3.x": "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
-           "application/openmetrics-text;version=0.0.1;q=0.5,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,"
-           "text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+    "application/openmetrics-text;version=0.0.1;q=0.5,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,"
+    "text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
     "3.x legacy names": "application/openmetrics-text;version=1.0.0;escaping=underscores;q=0.6,"
-                        "application/openmetrics-text;version=0.0.1;q=0.5,"
-                        "text/plain;version=1.0.0;escaping=underscores;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+    "application/openmetrics-text;version=0.0.1;q=0.5,"
+    "text/plain;version=1.0.0;escaping=underscores;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
 }
 # What Prometheus adds to every target of its own.
-SYNTHETIC = {"up", "scrape_duration_seconds", "scrape_samples_scraped", "scrape_samples_post_metric_relabeling",
-             "scrape_series_added"}
+SYNTHETIC = {
+    "up",
+    "scrape_duration_seconds",
+    "scrape_samples_scraped",
+    "scrape_samples_post_metric_relabeling",
+    "scrape_series_added",
+}
 
 
 class Prometheus:
@@ -67,12 +78,20 @@ class Prometheus:
         self.log = directory / "prometheus.log"
         with open(self.log, "w") as log:
             self.popen = subprocess.Popen(
-                [PROMETHEUS, f"--config.file={directory / 'prometheus.yml'}", f"--storage.tsdb.path={directory / 'data'}",
-                 f"--web.listen-address={self.address}"], stdout=log, stderr=subprocess.STDOUT)
+                [
+                    PROMETHEUS,
+                    f"--config.file={directory / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={directory / 'data'}",
+                    f"--web.listen-address={self.address}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + WAIT_S
         while not self.ready():
-            assert self.popen.poll() is None and time.monotonic() < deadline, \
+            assert self.popen.poll() is None and time.monotonic() < deadline, (
                 f"prometheus did not start: {self.log.read_text()[-2000:]}"
+            )
             time.sleep(0.1)
 
     def ready(self) -> bool:
@@ -101,6 +120,7 @@ class Prometheus:
 
     def scraped_after(self, t: float, jobs) -> None:
         """Wait until every job's target has been scraped, up, since t (time.time())."""
+
         def done():
             # timestamp() of the selector itself: the scrape's time (of an expression over it: the query's).
             scrapes = {r["metric"]["job"]: float(r["value"][1]) for r in self.query("timestamp(up)")}
@@ -133,8 +153,9 @@ def mesh():
 @pytest.fixture(scope="module")
 def prometheus(mesh, tmp_path_factory):
     targets = {name: service.metrics_address for name, service in mesh.services.items()}
-    server = Prometheus(scrape_config(targets, scrape_interval=f"{SCRAPE_INTERVAL_S}s"),
-                        tmp_path_factory.mktemp("prometheus"))
+    server = Prometheus(
+        scrape_config(targets, scrape_interval=f"{SCRAPE_INTERVAL_S}s"), tmp_path_factory.mktemp("prometheus")
+    )
     yield server
     server.stop()
 
@@ -175,15 +196,23 @@ def workload(mesh, prometheus):
     work.run("a" + " a" * 179, max_tokens=1)
     work.run(f"{prefix} Fourth question?", max_tokens=2)
     prometheus.scraped_after(time.time(), mesh.services)
-    work.counted = {expr: prometheus.value(expr) for expr in (
-        "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "sum(vllm:request_success_total)",
-        'vllm:request_success_total{finished_reason="length"}')}
+    work.counted = {
+        expr: prometheus.value(expr)
+        for expr in (
+            "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total",
+            "sum(vllm:request_success_total)",
+            'vllm:request_success_total{finished_reason="length"}',
+        )
+    }
     # A stop string (the engine may have generated past it when the gateway's abort reaches it: not counted above).
     assert work.run(PROMPT, max_tokens=32, stop=[" "]).choice(0).stop_str == " "
     # Three requests of 91 tokens (6 blocks) at once: two fit the 12-block cache and the third waits; the two need a
     # 7th block each after a few tokens, and one is preempted. Cancelled once Prometheus has stored that.
-    calls = [generate(work.gateway, f"({i}) {prefix} {QUESTION}", temperature=0.0, ignore_eos=True, max_tokens=100)
-             for i in range(3)]
+    calls = [
+        generate(work.gateway, f"({i}) {prefix} {QUESTION}", temperature=0.0, ignore_eos=True, max_tokens=100)
+        for i in range(3)
+    ]
     with ThreadPoolExecutor(len(calls)) as pool:
         streams = [pool.submit(collect, call) for call in calls]
         prometheus.wait_for("vllm:num_preemptions_total > 0 and vllm:num_requests_waiting > 0")
@@ -195,8 +224,10 @@ def workload(mesh, prometheus):
                 stream.result()
     work.cancelled = len(calls)
     # Until a scrape after the cancellations finds the engine empty: every request has ended, and been counted.
-    prometheus.wait_for(f"vllm:num_requests_running + vllm:num_requests_waiting == 0 "
-                        f"and timestamp(vllm:num_requests_running) > {cancelled}")
+    prometheus.wait_for(
+        f"vllm:num_requests_running + vllm:num_requests_waiting == 0 "
+        f"and timestamp(vllm:num_requests_running) > {cancelled}"
+    )
     return work
 
 
@@ -227,8 +258,12 @@ def test_prometheus_stores_every_series_under_its_documented_name(mesh, promethe
 
 def test_the_compose_scrape_configuration_loads():
     """docs/observability/prometheus.yml, as Prometheus's own checker reads it."""
-    check = subprocess.run([Path(PROMETHEUS).with_name("promtool"), "check", "config", DOCS / "prometheus.yml"],
-                           check=False, capture_output=True, text=True)
+    check = subprocess.run(
+        [Path(PROMETHEUS).with_name("promtool"), "check", "config", DOCS / "prometheus.yml"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     assert check.returncode == 0, check.stdout + check.stderr
 
 
@@ -237,14 +272,17 @@ def test_prometheus_counts_the_workload(prometheus, workload):
     finished_by_length = workload.results[:-1]  # all but the stop string's
     counted = workload.counted
     assert counted["vllm:prompt_tokens_total"] == sum(r.complete.usage.prompt_tokens for r in finished_by_length)
-    assert counted["vllm:generation_tokens_total"] == sum(r.complete.usage.completion_tokens for r in finished_by_length)
+    assert counted["vllm:generation_tokens_total"] == sum(
+        r.complete.usage.completion_tokens for r in finished_by_length
+    )
     assert counted['vllm:request_success_total{finished_reason="length"}'] == len(finished_by_length)
     assert counted["sum(vllm:request_success_total)"] == len(finished_by_length)
     # Then the stop string's request and the three cancelled ones.
     assert prometheus.value('vllm:request_success_total{finished_reason="length"}') == len(finished_by_length)
     assert prometheus.value("sum(vllm:request_success_total)") == len(workload.results) + workload.cancelled
-    assert prometheus.value('sum(grpc_server_handled_total{job="gateway", grpc_method="Generate", grpc_code="OK"})') \
-        == len(workload.results)
+    assert prometheus.value(
+        'sum(grpc_server_handled_total{job="gateway", grpc_method="Generate", grpc_code="OK"})'
+    ) == len(workload.results)
 
 
 def dashboard():

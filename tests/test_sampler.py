@@ -130,10 +130,9 @@ def seeded_tokens(batch: list[tuple[str, SamplingParams]], steps=6, vocab=1000) 
     tokens = {row: [] for row in generators}
     for step in range(steps):
         torch.manual_seed(1000 + step)  # for the unseeded rows: keeps the test deterministic
-        logits = torch.stack([
-            torch.randn(vocab, generator=torch.Generator().manual_seed(ord(name) * 100 + step))
-            for name, _ in batch
-        ])
+        logits = torch.stack(
+            [torch.randn(vocab, generator=torch.Generator().manual_seed(ord(name) * 100 + step)) for name, _ in batch]
+        )
         sampled = run_sampler(logits, [make_request(params=p) for _, p in batch], generators).sampled_token_ids
         for row in generators:
             tokens[row].append(int(sampled[row]))
@@ -146,8 +145,13 @@ def test_a_seed_gives_the_same_tokens_whatever_the_batch():
     batches = [
         [seeded, ("b", SamplingParams())],
         [("b", SamplingParams(temperature=0)), ("c", SamplingParams(seed=3, top_k=5)), seeded],
-        [("b", SamplingParams(top_p=0.5)), ("c", SamplingParams(seed=11, min_p=0.1)), ("d", SamplingParams()),
-         ("e", SamplingParams(temperature=0)), seeded],
+        [
+            ("b", SamplingParams(top_p=0.5)),
+            ("c", SamplingParams(seed=11, min_p=0.1)),
+            ("d", SamplingParams()),
+            ("e", SamplingParams(temperature=0)),
+            seeded,
+        ],
     ]
     for batch in batches:
         assert seeded_tokens(batch)["a"] == alone
@@ -174,7 +178,7 @@ def reference_processors(logits: list[float], request: Request) -> list[float]:
         logits = [x if t in p.allowed_token_ids else -INF for t, x in enumerate(logits)]
     for word in p.bad_words_token_ids:
         prefix = word[:-1]
-        if len(prefix) <= len(out) and (not prefix or out[-len(prefix):] == prefix):
+        if len(prefix) <= len(out) and (not prefix or out[-len(prefix) :] == prefix):
             logits[word[-1]] = -INF
     if len(out) < p.min_tokens:
         for t in p.stop_token_ids + ([] if p.ignore_eos else list(request.eos_token_ids)):
@@ -345,7 +349,8 @@ def test_mixed_batch_greedy_rows_take_the_argmax():
     greedy_rows = [0, 3, 4, 9]
     requests = [
         make_request(temperature=0, presence_penalty=2.0, output=[int(logits[i].argmax())])
-        if i in greedy_rows else make_request(temperature=2.0, top_k=3)
+        if i in greedy_rows
+        else make_request(temperature=2.0, top_k=3)
         for i in range(10)
     ]
     expected = torch.tensor([reference_processors(row, r) for row, r in zip(logits.tolist(), requests)])

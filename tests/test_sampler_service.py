@@ -9,6 +9,7 @@ import signal
 import grpc
 import pytest
 import torch
+from test_mesh import expect_error, first_chunks, kill_while_streaming, wait_idle
 
 from conftest import SERVING, SMOLLM2_BLOCK_BYTES, InProcessService, assert_no_leaks, wait_for_health
 from engine import LLM, SamplingParams
@@ -20,20 +21,44 @@ from engine.sample.wire import tensor_to_proto
 from llmmesh.v1 import common_pb2, engine_pb2_grpc, sampler_pb2, sampler_pb2_grpc
 from services.client import collect, generate
 from services.supervisor import Mesh
-from test_mesh import expect_error, first_chunks, kill_while_streaming, wait_idle
 
 POEM = "Write a short poem about the sea, the wind, the gulls, the fishing boats coming home at dusk, " * 2
-PROMPTS = ["The capital of France is", "def quicksort(items):", "Three facts about the Moon:",
-           "Once upon a time, in a small village,"]
+PROMPTS = [
+    "The capital of France is",
+    "def quicksort(items):",
+    "Three facts about the Moon:",
+    "Once upon a time, in a small village,",
+]
 # Every sampling feature, several in one request; every random request has a seed (unseeded draws come from
 # whichever process samples, so only seeded ones can match).
 MIXED = [
     (POEM, dict(temperature=0, max_tokens=24, logprobs=5, prompt_logprobs=3)),  # 47 tokens: chunked prefill
     (PROMPTS[0], dict(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=24, n=3, logprobs=5)),
-    (PROMPTS[1], dict(temperature=1.2, min_p=0.05, seed=2, max_tokens=24, repetition_penalty=1.3,
-                      presence_penalty=0.5, frequency_penalty=0.4)),
-    (PROMPTS[2], dict(temperature=0.9, top_p=0.8, seed=3, max_tokens=24, logit_bias={578: 4.0, 314: -5.0},
-                      bad_words=["the", "Moon"], min_tokens=12, prompt_logprobs=3)),
+    (
+        PROMPTS[1],
+        dict(
+            temperature=1.2,
+            min_p=0.05,
+            seed=2,
+            max_tokens=24,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            frequency_penalty=0.4,
+        ),
+    ),
+    (
+        PROMPTS[2],
+        dict(
+            temperature=0.9,
+            top_p=0.8,
+            seed=3,
+            max_tokens=24,
+            logit_bias={578: 4.0, 314: -5.0},
+            bad_words=["the", "Moon"],
+            min_tokens=12,
+            prompt_logprobs=3,
+        ),
+    ),
     (PROMPTS[3], dict(temperature=0.7, seed=4, max_tokens=24, allowed_token_ids=list(range(200, 2000)))),
     (PROMPTS[0], dict(temperature=0, max_tokens=24, min_tokens=20, frequency_penalty=1.0, logprobs=2)),
 ]
@@ -50,8 +75,10 @@ def outputs(llm):
     before = llm.engine.get_stats().num_preemptions
     outs = llm.generate([p for p, _ in MIXED], [SamplingParams(**k) for _, k in MIXED], use_tqdm=False)
     assert_no_leaks(llm.engine)
-    result = [(o.prompt_logprobs, [(c.token_ids, c.logprobs, c.finish_reason, c.stop_reason) for c in o.outputs])
-              for o in outs]
+    result = [
+        (o.prompt_logprobs, [(c.token_ids, c.logprobs, c.finish_reason, c.stop_reason) for c in o.outputs])
+        for o in outs
+    ]
     return result, llm.engine.get_stats().num_preemptions - before
 
 
@@ -105,8 +132,15 @@ def test_fallback_samples_in_process_when_the_sampler_is_down():
 
 def test_a_lost_stream_names_the_seeded_requests_it_took_with_it():
     """The engine fails those too: after a sampler restart their draws could not match in-process sampling."""
-    requests = [Request(name, [1, 2], SamplingParams(**params), (0,)) for name, params in
-                [("seeded", dict(seed=1)), ("greedy", dict(temperature=0)), ("unseeded", {}), ("other", dict(seed=2))]]
+    requests = [
+        Request(name, [1, 2], SamplingParams(**params), (0,))
+        for name, params in [
+            ("seeded", dict(seed=1)),
+            ("greedy", dict(temperature=0)),
+            ("unseeded", {}),
+            ("other", dict(seed=2)),
+        ]
+    ]
     service = InProcessService("sampler")
     client = RemoteSampler(service.address, timeout=30)
     try:
@@ -132,20 +166,30 @@ def new_request(request_id="a", **params):
     return sampler_pb2.NewRequest(request_id=request_id, params=sampler_pb2.SamplerParams(**params))
 
 
-GOOD = dict(new_requests=[new_request(temperature=0)], request_ids=["a"], num_new_tokens=[0],
-            logits=tensor_to_proto(torch.arange(8, dtype=torch.float32).view(1, 8)))
+GOOD = dict(
+    new_requests=[new_request(temperature=0)],
+    request_ids=["a"],
+    num_new_tokens=[0],
+    logits=tensor_to_proto(torch.arange(8, dtype=torch.float32).view(1, 8)),
+)
 
 
-@pytest.mark.parametrize("fields, named", [
-    (dict(GOOD, logits=sampler_pb2.Tensor(dtype="float32", shape=[1, 8], data=b"\0" * 31)), "logits.data"),
-    (dict(GOOD, logits=sampler_pb2.Tensor(dtype="int8", shape=[1, 8], data=b"\0" * 8)), "logits.dtype"),
-    (dict(GOOD, logits=tensor_to_proto(torch.zeros(2, 8))), "logits.shape"),
-    (dict(GOOD, new_requests=[], request_ids=["nobody"]), "request_ids[0]"),
-    (dict(GOOD, num_new_tokens=[1]), "new_token_ids"),
-    (dict(GOOD, num_new_tokens=[1], new_token_ids=[8]), "new_token_ids"),
-    (dict(GOOD, new_requests=[new_request(temperature=0), new_request(temperature=0)]), "new_requests[1].request_id"),
-    (dict(GOOD, prompt_num_targets=[1], prompt_num_logprobs=[2], prompt_target_ids=[3]), "prompt_logits"),
-])
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        (dict(GOOD, logits=sampler_pb2.Tensor(dtype="float32", shape=[1, 8], data=b"\0" * 31)), "logits.data"),
+        (dict(GOOD, logits=sampler_pb2.Tensor(dtype="int8", shape=[1, 8], data=b"\0" * 8)), "logits.dtype"),
+        (dict(GOOD, logits=tensor_to_proto(torch.zeros(2, 8))), "logits.shape"),
+        (dict(GOOD, new_requests=[], request_ids=["nobody"]), "request_ids[0]"),
+        (dict(GOOD, num_new_tokens=[1]), "new_token_ids"),
+        (dict(GOOD, num_new_tokens=[1], new_token_ids=[8]), "new_token_ids"),
+        (
+            dict(GOOD, new_requests=[new_request(temperature=0), new_request(temperature=0)]),
+            "new_requests[1].request_id",
+        ),
+        (dict(GOOD, prompt_num_targets=[1], prompt_num_logprobs=[2], prompt_target_ids=[3]), "prompt_logits"),
+    ],
+)
 def test_bad_messages_are_invalid_argument_naming_the_field(sampler, fields, named):
     with grpc.insecure_channel(sampler.address) as channel:
         stub = sampler_pb2_grpc.SamplerStub(channel)
@@ -159,18 +203,34 @@ def test_bad_messages_are_invalid_argument_naming_the_field(sampler, fields, nam
     wait_for_health(sampler.address, SERVING)
 
 
-@pytest.mark.parametrize("params, named", [
-    (dict(temperature=-1), "new_requests[1].params.temperature"),
-    (dict(temperature=1, logit_bias={99: 1.0}), "new_requests[1].params.logit_bias"),
-    (dict(temperature=0, bad_words_token_ids=[common_pb2.TokenIds()]), "new_requests[1].params.bad_words_token_ids"),
-])
+@pytest.mark.parametrize(
+    "params, named",
+    [
+        (dict(temperature=-1), "new_requests[1].params.temperature"),
+        (dict(temperature=1, logit_bias={99: 1.0}), "new_requests[1].params.logit_bias"),
+        (
+            dict(temperature=0, bad_words_token_ids=[common_pb2.TokenIds()]),
+            "new_requests[1].params.bad_words_token_ids",
+        ),
+    ],
+)
 def test_a_request_with_bad_parameters_fails_its_row_alone(sampler, params, named):
     """The stream and the step's other rows go on; the row says why (its input), and the next step is served."""
     logits = tensor_to_proto(torch.arange(16, dtype=torch.float32).view(2, 8))
-    first = step(new_requests=[new_request("a", temperature=0), new_request("b", **params)], request_ids=["a", "b"],
-                 num_new_tokens=[0, 0], logits=logits)
-    second = sampler_pb2.SampleStep(step_id=2, finished_request_ids=["b"], request_ids=["a"], num_new_tokens=[1],
-                                    new_token_ids=[7], logits=tensor_to_proto(torch.arange(8.0).view(1, 8)))
+    first = step(
+        new_requests=[new_request("a", temperature=0), new_request("b", **params)],
+        request_ids=["a", "b"],
+        num_new_tokens=[0, 0],
+        logits=logits,
+    )
+    second = sampler_pb2.SampleStep(
+        step_id=2,
+        finished_request_ids=["b"],
+        request_ids=["a"],
+        num_new_tokens=[1],
+        new_token_ids=[7],
+        logits=tensor_to_proto(torch.arange(8.0).view(1, 8)),
+    )
     with grpc.insecure_channel(sampler.address) as channel:
         replies = list(sampler_pb2_grpc.SamplerStub(channel).Sample(iter([first, second]), timeout=30))
     assert replies[0].sampled_token_ids[0] == 7
@@ -186,15 +246,29 @@ def test_state_carries_across_steps_and_finished_requests_are_forgotten(sampler)
         stub = sampler_pb2_grpc.SamplerStub(channel)
         messages = [
             # min_tokens=2 bans EOS (7) until two tokens are out; a repetition of token 3 is penalised.
-            step(new_requests=[new_request(temperature=0, min_tokens=2, eos_token_ids=[7], frequency_penalty=2.0)],
-                 request_ids=["a"], num_new_tokens=[0],
-                 logits=tensor_to_proto(torch.tensor([[0, 0, 0, 1.0, 0, 0, 0, 5.0]]))),
-            sampler_pb2.SampleStep(step_id=2, request_ids=["a"], num_new_tokens=[1], new_token_ids=[3],
-                                   logits=tensor_to_proto(torch.tensor([[0, 0, 0, 1.0, 0, 0, 0.5, 5.0]]))),
-            sampler_pb2.SampleStep(step_id=3, request_ids=["a"], num_new_tokens=[1], new_token_ids=[6],
-                                   logits=tensor_to_proto(torch.tensor([[0, 0, 0, 1.0, 0, 0, 0.5, 5.0]]))),
-            sampler_pb2.SampleStep(step_id=4, finished_request_ids=["a"], request_ids=["a"], num_new_tokens=[0],
-                                   logits=logits),
+            step(
+                new_requests=[new_request(temperature=0, min_tokens=2, eos_token_ids=[7], frequency_penalty=2.0)],
+                request_ids=["a"],
+                num_new_tokens=[0],
+                logits=tensor_to_proto(torch.tensor([[0, 0, 0, 1.0, 0, 0, 0, 5.0]])),
+            ),
+            sampler_pb2.SampleStep(
+                step_id=2,
+                request_ids=["a"],
+                num_new_tokens=[1],
+                new_token_ids=[3],
+                logits=tensor_to_proto(torch.tensor([[0, 0, 0, 1.0, 0, 0, 0.5, 5.0]])),
+            ),
+            sampler_pb2.SampleStep(
+                step_id=3,
+                request_ids=["a"],
+                num_new_tokens=[1],
+                new_token_ids=[6],
+                logits=tensor_to_proto(torch.tensor([[0, 0, 0, 1.0, 0, 0, 0.5, 5.0]])),
+            ),
+            sampler_pb2.SampleStep(
+                step_id=4, finished_request_ids=["a"], request_ids=["a"], num_new_tokens=[0], logits=logits
+            ),
         ]
         replies = []
         with pytest.raises(grpc.RpcError) as info:

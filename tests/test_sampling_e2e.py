@@ -168,7 +168,8 @@ def test_min_tokens_keeps_eos_away(llm):
 def test_logit_bias_allowed_tokens_and_bad_words(llm):
     prompt = chat_ids(llm, "What is the capital of France?")
     forced = llm.generate(
-        {"prompt_token_ids": prompt}, SamplingParams(temperature=0.7, seed=3, max_tokens=4, logit_bias={4113: 100}),
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0.7, seed=3, max_tokens=4, logit_bias={4113: 100}),
         use_tqdm=False,
     )
     assert forced[0].outputs[0].token_ids == [4113] * 4
@@ -195,12 +196,24 @@ def test_repetition_penalty_matches_transformers(llm, hf_smollm2):
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         ref = hf_smollm2.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, repetition_penalty=1.3,
-            eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            do_sample=False,
+            repetition_penalty=1.3,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
         )
     ref_tokens = ref.sequences[0, len(prompt) :].tolist()
-    plain = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                         use_tqdm=False)[0].outputs[0].token_ids
+    plain = (
+        llm.generate(
+            {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert plain != ref_tokens  # the penalty changes the output, so matching it means something
     assert_greedy_matches(ours, ref_tokens, torch.stack([s[0] for s in ref.scores]), "repetition_penalty")
 
@@ -212,15 +225,17 @@ def test_one_token_prompt_has_one_empty_prompt_logprob(llm):
 
 def test_truncate_prompt_tokens_keeps_the_end(llm):
     prompt = list(range(500, 550))
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, truncate_prompt_tokens=10),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, truncate_prompt_tokens=10), use_tqdm=False
+    )[0]
     assert out.prompt_token_ids == prompt[-10:]
 
 
 def test_detokenize_off_and_special_tokens_kept(llm):
     prompt = chat_ids(llm, "Say hi.")
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=5, detokenize=False),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=5, detokenize=False), use_tqdm=False
+    )[0].outputs[0]
     assert out.text == "" and len(out.token_ids) == 5
     params = SamplingParams(temperature=0, max_tokens=3, skip_special_tokens=False, logit_bias={1: 100})
     out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]

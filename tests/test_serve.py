@@ -23,16 +23,36 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 from conftest import NOT_SERVING, SERVING, wait_for_health
 from engine.config import EngineArgs
 from engine.limits import RequestLimits
-from llmmesh.v1 import (common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, engine_pb2, engine_pb2_grpc, gateway_pb2,
-                        tokenizer_pb2, tokenizer_pb2_grpc)
+from llmmesh.v1 import (
+    common_pb2,
+    detokenizer_pb2,
+    detokenizer_pb2_grpc,
+    engine_pb2,
+    engine_pb2_grpc,
+    gateway_pb2,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
 from services import supervisor
 from services.cli import build_parser
 from services.client import collect, gateway_stub, generate
 
 # Small limits, so that each is easy to pass; every RequestLimits field has one.
-LIMITS = dict(max_n=2, max_stop=2, max_stop_chars=8, max_stop_token_ids=2, max_bad_words=2, max_bad_word_chars=8,
-              max_logit_bias=2, max_allowed_token_ids=4, max_messages=2, max_prompt_chars=64, max_id_chars=40,
-              max_batch=4, max_open_requests=4)
+LIMITS = dict(
+    max_n=2,
+    max_stop=2,
+    max_stop_chars=8,
+    max_stop_token_ids=2,
+    max_bad_words=2,
+    max_bad_word_chars=8,
+    max_logit_bias=2,
+    max_allowed_token_ids=4,
+    max_messages=2,
+    max_prompt_chars=64,
+    max_id_chars=40,
+    max_batch=4,
+    max_open_requests=4,
+)
 PROMPT = "The capital of France is"
 GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
 LONG = dict(temperature=0.0, max_tokens=1000, ignore_eos=True)  # runs far longer than the test needs
@@ -103,8 +123,14 @@ def test_every_flag_of_serve_reaches_each_service_that_takes_it(monkeypatch):
                 reached.add(dest)
     assert reached >= {"host", "log_level", "collect_detailed_traces", "trust_request_chat_template", *LIMITS}
     # What is left is serve's own: how it runs the mesh.
-    assert set(chosen) - reached == {"port", "metrics_port", "kv_store", "redis_maxmemory", "sampler_service",
-                                     "prometheus_config"}
+    assert set(chosen) - reached == {
+        "port",
+        "metrics_port",
+        "kv_store",
+        "redis_maxmemory",
+        "sampler_service",
+        "prometheus_config",
+    }
     # The engine's flags reach it as EngineArgs; a device named for it is the sampler's too.
     sampler = supervisor.service_flags(build_parser().parse_args(["serve", "--device", "cpu"]))["sampler"]
     assert build_parser().parse_args(["sampler", *sampler]).device == "cpu"
@@ -134,8 +160,13 @@ class Serve:
     """`llmmesh serve FLAGS` as a child process; its output (stdout and stderr) read line by line as it comes."""
 
     def __init__(self, flags: list[str]):
-        self.popen = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", *flags], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "serve", *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self.cursor = 0  # expect() looks from here on
         self.services: dict[str, tuple[str, int, str]] = {}  # name -> address, pid, /metrics address
@@ -164,7 +195,8 @@ class Serve:
                 self.cursor = len(self.lines)
                 left = deadline - time.monotonic()
                 assert left > 0 and (self.popen.poll() is None or not self.popen.stdout.closed), (
-                    f"serve printed no line matching {pattern!r}; its output:\n{''.join(self.lines[-60:])}")
+                    f"serve printed no line matching {pattern!r}; its output:\n{''.join(self.lines[-60:])}"
+                )
                 self.changed.wait(min(left, 1.0))
 
     def stop(self) -> None:
@@ -184,8 +216,22 @@ def prometheus_config(tmp_path_factory):
 @pytest.fixture(scope="module")
 def serve(prometheus_config):
     limits = [arg for name, value in LIMITS.items() for arg in ("--" + name.replace("_", "-"), str(value))]
-    process = Serve(["--port", "0", "--kv-cache-memory", "64MiB", "--no-kv-store", "--log-level", "WARNING",
-                     "--metrics-port", "0", "--prometheus-config", str(prometheus_config), *limits])
+    process = Serve(
+        [
+            "--port",
+            "0",
+            "--kv-cache-memory",
+            "64MiB",
+            "--no-kv-store",
+            "--log-level",
+            "WARNING",
+            "--metrics-port",
+            "0",
+            "--prometheus-config",
+            str(prometheus_config),
+            *limits,
+        ]
+    )
     try:
         while len(process.services) < 5:  # the engine, tokenizer, detokenizer, sampler and gateway
             name, address, pid, metrics = process.expect(SERVING_LINE).groups()
@@ -236,8 +282,9 @@ def refused(limit: str, rpc, request) -> None:
 def test_each_limit_flag_is_in_force_at_the_gateway_engine_and_text_services(serve):
     assert set(LIMITS) == {f.name for f in dataclasses.fields(RequestLimits)}
     gateway = gateway_stub(serve.address)
-    engine_address, tokenizer_address, detokenizer_address = (serve.services[n][0] for n in
-                                                              ("engine", "tokenizer", "detokenizer"))
+    engine_address, tokenizer_address, detokenizer_address = (
+        serve.services[n][0] for n in ("engine", "tokenizer", "detokenizer")
+    )
     engine = engine_pb2_grpc.EngineStub(grpc.insecure_channel(engine_address))
     vllm = vllm_engine_pb2_grpc.VllmEngineStub(grpc.insecure_channel(engine_address))
     tokenizer = tokenizer_pb2_grpc.TokenizerStub(grpc.insecure_channel(tokenizer_address))
@@ -261,8 +308,11 @@ def test_each_limit_flag_is_in_force_at_the_gateway_engine_and_text_services(ser
     refused("max_prompt_chars", tokenizer.Tokenize, tokenizer_pb2.TokenizeRequest(text=long_text))
     messages = [common_pb2.ChatMessage(role="user", content="hi")] * over("max_messages")
     refused("max_messages", gateway.Chat, gateway_pb2.ChatRequest(messages=messages))
-    refused("max_messages", tokenizer.Tokenize,
-            tokenizer_pb2.TokenizeRequest(chat=tokenizer_pb2.ChatInput(messages=messages)))
+    refused(
+        "max_messages",
+        tokenizer.Tokenize,
+        tokenizer_pb2.TokenizeRequest(chat=tokenizer_pb2.ChatInput(messages=messages)),
+    )
     batch = [tokenizer_pb2.TokenizeRequest(text="hi")] * over("max_batch")
     refused("max_batch", tokenizer.TokenizeBatch, tokenizer_pb2.TokenizeBatchRequest(requests=batch))
 
@@ -272,8 +322,9 @@ def test_each_limit_flag_is_in_force_at_the_gateway_engine_and_text_services(ser
     refused("max_batch", detokenizer.Detokenize, iter([detokenizer_pb2.DetokenizeBatch(items=closes)]))
 
     def start(rid: str, **fields) -> detokenizer_pb2.DetokenizeItem:
-        return detokenizer_pb2.DetokenizeItem(request_id=rid, start=detokenizer_pb2.DetokenizeStart(
-            prompt_token_ids=[1, 2], **fields))
+        return detokenizer_pb2.DetokenizeItem(
+            request_id=rid, start=detokenizer_pb2.DetokenizeStart(prompt_token_ids=[1, 2], **fields)
+        )
 
     bad = detokenizer_pb2.DetokenizeBatch(items=[start(long_id), start("s", stop=["s"] * over("max_stop"))])
     opens = [detokenizer_pb2.DetokenizeBatch(items=[start(f"r{i}")]) for i in range(over("max_open_requests"))]

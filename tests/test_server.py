@@ -6,14 +6,21 @@ import asyncio
 
 import grpc
 import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 import services.server
 from conftest import NOT_SERVING, SERVING, InProcessService, undecodable, wait_for_health
 from engine.core import EngineCore
-from llmmesh.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, engine_pb2, engine_pb2_grpc
-from llmmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from llmmesh.v1 import (
+    common_pb2,
+    detokenizer_pb2,
+    detokenizer_pb2_grpc,
+    engine_pb2,
+    engine_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
 from services.client import collect, generate
-from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +81,9 @@ async def idle_detokenize_stream(address: str, idle_s: float):
             except grpc.aio.AioRpcError as e:
                 return e
         step = detokenizer_pb2.DetokenizeStep(token_ids=[6004], finished=True)  # "hi"
-        await call.write(detokenizer_pb2.DetokenizeBatch(items=[detokenizer_pb2.DetokenizeItem(request_id="idle", step=step)]))
+        await call.write(
+            detokenizer_pb2.DetokenizeBatch(items=[detokenizer_pb2.DetokenizeItem(request_id="idle", step=step)])
+        )
         return (await reply).results[0]
 
 
@@ -95,7 +104,9 @@ def test_an_idle_stream_survives_keepalive(monkeypatch, server_policy):
         assert not isinstance(result, Exception), result
         assert (result.text, result.finished) == ("hi", True)
     else:
-        assert isinstance(result, grpc.aio.AioRpcError), f"the stream outlived a server that refuses the pings: {result}"
+        assert isinstance(result, grpc.aio.AioRpcError), (
+            f"the stream outlived a server that refuses the pings: {result}"
+        )
         assert result.code() == grpc.StatusCode.UNAVAILABLE and "too many pings" in result.details().lower()
 
 
@@ -118,10 +129,19 @@ def test_health_follows_the_engine_thread_and_the_gateway_routes_around_it(monke
     engine = InProcessService("engine", ["--kv-cache-memory", "64MiB", "--shutdown-timeout", "5"])
     gateway = None
     try:
-        gateway = InProcessService("gateway", [
-            "--engine", engine.address, "--tokenizer", text_services["tokenizer"].address,
-            "--detokenizer", text_services["detokenizer"].address, "--shutdown-timeout", "5",
-        ])
+        gateway = InProcessService(
+            "gateway",
+            [
+                "--engine",
+                engine.address,
+                "--tokenizer",
+                text_services["tokenizer"].address,
+                "--detokenizer",
+                text_services["detokenizer"].address,
+                "--shutdown-timeout",
+                "5",
+            ],
+        )
         greedy = dict(temperature=0.0, max_tokens=3, ignore_eos=True)
         assert collect(generate(gateway.address, "Hello", **greedy)).choice().finish_reason == "length"
 
@@ -129,13 +149,20 @@ def test_health_follows_the_engine_thread_and_the_gateway_routes_around_it(monke
             stub = engine_pb2_grpc.EngineStub(channel)
             params = common_pb2.SamplingParams(**greedy)
             with pytest.raises(grpc.RpcError) as err:  # the request running when the thread dies
-                list(stub.Generate(engine_pb2.EngineGenerateRequest(request_id="fatal", prompt_token_ids=[1, 2, 3],
-                                                                    sampling_params=params)))
+                list(
+                    stub.Generate(
+                        engine_pb2.EngineGenerateRequest(
+                            request_id="fatal", prompt_token_ids=[1, 2, 3], sampling_params=params
+                        )
+                    )
+                )
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "EngineThreadKilled" in err.value.details()
             for service in ("", "llmmesh.v1.Engine", "vllm.grpc.engine.VllmEngine"):
                 wait_for_health(engine.address, NOT_SERVING, service=service)
             with pytest.raises(grpc.RpcError) as err:  # and every request after it
-                list(stub.Generate(engine_pb2.EngineGenerateRequest(prompt_token_ids=[1, 2, 3], sampling_params=params)))
+                list(
+                    stub.Generate(engine_pb2.EngineGenerateRequest(prompt_token_ids=[1, 2, 3], sampling_params=params))
+                )
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "engine thread died" in err.value.details()
             vllm = vllm_engine_pb2_grpc.VllmEngineStub(channel).HealthCheck(vllm_engine_pb2.HealthCheckRequest())
             assert not vllm.healthy and "EngineThreadKilled" in vllm.message
@@ -158,22 +185,29 @@ def test_health_follows_the_engine_thread_and_the_gateway_routes_around_it(monke
 def test_undecodable_requests_are_invalid_argument_and_the_services_go_on(text_services):
     tokenizer, detokenizer = text_services["tokenizer"].address, text_services["detokenizer"].address
     with grpc.insecure_channel(tokenizer) as channel:
-        tokenize = channel.unary_unary("/llmmesh.v1.Tokenizer/Tokenize", request_serializer=None, response_deserializer=None)
+        tokenize = channel.unary_unary(
+            "/llmmesh.v1.Tokenizer/Tokenize", request_serializer=None, response_deserializer=None
+        )
         with pytest.raises(grpc.RpcError) as err:
             tokenize(undecodable(tokenizer_pb2.TokenizeRequest))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not decode" in err.value.details()
         reply = tokenizer_pb2_grpc.TokenizerStub(channel).Tokenize(tokenizer_pb2.TokenizeRequest(text="hi"))
         assert list(reply.token_ids) == [6004]
     with grpc.insecure_channel(detokenizer) as channel:
-        stream = channel.stream_stream("/llmmesh.v1.Detokenizer/Detokenize", request_serializer=None,
-                                       response_deserializer=None)
+        stream = channel.stream_stream(
+            "/llmmesh.v1.Detokenizer/Detokenize", request_serializer=None, response_deserializer=None
+        )
         with pytest.raises(grpc.RpcError) as err:
             list(stream(iter([undecodable(detokenizer_pb2.DetokenizeBatch)])))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not decode" in err.value.details()
-        good = detokenizer_pb2.DetokenizeBatch(items=[
-            detokenizer_pb2.DetokenizeItem(request_id="r", start=detokenizer_pb2.DetokenizeStart()),
-            detokenizer_pb2.DetokenizeItem(request_id="r", step=detokenizer_pb2.DetokenizeStep(token_ids=[6004], finished=True)),
-        ])
+        good = detokenizer_pb2.DetokenizeBatch(
+            items=[
+                detokenizer_pb2.DetokenizeItem(request_id="r", start=detokenizer_pb2.DetokenizeStart()),
+                detokenizer_pb2.DetokenizeItem(
+                    request_id="r", step=detokenizer_pb2.DetokenizeStep(token_ids=[6004], finished=True)
+                ),
+            ]
+        )
         [reply] = detokenizer_pb2_grpc.DetokenizerStub(channel).Detokenize(iter([good]))
         assert reply.results[1].text == "hi"
     for address in (tokenizer, detokenizer):

@@ -27,8 +27,10 @@ pytestmark = pytest.mark.slow
 # A small KV cache (12 blocks of 16 tokens), so a few long requests at once preempt each other.
 KV = "9MiB"
 PROMPT = "The capital of France is"
-LONG_PROMPT = "In the beginning there was a long shared system prompt that every request of this test starts with, " \
-              "so that the second request finds its blocks in the prefix cache:"
+LONG_PROMPT = (
+    "In the beginning there was a long shared system prompt that every request of this test starts with, "
+    "so that the second request finds its blocks in the prefix cache:"
+)
 WAIT_S = 60.0  # a bound on waiting for spans to arrive (the test waits for them, it asserts no speed)
 
 
@@ -83,8 +85,9 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
 
     def wait(self, condition, timeout=WAIT_S, what=lambda spans: spans):
         with self.changed:
-            assert self.changed.wait_for(lambda: condition(self.spans), timeout), \
+            assert self.changed.wait_for(lambda: condition(self.spans), timeout), (
                 f"the spans never satisfied the condition: {what(self.spans)}"
+            )
 
     def trace(self, trace_id: str) -> list[Span]:
         with self.changed:
@@ -92,8 +95,17 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
 
 
 def root_of(spans, request_id):
-    return next((s for s in spans if s.service == "llmmesh-gateway" and s.attributes.get("gen_ai.response.id") == request_id
-                 or s.attributes.get("gen_ai.request.id") == request_id and s.parent_id == ""), None)
+    return next(
+        (
+            s
+            for s in spans
+            if s.service == "llmmesh-gateway"
+            and s.attributes.get("gen_ai.response.id") == request_id
+            or s.attributes.get("gen_ai.request.id") == request_id
+            and s.parent_id == ""
+        ),
+        None,
+    )
 
 
 # The spans of one request, by (service, name), and what their parents are.
@@ -120,6 +132,7 @@ class Traces:
     def of(self, request_id: str, complete: bool = True) -> tuple[Span, list[Span]]:
         """The root span of the request with this (client) id and its whole trace, once every span of EXPECTED_TREE
         (complete) or at least the root is in."""
+
         def ready(spans):
             root = root_of(spans, request_id)
             if root is None:
@@ -154,8 +167,12 @@ ENV = {
 
 @pytest.fixture(scope="module")
 def mesh(receiver):
-    with Mesh(EngineArgs(kv_cache_memory=KV), kv_store=True, sampler=True,
-              env={**ENV, "LLMMESH_OTLP_TRACES_ENDPOINT": f"127.0.0.1:{receiver.port}"}) as m:
+    with Mesh(
+        EngineArgs(kv_cache_memory=KV),
+        kv_store=True,
+        sampler=True,
+        env={**ENV, "LLMMESH_OTLP_TRACES_ENDPOINT": f"127.0.0.1:{receiver.port}"},
+    ) as m:
         yield m
 
 
@@ -219,6 +236,7 @@ def test_one_streamed_request_is_one_trace_across_every_service(gateway, traces)
         assert s.attributes["llmmesh.step.batch_requests"] >= 1
         for part in ("schedule", "model", "sample", "update"):
             assert s.attributes[f"llmmesh.step.{part}_seconds"] > 0.0, part
+
     # Each links to the step's own span (a trace of its own: a step serves many requests), under which the sampler
     # service sampled that step.
     def sampled_under(link):
@@ -226,8 +244,10 @@ def test_one_streamed_request_is_one_trace_across_every_service(gateway, traces)
 
     links = [link for s in steps for link in s.links]
     assert len(links) == len(steps)
-    traces.receiver.wait(lambda _: all(sampled_under(link) for link in links),
-                         what=lambda _: [link for link in links if not sampled_under(link)])
+    traces.receiver.wait(
+        lambda _: all(sampled_under(link) for link in links),
+        what=lambda _: [link for link in links if not sampled_under(link)],
+    )
     for s, (trace_id, span_id) in zip(steps, links):
         engine_step = next(e for e in traces.receiver.trace(trace_id) if e.span_id == span_id)
         assert engine_step.name == "engine_step" and engine_step.parent_id == ""
@@ -237,8 +257,9 @@ def test_one_streamed_request_is_one_trace_across_every_service(gateway, traces)
 
 def test_a_client_traceparent_joins_the_clients_trace(gateway, traces):
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
-    request = gateway_pb2.GenerateRequest(text=PROMPT, stream=True, request_id="joined",
-                                          sampling_params=sampling_params(temperature=0.0, max_tokens=4))
+    request = gateway_pb2.GenerateRequest(
+        text=PROMPT, stream=True, request_id="joined", sampling_params=sampling_params(temperature=0.0, max_tokens=4)
+    )
     collect(gateway_stub(gateway).Generate(request, metadata=[("traceparent", f"00-{trace_id}-{parent_id}-01")]))
     root, spans = traces.of("joined")
     assert root.trace_id == trace_id and root.parent_id == parent_id
@@ -258,12 +279,15 @@ def test_an_invalid_request_has_an_error_span_with_its_code(gateway, traces):
 def test_a_stop_string_abort_shows(gateway, traces):
     text = collect(generate(gateway, PROMPT, temperature=0.0, max_tokens=16, ignore_eos=True)).text()
     stop = text.split()[2]
-    result = collect(generate(gateway, PROMPT, request_id="stopped", temperature=0.0, max_tokens=16, ignore_eos=True,
-                              stop=[stop]))
+    result = collect(
+        generate(gateway, PROMPT, request_id="stopped", temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop])
+    )
     assert result.choice(0).stop_str == stop
     root, spans = traces.of("stopped", complete=False)
-    assert ("stop_string", {"gen_ai.response.choice.index": 0, "llmmesh.stop_str": stop, "llmmesh.engine_aborted": True}) \
-        in root.events
+    assert (
+        "stop_string",
+        {"gen_ai.response.choice.index": 0, "llmmesh.stop_str": stop, "llmmesh.engine_aborted": True},
+    ) in root.events
     wanted = {("llmmesh-gateway", "stop_string_abort"), ("llmmesh-engine", "llmmesh.v1.Engine/Generate")}
     traces.receiver.wait(lambda _: wanted <= set(by_key(traces.receiver.trace(root.trace_id))))
     assert root.attributes["gen_ai.response.finish_reasons"] == ["stop"]
@@ -279,8 +303,21 @@ def test_a_preempted_request_shows_its_preemption(gateway, traces):
     # grown (2 x 8 blocks): the scheduler preempts one.
     ids = [f"preempt-{i}" for i in range(2)]
     with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda rid: collect(generate(gateway, f"({rid}) {LONG_PROMPT} {LONG_PROMPT}", request_id=rid,
-                                                   temperature=0.0, max_tokens=50, ignore_eos=True)), ids))
+        list(
+            pool.map(
+                lambda rid: collect(
+                    generate(
+                        gateway,
+                        f"({rid}) {LONG_PROMPT} {LONG_PROMPT}",
+                        request_id=rid,
+                        temperature=0.0,
+                        max_tokens=50,
+                        ignore_eos=True,
+                    )
+                ),
+                ids,
+            )
+        )
     preempted = []
     for rid in ids:
         _, spans = traces.of(rid)
@@ -307,15 +344,19 @@ def test_kv_store_loads_and_stores_are_in_the_request_trace(mesh, gateway, trace
         """The kvstore's server spans of this method in the request's trace, and the engine's llm_request span."""
         _, spans = traces.of(request_id)
         request = by_key(spans)[("llmmesh-engine", "llm_request")]
-        return request, [s for s in traces.receiver.trace(request.trace_id)
-                         if s.service == "llmmesh-kvstore" and s.name == f"llmmesh.v1.KVStore/{method}"]
+        return request, [
+            s
+            for s in traces.receiver.trace(request.trace_id)
+            if s.service == "llmmesh-kvstore" and s.name == f"llmmesh.v1.KVStore/{method}"
+        ]
 
     # The first request stored its prompt's blocks: a store event, and the kvstore's Put under its llm_request span.
     traces.receiver.wait(lambda _: kvstore_spans("kv-first", "Put")[1], what=lambda _: "no Put in kv-first's trace")
     request, puts = kvstore_spans("kv-first", "Put")
     assert ("kv_store_started", {"llmmesh.kv_store.tokens": 64}) in request.events
-    assert all(put.parent_id == request.span_id and put.status.code != trace_pb2.Status.STATUS_CODE_ERROR
-               for put in puts)
+    assert all(
+        put.parent_id == request.span_id and put.status.code != trace_pb2.Status.STATUS_CODE_ERROR for put in puts
+    )
     # The second found them in the store (Lookup) and loaded them (Get), all inside its own trace.
     traces.receiver.wait(lambda _: kvstore_spans("kv-second", "Get")[1], what=lambda _: "no Get in kv-second's trace")
     request, gets = kvstore_spans("kv-second", "Get")
@@ -328,7 +369,8 @@ def test_kv_store_loads_and_stores_are_in_the_request_trace(mesh, gateway, trace
     # The engine's KV connector counters, under vLLM's names.
     assert delta(before, after, "vllm:external_prefix_cache_hits_total") >= loaded
     assert delta(before, after, "vllm:external_prefix_cache_queries_total") >= delta(
-        before, after, "vllm:external_prefix_cache_hits_total")
+        before, after, "vllm:external_prefix_cache_hits_total"
+    )
     assert delta(before, after, "vllm:kv_offload_load_bytes_total") > 0
     assert delta(before, after, "vllm:kv_offload_store_bytes_total") > 0
 
@@ -343,8 +385,12 @@ def test_untraced_requests_export_nothing(mesh, gateway, traces):
         collect(generate(gateway, PROMPT, request_id="after", temperature=0.0, max_tokens=4))
         traces.of("after")
         for rid in ("off", "unsampled"):
-            assert not [s for s in traces.receiver.spans if str(s.attributes.get("gen_ai.request.id", "")).startswith(rid)
-                        or s.attributes.get("gen_ai.response.id") == rid]
+            assert not [
+                s
+                for s in traces.receiver.spans
+                if str(s.attributes.get("gen_ai.request.id", "")).startswith(rid)
+                or s.attributes.get("gen_ai.response.id") == rid
+            ]
     finally:
         for process in gateways:
             process.stop()
@@ -379,8 +425,10 @@ def buckets(samples, name):
 def test_metrics_count_a_known_workload(mesh, gateway):
     services = ["engine", "gateway", "tokenizer", "detokenizer", "kvstore"]
     before = {name: scrape(mesh, name) for name in services}
-    results = [collect(generate(gateway, prompt, temperature=0.0, max_tokens=n, ignore_eos=True))
-               for prompt, n in ((LONG_PROMPT, 5), (LONG_PROMPT, 7), (PROMPT, 3))]
+    results = [
+        collect(generate(gateway, prompt, temperature=0.0, max_tokens=n, ignore_eos=True))
+        for prompt, n in ((LONG_PROMPT, 5), (LONG_PROMPT, 7), (PROMPT, 3))
+    ]
     after = {name: scrape(mesh, name) for name in services}
     engine_before, engine = before["engine"], after["engine"]
     prompt_tokens = sum(r.complete.usage.prompt_tokens for r in results)
@@ -390,16 +438,21 @@ def test_metrics_count_a_known_workload(mesh, gateway):
     cached = sum(r.complete.usage.cached_tokens for r in results)
     assert cached > 0  # the second long prompt found the first one's blocks
     assert delta(engine_before, engine, "vllm:prefix_cache_hits_total") >= cached
-    assert delta(engine_before, engine, "vllm:prefix_cache_queries_total") >= delta(engine_before, engine,
-                                                                                     "vllm:prefix_cache_hits_total")
+    assert delta(engine_before, engine, "vllm:prefix_cache_queries_total") >= delta(
+        engine_before, engine, "vllm:prefix_cache_hits_total"
+    )
     assert delta(engine_before, engine, "vllm:time_to_first_token_seconds_count") == 3
     assert delta(engine_before, engine, "vllm:e2e_request_latency_seconds_count") == 3
     assert delta(engine_before, engine, "vllm:inter_token_latency_seconds_count") == (5 - 1) + (7 - 1) + (3 - 1)
     assert delta(engine_before, engine, "vllm:iteration_tokens_total_count") >= 7
     model = dict(next(k for k in engine if k[0] == "vllm:num_requests_running")[1])["model_name"]
     assert model
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:num_preemptions_total"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total",
+    ):
         assert (name, (("model_name", model),)) in engine
     # vLLM's buckets.
     assert buckets(engine, "vllm:time_to_first_token_seconds") == TTFT_BUCKETS
@@ -407,22 +460,44 @@ def test_metrics_count_a_known_workload(mesh, gateway):
     for name in ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time"):
         assert buckets(engine, f"vllm:{name}_seconds") == REQUEST_LATENCY_BUCKETS
     # The gateway counts requests by method and code; every service counts its own RPCs.
-    assert delta(before["gateway"], after["gateway"], "grpc_server_handled_total", grpc_method="Generate",
-                 grpc_code="OK") == 3
-    assert delta(before["tokenizer"], after["tokenizer"], "grpc_server_handled_total", grpc_method="Tokenize",
-                 grpc_code="OK") == 3
+    assert (
+        delta(before["gateway"], after["gateway"], "grpc_server_handled_total", grpc_method="Generate", grpc_code="OK")
+        == 3
+    )
+    assert (
+        delta(
+            before["tokenizer"], after["tokenizer"], "grpc_server_handled_total", grpc_method="Tokenize", grpc_code="OK"
+        )
+        == 3
+    )
     # Each engine call ended by itself once its request finished (the gateway does not cancel it).
-    assert delta(before["engine"], after["engine"], "grpc_server_handled_total", grpc_service="llmmesh.v1.Engine",
-                 grpc_method="Generate", grpc_code="OK") == 3
+    assert (
+        delta(
+            before["engine"],
+            after["engine"],
+            "grpc_server_handled_total",
+            grpc_service="llmmesh.v1.Engine",
+            grpc_method="Generate",
+            grpc_code="OK",
+        )
+        == 3
+    )
     with pytest.raises(grpc.RpcError):
         collect(generate(gateway, PROMPT, temperature=-1.0))
-    assert delta(after["gateway"], scrape(mesh, "gateway"), "grpc_server_handled_total", grpc_method="Generate",
-                 grpc_code="INVALID_ARGUMENT") == 1
+    assert (
+        delta(
+            after["gateway"],
+            scrape(mesh, "gateway"),
+            "grpc_server_handled_total",
+            grpc_method="Generate",
+            grpc_code="INVALID_ARGUMENT",
+        )
+        == 1
+    )
     # The kvstore: its hits, misses, bytes and corrupt blocks.
     kvstore = after["kvstore"]
     for name in ("hits", "misses", "bytes_in", "bytes_out", "corrupt_blocks", "blocks_stored"):
         assert (f"llmmesh:kvstore_{name}_total", ()) in kvstore, name
-
 
 
 def test_the_grafana_dashboard_shows_only_metrics_the_services_export(mesh, gateway):
@@ -434,8 +509,10 @@ def test_the_grafana_dashboard_shows_only_metrics_the_services_export(mesh, gate
         queries.extend(v for k, v in obj.items() if k in ("expr", "query") and isinstance(v, str))
         return obj
 
-    json.loads((Path(__file__).parent.parent / "docs/observability/grafana-dashboard.json").read_text(),
-               object_hook=collect_queries)
+    json.loads(
+        (Path(__file__).parent.parent / "docs/observability/grafana-dashboard.json").read_text(),
+        object_hook=collect_queries,
+    )
     # The metric names: what is left of a query without its label matchers and its by (...) label lists.
     selectors = [re.sub(r"\{[^}]*\}|\b(?:by|without)\s*\([^)]*\)", " ", q) for q in queries]
     used = {name for q in selectors for name in re.findall(r"\b(?:vllm:|llmmesh:|grpc_)[a-zA-Z0-9_:]+", q)}

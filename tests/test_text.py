@@ -97,8 +97,14 @@ def test_stream_split_characters(tok, name, use_decode_stream):
 def test_stream_special_tokens(tok, skip_special, spaces_between, use_decode_stream):
     # Special tokens right after split characters, two and three in a row, and at the end.
     ids = tok.encode("Hi 👋") + [2, 1] + tok.encode("assistant\nok 日本") + [5, 2, 0]
-    deltas, _ = stream(tok, ids, use_decode_stream, prompt="<|im_start|>user\nhey<|im_end|>\n",
-                       skip_special_tokens=skip_special, spaces_between_special_tokens=spaces_between)
+    deltas, _ = stream(
+        tok,
+        ids,
+        use_decode_stream,
+        prompt="<|im_start|>user\nhey<|im_end|>\n",
+        skip_special_tokens=skip_special,
+        spaces_between_special_tokens=spaces_between,
+    )
     expected = tok.decode(ids, skip_special_tokens=skip_special, spaces_between_special_tokens=spaces_between)
     assert "".join(deltas) == expected
     assert not any(REPLACEMENT_CHAR in d for d in deltas)
@@ -141,8 +147,14 @@ def test_spaces_between_special_tokens(smollm2_dir, use_decode_stream):
     assert spaced.decode(ids, skip_special_tokens=False) == "hello <|im_end|> <|im_start|> <|endoftext|>"
     outputs = {}
     for spaces_between in (True, False):
-        deltas, _ = stream(spaced, ids, use_decode_stream, prompt="Say", skip_special_tokens=False,
-                           spaces_between_special_tokens=spaces_between)
+        deltas, _ = stream(
+            spaced,
+            ids,
+            use_decode_stream,
+            prompt="Say",
+            skip_special_tokens=False,
+            spaces_between_special_tokens=spaces_between,
+        )
         outputs[spaces_between] = "".join(deltas)
     # A special token right after another one comes out bare, without the decoder's space.
     assert outputs[True] == " hello <|im_end|> <|im_start|> <|endoftext|>"
@@ -303,9 +315,10 @@ def test_stop_string_inside_a_token(tok, include, use_decode_stream):
     end = ANSWER.index(stop) + len(stop)
     token = token_ending_at_or_after(spans, end)
     assert spans[token][1] > end and spans[token][0] < ANSWER.index(stop)
-    detok = RequestDetokenizer(tok, [1], SamplingParams(stop=[stop], include_stop_str_in_output=include),
-                               use_decode_stream)
-    for i, token_id in enumerate(ids):
+    detok = RequestDetokenizer(
+        tok, [1], SamplingParams(stop=[stop], include_stop_str_in_output=include), use_decode_stream
+    )
+    for i, token_id in enumerate(ids):  # noqa: B007 (i is read after the loop)
         if detok.update([token_id], False):
             break
     assert i == token

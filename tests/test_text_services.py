@@ -151,8 +151,9 @@ def test_tokenize_chat(tokenizer_stub, tok):
     prompt = tok.apply_chat_template(messages)
     assert reply.prompt == prompt and prompt.endswith("<|im_start|>assistant\n")
     assert list(reply.token_ids) == tok.encode(prompt, add_special_tokens=False)
-    no_gen = tokenizer_stub.Tokenize(tokenizer_pb2.TokenizeRequest(
-        chat=tokenizer_pb2.ChatInput(messages=MESSAGES, add_generation_prompt=False)))
+    no_gen = tokenizer_stub.Tokenize(
+        tokenizer_pb2.TokenizeRequest(chat=tokenizer_pb2.ChatInput(messages=MESSAGES, add_generation_prompt=False))
+    )
     assert no_gen.prompt == tok.apply_chat_template(messages, add_generation_prompt=False) != prompt
 
 
@@ -160,11 +161,15 @@ CUSTOM_TEMPLATE = "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfo
 
 
 def test_request_chat_template_only_when_trusted(tokenizer_stub, tok):
-    custom = tokenizer_pb2.TokenizeRequest(chat=tokenizer_pb2.ChatInput(messages=MESSAGES, chat_template=CUSTOM_TEMPLATE))
+    custom = tokenizer_pb2.TokenizeRequest(
+        chat=tokenizer_pb2.ChatInput(messages=MESSAGES, chat_template=CUSTOM_TEMPLATE)
+    )
     details = invalid_argument(tokenizer_stub.Tokenize, custom)
     assert details.startswith("chat.chat_template") and "trust-request-chat-template" in details
-    with InProcessService("tokenizer", ["--trust-request-chat-template"]) as trusting, \
-            grpc.insecure_channel(trusting.address) as channel:
+    with (
+        InProcessService("tokenizer", ["--trust-request-chat-template"]) as trusting,
+        grpc.insecure_channel(trusting.address) as channel,
+    ):
         reply = tokenizer_pb2_grpc.TokenizerStub(channel).Tokenize(custom)
     assert reply.prompt == "[system:Be brief.][user:Name a colour 🎨]"
     assert list(reply.token_ids) == tok.encode(reply.prompt, add_special_tokens=False)
@@ -196,8 +201,14 @@ def test_tokenize_batch(tokenizer_stub, tok):
         list(tokenizer_stub.Tokenize(r).token_ids) for r in requests
     ]
     assert list(reply.responses[0].token_ids) == tok.encode(HARD_TEXTS["cjk"])
-    bad = [requests[0], tokenizer_pb2.TokenizeRequest(chat=tokenizer_pb2.ChatInput(
-        messages=[common_pb2.ChatMessage(role="user", content="hi"), common_pb2.ChatMessage(content="no role")]))]
+    bad = [
+        requests[0],
+        tokenizer_pb2.TokenizeRequest(
+            chat=tokenizer_pb2.ChatInput(
+                messages=[common_pb2.ChatMessage(role="user", content="hi"), common_pb2.ChatMessage(content="no role")]
+            )
+        ),
+    ]
     details = invalid_argument(tokenizer_stub.TokenizeBatch, tokenizer_pb2.TokenizeBatchRequest(requests=bad))
     assert "requests[1].chat.messages[1].role" in details
 
@@ -231,11 +242,15 @@ def test_tokenizer_info(tokenizer_stub, tok, smollm2_dir):
     assert info.has_chat_template
 
 
-@pytest.mark.parametrize("messages,field", [
-    ([], "chat.messages"),
-    ([common_pb2.ChatMessage(role="user", content="hi"), common_pb2.ChatMessage(content="x")], "messages[1].role"),
-    ([common_pb2.ChatMessage(role="wizard", content="x")], "messages[0].role"),
-], ids=["no-messages", "missing-role", "unknown-role"])
+@pytest.mark.parametrize(
+    "messages,field",
+    [
+        ([], "chat.messages"),
+        ([common_pb2.ChatMessage(role="user", content="hi"), common_pb2.ChatMessage(content="x")], "messages[1].role"),
+        ([common_pb2.ChatMessage(role="wizard", content="x")], "messages[0].role"),
+    ],
+    ids=["no-messages", "missing-role", "unknown-role"],
+)
 def test_malformed_chat(tokenizer_stub, tok, messages, field):
     request = tokenizer_pb2.TokenizeRequest(chat=tokenizer_pb2.ChatInput(messages=messages))
     details = invalid_argument(tokenizer_stub.Tokenize, request)
@@ -361,12 +376,12 @@ def test_stream_bad_items(detokenizer_stub, tok):
     other.send(start("a", []))
     results = stream.send(
         start("a", tok.encode(PROMPT)),
-        step("ghost", [5]),                               # step before start
-        start("a", []),                                   # duplicate start: the request is dropped
-        start("", []),                                    # no id
-        start("b", [], stop=[""]),                        # bad option
-        start("c", [-3]),                                 # bad prompt id
-        detokenizer_pb2.DetokenizeItem(request_id="d"),   # no kind
+        step("ghost", [5]),  # step before start
+        start("a", []),  # duplicate start: the request is dropped
+        start("", []),  # no id
+        start("b", [], stop=[""]),  # bad option
+        start("c", [-3]),  # bad prompt id
+        detokenizer_pb2.DetokenizeItem(request_id="d"),  # no kind
     )
     errors = [r.error for r in results]
     assert errors[0] == ""
@@ -413,8 +428,14 @@ def test_the_gateways_stream_splits_a_turn_into_batches_the_detokenizer_takes(to
             stream.open(ids, results)
             start = detokenizer_pb2.DetokenizeStart(prompt_token_ids=tok.encode("Hi"))
             stream.send([detokenizer_pb2.DetokenizeItem(request_id=rid, start=start) for rid in ids])
-            stream.send([detokenizer_pb2.DetokenizeItem(request_id=rid, step=detokenizer_pb2.DetokenizeStep(
-                token_ids=tok.encode(" there"))) for rid in ids])
+            stream.send(
+                [
+                    detokenizer_pb2.DetokenizeItem(
+                        request_id=rid, step=detokenizer_pb2.DetokenizeStep(token_ids=tok.encode(" there"))
+                    )
+                    for rid in ids
+                ]
+            )
             answers = [await asyncio.wait_for(results.get(), 30) for _ in range(10)]
             assert stream.error is None
             stream.cancel()

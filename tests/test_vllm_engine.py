@@ -11,10 +11,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+from test_engine_service import KV_CACHE_MEMORY, llm  # noqa: F401 (llm is a fixture)
 
 from conftest import InProcessService
 from engine import SamplingParams
-from test_engine_service import KV_CACHE_MEMORY, llm  # noqa: F401 (llm is a fixture)
 
 PROMPT = "Write one sentence about the sea:"
 
@@ -46,9 +46,11 @@ def offline(llm, prompt_ids, **params):
 
 def test_health_and_info(engine_address, stub, llm):
     with grpc.insecure_channel(engine_address) as channel:
-        status = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="vllm.grpc.engine.VllmEngine")
-        ).status
+        status = (
+            health_pb2_grpc.HealthStub(channel)
+            .Check(health_pb2.HealthCheckRequest(service="vllm.grpc.engine.VllmEngine"))
+            .status
+        )
     assert status == health_pb2.HealthCheckResponse.SERVING
     assert stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest()).healthy
     info = stub.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest())
@@ -80,7 +82,9 @@ def test_greedy_stream_and_unary_equal_llm(stub, llm):
     assert messages[-1].WhichOneof("response") == "complete" and len(completes) == 1
     assert completes[0].finish_reason == "length" and list(completes[0].output_ids) == expected[-1:]
 
-    [unary] = list(stub.Generate(generate_request(prompt, stream=False, temperature=0.0, max_tokens=16, ignore_eos=True)))
+    [unary] = list(
+        stub.Generate(generate_request(prompt, stream=False, temperature=0.0, max_tokens=16, ignore_eos=True))
+    )
     assert list(unary.complete.output_ids) == expected and unary.complete.completion_tokens == 16
 
 
@@ -110,7 +114,9 @@ def test_stop_string_is_honoured_by_the_engine(stub, llm):
     expected = offline(llm, prompt, temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
     assert expected.finish_reason == "stop" and len(expected.token_ids) < 24
 
-    messages = list(stub.Generate(generate_request(prompt, temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])))
+    messages = list(
+        stub.Generate(generate_request(prompt, temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))
+    )
     tokens = [t for m in messages if m.WhichOneof("response") == "chunk" for t in m.chunk.token_ids]
     complete = messages[-1].complete
     assert tokens == list(expected.token_ids)
@@ -131,10 +137,14 @@ def _settles(stub, within=30.0) -> bool:
 
 def test_abort_and_bad_input(stub, llm):
     prompt = llm.tokenizer.encode(PROMPT)
-    call = stub.Generate(vllm_engine_pb2.GenerateRequest(
-        request_id="vllm-abort", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt),
-        sampling_params=vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True), stream=True,
-    ))
+    call = stub.Generate(
+        vllm_engine_pb2.GenerateRequest(
+            request_id="vllm-abort",
+            tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt),
+            sampling_params=vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True),
+            stream=True,
+        )
+    )
     next(call)
     stub.Abort(vllm_engine_pb2.AbortRequest(request_ids=["vllm-abort"]))
     last = list(call)[-1]

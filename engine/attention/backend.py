@@ -49,4 +49,3 @@ class AttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         raise NotImplementedError
-

@@ -23,5 +23,6 @@ class CpuAttentionBackend(AttentionBackend):
         k_cache, v_cache = kv_cache
         n = metadata.num_actual_tokens
         self._ops.reshape_and_cache(key[:n], value[:n], k_cache, v_cache, metadata.slot_mapping)
-        return self._ops.paged_attention(query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
-                                         metadata.block_table, scale)
+        return self._ops.paged_attention(
+            query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table, scale
+        )

@@ -26,6 +26,7 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache, v_cache = kv_cache
         self._reshape_and_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
         output = torch.empty_like(query)
-        self._unified_attention(output, query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
-                                metadata.block_table, scale)
+        self._unified_attention(
+            output, query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table, scale
+        )
         return output

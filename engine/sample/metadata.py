@@ -85,7 +85,7 @@ class SamplingMetadata:
         for i, request in enumerate(requests):
             try:
                 rows.append(_Row.of(request, vocab_size))
-            except Exception as e:  # this request's settings alone: its batch mates go on
+            except Exception as e:  # noqa: BLE001 (this request's settings alone: its batch mates go on)
                 rows.append(None)
                 failed[i] = RequestFailure.from_exception(request.request_id, "sampling", e)
         params = [_FAILED_ROW if row is None else row.params for row in rows]
@@ -124,11 +124,19 @@ class _Row:
     @classmethod
     def of(cls, request: "Request", vocab_size: int) -> "_Row":
         p = request.sampling_params
-        row = cls(p, sorted(_banned_bad_words(request) | _banned_before_min_tokens(request)),
-                  list((p.logit_bias or {}).items()), p.allowed_token_ids, request.output_token_ids,
-                  request.prompt_token_ids)
-        for name, ids in (("bad_words/stop_token_ids", row.banned), ("logit_bias", [t for t, _ in row.bias]),
-                          ("allowed_token_ids", row.allowed or ())):
+        row = cls(
+            p,
+            sorted(_banned_bad_words(request) | _banned_before_min_tokens(request)),
+            list((p.logit_bias or {}).items()),
+            p.allowed_token_ids,
+            request.output_token_ids,
+            request.prompt_token_ids,
+        )
+        for name, ids in (
+            ("bad_words/stop_token_ids", row.banned),
+            ("logit_bias", [t for t, _ in row.bias]),
+            ("allowed_token_ids", row.allowed or ()),
+        ):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[:3]}")

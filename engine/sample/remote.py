@@ -17,12 +17,12 @@ import threading
 
 import grpc
 import torch
-from llmmesh.v1 import sampler_pb2
 
 from engine.grpc_policy import CHANNEL_OPTIONS
 from engine.request import RequestFailure
 from engine.sample.sampler import BatchSampler, LogprobsTensors, SamplerOutput, SamplerUnavailableError
 from engine.sample.wire import logprobs_tensors_from_proto, new_request_to_proto, serialize_with_tensors
+from llmmesh.v1 import sampler_pb2
 
 logger = logging.getLogger("llmmesh.engine")
 
@@ -39,8 +39,9 @@ class _Stream:
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.replies: queue.SimpleQueue = queue.SimpleQueue()
         # (SampleStep, its logits, its prompt logits): the tensors are written into the message's bytes directly.
-        sample = channel.stream_stream(_SAMPLE_METHOD, request_serializer=_serialize,
-                                       response_deserializer=sampler_pb2.SampleResult.FromString)
+        sample = channel.stream_stream(
+            _SAMPLE_METHOD, request_serializer=_serialize, response_deserializer=sampler_pb2.SampleResult.FromString
+        )
         self.call = sample(iter(self.outbox.get, _END))
         threading.Thread(target=self._read, name="sampler-replies", daemon=True).start()
 
@@ -132,8 +133,9 @@ class RemoteSampler(BatchSampler):
 
     def _prompt_message(self, pieces) -> tuple[sampler_pb2.SampleStep, torch.Tensor | None]:
         self._step_id += 1
-        msg = sampler_pb2.SampleStep(step_id=self._step_id, finished_request_ids=self._finished,
-                                     trace_context=dict(self.trace_headers))
+        msg = sampler_pb2.SampleStep(
+            step_id=self._step_id, finished_request_ids=self._finished, trace_context=dict(self.trace_headers)
+        )
         self._finished = []
         if pieces:
             msg.prompt_num_logprobs.extend(k for _, _, k, _ in pieces)
@@ -163,14 +165,17 @@ class RemoteSampler(BatchSampler):
                 f"the sampler at {self.address} did not answer within {self.timeout:g} s"
             ) from None
         if isinstance(reply, grpc.RpcError):
-            raise SamplerUnavailableError(f"the sampler at {self.address} failed: {reply.code().name}: {reply.details()}")
+            raise SamplerUnavailableError(
+                f"the sampler at {self.address} failed: {reply.code().name}: {reply.details()}"
+            )
         if isinstance(reply, Exception):
             raise SamplerUnavailableError(f"the sampler at {self.address} failed: {reply}")
         got = (reply.step_id, len(reply.sampled_token_ids), len(reply.prompt_logprobs))
         expected = (msg.step_id, len(msg.request_ids), len(msg.prompt_num_targets))
         if got != expected:
-            raise SamplerUnavailableError(f"the sampler at {self.address} answered (step, tokens, prompt chunks) "
-                                          f"{got}; expected {expected}")
+            raise SamplerUnavailableError(
+                f"the sampler at {self.address} answered (step, tokens, prompt chunks) {got}; expected {expected}"
+            )
         return reply
 
 
@@ -206,5 +211,7 @@ def _join_pieces(pieces, results, num_chunks: int) -> list[LogprobsTensors]:
     parts: list[list] = [[] for _ in range(num_chunks)]
     for (index, *_), result in zip(pieces, results):
         parts[index].append(result)
-    return [LogprobsTensors(*(torch.cat(column) for column in zip(*((r.token_ids, r.logprobs, r.ranks) for r in p))))
-            for p in parts]
+    return [
+        LogprobsTensors(*(torch.cat(column) for column in zip(*((r.token_ids, r.logprobs, r.ranks) for r in p))))
+        for p in parts
+    ]

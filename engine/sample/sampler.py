@@ -80,9 +80,14 @@ def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch
         logits.index_put_((md.bias_rows, md.bias_token_ids), md.bias_values, accumulate=True)
     if md.output_token_counts is not None:
         logits = _on_rows(
-            apply_penalties, logits, md.penalty_rows,
-            md.output_token_counts, md.seen_token_mask,
-            md.presence_penalties, md.frequency_penalties, md.repetition_penalties,
+            apply_penalties,
+            logits,
+            md.penalty_rows,
+            md.output_token_counts,
+            md.seen_token_mask,
+            md.presence_penalties,
+            md.frequency_penalties,
+            md.repetition_penalties,
         )
     return logits
 
@@ -134,8 +139,9 @@ class BatchSampler:
     # The engine step's traceparent/tracestate (--collect-detailed-traces), for a sampler that makes calls.
     trace_headers: tuple[tuple[str, str], ...] = ()
 
-    def sample(self, requests: list, logits: torch.Tensor | None,
-               prompt_chunks: list[PromptChunk]) -> tuple[SamplerOutput | None, list[LogprobsTensors]]:
+    def sample(
+        self, requests: list, logits: torch.Tensor | None, prompt_chunks: list[PromptChunk]
+    ) -> tuple[SamplerOutput | None, list[LogprobsTensors]]:
         """Row i of logits samples for requests[i]; also each prompt chunk's logprobs. None without rows."""
         raise NotImplementedError
 

@@ -7,10 +7,10 @@ Everything read from the wire is checked here and a bad value raises ValueError 
 from typing import TYPE_CHECKING
 
 import torch
-from llmmesh.v1 import common_pb2, sampler_pb2
 
 from engine.request import SamplingParams
 from engine.sample.sampler import LogprobsTensors
+from llmmesh.v1 import common_pb2, sampler_pb2
 
 if TYPE_CHECKING:
     from engine.request import Request
@@ -54,13 +54,22 @@ def serialize_with_tensors(msg, tensors: dict[str, torch.Tensor | None]) -> byte
         raw = t.view(-1).view(torch.uint8).numpy()
         header = sampler_pb2.Tensor(dtype=_NAMES[t.dtype], shape=t.shape).SerializeToString()
         data_key = _length_delimited(data_number, raw.nbytes)
-        parts += [_length_delimited(fields[name].number, len(header) + len(data_key) + raw.nbytes), header, data_key,
-                  memoryview(raw)]
+        parts += [
+            _length_delimited(fields[name].number, len(header) + len(data_key) + raw.nbytes),
+            header,
+            data_key,
+            memoryview(raw),
+        ]
     return b"".join(parts)
 
 
-def tensor_from_proto(msg: sampler_pb2.Tensor, field: str, dtypes=tuple(DTYPES), ndim: int | None = None,
-                      device: torch.device | str = "cpu") -> torch.Tensor:
+def tensor_from_proto(
+    msg: sampler_pb2.Tensor,
+    field: str,
+    dtypes=tuple(DTYPES),
+    ndim: int | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """A writable tensor of the message's bytes; ValueError naming field.dtype, field.shape or field.data."""
     if msg.dtype not in dtypes:
         raise ValueError(f"{field}.dtype must be one of {', '.join(dtypes)}, got {msg.dtype!r}")
@@ -82,8 +91,9 @@ def tensor_from_proto(msg: sampler_pb2.Tensor, field: str, dtypes=tuple(DTYPES),
 
 
 def logprobs_tensors_to_proto(lp: LogprobsTensors) -> sampler_pb2.Logprobs:
-    return sampler_pb2.Logprobs(token_ids=tensor_to_proto(lp.token_ids), logprobs=tensor_to_proto(lp.logprobs),
-                                ranks=tensor_to_proto(lp.ranks))
+    return sampler_pb2.Logprobs(
+        token_ids=tensor_to_proto(lp.token_ids), logprobs=tensor_to_proto(lp.logprobs), ranks=tensor_to_proto(lp.ranks)
+    )
 
 
 def logprobs_tensors_from_proto(msg: sampler_pb2.Logprobs, field: str) -> LogprobsTensors:

@@ -70,8 +70,13 @@ class IncrementalDecoder:
 class StreamDecoder(IncrementalDecoder):
     """tokenizers' DecodeStream: the Rust side keeps the window and holds split characters (step returns None)."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens=True,
-                 spaces_between_special_tokens=True):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens=True,
+        spaces_between_special_tokens=True,
+    ):
         super().__init__(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         if tokenizer.backend is None:
             raise ValueError("DecodeStream needs a fast tokenizer (one with a tokenizers backend)")
@@ -90,7 +95,7 @@ class StreamDecoder(IncrementalDecoder):
             text = self.stream.step(self.tokenizer.backend, token_id)
         except (OverflowError, TypeError):
             return ""  # not an unsigned 32-bit id, so no token at all
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (tokenizers' own errors: see below)
             # tokenizers raises "Invalid prefix encountered" when the window's text stops extending what was
             # already returned (a decoder that rewrites earlier text). The returned text stands; start a fresh
             # stream at this token, which only loses this token's context.
@@ -99,7 +104,7 @@ class StreamDecoder(IncrementalDecoder):
             self.num_emitted = len(self.ids)
             try:
                 text = self.stream.step(self.tokenizer.backend, token_id)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 (this token cannot be decoded at all: it is skipped)
                 logger.warning("DecodeStream cannot decode token %d alone either (%s); skipping it", token_id, e)
                 return ""
         self.ids.append(token_id)
@@ -129,8 +134,13 @@ class OffsetDecoder(IncrementalDecoder):
     still incomplete, so nothing is returned and the offsets stay.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens=True,
-                 spaces_between_special_tokens=True):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens=True,
+        spaces_between_special_tokens=True,
+    ):
         super().__init__(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self.tokens: list[str] = []
         self.prefix_offset = self.read_offset = 0
@@ -145,7 +155,7 @@ class OffsetDecoder(IncrementalDecoder):
                 continue
             try:
                 token = self.tokenizer.hf.convert_ids_to_tokens(token_id)
-            except Exception:  # negative or huge ids; slow tokenizers raise their own lookup errors
+            except Exception:  # noqa: BLE001 (negative or huge ids; slow tokenizers raise their own lookup errors)
                 token = None
             if token is not None:  # None: an id past the vocabulary, which decodes to nothing
                 tokens.append(token)
@@ -185,8 +195,13 @@ class RequestDetokenizer:
     """One request's output text: decodes its tokens, cuts the text at a stop string, and hands out what may be
     streamed."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: "SamplingParams",
-                 use_decode_stream: bool | None = None):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        params: "SamplingParams",
+        use_decode_stream: bool | None = None,
+    ):
         self.output_text = ""
         self.stop = list(params.stop) if params.detokenize else []
         self.include_stop_str_in_output = params.include_stop_str_in_output

@@ -52,7 +52,7 @@ class Tokenizer:
         if text is None:
             try:
                 text = self.hf.decode([token_id], skip_special_tokens=False)
-            except Exception:  # a negative or huge id, or a slow tokenizer's own lookup error
+            except Exception:  # noqa: BLE001 (a negative or huge id, or a slow tokenizer's own lookup error)
                 text = ""
             if 0 <= token_id < self.vocab_size:  # cache only real ids, so bad ids cannot grow the cache
                 self._token_texts[token_id] = text

@@ -22,8 +22,12 @@ from engine.attention.backend import AttentionBackend, AttentionMetadata
 def use_cudagraphs(args, device: torch.device, backend: AttentionBackend) -> bool:
     """Graphs need a CUDA device, a backend whose launches depend only on shapes, and sizes to capture;
     --enforce-eager turns them off."""
-    return (device.type == "cuda" and not args.enforce_eager and backend.cudagraph_support
-            and bool(args.get_cudagraph_capture_sizes()))
+    return (
+        device.type == "cuda"
+        and not args.enforce_eager
+        and backend.cudagraph_support
+        and bool(args.get_cudagraph_capture_sizes())
+    )
 
 
 class CpuGpuBuffer:
@@ -46,8 +50,9 @@ class CpuGpuBuffer:
 class InputBuffers:
     """The flat batch (DESIGN §2) in persistent buffers: input ids, positions, slots, and the attention metadata."""
 
-    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, block_size: int,
-                 device: torch.device):
+    def __init__(
+        self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, block_size: int, device: torch.device
+    ):
         self.block_size = block_size
         self.input_ids = CpuGpuBuffer(max_num_tokens, device=device)
         self.positions = CpuGpuBuffer(max_num_tokens, device=device)
@@ -60,8 +65,14 @@ class InputBuffers:
         # Recorded after each step's copies; the next step waits on it before overwriting the host side.
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
-    def prepare(self, requests, num_scheduled: list[int], block_ids: list[list[int]], sampled_rows: list[int],
-                pad_to: int | None = None):
+    def prepare(
+        self,
+        requests,
+        num_scheduled: list[int],
+        block_ids: list[list[int]],
+        sampled_rows: list[int],
+        pad_to: int | None = None,
+    ):
         """Fill the buffers with these requests' scheduled tokens, in order, and start the copies to the device.
 
         With pad_to (a decode-only batch for a CUDA graph), rows len(requests)..pad_to are padding: one

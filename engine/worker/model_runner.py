@@ -20,8 +20,17 @@ from engine.worker.cuda_graphs import CUDAGraphs, InputBuffers
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches, block_size: int, device: torch.device, max_num_tokens: int, max_num_reqs: int,
-                 max_model_len: int, sampler: BatchSampler | None = None):
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        block_size: int,
+        device: torch.device,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        max_model_len: int,
+        sampler: BatchSampler | None = None,
+    ):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -52,7 +61,9 @@ class ModelRunner:
         num_scheduled = [so.num_scheduled_tokens[r.request_id] for r in requests]
         rows = [i for i, (r, n) in enumerate(zip(requests, num_scheduled)) if r.num_computed_tokens + n >= r.num_tokens]
         size = self.cudagraphs.padded_size(num_scheduled) if self.cudagraphs is not None else None
-        inputs = self.buffers.prepare(requests, num_scheduled, [so.block_ids[r.request_id] for r in requests], rows, size)
+        inputs = self.buffers.prepare(
+            requests, num_scheduled, [so.block_ids[r.request_id] for r in requests], rows, size
+        )
         return requests, order, rows, size, *inputs
 
     @torch.inference_mode()
