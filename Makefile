@@ -14,7 +14,7 @@ NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 # The C++ CPU kernels (kernels/cpu/), built for this machine; the engine loads them at run time.
 CPU_KERNEL := build/kernels/llmmesh_cpu_ops.so
 
-.PHONY: setup protos redis-server prometheus test run serve bench clean trace-viewer
+.PHONY: setup protos redis-server prometheus test run serve bench clean trace-viewer docs
 
 setup: $(STAMP) $(PROTO_STAMP) $(CPU_KERNEL) $(NODE_STAMP) redis-server prometheus
 
@@ -85,6 +85,18 @@ TRACE_VIEWER := build/trace-viewer
 trace-viewer:
 	test -x $(TRACE_VIEWER)/bin/phoenix || ($(PYTHON) -m venv $(TRACE_VIEWER) && $(TRACE_VIEWER)/bin/pip install arize-phoenix)
 	$(TRACE_VIEWER)/bin/phoenix serve
+
+# The generated docs: docs/flags.md from the parsers (tests/test_docs.py fails when it is stale), the architecture
+# picture from its Graphviz source (Debian's graphviz), and the benchmark figures from docs/benchmarks.md's tables
+# (matplotlib, from PyPI, in a venv of its own).
+DOCS_VENV := build/docs
+docs: $(PROTO_STAMP)
+	$(BIN)/python -m services.flags_doc
+	@command -v dot >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || (DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends graphviz)
+	dot -Tsvg docs/architecture.dot -o docs/architecture.svg
+	test -x $(DOCS_VENV)/bin/python || ($(PYTHON) -m venv $(DOCS_VENV) && $(DOCS_VENV)/bin/pip install matplotlib)
+	$(DOCS_VENV)/bin/python benchmarks/plots.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache build $(NODE_DIR)/node_modules
