@@ -25,7 +25,7 @@ def table(text: str, header: str) -> list[dict[str, str]]:
         raise SystemExit(f"docs/benchmarks.md has no table whose header starts with {header!r}")
     names = [c.strip() for c in lines[start].strip("|").split("|")]
     rows = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         rows.append(dict(zip(names, (c.strip() for c in line.strip("|").split("|")))))
@@ -65,8 +65,9 @@ def offline_throughput(text: str) -> None:
     save(fig, "offline-throughput.png")
 
 
-def line_chart(name: str, title: str, x: list[float], xlabel: str, series: dict[str, list[float]], ylabel: str,
-               log: bool = False) -> None:
+def line_chart(
+    name: str, title: str, x: list[float], xlabel: str, series: dict[str, list[float]], ylabel: str, log: bool = False
+) -> None:
     """One line per series over x (log scales for quantities that span decades)."""
     fig, ax = plt.subplots(figsize=(5.6, 3.4))
     for label, ys in series.items():
@@ -84,23 +85,40 @@ def line_chart(name: str, title: str, x: list[float], xlabel: str, series: dict[
 
 def sampler_service_throughput(text: str) -> None:
     rows = sorted(table(text, "| streams | in-process tok/s (rounds) |"), key=lambda r: first(r["streams"]))
-    line_chart("throughput-vs-batch.png", "Throughput against batch size", [first(r["streams"]) for r in rows],
-               "concurrent requests (batch size)",
-               {label: [statistics.median(numbers(r[column])) for r in rows] for column, label in (
-                   ("in-process tok/s (rounds)", "sampling in the engine"),
-                   ("sampler service tok/s (rounds)", "sampler service (TCP loopback)"))},
-               "output tokens/s (median of rounds)")
+    line_chart(
+        "throughput-vs-batch.png",
+        "Throughput against batch size",
+        [first(r["streams"]) for r in rows],
+        "concurrent requests (batch size)",
+        {
+            label: [statistics.median(numbers(r[column])) for r in rows]
+            for column, label in (
+                ("in-process tok/s (rounds)", "sampling in the engine"),
+                ("sampler service tok/s (rounds)", "sampler service (TCP loopback)"),
+            )
+        },
+        "output tokens/s (median of rounds)",
+    )
 
 
 def sampler_hop(text: str) -> None:
     rows = table(text, "| batch | bytes per step | in-process sample (ms) |")
-    line_chart("sampler-hop.png", "Sampling per step: in process against the service",
-               [first(r["batch"]) for r in rows], "requests in the step",
-               {label: [first(r[column]) for r in rows] for column, label in (
-                   ("decode step (ms)", "the whole decode step"),
-                   ("over TCP loopback (ms)", "sampling on the sampler service"),
-                   ("in-process sample (ms)", "sampling in the engine"))},
-               "ms per step", log=True)
+    line_chart(
+        "sampler-hop.png",
+        "Sampling per step: in process against the service",
+        [first(r["batch"]) for r in rows],
+        "requests in the step",
+        {
+            label: [first(r[column]) for r in rows]
+            for column, label in (
+                ("decode step (ms)", "the whole decode step"),
+                ("over TCP loopback (ms)", "sampling on the sampler service"),
+                ("in-process sample (ms)", "sampling in the engine"),
+            )
+        },
+        "ms per step",
+        log=True,
+    )
 
 
 def kv_store_ttft(text: str) -> None:
@@ -109,11 +127,20 @@ def kv_store_ttft(text: str) -> None:
     for dtype, style in (("float32", "-"), ("bfloat16", "--")):
         mine = [r for r in rows if r["dtype"] == dtype]
         tokens = [first(r["prefix tokens"]) for r in mine]
-        for column, label, color in (("cold (s)", "recompute", "#d62728"), ("reload (s)", "reload from the store",
-                                     "#1f77b4"), ("local hit (s)", "local prefix-cache hit", "#2ca02c")):
+        for column, label, color in (
+            ("cold (s)", "recompute", "#d62728"),
+            ("reload (s)", "reload from the store", "#1f77b4"),
+            ("local hit (s)", "local prefix-cache hit", "#2ca02c"),
+        ):
             # The longest prompt lists both rounds; the quieter (smaller) one is drawn.
-            ax.plot(tokens, [min(numbers(r[column])) for r in mine], style, marker="o", color=color,
-                    label=f"{label} ({dtype})")
+            ax.plot(
+                tokens,
+                [min(numbers(r[column])) for r in mine],
+                style,
+                marker="o",
+                color=color,
+                label=f"{label} ({dtype})",
+            )
     ax.set_xscale("log", base=2)
     ax.set_xticks(tokens, [f"{t:,.0f}" for t in tokens])
     ax.set_yscale("log")
@@ -126,11 +153,17 @@ def kv_store_ttft(text: str) -> None:
 
 def multi_turn(text: str) -> None:
     rows = table(text, "| turn | median TTFT with the store (s) |")
-    line_chart("multi-turn-ttft.png", "Multi-turn through the mesh (evicting working set)",
-               [first(r["turn"]) for r in rows], "conversation turn",
-               {"with the KV store": [first(r["median TTFT with the store (s)"]) for r in rows],
-                "without": [first(r["without (s)"]) for r in rows]},
-               "median time to first token (s)")
+    line_chart(
+        "multi-turn-ttft.png",
+        "Multi-turn through the mesh (evicting working set)",
+        [first(r["turn"]) for r in rows],
+        "conversation turn",
+        {
+            "with the KV store": [first(r["median TTFT with the store (s)"]) for r in rows],
+            "without": [first(r["without (s)"]) for r in rows],
+        },
+        "median time to first token (s)",
+    )
 
 
 def main() -> None:

@@ -88,8 +88,11 @@ def render() -> str:
     """The whole of docs/flags.md, from the parsers as they are with no LLMMESH_* variable set."""
     from services.cli import build_parser
 
-    saved = {k: os.environ.pop(k) for k in list(os.environ)
-             if k.startswith(config.ENV_PREFIX) or k == "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"}
+    saved = {
+        k: os.environ.pop(k)
+        for k in list(os.environ)
+        if k.startswith(config.ENV_PREFIX) or k == "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+    }
     try:
         parser = build_parser()
     finally:

@@ -19,9 +19,9 @@ import pytest
 import yaml
 from google.protobuf import descriptor_pool, json_format, message_factory
 from grpc_health.v1 import health_pb2  # noqa: F401 (its descriptors, for the health example)
-from llmmesh.v1 import gateway_pb2  # noqa: F401 (its descriptors, for the gateway examples)
 
 from engine.config import EngineArgs
+from llmmesh.v1 import gateway_pb2  # noqa: F401 (its descriptors, for the gateway examples)
 from services import client, config, flags_doc
 from services.cli import build_parser, main
 from services.supervisor import Mesh
@@ -39,8 +39,11 @@ def subcommands():
 
 def fenced(text: str, language: str | None = None) -> list[str]:
     """The bodies of the ``` blocks (of one language, if given)."""
-    return [body for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
-            if language is None or lang == language]
+    return [
+        body
+        for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+        if language is None or lang == language
+    ]
 
 
 def prose(text: str) -> str:
@@ -53,8 +56,10 @@ def prose(text: str) -> str:
 
 def test_flags_doc_is_current():
     if (ROOT / "docs" / "flags.md").read_text() != flags_doc.render():
-        pytest.fail(f"docs/flags.md is out of date with the parsers: run `.venv/bin/{flags_doc.COMMAND}` (or `make "
-                    "docs`) and commit the result")
+        pytest.fail(
+            f"docs/flags.md is out of date with the parsers: run `.venv/bin/{flags_doc.COMMAND}` (or `make "
+            "docs`) and commit the result"
+        )
 
 
 def test_help_shows_each_default_and_variable():
@@ -246,8 +251,11 @@ def emulate_grpcurl(argv: list[str]) -> tuple[int, str]:
     request = json_format.Parse(body, request_class())
     with grpc.insecure_channel(address) as channel:
         kind = channel.unary_stream if descriptor.server_streaming else channel.unary_unary
-        call = kind(f"/{method}", request_serializer=request_class.SerializeToString,
-                    response_deserializer=response_class.FromString)
+        call = kind(
+            f"/{method}",
+            request_serializer=request_class.SerializeToString,
+            response_deserializer=response_class.FromString,
+        )
         try:
             replies = call(request, timeout=timeout, metadata=metadata or None)
             replies = list(replies) if descriptor.server_streaming else [replies]
@@ -293,8 +301,15 @@ def test_readme_and_api_examples_against_a_mesh(mesh, tmp_path):
             variable, value = argv[1].split("=", 1)
             env[variable] = str(tmp_path / value)
     assert (tmp_path / "gen" / "llmmesh" / "v1" / "gateway_pb2_grpc.py").is_file()
-    printed = subprocess.run([sys.executable, "example.py", mesh.address], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=120, check=False)
+    printed = subprocess.run(
+        [sys.executable, "example.py", mesh.address],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     expected = fenced(api.split("with the default model it prints:", 1)[1], "text")[0]
     assert printed.returncode == 0 and printed.stdout == expected, (printed.stdout, printed.stderr)
 
