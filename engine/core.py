@@ -70,13 +70,10 @@ class EngineCore:
         self.last_step: StepStats | None = None
         self.connector = None
         kv_transfer_config = args.get_kv_transfer_config()
-        if kv_transfer_config is not None:
-            layout = self.worker.kv_layout()
+        if kv_transfer_config is not None:  # the scheduler's half (the worker made its own with its KV cache)
+            layout = self.worker.kv_layout
             self.connector = create_connector(
-                kv_transfer_config, KVConnectorRole.SCHEDULER, layout=layout, kv_cache_manager=self.kv_cache_manager
-            )
-            self.worker.connector = create_connector(
-                kv_transfer_config, KVConnectorRole.WORKER, layout=layout, kv_caches=self.worker.kv_caches
+                kv_transfer_config, KVConnectorRole.SCHEDULER, layout, kv_cache_manager=self.kv_cache_manager
             )
             logger.info("KV connector %s (%s), model fingerprint %s", kv_transfer_config.kv_connector,
                         kv_transfer_config.kv_role, layout.fingerprint[:16])  # fmt: skip
@@ -159,10 +156,8 @@ class EngineCore:
         self.worker.set_step_trace_headers(trace_headers)
 
     def _record_prefill(self, so, seconds: float) -> None:
-        """Prefill speed for the connector's load-or-recompute estimate, from steps that are mostly prefill."""
-        prefill = sum(n for n in so.num_scheduled_tokens.values() if n > 1)
-        if prefill >= self.args.block_size and prefill * 2 >= so.total_num_scheduled_tokens:
-            self.connector.record_prefill(so.total_num_scheduled_tokens, seconds)
+        """The step's model time, for the connector's own estimates (such as load or recompute)."""
+        self.connector.record_step_time(so, seconds)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to step, or KV transfers whose end the engine must still see (blocks they hold)."""
@@ -186,9 +181,8 @@ class EngineCore:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        for connector in (self.connector, self.worker.connector):
-            if connector is not None:
-                connector.shutdown()
+        if self.connector is not None:
+            self.connector.shutdown()
         self.worker.shutdown()
 
     def take_kv_events(self):

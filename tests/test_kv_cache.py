@@ -65,8 +65,6 @@ def test_33_token_cached_prompt_hits_32_tokens():
     # A 32-token prompt may only hit one block: its last token must be computed.
     third = make_request("c", range(32))
     assert manager.get_computed_blocks(third)[1] == 16
-    stats = manager.prefix_cache_stats
-    assert (stats.queries, stats.hits) == (33 + 33 + 32, 32 + 16)
 
 
 def test_cache_salt_isolates_prefixes():

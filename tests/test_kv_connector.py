@@ -1,7 +1,10 @@
 """The engine's KV connector against a real kvstore and a real redis-server: greedy output identical to Hugging
-Face with blocks loaded from the store instead of computed, counters that show the reuse, fingerprint isolation,
-corruption, faults (Redis or the kvstore killed, eviction under maxmemory), abort and preemption during
-transfers, and KV events."""
+Face with blocks loaded from the store instead of computed, counters that show the reuse (each request counted once),
+fingerprint isolation, corruption, faults (Redis or the kvstore killed or frozen, eviction under maxmemory), a slow
+lookup that does not stall the step, abort and preemption during transfers, and KV events."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import redis
@@ -40,6 +43,36 @@ def connector_stats(engine: EngineCore) -> dict:
     return engine.get_stats().kv_connector_stats
 
 
+@dataclass
+class Store:
+    """A connector's --kv-transfer-config, and the stored bytes of a block (by hash) read and written in place."""
+
+    config: str
+    read: Callable[[bytes], bytes | None]
+    write: Callable[[bytes, bytes], None]
+
+    def engine(self, **args) -> EngineCore:
+        args.setdefault("kv_cache_memory", "64MiB")
+        return EngineCore(EngineArgs(kv_transfer_config=self.config, **args))
+
+
+@pytest.fixture(params=["KVStoreConnector"])
+def store(request) -> Store:
+    """Each connector over a store of its own: the kvstore on a fresh Redis."""
+    address = request.getfixturevalue("kvstore").address
+    client = redis.Redis.from_url(request.getfixturevalue("redis_server").url)
+
+    def key(block_hash):
+        keys = client.keys(f"kv:*:{block_hash.hex()}")
+        return keys[0] if keys else None
+
+    return Store(
+        kv_transfer_config(address, load_policy="always"),
+        lambda h: client.get(key(h)) if key(h) else None,
+        lambda h, data: client.set(key(h), data),
+    )
+
+
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
     texts = [
@@ -66,8 +99,8 @@ def kvstore(redis_server):
         yield service
 
 
-def test_reload_after_reset_and_on_a_second_engine_matches_hf(kvstore, prompts, references):
-    first = make_engine(kvstore.address)
+def test_reload_after_reset_and_on_a_second_engine_matches_hf(store, prompts, references):
+    first = store.engine()
     assert_all_match(run_greedy(first, prompts, MAX_TOKENS), references, "cold")
     settle(first)
     stats = connector_stats(first)
@@ -91,7 +124,7 @@ def test_reload_after_reset_and_on_a_second_engine_matches_hf(kvstore, prompts, 
     assert_no_leaks(first)
 
     # A second engine (its own pool, same store) loads what the first computed.
-    second = make_engine(kvstore.address)
+    second = store.engine()
     assert_all_match(run_greedy(second, prompts, MAX_TOKENS), references, "second engine")
     assert connector_stats(second)["loaded_tokens"] == expected
     assert connector_stats(second)["stored_blocks"] == 0  # all there already
@@ -101,14 +134,14 @@ def test_reload_after_reset_and_on_a_second_engine_matches_hf(kvstore, prompts, 
     second.shutdown()
 
 
-def test_small_pool_and_chunked_prefill_match_hf(kvstore, prompts, references):
+def test_small_pool_and_chunked_prefill_match_hf(store, prompts, references):
     """A pool far smaller than the prompts together (evictions), prompts prefilled in 48-token chunks."""
-    producer = make_engine(kvstore.address, max_num_batched_tokens=48)
+    producer = store.engine(max_num_batched_tokens=48)
     assert_all_match(run_greedy(producer, prompts, MAX_TOKENS), references, "chunked cold")
     settle(producer)
     assert connector_stats(producer)["stored_blocks"] == sum(len(p) // 16 for p in prompts)
     # 12 blocks of 16 tokens: one prompt at a time fits, the three together do not.
-    consumer = make_engine(kvstore.address, kv_cache_memory=pool(12), max_num_batched_tokens=48)
+    consumer = store.engine(kv_cache_memory=pool(12), max_num_batched_tokens=48)
     assert consumer.num_blocks == 12
     assert_all_match(run_greedy(consumer, prompts, MAX_TOKENS), references, "small pool")
     assert connector_stats(consumer)["loaded_tokens"] > 0
@@ -118,43 +151,41 @@ def test_small_pool_and_chunked_prefill_match_hf(kvstore, prompts, references):
     consumer.shutdown()
 
 
-def test_fingerprint_isolation(kvstore, prompts):
-    """Same Redis, same prompts: an engine with another dtype or block size finds nothing to load."""
-    producer = make_engine(kvstore.address)
+def test_fingerprint_isolation(store, prompts):
+    """Same store, same prompts: an engine with another dtype or block size finds nothing to load."""
+    producer = store.engine()
     run_greedy(producer, prompts[:1], 2)
     settle(producer)
     for args in ({"dtype": "bfloat16"}, {"block_size": 32}):
-        other = make_engine(kvstore.address, **args)
+        other = store.engine(**args)
         run_greedy(other, prompts[:1], 2)
         stats = connector_stats(other)
         assert stats["lookup_hit_tokens"] == 0 and stats["loaded_tokens"] == 0, args
         other.shutdown()
     # The producer's own twin does find them.
-    twin = make_engine(kvstore.address)
+    twin = store.engine()
     run_greedy(twin, prompts[:1], 2)
     assert connector_stats(twin)["loaded_tokens"] > 0
     producer.shutdown()
     twin.shutdown()
 
 
-def test_corrupt_block_is_dropped_and_recomputed(kvstore, redis_server, prompts, references):
-    engine = make_engine(kvstore.address)
+def test_corrupt_block_is_dropped_and_recomputed(store, prompts, references):
+    engine = store.engine()
     run_greedy(engine, prompts[:1], MAX_TOKENS)
     settle(engine)
     engine.reset_prefix_cache()
-    # Flip one byte in the payload of the prompt's third block, directly in Redis.
+    # Flip one byte in the payload of the prompt's third block, where the store keeps it.
     block_hash = engine_request_hashes(engine, prompts[0])[2]
-    client = redis.Redis.from_url(redis_server.url)
-    (key,) = client.keys(f"kv:*:{block_hash.hex()}")
-    value = bytearray(client.get(key))
+    value = bytearray(store.read(block_hash))
     value[-100] ^= 0xFF
-    client.set(key, bytes(value))
+    store.write(block_hash, bytes(value))
 
     assert_all_match(run_greedy(engine, prompts[:1], MAX_TOKENS), references[:1], "after corruption")
     stats = connector_stats(engine)
     assert stats["loaded_tokens"] == 2 * 16  # the two blocks before the corrupt one
     assert stats["load_failed_tokens"] > 0  # the rest was recomputed
-    assert client.get(key) is None or client.get(key) != bytes(value)  # dropped (the recompute may store it again)
+    assert store.read(block_hash) != bytes(value)  # dropped (the recompute may store it again)
     settle(engine)
     assert_no_leaks(engine)
     engine.shutdown()
@@ -263,6 +294,14 @@ def test_eviction_under_maxmemory(prompts, references):
         engine.shutdown()
 
 
+def start_running(engine: EngineCore, prompt) -> None:
+    """Add a request "running" that decodes for 50 steps, and step until it does."""
+    running = Request("running", prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.add_request(running)
+    while running.status != RequestStatus.RUNNING:
+        engine.step()
+
+
 def test_abort_during_load_and_preemption_during_stores(kvstore, prompts, references, tokenizer):
     long_prompt = tokenizer.encode("Paged attention splits the KV cache into fixed-size blocks. " * 120)
     engine = make_engine(kvstore.address, kv_cache_memory="128MiB")
@@ -270,21 +309,30 @@ def test_abort_during_load_and_preemption_during_stores(kvstore, prompts, refere
     settle(engine)
     engine.reset_prefix_cache()
 
-    # A load does not hold up the batch: in the step that starts it, a running request still gets its token.
-    engine.add_request(Request("running", prompts[2], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)))
-    engine.step()
-    engine.add_request(Request("loads", long_prompt, SamplingParams(temperature=0, max_tokens=4)))
-    outputs = engine.step()
-    assert [o.request_id for o in outputs if o.new_token_ids] == ["running"]
-    assert engine.connector.load_jobs or connector_stats(engine)["loaded_tokens"] > 0  # in flight, or already in
+    # A lookup and a load do not hold up the batch: in the steps that wait for them, a running request still gets
+    # its token.
+    start_running(engine, prompts[2])
+    loads = Request("loads", long_prompt, SamplingParams(temperature=0, max_tokens=4))
+    engine.add_request(loads)
+    while loads.status == RequestStatus.WAITING and loads.num_computed_tokens == 0:
+        outputs = engine.step()
+        assert [o.request_id for o in outputs if o.new_token_ids] == ["running"]
     settle(engine)
     assert connector_stats(engine)["loaded_tokens"] == (len(long_prompt) - 1) // 16 * 16
     engine.reset_prefix_cache()
 
-    # Abort while the load is in flight: alone, the request parks in WAITING_FOR_REMOTE_KVS after its first step.
-    engine.add_request(Request("a", long_prompt, SamplingParams(temperature=0, max_tokens=4)))
+    # Abort while its lookup is out: the request ends at once, and its answer is dropped.
+    engine.add_request(Request("w", long_prompt, SamplingParams(temperature=0, max_tokens=4)))
     engine.step()
-    request = engine.scheduler.requests["a"]
+    assert engine.scheduler.requests["w"].status == RequestStatus.WAITING and engine.connector.lookups
+    engine.abort_requests(["w"])
+    assert not engine.has_request("w") and not engine.connector.lookups
+
+    # Abort while the load is in flight: alone, the request parks in WAITING_FOR_REMOTE_KVS once its lookup is in.
+    request = Request("a", long_prompt, SamplingParams(temperature=0, max_tokens=4))
+    engine.add_request(request)
+    while request.status == RequestStatus.WAITING:
+        engine.step()
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     engine.abort_requests(["a"])
     assert engine.has_request("a")  # its blocks are still being written: the id stays taken until the load ends
@@ -336,16 +384,19 @@ def test_kv_events_name_the_store(kvstore, prompts):
 
     wire = kv_events_to_vllm(1, 0.0, stored + loaded)
     tiers = {(e.stored.tier, e.stored.medium) for e in wire.events}
-    assert tiers == {(smg_common_pb2.KV_CACHE_TIER_DEVICE, "device"), (smg_common_pb2.KV_CACHE_TIER_EXTERNAL, "kvstore"),
-                     (smg_common_pb2.KV_CACHE_TIER_DEVICE, "device;loaded_from=kvstore")}
+    assert tiers == {
+        (smg_common_pb2.KV_CACHE_TIER_DEVICE, "device"),
+        (smg_common_pb2.KV_CACHE_TIER_EXTERNAL, "kvstore"),
+        (smg_common_pb2.KV_CACHE_TIER_DEVICE, "device;loaded_from=kvstore"),
+    }
 
 
 def test_two_engines_behind_one_gateway_share_the_store(prompts):
     """`llmmesh serve`'s processes with two engine replicas and the store: whichever engine the gateway picks
     computes the prompt; the other then finds its whole prefix in the store (cached tokens it never computed)."""
     import grpc
-    from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
+    from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
     from services import client
     from services.supervisor import Mesh
 
@@ -423,11 +474,11 @@ def test_load_or_recompute_follows_the_estimate(kvstore, prompts):
     engine.shutdown()
 
 
-def test_request_metrics_carry_the_kv_transfers(kvstore, prompts):
+def test_request_metrics_carry_the_kv_transfers(store, prompts):
     """What a trace shows of the store: a request's stores, and its load (asked and arrived), with token counts."""
     from engine import LLM
 
-    llm = LLM(kv_cache_memory="64MiB", kv_transfer_config=kv_transfer_config(kvstore.address, load_policy="always"))
+    llm = LLM(kv_cache_memory="64MiB", kv_transfer_config=store.config)
     params = SamplingParams(temperature=0, max_tokens=2)
     first = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0]
     full = len(prompts[0]) // 16 * 16
@@ -439,3 +490,79 @@ def test_request_metrics_carry_the_kv_transfers(kvstore, prompts):
     names = [(name, n) for _, name, n in again.metrics.kv_transfers]
     assert names[:2] == [("kv_load_started", loaded), ("kv_loaded", loaded)]
     llm.engine.shutdown()
+
+
+def test_request_retried_for_many_steps_is_looked_up_and_counted_once(store, prompts, references):
+    """A request whose load the pool cannot take yet is tried on every step until it can: the store is asked once,
+    and its lookup and its prefix-cache query are each counted once."""
+    engine = store.engine(kv_cache_memory=pool(8))
+    run_greedy(engine, prompts[:1], 1)
+    settle(engine)
+    assert engine.reset_prefix_cache()
+    before_stats, before = connector_stats(engine), engine.get_stats()
+    # 6 of the 8 blocks, 7 as it decodes; prompt 0's load needs 4 more blocks than that leaves.
+    engine.add_request(Request("hog", prompts[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)))
+    while engine.scheduler.requests["hog"].status != RequestStatus.RUNNING:
+        engine.step()
+    retried = Request("retried", prompts[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    engine.add_request(retried)
+    tokens, tries = [], 0
+    while engine.has_unfinished_requests():
+        tries += retried.status == RequestStatus.WAITING
+        tokens += [t for out in engine.step() if out.request_id == "retried" for t in out.new_token_ids]
+    assert tries >= 5
+    assert_all_match([tokens], references[:1], "retried")
+    stats, after = connector_stats(engine), engine.get_stats()
+    counted = {key: stats[key] - before_stats[key] for key in ("lookups", "lookup_tokens", "loaded_tokens")}
+    lookup_tokens = ((len(prompts[1]) - 1) // 16 + (len(prompts[0]) - 1) // 16) * 16
+    assert counted == {"lookups": 2, "lookup_tokens": lookup_tokens, "loaded_tokens": (len(prompts[0]) - 1) // 16 * 16}
+    assert after.prefix_cache_queries - before.prefix_cache_queries == len(prompts[1]) + len(prompts[0])
+    assert_no_leaks(engine)
+    engine.shutdown()
+
+
+def test_slow_lookup_does_not_stall_the_step(redis_server, prompts, tokenizer):
+    """A kvstore that stops answering (SIGSTOP) while a request's Lookup is out: steps go on for the running request
+    and for a request admitted behind the one waiting on its answer; once the store answers, the request loads."""
+    import signal
+
+    kvstore = ServiceProcess("kvstore", ["--port", "0", "--redis-url", redis_server.url])
+    address = kvstore.wait_listening(120)
+    try:
+        # A deadline far longer than the test: had a step waited for the answer, the load would still happen, but
+        # only after that step had sat out the whole freeze.
+        engine = make_engine(address, {"lookup_timeout_s": 60})
+        run_greedy(engine, prompts[:1], 1)
+        settle(engine)
+        engine.reset_prefix_cache()
+        start_running(engine, prompts[2])
+        settle_stores(engine)
+        lookups = connector_stats(engine)["lookups"]
+        kvstore.popen.send_signal(signal.SIGSTOP)
+        loads = Request("loads", prompts[0], SamplingParams(temperature=0, max_tokens=2))
+        engine.add_request(loads)
+        short = Request("short", tokenizer.encode("Hello there"), SamplingParams(temperature=0, max_tokens=8))
+        engine.add_request(short)
+        emitted = []
+        for _ in range(4):
+            emitted += [o.request_id for o in engine.step() if o.new_token_ids]
+        assert emitted.count("running") == 4 and emitted.count("short") == 4
+        assert loads.status == RequestStatus.WAITING
+        assert connector_stats(engine)["lookups"] == lookups  # its answer is not in
+        kvstore.popen.send_signal(signal.SIGCONT)
+        while engine.has_request("loads"):
+            engine.step()
+        stats = connector_stats(engine)
+        assert stats["lookups"] == lookups + 1 and stats["loaded_tokens"] == (len(prompts[0]) - 1) // 16 * 16
+        settle(engine)
+        assert_no_leaks(engine)
+        engine.shutdown()
+    finally:
+        kvstore.popen.send_signal(signal.SIGCONT)
+        kvstore.kill()
+
+
+def settle_stores(engine: EngineCore) -> None:
+    """Step until the stores in flight have ended (each holds its blocks until then)."""
+    while engine.connector.store_holds:
+        engine.step()

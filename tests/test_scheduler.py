@@ -191,3 +191,21 @@ def test_random_workload_keeps_accounting_and_leaks_nothing():
     assert not s.kv_cache_manager.req_to_blocks
     assert s.kv_cache_manager.get_num_free_blocks() == 40
     assert s.kv_cache_manager.prefix_cache_stats.hits > 0
+
+
+def test_request_waiting_many_steps_counts_its_prefix_query_once():
+    """A request the pool cannot take is tried on every step; its prefix-cache query is counted when it is admitted,
+    with the hit it was admitted with, not once per try."""
+    s = make_scheduler(num_blocks=8, block_size=4)
+    s.add_request(make_request("big", 24, max_tokens=6))  # 6 blocks, 8 as it decodes
+    step(s)
+    # Shares big's first 2 blocks, then 4 blocks of its own: more than the pool has free while big runs.
+    waits = Request("waits", list(range(8)) + list(range(1000, 1016)), SamplingParams(max_tokens=1))
+    s.add_request(waits)
+    tries = 0
+    while "waits" not in step(s)[0].num_scheduled_tokens:
+        tries += 1
+    assert tries >= 3
+    stats = s.kv_cache_manager.prefix_cache_stats
+    assert (stats.queries, stats.hits) == (24 + 24, 8)
+    assert waits.num_cached_tokens == 8

@@ -8,7 +8,7 @@ Never Python's hash() (salted per process) and never pickle.
 
 import hashlib
 import struct
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

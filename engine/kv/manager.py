@@ -14,10 +14,15 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class PrefixCacheStats:
-    """Counted in tokens, as vLLM's prefix-cache hit rate is."""
+    """Counted in tokens, as vLLM's prefix-cache hit rate is; the scheduler records each request once, when it
+    is first admitted (not on every step it waits)."""
 
     queries: int = 0
     hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int) -> None:
+        self.queries += num_tokens
+        self.hits += num_hits
 
 
 class KVCacheManager:
@@ -66,11 +71,7 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_computed_tokens = len(blocks) * self.block_size
-        stats = self.prefix_cache_stats
-        stats.queries += request.num_tokens
-        stats.hits += num_computed_tokens
-        return blocks, num_computed_tokens
+        return blocks, len(blocks) * self.block_size
 
     def allocate_slots(
         self,

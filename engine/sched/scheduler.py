@@ -101,7 +101,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_blocks=self.kv_cache_manager.num_blocks,
             num_loading_reqs=len(self.loading),
-            kv_connector_stats=dict(self.connector.stats) if self.connector is not None else None,
+            kv_connector_stats=self.connector.get_kv_connector_stats() if self.connector is not None else None,
         )
 
     # ---- one step ------------------------------------------------------------
@@ -148,6 +148,7 @@ class Scheduler:
             req_index += 1
 
         # Then waiting requests, but never in a step that had to preempt.
+        skipped: list[Request] = []  # waiting on the KV connector's answer: they keep their place in line
         while not preempted and len(self.waiting) and token_budget > 0:
             if len(self.running) >= self.max_num_seqs:
                 break
@@ -156,12 +157,17 @@ class Scheduler:
             num_cached = request.num_computed_tokens
             computed_blocks, num_local, num_external, load_async = [], 0, 0, False
             # Prompt logprobs need every prompt position to run, so such requests skip cache hits.
-            if num_cached == 0 and request.sampling_params.prompt_logprobs is None:
+            caching = self.kv_cache_manager.enable_caching
+            queried = caching and num_cached == 0 and request.sampling_params.prompt_logprobs is None
+            if queried:
                 computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
                 if self.connector is not None:
                     num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+                    if num_external is None:  # its lookup is still out: try the requests behind it
+                        skipped.append(self.waiting.pop_request())
+                        continue
             if load_async:
-                if not self._start_load(request, computed_blocks, num_local, num_external):
+                if not self._start_load(request, computed_blocks, num_local, num_external, queried):
                     break
                 continue
             num_new_tokens = self._num_new_tokens(request, num_cached + num_local, token_budget)
@@ -180,6 +186,7 @@ class Scheduler:
                     self.kv_cache_manager.free(request)
                     request.num_computed_tokens = 0
                 break
+            self._admitted(request, num_local, queried)
             num_cached += num_local
             self.waiting.pop_request()
             self.running.append(request)
@@ -191,6 +198,12 @@ class Scheduler:
             scheduled.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(
+                    request, self.kv_cache_manager.req_to_blocks[request.request_id], 0
+                )
+        for request in reversed(skipped):
+            self.waiting.prepend_request(request)
 
         output = SchedulerOutput(
             scheduled_requests=scheduled,
@@ -207,20 +220,33 @@ class Scheduler:
 
     # ---- loads from a KV connector -------------------------------------------------------------
 
-    def _start_load(self, request: Request, computed_blocks, num_local: int, num_external: int) -> bool:
+    def _admitted(self, request: Request, num_local: int, queried: bool) -> None:
+        """Count a request's prefix-cache query at its first admission: once, however many steps it waited."""
+        if queried and request.num_cached_tokens < 0:
+            self.kv_cache_manager.prefix_cache_stats.record(request.num_tokens, num_local)
+
+    def _start_load(self, request: Request, computed_blocks, num_local: int, num_external: int, queried: bool) -> bool:
         """Reserve blocks for the external tokens and park the request while they load; False if the
         pool is short (the request then stays first in line)."""
         blocks = self.kv_cache_manager.allocate_slots(
-            request, num_external, num_local, computed_blocks, apply_watermark=bool(self.running), delay_cache_blocks=True
+            request,
+            num_external,
+            num_local,
+            computed_blocks,
+            apply_watermark=bool(self.running),
+            delay_cache_blocks=True,
         )
         if blocks is None:
             return False
+        self._admitted(request, num_local, queried)
         self.waiting.pop_request()
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_computed_tokens = num_local
         request.record_event(EngineCoreEventType.KV_LOAD_STARTED, num_tokens=num_external)
         self.loading.add(request)
-        self.connector.update_state_after_alloc(request, self.kv_cache_manager.req_to_blocks[request.request_id], num_external)
+        self.connector.update_state_after_alloc(
+            request, self.kv_cache_manager.req_to_blocks[request.request_id], num_external
+        )
         return True
 
     def _finish_load(self, request: Request, num_loaded_tokens: int) -> None:
@@ -228,20 +254,21 @@ class Scheduler:
         the request queues again to prefill the rest."""
         self.loading.discard(request)
         if request.is_finished():  # aborted while loading: only now are its blocks free to reuse
+            self.connector.request_finished(request)
             self.kv_cache_manager.free(request)
             del self.requests[request.request_id]
             return
         request.num_computed_tokens += num_loaded_tokens
         request.record_event(EngineCoreEventType.KV_LOADED, num_tokens=num_loaded_tokens)
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens, loaded_from="kvstore")
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens, loaded_from=self.connector.medium)
         request.num_cached_tokens = request.num_computed_tokens
         request.status = RequestStatus.WAITING
         self.waiting.prepend_request(request)
 
     def update_from_connector_output(self, output) -> None:
         self.connector.update_connector_output(output)
-        for job_id, num_tokens in output.finished_recving.items():
-            self._finish_load(self.connector.finish_load(job_id, num_tokens), num_tokens)
+        for request_id, num_tokens in output.finished_recving.items():
+            self._finish_load(self.requests[request_id], num_tokens)
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
@@ -262,7 +289,9 @@ class Scheduler:
         request.record_event(EngineCoreEventType.PREEMPTED)
         self.waiting.prepend_request(request)
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         """Advance each scheduled request; those whose chunk reached the end get their token."""
         outputs = []
         if runner_output.kv_connector_output is not None:

@@ -6,6 +6,7 @@ and runs each step (execute_model).
 """
 
 import ctypes
+import functools
 import logging
 import time
 from pathlib import Path
@@ -15,6 +16,9 @@ import torch
 from engine.attention.backend import AttentionMetadata
 from engine.attention.selector import get_attn_backend
 from engine.config import EngineArgs, parse_memory_size
+from engine.kv.connector.base import KVConnectorBase, KVConnectorRole
+from engine.kv.connector.factory import create_connector
+from engine.kv.layout import KVLayout, model_fingerprint, weights_digest
 from engine.kv.manager import cdiv
 from engine.models.config import ModelConfig
 from engine.models.linear import pack_linear_weights
@@ -68,7 +72,7 @@ class Worker:
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model_runner: ModelRunner | None = None
-        self.connector = None  # the worker side of a KV connector, set by the engine core
+        self.connector: KVConnectorBase | None = None  # the worker's half of the KV connector, with the KV cache
         self.use_cudagraphs = use_cudagraphs(args, self.device, self.attn_backend)
         if self.device.type == "cuda" and args.kv_cache_memory is None:
             self._snapshot_gpu_memory()
@@ -192,6 +196,7 @@ class Worker:
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(cfg.num_hidden_layers)
         ]
+        self.connector = self._make_kv_connector()
         self.model_runner, _ = self._make_model_runner(self.kv_caches, self._make_sampler())
 
     def _make_sampler(self) -> BatchSampler:
@@ -209,6 +214,8 @@ class Worker:
         self.model_runner.sampler.trace_headers = trace_headers
 
     def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
         if self.model_runner is not None:
             self.model_runner.sampler.close()
 
@@ -225,11 +232,10 @@ class Worker:
                         time.perf_counter() - began)
         return runner, (free - torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0)
 
-    def kv_layout(self):
+    @functools.cached_property
+    def kv_layout(self) -> KVLayout:
         """What one KV block is, for a KV connector: [layers, 2, kv heads, block size, head dim] and a
         fingerprint of everything that makes blocks interchangeable between engines."""
-        from engine.kv.connector.kvstore_client import KVLayout, model_fingerprint, weights_digest  # noqa: PLC0415
-
         cfg = self.model_config
         dtype = str(self.dtype).removeprefix("torch.")
         shape = (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, self.args.block_size, cfg.head_dim)
@@ -237,6 +243,15 @@ class Worker:
             weights_digest(self.model_dir), dtype, self.attn_backend.name, shape, self.args.prefix_caching_hash_algo
         )
         return KVLayout(fingerprint, dtype, shape)
+
+    def _make_kv_connector(self) -> KVConnectorBase | None:
+        """The worker's half of the connector --kv-transfer-config names, over this worker's KV cache."""
+        config = self.args.get_kv_transfer_config()
+        if config is None:
+            return None
+        connector = create_connector(config, KVConnectorRole.WORKER, self.kv_layout)
+        connector.register_kv_caches(self.kv_caches)
+        return connector
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         meta = scheduler_output.kv_connector_metadata

@@ -4,14 +4,19 @@ A connector moves KV blocks between the engine's paged cache and somewhere else.
 one per role, as in vLLM: the scheduler side decides (how many prompt tokens can come from outside,
 which blocks to store) and says so in a KVConnectorMetadata attached to each step; the worker side
 does the copying (start_load_kv before the forward, wait_for_save after it) and reports what finished
-(get_finished) in the step's KVConnectorOutput. Torch-free: the engine's config imports it.
+(get_finished) in the step's KVConnectorOutput. This file is the whole interface: the engine core
+builds the scheduler half, the worker builds its own, and neither they nor the scheduler know which
+connector they run. Torch-free: the engine's config imports it.
 """
 
 import enum
 import json
 from dataclasses import dataclass, field
 
+from engine.kv.layout import KVLayout
+
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+CONFIG_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config", "kv_connector_module_path")
 
 
 class KVConnectorRole(enum.Enum):
@@ -21,11 +26,15 @@ class KVConnectorRole(enum.Enum):
 
 @dataclass
 class KVTransferConfig:
-    """vLLM's --kv-transfer-config: which connector, which role, and the connector's own options."""
+    """vLLM's --kv-transfer-config: which connector, which role, and the connector's own options.
+
+    kv_connector names a connector the factory knows, or a class in the module kv_connector_module_path
+    (vLLM's way to plug in a connector that lives outside the engine)."""
 
     kv_connector: str
     kv_role: str = "kv_both"
     kv_connector_extra_config: dict = field(default_factory=dict)
+    kv_connector_module_path: str | None = None
 
     @classmethod
     def from_json(cls, text: str) -> "KVTransferConfig":
@@ -35,17 +44,24 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config must be a JSON object: {e}") from None
         if not isinstance(data, dict):
             raise ValueError("kv_transfer_config must be a JSON object.")
-        unknown = set(data) - {"kv_connector", "kv_role", "kv_connector_extra_config"}
+        unknown = set(data) - set(CONFIG_KEYS)
         if unknown:
             raise ValueError(
-                f"kv_transfer_config has unknown keys {sorted(unknown)}; "
-                "allowed: kv_connector, kv_role, kv_connector_extra_config."
+                f"kv_transfer_config has unknown keys {sorted(unknown)}; allowed: {', '.join(CONFIG_KEYS)}."
             )
+        if "kv_connector" not in data:
+            raise ValueError("kv_transfer_config.kv_connector is required.")
         config = cls(**data)
-        from engine.kv.connector.factory import CONNECTORS  # noqa: PLC0415 (the registry imports this file)
+        from engine.kv.connector.factory import CONNECTORS  # here: the registry imports this file
 
-        if config.kv_connector not in CONNECTORS:
-            raise ValueError(f"kv_connector must be one of {sorted(CONNECTORS)}, got {config.kv_connector!r}.")
+        module_path = config.kv_connector_module_path
+        if module_path is not None and (not isinstance(module_path, str) or not module_path):
+            raise ValueError("kv_connector_module_path must be a module's dotted path, e.g. 'mypackage.connector'.")
+        if config.kv_connector not in CONNECTORS and module_path is None:
+            raise ValueError(
+                f"kv_connector must be one of {sorted(CONNECTORS)}, or a class in the module "
+                f"kv_connector_module_path names; got {config.kv_connector!r}."
+            )
         if config.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {list(KV_ROLES)}, got {config.kv_role!r}.")
         if not isinstance(config.kv_connector_extra_config, dict):
@@ -69,33 +85,54 @@ class KVConnectorMetadata:
 class KVConnectorOutput:
     """What the worker side reports after a step: transfers that finished since the last report."""
 
-    # load job id -> tokens that arrived (a multiple of the block size; fewer than asked after a fault)
-    finished_recving: dict[int, int] = field(default_factory=dict)
+    # request id -> tokens its load brought (a multiple of the block size; fewer than asked after a fault): the
+    # scheduler then queues the request again to compute the rest
+    finished_recving: dict[str, int] = field(default_factory=dict)
     # store job id -> whether its blocks reached the store; either way the worker no longer reads them
     finished_sending: dict[int, bool] = field(default_factory=dict)
-    # (bytes, seconds) of each finished load, for the load-or-recompute estimate
+    # (bytes, seconds) of each finished load, for a load-or-recompute estimate
     load_timings: list[tuple[int, float]] = field(default_factory=list)
+    # counters the worker side counted since its last report; the scheduler side adds them to its stats
+    kv_connector_stats: dict[str, int] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (self.finished_recving or self.finished_sending)
 
 
 class KVConnectorBase:
-    """Both roles' methods; an instance serves one role."""
+    """Both roles' methods; an instance serves one role.
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole):
+    layout: what a block is outside the paged cache (the worker's Worker.kv_layout).
+    kv_cache_manager: the scheduler side's KVCacheManager (None on the worker side), for a connector that holds
+    blocks past the step that fills them.
+    """
+
+    # Where this connector keeps blocks, as KV events name it (BlockStored.loaded_from of blocks it loaded).
+    medium = "external"
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVLayout, kv_cache_manager=None):
         self.config = config
         self.role = role
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.kv_cache_manager = kv_cache_manager
+        # Cumulative counters by name (tokens, blocks, bytes): SchedulerStats.kv_connector_stats, exported on
+        # /metrics (lookup_tokens, lookup_hit_tokens, loaded_bytes and stored_bytes under vLLM's names).
+        self.stats: dict[str, int] = {}
 
     # ---- scheduler side ------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens beyond the local prefix hit that this connector can provide, and whether they load
-        asynchronously (the request then waits in WAITING_FOR_REMOTE_KVS)."""
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond the num_computed_tokens of the local prefix hit that this connector can provide, and
+        whether they load asynchronously: the request then waits in WAITING_FOR_REMOTE_KVS while they load (this
+        engine uses external tokens only so). None tokens: the answer is not in yet; the scheduler skips the
+        request this step and asks again on a later one. A waiting request is tried on every step until it is
+        admitted: answer from one look-up per request."""
         raise NotImplementedError
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        """Blocks are reserved for the external tokens: remember what to load into them."""
+        """The request is admitted with blocks reserved for num_external_tokens (0: nothing to load); remember
+        what to load into them."""
         raise NotImplementedError
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -103,25 +140,37 @@ class KVConnectorBase:
         raise NotImplementedError
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """The worker's report for a step (stores that no longer read their blocks, load timings)."""
+        """The worker's report for a step: counts what it counted; a connector adds its own bookkeeping."""
+        for key, value in output.kv_connector_stats.items():
+            self.stats[key] = self.stats.get(key, 0) + value
+
+    def record_step_time(self, scheduler_output, seconds: float) -> None:
+        """How long the worker took to run a step (its forward pass), for estimates such as load or recompute."""
 
     def abandon_stores(self) -> None:
         """The last step failed before its blocks were written: drop its stores."""
 
     def request_finished(self, request) -> None:
-        """A request ended (finished, aborted or preempted-and-gone): drop what is kept for it."""
+        """A request ended (finished or aborted): drop what is kept for it."""
 
     def has_pending_transfers(self) -> bool:
+        """Whether a transfer still holds blocks or a request: the engine steps until it ends."""
         return False
+
+    def get_kv_connector_stats(self) -> dict[str, int]:
+        return dict(self.stats)
 
     # ---- worker side ---------------------------------------------------------------------------
 
+    def register_kv_caches(self, kv_caches) -> None:
+        """The worker's paged KV cache: per layer, its (K, V) tensors."""
+
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
-        """Begin this step's loads; they finish in the background."""
+        """Begin this step's loads."""
         raise NotImplementedError
 
     def wait_for_save(self, metadata: KVConnectorMetadata) -> None:
-        """After the forward: hand this step's stores to the background (returns without waiting)."""
+        """After the forward: this step's stores."""
         raise NotImplementedError
 
     def get_finished(self, wait_s: float = 0.0) -> KVConnectorOutput:

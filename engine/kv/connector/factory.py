@@ -1,13 +1,29 @@
 """Connectors by the name --kv-transfer-config gives (vLLM's KVConnectorFactory)."""
 
-from engine.kv.connector.base import KVConnectorRole, KVTransferConfig
+import importlib
+
+from engine.kv.connector.base import KVConnectorBase, KVConnectorRole, KVTransferConfig
+from engine.kv.layout import KVLayout
 
 # name -> module:class, imported only when used (the scheduler-only config check needs no gRPC)
 CONNECTORS = {"KVStoreConnector": "engine.kv.connector.kvstore_connector:KVStoreConnector"}
 
 
-def create_connector(config: KVTransferConfig, role: KVConnectorRole, **kwargs):
-    import importlib  # noqa: PLC0415
+def get_connector_class(config: KVTransferConfig) -> type[KVConnectorBase]:
+    """A registered connector by name; otherwise the class of that name in kv_connector_module_path."""
+    if config.kv_connector in CONNECTORS:
+        module_path, name = CONNECTORS[config.kv_connector].split(":")
+        return getattr(importlib.import_module(module_path), name)
+    path = config.kv_connector_module_path
+    try:
+        module = importlib.import_module(path)
+    except ImportError as e:
+        raise ValueError(f"kv_connector_module_path {path!r} cannot be imported: {e}") from None
+    cls = getattr(module, config.kv_connector, None)
+    if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase)):
+        raise ValueError(f"kv_connector {config.kv_connector!r} is no KVConnectorBase subclass in the module {path!r}.")
+    return cls
 
-    module, name = CONNECTORS[config.kv_connector].split(":")
-    return getattr(importlib.import_module(module), name)(config, role, **kwargs)
+
+def create_connector(config: KVTransferConfig, role: KVConnectorRole, layout: KVLayout, **kwargs) -> KVConnectorBase:
+    return get_connector_class(config)(config, role, layout, **kwargs)

@@ -1,15 +1,16 @@
 """KVStoreConnector: full KV blocks go to the kvstore service (Redis behind it) and come back from it.
 
-Scheduler side. After the local prefix-cache hit, one Lookup asks the store for the longest run of
-further blocks; if loading them is estimated to beat recomputing them, the request waits in
-WAITING_FOR_REMOTE_KVS with blocks reserved while the worker loads into them. Each step, every block
+Scheduler side. After the local prefix-cache hit, one Lookup per request asks the store for the longest
+run of further blocks. It runs on a background thread (vLLM's asynchronous lookup): until its answer is
+in, the scheduler leaves the request waiting and goes on with the others, so the engine thread never
+waits on the network. If loading the blocks found is estimated to beat recomputing them, the request
+waits in WAITING_FOR_REMOTE_KVS with blocks reserved while the worker loads into them. Each step, every block
 the step fills (prompt blocks; decode blocks too with store_decode_blocks) becomes a store job, and the
 connector holds a reference on the job's blocks until the worker has read them, so no block is reused
 while a store still reads it.
 
-Worker side. Loads and stores run on two background threads, never on the step's path; the KV cache
-is read and written through numpy views (no torch op off the engine thread: a second OpenMP pool
-would slow every step). Any fault — the store down, slow past its deadline, or answering garbage —
+Worker side. Loads and stores run on two background threads, never on the step's path (KVBlockIO
+copies the blocks). Any fault — the store down, slow past its deadline, or answering garbage —
 ends a transfer early: a load then brings fewer blocks and the rest is recomputed; a store is dropped.
 After a fault the connector leaves the store alone for retry_interval_s, then tries again.
 """
@@ -18,14 +19,21 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from engine.kv.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, KVConnectorRole, KVTransferConfig
 from engine.kv.block_pool import BlockStored
+from engine.kv.connector.base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+    KVTransferConfig,
+)
+from engine.kv.connector.block_io import KVBlockIO
+from engine.kv.connector.kvstore_client import KVStoreClient
+from engine.kv.layout import KVLayout
 from engine.request import EngineCoreEventType
-from engine.kv.connector.kvstore_client import KVLayout, KVStoreClient
 
 logger = logging.getLogger("llmmesh.engine.kv_connector")
 
@@ -38,6 +46,8 @@ DEFAULTS = {
     "timeout_s": 10.0,  # per Get or Put call
     "retry_interval_s": 1.0,
 }
+# Lookups in flight at once (each a thread blocked on its call).
+LOOKUP_THREADS = 4
 
 
 def parse_extra_config(config: KVTransferConfig) -> dict:
@@ -49,7 +59,9 @@ def parse_extra_config(config: KVTransferConfig) -> dict:
     if not isinstance(options["kvstore_address"], str) or ":" not in options["kvstore_address"]:
         raise ValueError("kv_connector_extra_config.kvstore_address must be the kvstore's HOST:PORT.")
     if options["load_policy"] not in LOAD_POLICIES:
-        raise ValueError(f"kv_connector_extra_config.load_policy must be one of {list(LOAD_POLICIES)}, got {options['load_policy']!r}.")
+        raise ValueError(
+            f"kv_connector_extra_config.load_policy must be one of {list(LOAD_POLICIES)}, got {options['load_policy']!r}."
+        )
     for key in ("lookup_timeout_s", "timeout_s", "retry_interval_s"):
         if not isinstance(options[key], (int, float)) or not 0 < options[key] <= 3600:
             raise ValueError(f"kv_connector_extra_config.{key} must be a number of seconds in (0, 3600].")
@@ -57,8 +69,17 @@ def parse_extra_config(config: KVTransferConfig) -> dict:
 
 
 @dataclass
+class Lookup:
+    """One request's Lookup: asked from first_block on; end_block once its answer is in (and counted)."""
+
+    first_block: int
+    future: Future  # (blocks present, seconds), or None after a fault
+    end_block: int | None = None  # the first block not to load
+
+
+@dataclass
 class LoadJob:
-    job_id: int
+    request_id: str
     block_ids: list[int]
     block_hashes: list[bytes]
     trace_headers: tuple = ()  # the request's (Request.trace_headers): its kvstore calls join its trace
@@ -113,87 +134,38 @@ class LoadCostModel:
         return load_s < num_blocks * self.block_size / self.prefill_rate
 
 
-class KVBlockIO:
-    """Whole blocks out of and into the paged KV cache, as bytes of the KVLayout's shape."""
-
-    def __init__(self, kv_caches, layout: KVLayout):
-        self.layout = layout
-        self.on_cpu = kv_caches[0][0].device.type == "cpu"
-        self.caches = kv_caches if not self.on_cpu else [(self._view(k), self._view(v)) for k, v in kv_caches]
-        self.np_dtype = self.caches[0][0].dtype if self.on_cpu else None
-
-    @staticmethod
-    def _view(t):
-        import torch  # noqa: PLC0415 (the worker has it; the scheduler side of this file needs none)
-
-        # numpy has no bfloat16: move its bits as int16, which is all a copy needs.
-        return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
-
-    def read(self, block_ids: list[int]) -> list[bytes]:
-        """The blocks' bytes (each [layers, 2, kv heads, block size, head dim])."""
-        if not self.on_cpu:
-            return self._read_torch(block_ids)
-        ids = np.asarray(block_ids)
-        out = np.empty((len(ids), *self.layout.shape), dtype=self.np_dtype)
-        for layer, (k, v) in enumerate(self.caches):
-            out[:, layer, 0] = k[:, ids].swapaxes(0, 1)
-            out[:, layer, 1] = v[:, ids].swapaxes(0, 1)
-        return [block.tobytes() for block in out]
-
-    def write(self, block_ids: list[int], blocks: list[bytes]) -> None:
-        if not self.on_cpu:
-            return self._write_torch(block_ids, blocks)
-        ids = np.asarray(block_ids)
-        data = np.stack([np.frombuffer(b, dtype=self.np_dtype).reshape(self.layout.shape) for b in blocks])
-        for layer, (k, v) in enumerate(self.caches):
-            k[:, ids] = data[:, layer, 0].swapaxes(0, 1)
-            v[:, ids] = data[:, layer, 1].swapaxes(0, 1)
-
-    def _read_torch(self, block_ids):
-        import torch  # noqa: PLC0415
-
-        ids = torch.tensor(block_ids, device=self.caches[0][0].device)
-        out = torch.stack([torch.stack([k[:, ids], v[:, ids]]) for k, v in self.caches])  # [L, 2, H, n, bs, D]
-        out = out.permute(3, 0, 1, 2, 4, 5).contiguous().cpu()
-        raw = out.view(torch.uint8).numpy()
-        return [block.tobytes() for block in raw]
-
-    def _write_torch(self, block_ids, blocks):
-        import torch  # noqa: PLC0415
-
-        k0 = self.caches[0][0]
-        ids = torch.tensor(block_ids, device=k0.device)
-        raw = torch.frombuffer(bytearray(b"".join(blocks)), dtype=torch.uint8).view(k0.dtype)
-        data = raw.view(len(blocks), *self.layout.shape).to(k0.device)
-        for layer, (k, v) in enumerate(self.caches):
-            k[:, ids] = data[:, layer, 0].transpose(0, 1)
-            v[:, ids] = data[:, layer, 1].transpose(0, 1)
-
-
 class KVStoreConnector(KVConnectorBase):
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVLayout,
-                 kv_cache_manager=None, kv_caches=None):  # fmt: skip
-        super().__init__(config, role)
+    medium = "kvstore"
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVLayout, kv_cache_manager=None):
+        super().__init__(config, role, layout, kv_cache_manager)
         self.options = parse_extra_config(config)
-        self.layout = layout
-        self.block_size = layout.block_size
         self.client = KVStoreClient(self.options["kvstore_address"], layout)
         self.down_until = 0.0
         if role is KVConnectorRole.SCHEDULER:
-            self.kv_cache_manager = kv_cache_manager
             self.cost = LoadCostModel(layout.block_bytes, self.block_size)
+            self.lookup_pool = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kv-lookup")
+            self.lookups: dict[str, Lookup] = {}  # request id -> its Lookup, until the request is admitted
             self.next_job_id = 0
-            self.load_jobs: dict[int, tuple] = {}  # job id -> (request, blocks asked)
+            self.load_jobs: dict[str, int] = {}  # request id -> blocks its load asked for
             self.pending_loads: list[LoadJob] = []  # to start next step
             self.store_holds: dict[int, tuple] = {}  # job id -> (blocks held, BlockStored event for when stored)
             self.last_stores: list[int] = []
             # request id -> leading blocks already stored, being stored, or known to be in the store
             self.num_stored_blocks: dict[str, int] = {}
-            self.stats = {"lookups": 0, "lookup_tokens": 0, "lookup_hit_tokens": 0, "loaded_tokens": 0,
-                          "loaded_bytes": 0, "load_failed_tokens": 0, "stored_blocks": 0, "stored_bytes": 0,
-                          "store_failed_blocks": 0, "recompute_chosen_tokens": 0}  # fmt: skip
+            self.stats = {
+                "lookups": 0,
+                "lookup_tokens": 0,
+                "lookup_hit_tokens": 0,
+                "loaded_tokens": 0,
+                "loaded_bytes": 0,
+                "load_failed_tokens": 0,
+                "stored_blocks": 0,
+                "stored_bytes": 0,
+                "store_failed_blocks": 0,
+                "recompute_chosen_tokens": 0,
+            }
         else:
-            self.block_io = KVBlockIO(kv_caches, layout)
             self.finished = KVConnectorOutput()
             self.finished_lock = threading.Condition()
             self.load_queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -202,8 +174,11 @@ class KVStoreConnector(KVConnectorBase):
                 threading.Thread(target=self._run, args=(self.load_queue, self._load), name="kv-load", daemon=True),
                 threading.Thread(target=self._run, args=(self.store_queue, self._store), name="kv-store", daemon=True),
             ]
-            for t in self.threads:
-                t.start()
+
+    def register_kv_caches(self, kv_caches) -> None:
+        self.block_io = KVBlockIO(kv_caches, self.layout)
+        for t in self.threads:
+            t.start()
 
     # ---- shared: a store that failed is left alone for a while ------------------------------------
 
@@ -212,48 +187,80 @@ class KVStoreConnector(KVConnectorBase):
 
     def _mark_down(self, what: str, error: Exception) -> None:
         if self._store_up():
-            logger.warning("kvstore at %s: %s failed (%s); recomputing, retrying in %.1f s",
-                           self.options["kvstore_address"], what, _describe(error), self.options["retry_interval_s"])  # fmt: skip
+            logger.warning(
+                "kvstore at %s: %s failed (%s); recomputing, retrying in %.1f s",
+                self.options["kvstore_address"],
+                what,
+                _describe(error),
+                self.options["retry_interval_s"],
+            )
         self.down_until = time.monotonic() + self.options["retry_interval_s"]
 
     # ---- scheduler side -----------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         bs = self.block_size
         first = num_computed_tokens // bs
         self.num_stored_blocks.setdefault(request.request_id, first)
         # The last prompt token always runs through the model.
         last = (request.num_tokens - 1) // bs
-        if not self.config.is_kv_consumer or self.options["load_policy"] == "never" or last <= first or not self._store_up():
-            return 0, False
-        hashes = request.block_hashes[first:last]
+        lookup = self.lookups.get(request.request_id)
+        if lookup is None:
+            if not self.config.is_kv_consumer or self.options["load_policy"] == "never" or last <= first:
+                return 0, False
+            if not self._store_up():
+                return 0, False
+            future = self.lookup_pool.submit(self._lookup, request.block_hashes[first:last], request.trace_headers)
+            lookup = self.lookups[request.request_id] = Lookup(first, future)
+        if lookup.end_block is None:
+            if not lookup.future.done():
+                return None, False
+            lookup.end_block = self._take_answer(lookup, last)
+        # Local hits that grew while the request waited shorten the load; ones that shrank leave a gap: recompute.
+        num_blocks = min(lookup.end_block, last) - first if first >= lookup.first_block else 0
+        return (num_blocks * bs, True) if num_blocks > 0 else (0, False)
+
+    def _lookup(self, block_hashes: list[bytes], trace_headers) -> tuple[int, float] | None:
+        """On a lookup thread: how many of the blocks the store holds (leading run), and how long asking took."""
         started = time.perf_counter()
         try:
-            num_present = self.client.lookup(hashes, self.options["lookup_timeout_s"], request.trace_headers)
+            num_present = self.client.lookup(block_hashes, self.options["lookup_timeout_s"], trace_headers)
         except Exception as e:  # noqa: BLE001 (any failure of the store means: recompute)
             self._mark_down("lookup", e)
-            return 0, False
-        self.cost.record_lookup(time.perf_counter() - started)
+            return None
+        return num_present, time.perf_counter() - started
+
+    def _take_answer(self, lookup: Lookup, last: int) -> int:
+        """Count a finished Lookup (once per request) and decide: the first block not to load."""
+        answer = lookup.future.result()
+        if answer is None:
+            return lookup.first_block
+        num_present, seconds = answer
+        bs = self.block_size
+        self.cost.record_lookup(seconds)
         self.stats["lookups"] += 1
-        self.stats["lookup_tokens"] += len(hashes) * bs
+        self.stats["lookup_tokens"] += (last - lookup.first_block) * bs
         self.stats["lookup_hit_tokens"] += num_present * bs
-        if num_present == 0:
-            return 0, False
-        if self.options["load_policy"] == "auto" and not self.cost.load_pays(num_present):
+        if num_present and self.options["load_policy"] == "auto" and not self.cost.load_pays(num_present):
             self.stats["recompute_chosen_tokens"] += num_present * bs
-            return 0, False
-        return num_present * bs, True
+            return lookup.first_block
+        return lookup.first_block + num_present
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.lookups.pop(request.request_id, None)
         if num_external_tokens == 0:
             return
         bs = self.block_size
         first = request.num_computed_tokens // bs
         last = first + num_external_tokens // bs
-        job = LoadJob(self._new_job_id(), [b.block_id for b in blocks[first:last]], request.block_hashes[first:last],
-                      request.trace_headers)
+        job = LoadJob(
+            request.request_id,
+            [b.block_id for b in blocks[first:last]],
+            request.block_hashes[first:last],
+            request.trace_headers,
+        )
         self.pending_loads.append(job)
-        self.load_jobs[job.job_id] = (request, last - first)
+        self.load_jobs[request.request_id] = last - first
         # What comes from the store need not go back to it.
         self.num_stored_blocks[request.request_id] = last
 
@@ -283,15 +290,19 @@ class KVStoreConnector(KVConnectorBase):
         self.kv_cache_manager.block_pool.touch(blocks)
         job = StoreJob(self._new_job_id(), [b.block_id for b in blocks], hashes, request.trace_headers)
         event = BlockStored(
-            block_hashes=hashes, parent_block_hash=request.block_hashes[start - 1] if start else None,
-            token_ids=request.all_token_ids[start * bs : end * bs], block_size=bs, medium="kvstore",
-        )  # fmt: skip
+            block_hashes=hashes,
+            parent_block_hash=request.block_hashes[start - 1] if start else None,
+            token_ids=request.all_token_ids[start * bs : end * bs],
+            block_size=bs,
+            medium="kvstore",
+        )
         self.store_holds[job.job_id] = (blocks, event)
         meta.stores.append(job)
         request.record_event(EngineCoreEventType.KV_STORE_STARTED, num_tokens=(end - start) * bs)
         self.num_stored_blocks[request.request_id] = end
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        super().update_connector_output(output)
         pool = self.kv_cache_manager.block_pool
         for job_id, stored in output.finished_sending.items():
             hold = self.store_holds.pop(job_id, None)
@@ -303,6 +314,11 @@ class KVStoreConnector(KVConnectorBase):
             if stored:
                 self.stats["stored_bytes"] += len(blocks) * self.layout.block_bytes
                 pool.record_event(event)
+        for request_id, num_tokens in output.finished_recving.items():
+            num_blocks = self.load_jobs.pop(request_id)
+            self.stats["loaded_tokens"] += num_tokens
+            self.stats["loaded_bytes"] += num_tokens // self.block_size * self.layout.block_bytes
+            self.stats["load_failed_tokens"] += num_blocks * self.block_size - num_tokens
         for nbytes, seconds in output.load_timings:
             self.cost.record_load(nbytes, seconds)
 
@@ -314,22 +330,19 @@ class KVStoreConnector(KVConnectorBase):
                 self.kv_cache_manager.block_pool.free_blocks(hold[0])
         self.last_stores = []
 
-    def finish_load(self, job_id: int, num_tokens: int):
-        """The request a finished load was for; counts what came and what must be recomputed."""
-        request, num_blocks = self.load_jobs.pop(job_id)
-        self.stats["loaded_tokens"] += num_tokens
-        self.stats["loaded_bytes"] += num_tokens // self.block_size * self.layout.block_bytes
-        self.stats["load_failed_tokens"] += num_blocks * self.block_size - num_tokens
-        return request
-
     def request_finished(self, request) -> None:
         self.num_stored_blocks.pop(request.request_id, None)
+        self.lookups.pop(request.request_id, None)
 
     def has_pending_transfers(self) -> bool:
         return bool(self.load_jobs or self.store_holds)
 
-    def record_prefill(self, num_tokens: int, seconds: float) -> None:
-        self.cost.record_prefill(num_tokens, seconds)
+    def record_step_time(self, scheduler_output, seconds: float) -> None:
+        """Prefill speed for the load-or-recompute estimate, from steps that are mostly prefill."""
+        so = scheduler_output
+        prefill = sum(n for n in so.num_scheduled_tokens.values() if n > 1)
+        if prefill >= self.block_size and prefill * 2 >= so.total_num_scheduled_tokens:
+            self.cost.record_prefill(so.total_num_scheduled_tokens, seconds)
 
     # ---- worker side ----------------------------------------------------------------------------------
 
@@ -371,7 +384,7 @@ class KVStoreConnector(KVConnectorBase):
                 self._mark_down("load", e)
         seconds = time.perf_counter() - started
         with self.finished_lock:
-            self.finished.finished_recving[job.job_id] = loaded * self.block_size
+            self.finished.finished_recving[job.request_id] = loaded * self.block_size
             if loaded:
                 self.finished.load_timings.append((loaded * self.layout.block_bytes, seconds))
             self.finished_lock.notify_all()
@@ -384,8 +397,9 @@ class KVStoreConnector(KVConnectorBase):
                 todo = range(present, len(job.block_ids))
                 if todo:
                     data = self.block_io.read([job.block_ids[i] for i in todo])
-                    self.client.put(zip([job.block_hashes[i] for i in todo], data), self.options["timeout_s"],
-                                    job.trace_headers)
+                    self.client.put(
+                        zip([job.block_hashes[i] for i in todo], data), self.options["timeout_s"], job.trace_headers
+                    )
                 stored = True
             except Exception as e:  # noqa: BLE001 (a lost store costs a later recomputation only)
                 self._mark_down("store", e)
@@ -394,11 +408,14 @@ class KVStoreConnector(KVConnectorBase):
             self.finished_lock.notify_all()
 
     def shutdown(self) -> None:
-        if self.role is KVConnectorRole.WORKER:
+        if self.role is KVConnectorRole.SCHEDULER:
+            self.lookup_pool.shutdown(wait=False, cancel_futures=True)
+        else:
             for q in (self.load_queue, self.store_queue):
                 q.put(None)
             for t in self.threads:
-                t.join(timeout=self.options["timeout_s"])
+                if t.is_alive():
+                    t.join(timeout=self.options["timeout_s"])
         self.client.close()
 
 

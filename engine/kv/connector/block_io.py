@@ -1,0 +1,65 @@
+"""Whole KV blocks out of and into the worker's paged KV cache, as bytes of the KVLayout's shape.
+
+On CPU the cache is read and written through numpy views, so a connector may copy blocks on its own threads
+without running a torch op off the engine thread (a second OpenMP pool would slow every step)."""
+
+import numpy as np
+
+from engine.kv.layout import KVLayout
+
+
+class KVBlockIO:
+    """Reads and writes whole blocks of every layer's K and V cache."""
+
+    def __init__(self, kv_caches, layout: KVLayout):
+        self.layout = layout
+        self.on_cpu = kv_caches[0][0].device.type == "cpu"
+        self.caches = kv_caches if not self.on_cpu else [(self._view(k), self._view(v)) for k, v in kv_caches]
+        self.np_dtype = self.caches[0][0].dtype if self.on_cpu else None
+
+    @staticmethod
+    def _view(t):
+        import torch  # here: only a worker, which has torch, makes a KVBlockIO
+
+        # numpy has no bfloat16: move its bits as int16, which is all a copy needs.
+        return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+    def read(self, block_ids: list[int]) -> list[bytes]:
+        """The blocks' bytes (each [layers, 2, kv heads, block size, head dim])."""
+        if not self.on_cpu:
+            return self._read_torch(block_ids)
+        ids = np.asarray(block_ids)
+        out = np.empty((len(ids), *self.layout.shape), dtype=self.np_dtype)
+        for layer, (k, v) in enumerate(self.caches):
+            out[:, layer, 0] = k[:, ids].swapaxes(0, 1)
+            out[:, layer, 1] = v[:, ids].swapaxes(0, 1)
+        return [block.tobytes() for block in out]
+
+    def write(self, block_ids: list[int], blocks: list[bytes]) -> None:
+        if not self.on_cpu:
+            return self._write_torch(block_ids, blocks)
+        ids = np.asarray(block_ids)
+        data = np.stack([np.frombuffer(b, dtype=self.np_dtype).reshape(self.layout.shape) for b in blocks])
+        for layer, (k, v) in enumerate(self.caches):
+            k[:, ids] = data[:, layer, 0].swapaxes(0, 1)
+            v[:, ids] = data[:, layer, 1].swapaxes(0, 1)
+
+    def _read_torch(self, block_ids):
+        import torch
+
+        ids = torch.tensor(block_ids, device=self.caches[0][0].device)
+        out = torch.stack([torch.stack([k[:, ids], v[:, ids]]) for k, v in self.caches])  # [L, 2, H, n, bs, D]
+        out = out.permute(3, 0, 1, 2, 4, 5).contiguous().cpu()
+        raw = out.view(torch.uint8).numpy()
+        return [block.tobytes() for block in raw]
+
+    def _write_torch(self, block_ids, blocks):
+        import torch
+
+        k0 = self.caches[0][0]
+        ids = torch.tensor(block_ids, device=k0.device)
+        raw = torch.frombuffer(bytearray(b"".join(blocks)), dtype=torch.uint8).view(k0.dtype)
+        data = raw.view(len(blocks), *self.layout.shape).to(k0.device)
+        for layer, (k, v) in enumerate(self.caches):
+            k[:, ids] = data[:, layer, 0].transpose(0, 1)
+            v[:, ids] = data[:, layer, 1].transpose(0, 1)
