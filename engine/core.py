@@ -103,9 +103,7 @@ class EngineCore:
         """End requests in any state; their blocks go back to the pool immediately."""
         for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
             self._aborted.append(
-                EngineCoreOutput(
-                    request.request_id, [], request.get_finished_reason(), events=request.take_events()
-                )
+                EngineCoreOutput(request.request_id, [], request.get_finished_reason(), events=request.take_events())
             )
 
     def fail_running_requests(self) -> list[str]:
@@ -123,14 +121,20 @@ class EngineCore:
         runner_output = self.worker.execute_model(scheduler_output)
         ran = time.perf_counter()
         if self.connector is not None:
-            self._record_prefill(scheduler_output, ran - started)
+            self.connector.record_step_time(scheduler_output, ran - started)  # for its own estimates
         failed = self._end_failed_requests(scheduler_output, runner_output)
         outputs = failed + self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
         sample_s = runner_output.sample_s
-        self.last_step = StepStats(self.num_steps, len(scheduler_output.scheduled_requests),
-                                   scheduler_output.total_num_scheduled_tokens, started - began,
-                                   ran - started - sample_s, sample_s, time.perf_counter() - ran)
+        self.last_step = StepStats(
+            self.num_steps,
+            len(scheduler_output.scheduled_requests),
+            scheduler_output.total_num_scheduled_tokens,
+            started - began,
+            ran - started - sample_s,
+            sample_s,
+            time.perf_counter() - ran,
+        )
         # Taken only once the step succeeded, so a failed step loses no abort outputs.
         aborted, self._aborted = self._aborted, []
         return aborted + outputs
@@ -147,17 +151,20 @@ class EngineCore:
         for request in self.scheduler.finish_requests(list(runner_output.failed), RequestStatus.FINISHED_ERROR):
             request.failure = runner_output.failed[request.request_id]
             logger.warning("%s", request.failure.message)
-            outputs.append(EngineCoreOutput(request.request_id, [], request.get_finished_reason(),
-                                            events=request.take_events(), failure=request.failure))
+            outputs.append(
+                EngineCoreOutput(
+                    request.request_id,
+                    [],
+                    request.get_finished_reason(),
+                    events=request.take_events(),
+                    failure=request.failure,
+                )
+            )
         return outputs
 
     def set_step_trace_headers(self, trace_headers: tuple[tuple[str, str], ...]) -> None:
         """The next step's span context (--collect-detailed-traces): its call to the sampler service joins it."""
         self.worker.set_step_trace_headers(trace_headers)
-
-    def _record_prefill(self, so, seconds: float) -> None:
-        """The step's model time, for the connector's own estimates (such as load or recompute)."""
-        self.connector.record_step_time(so, seconds)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to step, or KV transfers whose end the engine must still see (blocks they hold)."""
@@ -176,7 +183,11 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         """Forget the local prefix cache (the KV store keeps its blocks); False while requests hold blocks."""
-        while self.connector is not None and self.connector.has_pending_transfers() and not self.scheduler.has_unfinished_requests():
+        while (
+            self.connector is not None
+            and self.connector.has_pending_transfers()
+            and not self.scheduler.has_unfinished_requests()
+        ):
             self.step()  # let finished stores give back the blocks they hold
         return self.kv_cache_manager.reset_prefix_cache()
 

@@ -19,7 +19,7 @@ DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORTS['gateway']}"
 # ---- the client ----------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gateway_stub(address: str) -> gateway_pb2_grpc.GatewayStub:
     """A stub on one shared channel per address."""
     return gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(address))
@@ -34,12 +34,25 @@ def _metadata(api_key: str | None):
     return [("authorization", f"Bearer {api_key}")] if api_key else None
 
 
-def generate(address: str, prompt: str | list[int], *, stream: bool = True, api_key: str | None = None,
-             timeout: float | None = None, model: str = "", request_id: str = "", priority: int = 0,
-             **sampling) -> Iterator[gateway_pb2.GenerateResponse]:
+def generate(
+    address: str,
+    prompt: str | list[int],
+    *,
+    stream: bool = True,
+    api_key: str | None = None,
+    timeout: float | None = None,
+    model: str = "",
+    request_id: str = "",
+    priority: int = 0,
+    **sampling,
+) -> Iterator[gateway_pb2.GenerateResponse]:
     """Stream a Generate: the responses as they come (grpc.RpcError on failure; .cancel() ends it)."""
     request = gateway_pb2.GenerateRequest(
-        model=model, stream=stream, request_id=request_id, priority=priority, sampling_params=sampling_params(**sampling)
+        model=model,
+        stream=stream,
+        request_id=request_id,
+        priority=priority,
+        sampling_params=sampling_params(**sampling),
     )
     if isinstance(prompt, str):
         request.text = prompt
@@ -48,11 +61,21 @@ def generate(address: str, prompt: str | list[int], *, stream: bool = True, api_
     return gateway_stub(address).Generate(request, timeout=timeout, metadata=_metadata(api_key))
 
 
-def chat(address: str, messages: list[dict], *, stream: bool = True, api_key: str | None = None,
-         timeout: float | None = None, model: str = "", **sampling) -> Iterator[gateway_pb2.GenerateResponse]:
+def chat(
+    address: str,
+    messages: list[dict],
+    *,
+    stream: bool = True,
+    api_key: str | None = None,
+    timeout: float | None = None,
+    model: str = "",
+    **sampling,
+) -> Iterator[gateway_pb2.GenerateResponse]:
     """Stream a Chat; messages are {"role", "content"} dicts."""
     request = gateway_pb2.ChatRequest(
-        model=model, stream=stream, sampling_params=sampling_params(**sampling),
+        model=model,
+        stream=stream,
+        sampling_params=sampling_params(**sampling),
         messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
     )
     return gateway_stub(address).Chat(request, timeout=timeout, metadata=_metadata(api_key))
@@ -120,21 +143,43 @@ def print_stream(responses) -> None:
 
 
 def _sampling_args(args) -> dict:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                seed=args.seed, stop=args.stop or None)
+    return dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or None,
+    )
 
 
 def run_generate(args: argparse.Namespace) -> None:
-    print_stream(generate(args.address, args.prompt, api_key=args.api_key, timeout=args.timeout,
-                           model=args.request_model, **_sampling_args(args)))
+    print_stream(
+        generate(
+            args.address,
+            args.prompt,
+            api_key=args.api_key,
+            timeout=args.timeout,
+            model=args.request_model,
+            **_sampling_args(args),
+        )
+    )
 
 
 def run_chat(args: argparse.Namespace) -> None:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.message}
     ]
-    print_stream(chat(args.address, messages, api_key=args.api_key, timeout=args.timeout,
-                       model=args.request_model, **_sampling_args(args)))
+    print_stream(
+        chat(
+            args.address,
+            messages,
+            api_key=args.api_key,
+            timeout=args.timeout,
+            model=args.request_model,
+            **_sampling_args(args),
+        )
+    )
 
 
 def _add_client_args(parser: argparse.ArgumentParser) -> None:

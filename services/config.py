@@ -18,8 +18,14 @@ from services import telemetry
 
 ENV_PREFIX = "LLMMESH_"
 # Each service's own port, so the mesh runs on one machine with every default.
-DEFAULT_PORTS = {"engine": 50051, "tokenizer": 50052, "detokenizer": 50053, "kvstore": 50054, "sampler": 50055,
-                 "gateway": 8000}
+DEFAULT_PORTS = {
+    "engine": 50051,
+    "tokenizer": 50052,
+    "detokenizer": 50053,
+    "kvstore": 50054,
+    "sampler": 50055,
+    "gateway": 8000,
+}
 
 
 def env_name(dest: str) -> str:
@@ -80,8 +86,9 @@ def service_parser(subparsers, name: str, help: str, port_of: str | None = None)
     parser = subparsers.add_parser(name, help=help)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORTS[port_of or name], help="0: any free port")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds in-flight calls get to finish after SIGTERM")
+    parser.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight calls get to finish after SIGTERM"
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     telemetry.add_args(parser)  # --otlp-traces-endpoint, --trace-sample-ratio, --metrics-port
     return parser
@@ -96,10 +103,15 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
 
 def add_detailed_traces_arg(parser: argparse.ArgumentParser) -> None:
     """The engine's --collect-detailed-traces (`llmmesh serve` passes it on to its engine)."""
-    parser.add_argument("--collect-detailed-traces", nargs="?", const="all", default=None,
-                        choices=["all", "model", "worker"],
-                        help="(vLLM's flag) add each engine step to request traces: the tokens it produced, "
-                             "its batch, its time in schedule, model and output processing")
+    parser.add_argument(
+        "--collect-detailed-traces",
+        nargs="?",
+        const="all",
+        default=None,
+        choices=["all", "model", "worker"],
+        help="(vLLM's flag) add each engine step to request traces: the tokens it produced, "
+        "its batch, its time in schedule, model and output processing",
+    )
 
 
 def limits_from_args(args) -> RequestLimits:
@@ -113,7 +125,9 @@ def limits_from_args(args) -> RequestLimits:
 def setup_logging(level: str = "INFO") -> None:
     """Every process's log format (importing the library configures no logging)."""
     # %(trace)s: the trace id of the traced request being served, so a line leads to its trace.
-    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(name)s:%(trace)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=level, format="%(levelname)s %(asctime)s %(name)s:%(trace)s %(message)s", datefmt="%H:%M:%S"
+    )
     for handler in logging.getLogger().handlers:
         handler.addFilter(telemetry.TraceIdFilter())
 

@@ -105,7 +105,7 @@ class Worker:
                 from kernels.cpu_ops import load  # builds the kernels if setup did not
 
                 self.model.use_cpu_ops(load())
-            except Exception as e:  # a machine that cannot build them still runs, on torch ops
+            except Exception as e:  # noqa: BLE001 (a machine that cannot build them still runs, on torch ops)
                 logger.warning("The C++ CPU kernels are unavailable (%s); the model's layers run on torch ops", e)
 
     def get_cache_block_size_bytes(self) -> int:
@@ -193,7 +193,10 @@ class Worker:
         cfg, bs = self.model_config, self.args.block_size
         shape = self.attn_backend.get_kv_cache_shape(num_blocks, bs, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(cfg.num_hidden_layers)
         ]
         self.connector = self._make_kv_connector()
@@ -204,10 +207,11 @@ class Worker:
         local = LocalSampler(self.device)
         if not self.args.sampler_address:
             return local
-        from engine.sample.remote import RemoteSampler  # noqa: PLC0415 (gRPC only for a remote sampler)
+        from engine.sample.remote import RemoteSampler
 
-        return RemoteSampler(self.args.sampler_address, self.args.sampler_timeout,
-                             fallback=local if self.args.sampler_fallback else None)
+        return RemoteSampler(
+            self.args.sampler_address, self.args.sampler_timeout, fallback=local if self.args.sampler_fallback else None
+        )
 
     def set_step_trace_headers(self, trace_headers: tuple[tuple[str, str], ...]) -> None:
         """The next step's span context (--collect-detailed-traces): its sampler's calls join it."""
@@ -223,13 +227,25 @@ class Worker:
         """A runner over these caches, with its CUDA graphs captured if they are used; and the device memory it took."""
         a, dev = self.args, self.device
         free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
-        runner = ModelRunner(self.model, kv_caches, a.block_size, dev, a.max_num_batched_tokens, a.max_num_seqs,
-                             self.max_model_len, sampler)
+        runner = ModelRunner(
+            self.model,
+            kv_caches,
+            a.block_size,
+            dev,
+            a.max_num_batched_tokens,
+            a.max_num_seqs,
+            self.max_model_len,
+            sampler,
+        )
         if self.use_cudagraphs:
             began, sizes = time.perf_counter(), a.get_cudagraph_capture_sizes()
             runner.capture_cudagraphs(sizes)
-            logger.info("Captured %d CUDA graphs (decode batches of %s) in %.1f s", len(sizes), sizes,
-                        time.perf_counter() - began)
+            logger.info(
+                "Captured %d CUDA graphs (decode batches of %s) in %.1f s",
+                len(sizes),
+                sizes,
+                time.perf_counter() - began,
+            )
         return runner, (free - torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0)
 
     @functools.cached_property
