@@ -58,7 +58,7 @@ class RequestStream:
     def __init__(self, request_id: str, state):
         self.request_id = request_id
         self.state = state  # the OutputProcessor's RequestState
-        self.queue: asyncio.Queue[RequestOutput | EngineRequestError] = asyncio.Queue()
+        self.queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self.finished = False
 
     def __aiter__(self):
@@ -68,7 +68,7 @@ class RequestStream:
         if self.finished and self.queue.empty():
             raise StopAsyncIteration
         item = await self.queue.get()
-        if isinstance(item, EngineRequestError):
+        if isinstance(item, Exception):  # EngineRequestError, EngineDeadError
             raise item
         return item
 

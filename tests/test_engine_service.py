@@ -435,7 +435,14 @@ def test_not_serving_while_loading_then_sigterm_drains(llm):
     port = free_port()  # known before the process listens, so its health can be watched while it loads
     proc = ServiceProcess("engine", ["--port", str(port), "--kv-cache-memory", KV_CACHE_MEMORY])
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        # Retried every 100 ms while the process starts: gRPC's default reconnect backoff grows to seconds, and the
+        # watch could then first connect after the model had loaded.
+        fast_retry = [
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 100),
+        ]
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=fast_retry) as channel:
             stub = engine_pb2_grpc.EngineStub(channel)
             # Health.Watch waits for the server to listen, then sends every change of its status.
             watch = health_pb2_grpc.HealthStub(channel).Watch(
