@@ -42,13 +42,25 @@ def prompt_context(tokenizer: Tokenizer, prompt_token_ids: list[int]) -> list[in
 class IncrementalDecoder:
     """Turns output token ids into text one id at a time; step() returns only the new text."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool, spaces_between_special_tokens: bool):
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens=True,
+                 spaces_between_special_tokens=True):  # fmt: skip
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         # vLLM's meaning of spaces_between_special_tokens=False: an added token right after another one gives
         # its bare text, without any separator the tokenizer's decoder would put in front of it.
         self.join_added_tokens = not skip_special_tokens and not spaces_between_special_tokens
         self.prev_was_added = False
+        self._start()
+        # The prompt's tail is decoded first, as context for the first output token; none of it is returned.
+        for token_id in prompt_context(tokenizer, prompt_token_ids):
+            self._step(token_id)
+        self._prompt_done()
+
+    def _start(self) -> None:
+        """Set up the decoding state, before the prompt's context runs through _step."""
+
+    def _prompt_done(self) -> None:
+        """The prompt's context has run through _step."""
 
     def step(self, token_id: int) -> str:
         text = self._step(token_id)
@@ -70,24 +82,17 @@ class IncrementalDecoder:
 class StreamDecoder(IncrementalDecoder):
     """tokenizers' DecodeStream: the Rust side keeps the window and holds split characters (step returns None)."""
 
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_token_ids: list[int],
-        skip_special_tokens=True,
-        spaces_between_special_tokens=True,
-    ):
-        super().__init__(tokenizer, skip_special_tokens, spaces_between_special_tokens)
-        if tokenizer.backend is None:
+    def _start(self) -> None:
+        if self.tokenizer.backend is None:
             raise ValueError("DecodeStream needs a fast tokenizer (one with a tokenizers backend)")
-        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        # The ids fed to the stream, and how many of them are out as text; the rest are held (for flush).
+        self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        # The ids fed to the stream, and how many of them are out as text; the rest are held (for flush). The
+        # prompt is stepped one by one rather than passed as DecodeStream(ids=...): with that, a prompt ending
+        # inside a character made the first step return the prompt's text again (tokenizers 0.23).
         self.ids: list[int] = []
         self.num_emitted = 0
-        # Stepped one by one rather than passed as DecodeStream(ids=...): with that, a prompt ending inside a
-        # character made the first step return the prompt's text again (tokenizers 0.23).
-        for token_id in prompt_context(tokenizer, prompt_token_ids):
-            self._step(token_id)
+
+    def _prompt_done(self) -> None:
         self.num_emitted = len(self.ids)  # bytes of a prompt's unfinished character are never flushed
 
     def _step(self, token_id: int) -> str:
@@ -134,18 +139,11 @@ class OffsetDecoder(IncrementalDecoder):
     still incomplete, so nothing is returned and the offsets stay.
     """
 
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_token_ids: list[int],
-        skip_special_tokens=True,
-        spaces_between_special_tokens=True,
-    ):
-        super().__init__(tokenizer, skip_special_tokens, spaces_between_special_tokens)
+    def _start(self) -> None:
         self.tokens: list[str] = []
         self.prefix_offset = self.read_offset = 0
-        for token_id in prompt_context(tokenizer, prompt_token_ids):
-            self._step(token_id)
+
+    def _prompt_done(self) -> None:
         self.num_prompt_tokens = len(self.tokens)
 
     def _to_tokens(self, token_ids) -> list[str]:
