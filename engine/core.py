@@ -149,15 +149,11 @@ class EngineCore:
         runner_output.sampled_token_ids = [runner_output.sampled_token_ids[i] for i in keep]
         outputs = []
         for request in self.scheduler.finish_requests(list(runner_output.failed), RequestStatus.FINISHED_ERROR):
-            request.failure = runner_output.failed[request.request_id]
-            logger.warning("%s", request.failure.message)
+            failure = runner_output.failed[request.request_id]
+            logger.warning("%s", failure.message)
             outputs.append(
                 EngineCoreOutput(
-                    request.request_id,
-                    [],
-                    request.get_finished_reason(),
-                    events=request.take_events(),
-                    failure=request.failure,
+                    request.request_id, [], request.get_finished_reason(), events=request.take_events(), failure=failure
                 )
             )
         return outputs

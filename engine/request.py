@@ -18,7 +18,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 5
     FINISHED_ABORTED = 6
     FINISHED_IGNORED = 7
-    # Per-request work in a step raised for this request alone (Request.failure says what).
+    # Per-request work in a step raised for this request alone (its EngineCoreOutput.failure says what).
     FINISHED_ERROR = 8
 
     @staticmethod
@@ -271,7 +271,6 @@ class Request:
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.failure: RequestFailure | None = None  # set with FINISHED_ERROR
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0

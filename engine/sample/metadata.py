@@ -134,11 +134,12 @@ class _Row:
         )
         for name, ids in (
             ("bad_words/stop_token_ids", row.banned),
-            ("logit_bias", [t for t, _ in row.bias]),
+            ("logit_bias", p.logit_bias or ()),
             ("allowed_token_ids", row.allowed or ()),
         ):
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
+            # min and max run in C: this runs every step, over up to --max-allowed-token-ids ids.
+            if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+                bad = [t for t in ids if not 0 <= t < vocab_size]
                 raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad[:3]}")
         return row
 
