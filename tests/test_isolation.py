@@ -11,6 +11,7 @@ every hook, and the good requests' outputs equal a run without it.
 """
 
 import threading
+import urllib.request
 
 import grpc
 import pytest
@@ -192,6 +193,13 @@ def test_a_telemetry_hook_that_raises_fails_nothing(service, stub, clean, monkey
     assert run_batch(stub)[0] == clean
     # Every hook raised: two per step, and three per request at least.
     assert engine.hook_errors - before >= 2 * MAX_TOKENS + 3 * len(GOOD)
+    # ... and counted on /metrics.
+    url = f"http://127.0.0.1:{service.server.telemetry.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        scraped = reply.read().decode()
+    [line] = [x for x in scraped.splitlines() if x.startswith("llmmesh:telemetry_hook_errors_total{")]
+    # (a stream's last hook may still run after the scrape)
+    assert before + 2 * MAX_TOKENS + 3 * len(GOOD) <= float(line.split()[-1]) <= engine.hook_errors
     monkeypatch.undo()
     wait_for_health(service.address, SERVING, timeout=5)
     assert run_batch(stub)[0] == clean
