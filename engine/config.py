@@ -44,6 +44,46 @@ def _scalar_type(t) -> type:
 MAX_CUDAGRAPH_CAPTURE_SIZE = 512
 
 
+# Each flag's --help text (docs/flags.md shows them too); every field of EngineArgs has one.
+FLAG_HELP = {
+    "model": "the model: the embedded default's name, a Hugging Face model directory or a .gguf file",
+    "dtype": "weights' and activations' dtype: float32, bfloat16 or float16; auto: float32 on CPU, bfloat16 on a "
+    "GPU that has it",
+    "device": "cpu or cuda; auto: cuda when there is one, else cpu",
+    "seed": "seed of the engine's random state, which samples the requests that bring no seed of their own",
+    "max_model_len": "longest sequence (prompt and output) a request may reach; unset: the model's own",
+    "block_size": "tokens per KV-cache block (a power of two)",
+    "kv_cache_memory": "the KV cache's budget in bytes, or with a GiB/MiB/KiB/GB/MB/KB suffix; unset: 2GiB on CPU, "
+    "on a GPU the memory is profiled and --gpu-memory-utilization applies",
+    "gpu_memory_utilization": "share of the GPU's memory for the weights, activations and KV cache",
+    "enable_prefix_caching": "reuse the cached full blocks of a prompt's prefix across requests",
+    "prefix_caching_hash_algo": "hash naming a prefix's blocks: sha256 or blake2b",
+    "prefix_caching_hash_seed": "a seed mixed into every block hash, so one deployment's hashes are its own",
+    "enable_kv_cache_events": "publish vLLM's KV-cache events (blocks stored, removed, cleared) on the engine "
+    "protocol, for a cache-aware router",
+    "max_num_batched_tokens": "tokens scheduled in one step at most",
+    "max_num_seqs": "requests running at once at most",
+    "scheduling_policy": "fcfs (first come, first served) or priority (lowest priority value first)",
+    "long_prefill_token_threshold": "cap on one request's prefill chunk per step; 0: no cap",
+    "watermark": "share of the KV-cache blocks held back from new requests, so running ones can grow",
+    "attention_backend": "attention kernels: torch, cpu or triton; auto: triton on CUDA, cpu on CPU (torch when "
+    "the C++ kernels cannot be built)",
+    "max_logprobs": "most logprobs or prompt_logprobs a request may ask for; -1: no limit",
+    "download_dir": "where converted weights are cached; unset: $LLMMESH_CACHE_DIR, else ~/.cache/llmmesh",
+    "kv_transfer_config": "vLLM's KV connector as JSON, e.g. "
+    '{"kv_connector":"KVStoreConnector","kv_role":"kv_both","kv_connector_extra_config":'
+    '{"kvstore_address":"127.0.0.1:50054"}}; unset: none (llmmesh serve sets it)',
+    "sampler_address": "HOST:PORT of a sampler service (llmmesh sampler) that samples each step; unset: sample "
+    "in process (llmmesh serve sets it)",
+    "sampler_timeout": "seconds a step waits for the sampler service; past it, or when the service is down, the "
+    "step's requests end with UNAVAILABLE and the engine goes on",
+    "sampler_fallback": "sample in process a step the sampler service cannot serve, instead of failing its requests",
+    "enforce_eager": "never capture or run CUDA graphs",
+    "cudagraph_capture_sizes": "decode batch sizes captured as CUDA graphs at start-up (a batch runs as the next "
+    "size up), capped at --max-num-seqs; unset: 1, 2, 4, then every multiple of 8 up to 512",
+}
+
+
 @dataclass
 class EngineArgs:
     model: str = DEFAULT_MODEL
@@ -70,7 +110,7 @@ class EngineArgs:
     max_logprobs: int = 20
     download_dir: str | None = None  # where converted weights are cached
     # vLLM's --kv-transfer-config: a KV connector as JSON, e.g. {"kv_connector": "KVStoreConnector",
-    # "kv_role": "kv_both", "kv_connector_extra_config": {"kvstore_address": "127.0.0.1:50055"}}, or
+    # "kv_role": "kv_both", "kv_connector_extra_config": {"kvstore_address": "127.0.0.1:50054"}}, or
     # SharedStorageConnector with {"shared_storage_path": DIR}, or a class of a module named by kv_connector_module_path
     kv_transfer_config: str | None = None
     # The sampler service (llmmesh sampler) at HOST:PORT samples each step; None: sample in process.
@@ -136,9 +176,11 @@ class EngineArgs:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             if f.type is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+                parser.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=FLAG_HELP.get(f.name)
+                )
             else:
-                parser.add_argument(flag, type=_scalar_type(f.type), default=f.default)
+                parser.add_argument(flag, type=_scalar_type(f.type), default=f.default, help=FLAG_HELP.get(f.name))
         return parser
 
     @classmethod

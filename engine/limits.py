@@ -8,22 +8,39 @@ the offline LLM trusts its caller and checks only the model's own limits.
 
 from dataclasses import dataclass
 
+# Each limit's --help text (docs/flags.md shows them too); every field of RequestLimits has one.
+FLAG_HELP = {
+    "max_n": "completions (n) one request may ask for",
+    "max_stop": "stop strings per request",
+    "max_stop_chars": "characters in one stop string",
+    "max_stop_token_ids": "stop_token_ids per request",
+    "max_bad_words": "bad_words per request",
+    "max_bad_word_chars": "characters in one of the bad_words",
+    "max_logit_bias": "logit_bias entries per request",
+    "max_allowed_token_ids": "allowed_token_ids per request",
+    "max_messages": "chat messages per request",
+    "max_prompt_chars": "characters of a prompt's text, or of all chat messages' content together",
+    "max_id_chars": "characters in a request id or a cache salt",
+    "max_batch": "requests in one TokenizeBatch, items in one detokenizer batch",
+    "max_open_requests": "requests open at once on one detokenizer stream",
+}
+
 
 @dataclass
 class RequestLimits:
-    max_n: int = 128  # completions per request (OpenAI's cap)
-    max_stop: int = 64  # stop strings per request
-    max_stop_chars: int = 1024  # characters in one stop string
+    max_n: int = 128  # OpenAI's cap
+    max_stop: int = 64
+    max_stop_chars: int = 1024
     max_stop_token_ids: int = 1024
     max_bad_words: int = 1024
     max_bad_word_chars: int = 1024
-    max_logit_bias: int = 1024  # logit_bias entries
+    max_logit_bias: int = 1024
     max_allowed_token_ids: int = 65536
-    max_messages: int = 1024  # chat messages per request
-    max_prompt_chars: int = 1 << 20  # prompt text, or all chat messages' content together
-    max_id_chars: int = 256  # request ids and cache salts
-    max_batch: int = 1024  # requests in one TokenizeBatch, items in one detokenizer batch
-    max_open_requests: int = 16384  # requests open at once on one detokenizer stream
+    max_messages: int = 1024
+    max_prompt_chars: int = 1 << 20
+    max_id_chars: int = 256
+    max_batch: int = 1024
+    max_open_requests: int = 16384
 
     def check_count(self, field: str, count: int, limit_name: str) -> None:
         limit = getattr(self, limit_name)

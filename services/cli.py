@@ -54,9 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     offline = sub.add_parser("run-offline", help="generate from a few prompts with the offline engine")
     offline.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in demos")
-    offline.add_argument("--max-tokens", type=int, default=48)
-    offline.add_argument("--temperature", type=float, default=0.0)
-    offline.add_argument("--sampling-seed", type=int, default=None)
+    offline.add_argument("--max-tokens", type=int, default=48, help="most tokens to generate per prompt")
+    offline.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    offline.add_argument(
+        "--sampling-seed", type=int, default=None, help="each request's sampling seed; unset: the engine's random state"
+    )
     EngineArgs.add_cli_args(offline)
     offline.set_defaults(func=run_offline)
     engine = config.service_parser(

@@ -184,25 +184,25 @@ def run_chat(args: argparse.Namespace) -> None:
 
 def _add_client_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=DEFAULT_ADDRESS, help="the gateway's HOST:PORT")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key", default=None, help="the key the gateway was started with (--api-key)")
     parser.add_argument("--model", dest="request_model", default="", help="the model to ask for; empty: the served one")
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
     parser.add_argument("--temperature", type=float, default=None, help="default 1.0; 0: greedy")
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling's probability mass; default 1.0")
+    parser.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens; default: all")
+    parser.add_argument("--seed", type=int, default=None, help="the request's sampling seed, for repeatable sampling")
     parser.add_argument("--stop", action="append", help="a stop string (repeatable)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
 
 
 def add_subcommands(subparsers) -> None:
     p = subparsers.add_parser("generate", help="stream a completion from a running gateway")
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the prompt's text")
     _add_client_args(p)
     p.set_defaults(func=run_generate)
 
     p = subparsers.add_parser("chat", help="stream a chat reply from a running gateway")
-    p.add_argument("message")
+    p.add_argument("message", help="the user's message")
     p.add_argument("--system", default=None, help="a system message to put first")
     _add_client_args(p)
     p.set_defaults(func=run_chat)

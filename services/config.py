@@ -13,6 +13,7 @@ import logging
 import os
 
 from engine.config import DEFAULT_MODEL  # noqa: F401 (the one name of the default model, for every service)
+from engine.limits import FLAG_HELP as LIMIT_HELP
 from engine.limits import RequestLimits
 from services import telemetry
 
@@ -89,7 +90,9 @@ def service_parser(subparsers, name: str, help: str, port_of: str | None = None)
     parser.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight calls get to finish after SIGTERM"
     )
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="the lowest level logged"
+    )
     telemetry.add_args(parser)  # --otlp-traces-endpoint, --trace-sample-ratio, --metrics-port
     return parser
 
@@ -98,7 +101,7 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
     """RequestLimits as flags (--max-n, --max-stop, ...)."""
     group = parser.add_argument_group("request limits")
     for f in dataclasses.fields(RequestLimits):
-        group.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
+        group.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=LIMIT_HELP.get(f.name))
 
 
 def add_detailed_traces_arg(parser: argparse.ArgumentParser) -> None:

@@ -5,13 +5,10 @@ LLMMESH_* variable. tests/test_docs.py fails when the file in the repository dif
 """
 
 import argparse
-import dataclasses
 import os
 import sys
 from pathlib import Path
 
-from engine.config import EngineArgs
-from engine.limits import RequestLimits
 from services import config
 
 PATH = Path(__file__).resolve().parent.parent / "docs" / "flags.md"
@@ -30,8 +27,8 @@ A variable means the same flag in every command that has it, so one variable set
 One name is shared by two meanings: `LLMMESH_SEED` is the engine's `--seed` and also the sampling seed that
 `llmmesh generate` and `llmmesh chat` send, so leave it unset in a shell that runs those clients.
 
-The engine's flags have vLLM's names, defaults and meaning; [configuration.md](configuration.md) explains each
-one, the ports and the KV connector's options. The request limits (`--max-n` and the rest) are explained in
+The engine's flags have vLLM's names, defaults and meaning; [configuration.md](configuration.md) explains the
+ports, the environment, the engine's settings that need more than a line and the KV connector's options. The request limits (`--max-n` and the rest) are explained in
 [api.md](api.md#request-limits). Defaults shown as `unset` mean the flag is off or taken from elsewhere (the
 model's own length, a profile of the device) as its meaning says.
 """
@@ -41,17 +38,9 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _meaning(action: argparse.Action) -> str:
-    """The help text apply_env started from (without the default and variable it appended); where a flag has none,
-    the page that explains it."""
-    text = (action.help or "").replace("%%", "%").removesuffix(config.help_suffix(action)).strip()
-    if text:
-        return text
-    if action.dest in {f.name for f in dataclasses.fields(EngineArgs)}:
-        return "[engine setting](configuration.md#the-engines-settings)"
-    if action.dest in {f.name for f in dataclasses.fields(RequestLimits)}:
-        return "[request limits](api.md#request-limits)"
-    return ""
+def meaning(action: argparse.Action) -> str:
+    """The help text apply_env started from, without the default and variable it appended."""
+    return (action.help or "").replace("%%", "%").removesuffix(config.help_suffix(action)).strip()
 
 
 def _flag(action: argparse.Action) -> str:
@@ -68,7 +57,7 @@ def _table(actions: list[argparse.Action]) -> list[str]:
             default, variable = f"`{config.default_text(action)}`", f"`{config.env_name(action.dest)}`"
         else:
             default, variable = "required", ""
-        rows.append(f"| {_flag(action)} | {_cell(default)} | {variable} | {_cell(_meaning(action))} |")
+        rows.append(f"| {_flag(action)} | {_cell(default)} | {variable} | {_cell(meaning(action))} |")
     return rows
 
 

@@ -260,5 +260,5 @@ def add_subcommands(subparsers) -> None:
     parser = subparsers.add_parser("health", help="exit 0 when a service's gRPC health check says SERVING")
     parser.add_argument("address", help="HOST:PORT")
     parser.add_argument("--service", default="", help="a full service name; empty means the whole server")
-    parser.add_argument("--timeout", type=float, default=2.0)
+    parser.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
     parser.set_defaults(func=lambda args: sys.exit(0 if check_health(args.address, args.service, args.timeout) else 1))

@@ -683,7 +683,7 @@ def add_subcommands(subparsers) -> None:
     p.set_defaults(func=serve)
 
     p = subparsers.add_parser("demo", help="start the mesh, stream a few generations through it, stop it")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=48, help="most tokens to generate per prompt")
     EngineArgs.add_cli_args(p)
     add_kv_store_args(p)
     add_sampler_args(p)

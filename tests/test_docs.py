@@ -62,10 +62,13 @@ def test_flags_doc_is_current():
         )
 
 
-def test_help_shows_each_default_and_variable():
+def test_help_shows_each_meaning_default_and_variable():
     for name, parser in subcommands().items():
         for action in parser._actions:
-            if action.option_strings and action.dest != "help":
+            if action.dest == "help":
+                continue
+            assert flags_doc.meaning(action), f"llmmesh {name} {action.dest}: give the flag a help= text"
+            if action.option_strings:
                 assert action.help.replace("%%", "%").endswith(config.help_suffix(action)), (name, action.dest)
     shown = " ".join(subcommands()["gateway"].format_help().split())
     assert f"0: any free port (default: {config.DEFAULT_PORTS['gateway']}) [env LLMMESH_PORT]" in shown
