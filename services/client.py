@@ -148,7 +148,7 @@ def _sampling_args(args) -> dict:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        seed=args.seed,
+        seed=args.sampling_seed,
         stop=args.stop or None,
     )
 
@@ -190,7 +190,7 @@ def _add_client_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=None, help="default 1.0; 0: greedy")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling's probability mass; default 1.0")
     parser.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens; default: all")
-    parser.add_argument("--seed", type=int, default=None, help="the request's sampling seed, for repeatable sampling")
+    parser.add_argument("--sampling-seed", type=int, default=None, help="the request's seed, for repeatable sampling")
     parser.add_argument("--stop", action="append", help="a stop string (repeatable)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
 

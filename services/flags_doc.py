@@ -24,8 +24,8 @@ environment as `LLMMESH_<NAME>` (the variable column): a switch takes `true`/`fa
 `on`/`off`), a repeatable flag a comma-separated list, and a flag given on the command line wins over its variable.
 A variable means the same flag in every command that has it, so one variable sets it for the whole mesh:
 `LLMMESH_MODEL` is the model for the engine and the text services, `LLMMESH_MAX_N` the `--max-n` limit everywhere.
-One name is shared by two meanings: `LLMMESH_SEED` is the engine's `--seed` and also the sampling seed that
-`llmmesh generate` and `llmmesh chat` send, so leave it unset in a shell that runs those clients.
+`LLMMESH_SEED` is the engine's `--seed` (vLLM's); the seed each request carries is `--sampling-seed`
+(`LLMMESH_SAMPLING_SEED`) of `llmmesh generate`, `llmmesh chat` and `llmmesh run-offline`.
 
 The engine's flags have vLLM's names, defaults and meaning; [configuration.md](configuration.md) explains the
 ports, the environment, the engine's settings that need more than a line and the KV connector's options. The request limits (`--max-n` and the rest) are explained in

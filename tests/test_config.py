@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from engine.config import EngineArgs, parse_int_list, parse_memory_size
-from services import config
+from services import client, config
 from services.cli import build_parser
 
 
@@ -57,6 +57,22 @@ def test_environment_sets_defaults(monkeypatch):
     assert llmmesh(["engine", "--enable-prefix-caching"]).enable_prefix_caching is True
     # The same variable is the same flag in every command that has it.
     assert llmmesh(["serve"]).max_num_seqs == llmmesh(["run-offline"]).max_num_seqs == 7
+
+
+def test_the_engine_seed_and_the_sampling_seed_are_two_variables(monkeypatch):
+    """LLMMESH_SEED is the engine's --seed only; the clients' and run-offline's per-request seed is
+    LLMMESH_SAMPLING_SEED."""
+    monkeypatch.setenv("LLMMESH_SEED", "5")
+    monkeypatch.setenv("LLMMESH_SAMPLING_SEED", "9")
+    for command in ("engine", "serve", "demo", "run-offline"):
+        assert llmmesh([command]).seed == 5, command
+    assert llmmesh(["run-offline"]).sampling_seed == 9
+    for command in ("generate", "chat"):
+        args = llmmesh([command, "a prompt"])
+        assert not hasattr(args, "seed"), command
+        assert client.sampling_params(**client._sampling_args(args)).seed == 9, command
+    monkeypatch.delenv("LLMMESH_SAMPLING_SEED")
+    assert not client.sampling_params(**client._sampling_args(llmmesh(["generate", "a prompt"]))).HasField("seed")
 
 
 def test_limits_and_gateway_dependencies_from_the_environment(monkeypatch):
