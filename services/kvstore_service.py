@@ -11,6 +11,7 @@ next chunk is read while the last one is sent), Delete one DEL. Health is NOT_SE
 answer PING, and every RPC then answers UNAVAILABLE within --redis-timeout.
 """
 
+import argparse
 import asyncio
 import contextlib
 import functools
@@ -333,9 +334,8 @@ async def serve(args) -> None:
         await service.redis.aclose()
 
 
-def add_subcommands(subparsers) -> None:
-    parser = config.service_parser(subparsers, "kvstore", "serve llmmesh.v1.KVStore (KV-cache blocks in Redis)")
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="redis://HOST:PORT/DB")
+def add_store_args(parser: argparse.ArgumentParser) -> None:
+    """The kvstore's flags besides its Redis's address (`llmmesh serve` passes them on to its kvstore)."""
     parser.add_argument(
         "--redis-timeout",
         type=float,
@@ -354,6 +354,12 @@ def add_subcommands(subparsers) -> None:
         default=MAX_MESSAGE_BYTES - 2**20,
         help="the largest block a layout may describe (one block travels in one gRPC message)",
     )
+
+
+def add_subcommands(subparsers) -> None:
+    parser = config.service_parser(subparsers, "kvstore", "serve llmmesh.v1.KVStore (KV-cache blocks in Redis)")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="redis://HOST:PORT/DB")
+    add_store_args(parser)
 
     def run(args):
         for flag in ("redis_timeout", "max_blocks_per_request", "max_block_bytes"):

@@ -25,7 +25,7 @@ import time
 
 from engine.config import EngineArgs
 from engine.limits import RequestLimits
-from services import client, config
+from services import client, config, kvstore_service
 from services.gateway import add_gateway_args
 from services.prometheus import scrape_config
 
@@ -588,17 +588,19 @@ def telemetry_env(args: argparse.Namespace) -> dict:
     return env
 
 
+def as_flags(args: argparse.Namespace, dests) -> list[str]:
+    """`--name value` for each dest, as args holds it."""
+    return [flag for dest in dests for flag in ("--" + dest.replace("_", "-"), str(getattr(args, dest)))]
+
+
 def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     """`llmmesh serve`'s flags for each service that takes them, by service. The engine's own (EngineArgs) go to it
     as Mesh's engine_args, --model also to the text services, and tracing and metrics as telemetry_env; the
     gateway alone binds --host and --port, the others listen on loopback."""
     every = ["--log-level", args.log_level]
     drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
-    limits = [
-        flag
-        for f in dataclasses.fields(RequestLimits)
-        for flag in ("--" + f.name.replace("_", "-"), str(getattr(args, f.name)))
-    ]
+    limits = as_flags(args, [f.name for f in dataclasses.fields(RequestLimits)])
+    store = as_flags(args, ("redis_timeout", "max_blocks_per_request", "max_block_bytes"))
     trust = ["--trust-request-chat-template"] if args.trust_request_chat_template else []
     gateway = ["--host", args.host, "--max-requests-in-flight", str(args.max_requests_in_flight)]
     if args.served_model_name:
@@ -614,7 +616,7 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
         "engine": [*every, *drain, *engine, *limits],
         "tokenizer": [*every, *drain, *trust, *limits],
         "detokenizer": [*every, *drain, *limits],
-        "kvstore": [*every, *drain],
+        "kvstore": [*every, *drain, *store],
         "sampler": [*every, *device],  # its short drain stays: an engine's step stream lasts as long as the engine
     }
 
@@ -672,6 +674,7 @@ def add_subcommands(subparsers) -> None:
     EngineArgs.add_cli_args(p)
     config.add_detailed_traces_arg(p)
     add_kv_store_args(p)
+    kvstore_service.add_store_args(p)
     add_sampler_args(p)
     p.add_argument(
         "--prometheus-config",

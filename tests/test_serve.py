@@ -122,6 +122,7 @@ def test_every_flag_of_serve_reaches_each_service_that_takes_it(monkeypatch):
                 assert getattr(parsed, dest) == value, f"{service} --{dest}: {getattr(parsed, dest)!r}, serve {value!r}"
                 reached.add(dest)
     assert reached >= {"host", "log_level", "collect_detailed_traces", "trust_request_chat_template", *LIMITS}
+    assert reached >= {"redis_timeout", "max_blocks_per_request", "max_block_bytes"}  # the kvstore's own
     # What is left is serve's own: how it runs the mesh.
     assert set(chosen) - reached == {
         "port",
@@ -130,6 +131,7 @@ def test_every_flag_of_serve_reaches_each_service_that_takes_it(monkeypatch):
         "redis_maxmemory",
         "sampler_service",
         "prometheus_config",
+        "engines",
     }
     # The engine's flags reach it as EngineArgs; a device named for it is the sampler's too.
     sampler = supervisor.service_flags(build_parser().parse_args(["serve", "--device", "cpu"]))["sampler"]
