@@ -1,8 +1,9 @@
 """The gateway's dependencies: channels to the engines, tokenizer and detokenizer, their health, and routing.
 
 A monitor checks every dependency's gRPC health twice a second and keeps the gateway's own health in
-step (NOT_SERVING until all answer). Requests go to the healthy engine with the fewest in flight; with
-no healthy engine they fail at once with UNAVAILABLE rather than wait on a dead one.
+step (NOT_SERVING until all answer); with prefix-aware routing it also reads each healthy engine's GetLoad then,
+and follows each engine's KV events (services/routing.py chooses the engine). With no healthy engine, requests
+fail at once with UNAVAILABLE rather than wait on a dead one.
 """
 
 import asyncio
@@ -15,6 +16,7 @@ from engine.limits import RequestLimits
 from llmmesh.v1 import detokenizer_pb2_grpc, engine_pb2, engine_pb2_grpc, tokenizer_pb2_grpc
 from services.detokenizer_client import DetokenizerStream
 from services.errors import RequestError, dependency_error, unavailable
+from services.routing import Routed, Router
 from services.server import Server, channel
 
 logger = logging.getLogger("llmmesh.gateway")
@@ -22,10 +24,19 @@ logger = logging.getLogger("llmmesh.gateway")
 UNARY_TIMEOUT = 10.0  # s for a unary call to a dependency: a stuck one must not hang a request
 HEALTH_INTERVAL = 0.5  # s between dependency health checks
 HEALTH_TIMEOUT = 1.0
+KV_EVENTS_RETRY_S = 1.0  # s before subscribing again to an engine's KV events after its stream ended
+KV_EVENTS_OFF_RETRY_S = 30.0  # ... after the engine said its KV events are off
 
 
 class Dependencies:
-    def __init__(self, engines: list[str], tokenizer: str, detokenizer: str, max_batch: int = RequestLimits.max_batch):
+    def __init__(
+        self,
+        engines: list[str],
+        tokenizer: str,
+        detokenizer: str,
+        max_batch: int = RequestLimits.max_batch,
+        routing: str | None = None,
+    ):
         self.max_batch = max_batch  # items per DetokenizeBatch: the detokenizer's --max-batch (serve gives both one)
         if not engines:
             raise ValueError("engine: give at least one engine address (--engine HOST:PORT).")
@@ -33,7 +44,10 @@ class Dependencies:
         self.engines = {
             address: engine_pb2_grpc.EngineStub(self.channels[address]) for address in dict.fromkeys(engines)
         }
-        self.engine_in_flight = dict.fromkeys(self.engines, 0)
+        # prefix-aware by default with more than one engine; with one there is nothing to choose
+        routing = routing or ("prefix-aware" if len(self.engines) > 1 else "least-loaded")
+        self.router = Router(list(self.engines), routing)
+        self.kv_event_tasks: list[asyncio.Task] = []
         self.healthy_engines: set[str] = set()
         self.tokenizer_address, self.detokenizer_address = tokenizer, detokenizer
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self.channels[tokenizer])
@@ -56,16 +70,57 @@ class Dependencies:
         results = await asyncio.gather(
             *(self._healthy(a) for a in [self.tokenizer_address, self.detokenizer_address, *engines])
         )
-        self.healthy_engines = {a for a, ok in zip(engines, results[2:]) if ok}
+        healthy = {a for a, ok in zip(engines, results[2:]) if ok}
+        for address in self.healthy_engines - healthy:
+            self.router.drop_engine(address)  # what it held may be gone when it comes back
+        self.healthy_engines = healthy
         if self.healthy_engines and self.model_info is None:
             try:
                 await self.load_model_info()
             except RequestError:
                 return False
+        if self.router.policy == "prefix-aware":
+            await asyncio.gather(*(self._read_load(address) for address in healthy))
         return all(results[:2]) and bool(self.healthy_engines)
 
+    async def _read_load(self, address: str) -> None:
+        try:
+            reply = await self.engines[address].GetLoad(engine_pb2.GetLoadRequest(), timeout=HEALTH_TIMEOUT)
+        except grpc.aio.AioRpcError:
+            return  # its health check says the rest
+        self.router.update_load(address, reply)
+
+    async def follow_kv_events(self, address: str) -> None:
+        """Keep the router's index of this engine's blocks from its KV event stream, subscribing again whenever the
+        stream ends. Each new stream starts from nothing (the engine may have restarted): its old entries go."""
+        engine = self.router.engine_index(address)
+        while True:
+            call = self.engines[address].SubscribeKvEvents(engine_pb2.SubscribeKvEventsRequest())
+            retry = KV_EVENTS_RETRY_S
+            try:
+                await call.initial_metadata()
+                self.router.index.drop_engine(engine)
+                last = None
+                async for batch in call:
+                    if last is not None and batch.sequence_number != last + 1:
+                        logger.debug("KV events from %s: batches %d..%d lost", address, last + 1, batch.sequence_number)
+                    last = batch.sequence_number
+                    self.router.index.apply(engine, batch)
+            except grpc.aio.AioRpcError as e:
+                if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+                    message = "the engine %s sends no KV events (%s): routing to it by load alone"
+                    logger.warning(message, address, e.details())
+                    retry = KV_EVENTS_OFF_RETRY_S
+            finally:
+                call.cancel()
+            self.router.index.drop_engine(engine)
+            await asyncio.sleep(retry)
+
     async def monitor(self, server: Server, stopping: asyncio.Event) -> None:
-        """Keep the gateway's health in step with its dependencies'."""
+        """Keep the gateway's health in step with its dependencies', and the router's index with the engines'
+        KV events."""
+        if self.router.policy == "prefix-aware" and not self.kv_event_tasks:
+            self.kv_event_tasks = [asyncio.create_task(self.follow_kv_events(a)) for a in self.engines]
         serving = None
         while not stopping.is_set():
             ok = await self.check()
@@ -87,15 +142,18 @@ class Dependencies:
             except grpc.aio.AioRpcError as e:
                 raise dependency_error("engine", address, e) from None
         self.model_info = min(infos, key=lambda info: (info.max_model_len, info.vocab_size))
+        self.router.set_model_info(self.model_info)
         return self.model_info
 
     async def get_model_info(self) -> engine_pb2.ModelInfo:
         return self.model_info if self.model_info is not None else await self.load_model_info()
 
-    def pick_engine(self) -> str:
-        if not self.healthy_engines:
+    def route(self, prompt_ids: list[int], cache_salt: str = "", exclude=()) -> Routed:
+        """The engine for this prompt, among the healthy ones not excluded (router.release(...) once it ends)."""
+        candidates = self.healthy_engines.difference(exclude)
+        if not candidates:
             raise unavailable(f"no engine is healthy (engines: {', '.join(self.engines)})")
-        return min(self.healthy_engines, key=lambda address: self.engine_in_flight[address])
+        return self.router.route(candidates, prompt_ids, cache_salt)
 
     def detokenizer_stream(self) -> DetokenizerStream:
         if self.detokenizer is None or self.detokenizer.error is not None:
@@ -116,6 +174,8 @@ class Dependencies:
             logger.warning("could not abort %s at the engine %s: %s", engine_request_id, address, e.details())
 
     async def close(self) -> None:
+        for task in self.kv_event_tasks:
+            task.cancel()
         if self.detokenizer is not None:
             self.detokenizer.cancel()
         for ch in self.channels.values():

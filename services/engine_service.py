@@ -8,6 +8,8 @@ import grpc
 from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
 from engine.core import EngineCore
+from engine.kv.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
+from engine.kv.connector.kvstore_connector import KVStoreConnector
 from engine.text.tokenizer import Tokenizer
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
 from services import config
@@ -25,6 +27,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, engine: AsyncLLM | None = None):
         self.engine = engine
         self.observer: EngineTelemetry | None = None  # metrics and request spans, when either is on
+        self.stopping = asyncio.Event()  # the server's stop_requested: KV event streams end, not hold its drain
 
     async def ready(self, context) -> AsyncLLM:
         if self.engine is None:
@@ -64,13 +67,19 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def GetModelInfo(self, request, context):
         core = (await self.ready(context)).core
+        args = core.args
         return engine_pb2.ModelInfo(
-            model=core.args.model,
+            model=args.model,
             architecture=core.model_config.architecture,
             vocab_size=core.model_config.vocab_size,
             max_model_len=core.max_model_len,
             dtype=str(core.dtype).removeprefix("torch."),
             eos_token_ids=core.model_config.eos_token_ids,
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+            prefix_caching_hash_seed=args.prefix_caching_hash_seed or "",
+            enable_kv_cache_events=args.enable_kv_cache_events,
         )
 
     async def GetServerInfo(self, request, context):
@@ -87,10 +96,56 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         )
 
     async def GetLoad(self, request, context):
-        stats = (await self.ready(context)).stats
-        return engine_pb2.Load(
+        engine = await self.ready(context)
+        stats = engine.stats
+        load = engine_pb2.Load(
             num_running=stats.num_running_reqs, num_waiting=stats.num_waiting_reqs, kv_cache_usage=stats.kv_cache_usage
         )
+        connector = engine.core.connector
+        if isinstance(connector, KVStoreConnector) and (cost := connector.cost.block_load_cost()) is not None:
+            load.kv_load_cost = cost
+        return load
+
+    async def SubscribeKvEvents(self, request, context):
+        engine = await self.ready(context)
+        if not engine.core.args.enable_kv_cache_events:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "KV cache events are off; start the engine with --enable-kv-cache-events",
+            )
+        queue = engine.subscribe_kv_events()  # bounded: a subscriber that falls behind loses the oldest batches
+        await context.send_initial_metadata(())  # the stream is open before the first event
+        stopping = asyncio.ensure_future(self.stopping.wait())
+        try:
+            while True:
+                batch = asyncio.ensure_future(queue.get())
+                await asyncio.wait((batch, stopping), return_when=asyncio.FIRST_COMPLETED)
+                if not batch.done():
+                    batch.cancel()
+                    return
+                yield kv_events_to_llmmesh(*batch.result())
+        finally:
+            stopping.cancel()
+            engine.unsubscribe_kv_events(queue)
+
+
+def kv_events_to_llmmesh(seq: int, timestamp: float, events: list) -> engine_pb2.KvEventBatch:
+    batch = engine_pb2.KvEventBatch(sequence_number=seq, timestamp=timestamp)
+    for event in events:
+        if isinstance(event, BlockStored):
+            stored = engine_pb2.BlockStored(
+                block_hashes=event.block_hashes,
+                parent_block_hash=event.parent_block_hash or b"",
+                block_size=event.block_size,
+                medium=event.medium,
+                loaded_from=event.loaded_from or "",
+            )
+            batch.events.add(stored=stored)
+        elif isinstance(event, BlockRemoved):
+            batch.events.add(removed=engine_pb2.BlockRemoved(block_hashes=event.block_hashes))
+        elif isinstance(event, AllBlocksCleared):
+            batch.events.add(cleared=engine_pb2.AllBlocksCleared())
+    return batch
 
 
 # ---- the process -----------------------------------------------------------------
@@ -101,6 +156,7 @@ async def serve(args) -> None:
     # Both protocols on one port, over one AsyncLLM.
     server = Server("engine", [ENGINE_SERVICE, VLLM_ENGINE_SERVICE], args)
     servicer = EngineServicer()
+    servicer.stopping = server.stop_requested
     server.add(engine_pb2_grpc.add_EngineServicer_to_server, servicer)
     server.add(vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer))
     await server.start()  # health answers NOT_SERVING while the model loads

@@ -1,7 +1,8 @@
 """The public API, llmmesh.v1.Gateway: check, tokenize, send to an engine, detokenize, stream text back.
 
 One request's path: check access and admission, check the request against the configured limits,
-tokenize (the Tokenizer service), open a Generate stream on the least-loaded healthy engine, and pass its
+tokenize (the Tokenizer service), open a Generate stream on the engine the router picks (services/routing.py:
+by default the one where the prompt's blocks are, weighed against its load), and pass its
 steps to the shared Detokenizer stream without waiting for the answers (a reader task per request); the
 answers come back in order and are merged with the tokens into the client's chunks, one per engine step.
 A GatewayRequest owns one request's state from the engine call on; its completions, stop strings and timings
@@ -31,6 +32,7 @@ from services import config
 from services.convert import sampling_params_from_llmmesh
 from services.dependencies import UNARY_TIMEOUT, Dependencies
 from services.errors import RequestError, dependency_error, internal, invalid, unavailable
+from services.routing import ROUTING_POLICIES
 from services.server import Server
 from services.telemetry import (
     CURRENT_SERVER_SPAN,
@@ -303,33 +305,50 @@ class GatewayRequest:
         self.queue_time: float | None = None  # the engine's, sent with the first tokens
         self.engine_final = None  # the engine's last message: usage, and its own prefill and decode times
         self.prompt_logprobs: list[common_pb2.PositionLogprobs] = []
-        self.address = self.detokenizer = self.detokenize_start = self.call = self.reader = None
+        self.address = self.routed = self.detokenizer = self.detokenize_start = self.call = self.reader = None
+        self.context = None
         self.engine_span = self.detokenize_span = None
 
     def start(self, context) -> None:
-        """Open the engine call on the least-loaded healthy engine, route the detokenizer's answers here, and start
-        the reader. close() undoes as much of this as was done."""
-        self.address = self.deps.pick_engine()
-        self.deps.engine_in_flight[self.address] += 1
+        """Route the detokenizer's answers here, open the engine call on the engine the router picks, and start the
+        reader. close() undoes as much of this as was done."""
         self.detokenizer = self.deps.detokenizer_stream()
         self.detokenizer.open(self.detok_ids, self.results)
-        # The engine and detokenizer calls' client spans (None when not traced); the detokenizer stream is shared,
-        # so this request's context rides on its start item.
-        self.engine_span = self.telemetry.start_span(
-            "llmmesh.v1.Engine/Generate", self.span, SpanKind.CLIENT, attributes={"server.address": self.address}
-        )
+        # The detokenizer call's client span (None when not traced): the stream is shared, so this request's
+        # context rides on its start item.
         self.detokenize_span = self.telemetry.start_span(
             "llmmesh.v1.Detokenizer/Detokenize", self.span, SpanKind.CLIENT
         )
         self.detokenize_start = self._detokenize_start()
         self.detokenize_start.trace_context.update(inject(self.detokenize_span))
-        self.call = call = self.deps.engines[self.address].Generate(
+        self.context = context
+        self._call_engine()
+        context.add_done_callback(lambda _: self.call.cancel())  # even if the handler is never resumed
+        self.reader = asyncio.create_task(self.read_engine())
+
+    def _call_engine(self, tried: tuple[str, ...] = ()) -> None:
+        """Open the Generate call (and its client span) on the engine the router picks among those not tried."""
+        self.routed = self.deps.route(self.prompt_ids, self.request.cache_salt, exclude=tried)
+        self.address = self.routed.address
+        self.engine_span = self.telemetry.start_span(
+            "llmmesh.v1.Engine/Generate", self.span, SpanKind.CLIENT, attributes={"server.address": self.address}
+        )
+        self.call = self.deps.engines[self.address].Generate(
             self._engine_request(),
-            timeout=context.time_remaining(),  # the client's deadline ends the engine request too
+            timeout=self.context.time_remaining(),  # the client's deadline ends the engine request too
             metadata=inject(self.engine_span),
         )
-        context.add_done_callback(lambda _: call.cancel())  # even if the handler is never resumed
-        self.reader = asyncio.create_task(self.read_engine())
+
+    def _call_another_engine(self, error: grpc.aio.AioRpcError, tried: tuple[str, ...]) -> None:
+        """The engine went away before it sent anything (stopping, restarting, unreachable): nothing reached the
+        detokenizer or the client yet, so another healthy engine takes the request from the start."""
+        logger.info("engine %s: %s; sending %s to another engine", self.address, error.code().name, self.request_id)
+        if self.engine_span is not None:
+            set_error(self.engine_span, error.code(), error.details() or "")
+            self.engine_span.end()
+        self.deps.router.release(self.routed)
+        self.routed = None
+        self._call_engine(tried)
 
     def _engine_request(self) -> engine_pb2.EngineGenerateRequest:
         params = common_pb2.SamplingParams()
@@ -360,10 +379,24 @@ class GatewayRequest:
     async def read_engine(self) -> None:
         """The reader task: every engine step goes to the detokenizer at once, not waiting for its answers. Then it
         queues _ENGINE_DONE, or what ended the call: the engine's status, or any exception at all, so that the
-        request fails now rather than wait for its deadline."""
+        request fails now rather than wait for its deadline. An engine that is UNAVAILABLE before its first
+        message hands the request to another healthy one."""
+        tried = ()
         try:
-            async for msg in self.call:
-                self.detokenizer.send(self._detokenize_items(msg))
+            while True:
+                received = False
+                try:
+                    async for msg in self.call:
+                        if not received:
+                            received = True
+                            self.deps.router.first_token(self.routed)  # its prefill is done
+                        self.detokenizer.send(self._detokenize_items(msg))
+                    break
+                except grpc.aio.AioRpcError as e:
+                    tried = (*tried, self.address)
+                    if received or e.code() != grpc.StatusCode.UNAVAILABLE or not self.deps.healthy_engines - {*tried}:
+                        raise
+                    self._call_another_engine(e, tried)
             self.results.put_nowait(_ENGINE_DONE)
         except grpc.aio.AioRpcError as e:
             self.results.put_nowait(dependency_error("engine", self.address, e))
@@ -551,8 +584,8 @@ class GatewayRequest:
             self.call.cancel()
         if self.reader is not None:
             self.reader.cancel()
-        if self.address is not None:
-            self.deps.engine_in_flight[self.address] -= 1
+        if self.routed is not None:
+            self.deps.router.release(self.routed)
         if self.detokenizer is not None:
             for c, detok_id in zip(self.state.completions, self.detok_ids):
                 self.detokenizer.close(detok_id, forget_remote=not c.finished)
@@ -563,7 +596,7 @@ class GatewayRequest:
 
 async def serve(args) -> None:
     limits = config.limits_from_args(args)
-    deps = Dependencies(args.engine, args.tokenizer, args.detokenizer, limits.max_batch)
+    deps = Dependencies(args.engine, args.tokenizer, args.detokenizer, limits.max_batch, args.routing)
     gateway = Gateway(
         deps,
         args.served_model_name,
@@ -601,6 +634,13 @@ def add_gateway_args(parser) -> None:
         help="requests in flight past which new ones get RESOURCE_EXHAUSTED",
     )
     parser.add_argument("--api-key", default=None, help="require metadata 'authorization: Bearer KEY'")
+    parser.add_argument(
+        "--routing",
+        choices=ROUTING_POLICIES,
+        default=None,
+        help="how requests are spread over the engines: prefix-aware (where the prompt's KV blocks are, weighed "
+        "against load; the default with more than one engine), least-loaded (fewest in flight) or round-robin",
+    )
     parser.add_argument(
         "--trust-request-chat-template",
         action="store_true",

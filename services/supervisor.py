@@ -40,6 +40,7 @@ RESTART_BACKOFF_S = 0.25
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 300.0
 REDIS = "redis-server"  # Redis's name among the mesh's processes
+MAX_ENGINES = 64  # engine replicas `llmmesh serve --engines` starts at most
 
 
 # ---- running services as processes --------------------------------------------------------------
@@ -322,6 +323,8 @@ class Mesh:
         self.sampler = sampler  # a sampler service (started before the engines, which sample on it)
         # "engine", then "engine-2"...: replicas behind the one gateway (sharing the KV store, when there is one)
         self.engine_names = ["engine"] + [f"engine-{i}" for i in range(2, num_engines + 1)]
+        if num_engines > 1:  # the gateway routes by where their KV blocks are
+            self.engine_args = dataclasses.replace(engine_args, enable_kv_cache_events=True)
         self.services: dict[str, ServiceProcess] = {}
 
     def start(self, timeout: float = 600.0) -> str:
@@ -444,6 +447,8 @@ class Mesh:
 def serve(args: argparse.Namespace) -> None:
     if args.prometheus_config and args.metrics_port is None:
         raise ValueError("--prometheus-config needs --metrics-port (0: each service on a free port of its own)")
+    if not 1 <= args.engines <= MAX_ENGINES:
+        raise ValueError(f"--engines must be from 1 to {MAX_ENGINES}, got {args.engines}.")
     engine_args = EngineArgs.from_cli_args(args)
     flags = service_flags(args)
     mesh = Mesh(
@@ -451,6 +456,7 @@ def serve(args: argparse.Namespace) -> None:
         flags.pop("gateway"),
         port=args.port,
         echo=True,
+        num_engines=args.engines,
         **kv_store_options(args),
         **sampler_options(args),
         env=telemetry_env(args),
@@ -467,7 +473,8 @@ def serve(args: argparse.Namespace) -> None:
         signal.signal(sig, on_signal)
     began = time.perf_counter()
     store = (", Redis, the kvstore" if mesh.kv_store else "") + (", the sampler" if mesh.sampler else "")
-    say(f"starting the engine, tokenizer, detokenizer{store} and gateway for {engine_args.model}")
+    engines = "the engine" if args.engines == 1 else f"{args.engines} engines"
+    say(f"starting {engines}, the tokenizer, detokenizer{store} and gateway for {engine_args.model}")
     try:
         try:
             address = mesh.start()
@@ -607,6 +614,8 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
         gateway += ["--served-model-name", args.served_model_name]
     if args.api_key:
         gateway += ["--api-key", args.api_key]
+    if args.routing:
+        gateway += ["--routing", args.routing]
     engine = ["--collect-detailed-traces", args.collect_detailed_traces] if args.collect_detailed_traces else []
     # The sampler samples where the engine runs (its seeded draws follow that device's generator) when the engine's
     # device is named; with "auto" it stays on the CPU, its default.
@@ -671,6 +680,12 @@ def add_subcommands(subparsers) -> None:
         f"{RESTART_WINDOW_S:g} s is in a crash loop, and serve stops the mesh and exits with code 1."
     )
     add_gateway_args(p)
+    p.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        help=f"engine replicas behind the gateway (at most {MAX_ENGINES}), sharing the KV store when it runs",
+    )
     EngineArgs.add_cli_args(p)
     config.add_detailed_traces_arg(p)
     add_kv_store_args(p)

@@ -40,13 +40,20 @@ def request_extra_key(cache_salt: str | None) -> bytes:
     return b"" if cache_salt is None else b"salt:" + cache_salt.encode()
 
 
-def update_block_hashes(request, block_size: int, hash_fn: HashFn, root: bytes) -> None:
-    """Append hashes for every newly full block of `request` (salt mixed into block 0 only)."""
-    hashes = request.block_hashes
-    num_full = request.num_tokens // block_size
+def extend_block_hashes(
+    hashes: list[bytes], token_ids, block_size: int, hash_fn: HashFn, root: bytes, cache_salt: str | None
+) -> list[bytes]:
+    """Append to `hashes` the hash of every full block of `token_ids` past those already hashed (the salt is mixed
+    into block 0 only). The engine names its blocks this way; a router names a prompt's blocks the same way."""
+    num_full = len(token_ids) // block_size
     while len(hashes) < num_full:
         i = len(hashes)
         parent = hashes[-1] if hashes else root
-        extra = request_extra_key(request.cache_salt) if i == 0 else b""
-        tokens = request.all_token_ids[i * block_size : (i + 1) * block_size]
-        hashes.append(hash_block_tokens(hash_fn, parent, tokens, extra))
+        extra = request_extra_key(cache_salt) if i == 0 else b""
+        hashes.append(hash_block_tokens(hash_fn, parent, token_ids[i * block_size : (i + 1) * block_size], extra))
+    return hashes
+
+
+def update_block_hashes(request, block_size: int, hash_fn: HashFn, root: bytes) -> None:
+    """Append hashes for every newly full block of `request`."""
+    extend_block_hashes(request.block_hashes, request.all_token_ids, block_size, hash_fn, root, request.cache_salt)

@@ -24,13 +24,14 @@ SMOLLM2_SHAPE = dict(
 )
 
 
-def save_random_smollm2_shaped(path: Path, seed: int = 0):
-    """Write config, weights (float32) and tokenizer to path; the transformers model (float32, on CPU)."""
+def save_random_smollm2_shaped(path: Path, seed: int = 0, **shape):
+    """Write config, weights (float32) and tokenizer to path; the transformers model (float32, on CPU). `shape`
+    overrides SMOLLM2_SHAPE's entries (a smaller model for fast tests)."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     # A wider init than the default 0.02 gives logits with clear winners, so greedy choices are rarely near-ties.
-    config = transformers.LlamaConfig(**SMOLLM2_SHAPE, initializer_range=0.05)
+    config = transformers.LlamaConfig(**{**SMOLLM2_SHAPE, "initializer_range": 0.05, **shape})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(path)

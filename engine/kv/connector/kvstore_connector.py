@@ -127,6 +127,13 @@ class LoadCostModel:
     def record_prefill(self, num_tokens: int, seconds: float) -> None:
         self.prefill_rate = self._average(self.prefill_rate, num_tokens / seconds)
 
+    def block_load_cost(self) -> float | None:
+        """Loading one block (its bytes, the lookup's latency aside) over computing it; None until a prefill was
+        measured. A router weighs blocks in the store by it."""
+        if self.prefill_rate is None:
+            return None
+        return (self.block_bytes / self.bandwidth) / (self.block_size / self.prefill_rate)
+
     def load_pays(self, num_blocks: int) -> bool:
         if self.prefill_rate is None:
             return True

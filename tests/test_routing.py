@@ -1,0 +1,308 @@
+"""KV-cache-aware routing (services/routing.py): the index of the engines' KV events, its bound, the policy, the
+gateway's block hashes against the engine's, and a mesh of two engines (a tiny random model) under conversations
+that share a system prompt: where each turn lands, the hit rate against least-loaded, and an engine restarted
+mid-run."""
+
+import random
+import threading
+import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from test_serve import SERVING_LINE, Serve
+
+from conftest import HFReference, InProcessService, assert_greedy_matches
+from engine.config import EngineArgs
+from engine.models.random_model import save_random_smollm2_shaped
+from llmmesh.v1 import engine_pb2, engine_pb2_grpc
+from services import client
+from services.routing import INDEX_ENTRY_BYTES, STORE, EngineLoad, KVBlockIndex, Router, engine_cost
+from services.supervisor import Mesh
+from test_models import COMMON
+
+TINY = {**COMMON, "max_position_embeddings": 2048}  # a tiny Llama for conversations of a few hundred tokens
+BLOCK = 16
+MAX_TOKENS = 8
+# Conversations: a shared system prompt, then per conversation its own document, then short follow-ups.
+SYSTEM_TOKENS, DOCUMENT_TOKENS, FOLLOW_UP_TOKENS = 48, 160, 16
+NUM_CONVERSATIONS, NUM_TURNS = 3, 4  # an odd number: least-loaded's turns do not line up with them
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(32, "little")
+
+
+def batch(seq: int, *events) -> engine_pb2.KvEventBatch:
+    return engine_pb2.KvEventBatch(sequence_number=seq, events=list(events))
+
+
+def stored(hashes, medium="device", loaded_from="") -> engine_pb2.KvEvent:
+    block = engine_pb2.BlockStored(block_hashes=hashes, block_size=BLOCK, medium=medium, loaded_from=loaded_from)
+    return engine_pb2.KvEvent(stored=block)
+
+
+def removed(hashes) -> engine_pb2.KvEvent:
+    return engine_pb2.KvEvent(removed=engine_pb2.BlockRemoved(block_hashes=hashes))
+
+
+CLEARED = engine_pb2.KvEvent(cleared=engine_pb2.AllBlocksCleared())
+
+
+# ---- the index and the policy ---------------------------------------------------------------------------
+
+
+def test_index_follows_events_lost_duplicated_and_late():
+    index = KVBlockIndex(num_engines=2)
+    chain = [h(i) for i in range(6)]
+    index.apply(0, batch(1, stored(chain[:4])))
+    assert index.match(chain) == [(4, 0), (0, 0)]
+    # The same batch again (duplicated): nothing changes.
+    index.apply(0, batch(1, stored(chain[:4])))
+    assert index.match(chain) == [(4, 0), (0, 0)] and len(index) == 4
+    # Engine 1 stored the first three to the kvstore: every engine can load them.
+    index.apply(1, batch(1, stored(chain[:3], medium="kvstore")))
+    assert index.match(chain) == [(4, 0), (0, 3)]
+    # Engine 0 evicted block 1: its prefix stops at 1 block, and blocks 1..2 are still in the store.
+    index.apply(0, batch(2, removed([chain[1]])))
+    assert index.match(chain) == [(1, 2), (0, 3)]
+    # A late removal of what is gone, or of what was never stored (a lost BlockStored): nothing breaks.
+    index.apply(0, batch(3, removed([chain[1], h(99)])))
+    assert index.match(chain) == [(1, 2), (0, 3)]
+    # Engine 1 loaded blocks 0..2 from the store into its cache.
+    index.apply(1, batch(2, stored(chain[:3], loaded_from="kvstore")))
+    assert index.match(chain) == [(1, 2), (3, 0)]
+    # Engine 0 restarted (AllBlocksCleared): its entries go; the store's and engine 1's stay.
+    index.apply(0, batch(4, CLEARED))
+    assert index.match(chain) == [(0, 3), (3, 0)]
+    assert index.blocks[chain[0]] == STORE | 1 << 2
+    index.drop_engine(1)  # unhealthy
+    assert index.match(chain) == [(0, 3), (0, 3)]
+    assert all(mask == STORE for mask in index.blocks.values())
+
+
+def test_index_flooded_stays_within_its_bound():
+    """Ten times more hashes than the cap, from two engines and the store: at most max_blocks entries, the newest
+    kept, and the memory within max_blocks * INDEX_ENTRY_BYTES."""
+    cap = 2000
+    index = KVBlockIndex(num_engines=2, max_blocks=cap)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for seq in range(1, 101):
+            first = seq * 200
+            hashes = [h(i) for i in range(first, first + 200)]
+            index.apply(seq % 2, batch(seq, stored(hashes, medium="kvstore" if seq % 3 == 0 else "device")))
+            assert len(index) <= cap
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(index) == cap
+    assert grown <= cap * INDEX_ENTRY_BYTES, f"{grown} bytes for {cap} entries"
+    newest = [h(i) for i in range(100 * 200, 101 * 200)]
+    assert index.match(newest)[0] == (200, 0)  # the last batch was engine 0's, on its device
+    assert index.match([h(200)]) == [(0, 0), (0, 0)]  # the first one is long forgotten
+
+
+def test_policy_weighs_cached_blocks_against_load():
+    idle = EngineLoad()
+    # Blocks held locally count in full; blocks in the store at the measured load cost; none at all cost the most.
+    assert engine_cost(10, 10, 0, idle) < engine_cost(10, 0, 10, idle) < engine_cost(10, 0, 0, idle)
+    cheap_loads, dear_loads = EngineLoad(kv_load_cost=0.1), EngineLoad(kv_load_cost=0.9)
+    assert engine_cost(10, 0, 10, cheap_loads) == pytest.approx(1.0)
+    assert engine_cost(10, 0, 10, dear_loads) == pytest.approx(9.0)
+    # The engine holding the prefix wins over an idle cold one, until the work queued there outweighs the saving.
+    assert engine_cost(10, 8, 0, EngineLoad(num_prefilling=1, prefill_blocks=4)) < engine_cost(10, 0, 0, idle)
+    assert engine_cost(10, 8, 0, EngineLoad(num_prefilling=2, prefill_blocks=12)) > engine_cost(10, 0, 0, idle)
+    # A queue at the engine, or a KV cache near full, sends the request elsewhere.
+    assert engine_cost(10, 8, 0, EngineLoad(num_waiting=1)) > engine_cost(10, 0, 0, idle)
+    assert engine_cost(10, 8, 0, EngineLoad(kv_cache_usage=0.99)) > engine_cost(10, 0, 0, idle)
+
+
+def test_router_spreads_cold_requests_and_follows_prefixes():
+    router = Router(["a:1", "b:2"])
+    router.set_model_info(
+        engine_pb2.ModelInfo(block_size=BLOCK, enable_prefix_caching=True, prefix_caching_hash_algo="sha256")
+    )
+    healthy = {"a:1", "b:2"}
+    prompt = list(range(100, 164))  # 4 blocks
+    first = router.route(healthy, prompt)
+    second = router.route(healthy, prompt)  # nothing indexed yet: the first one's prefill is queued on its engine
+    assert {first.address, second.address} == healthy
+    router.index.apply(1, batch(1, stored(router.block_hashes(prompt, None))))  # b holds the prompt
+    for routed in (first, second):
+        router.first_token(routed)
+        router.release(routed)
+    assert all(load == EngineLoad() for load in router.loads.values())
+    assert router.route(healthy, prompt + [7] * 20).address == "b:2"
+    assert router.route(healthy, prompt, cache_salt="other tenant").address == "a:1"  # a salt makes other blocks
+    assert Router(["a:1", "b:2"], "round-robin").route(healthy, prompt).address == "a:1"
+    with pytest.raises(ValueError, match="routing must be one of prefix-aware, least-loaded, round-robin"):
+        Router(["a:1"], "nearest")
+
+
+# ---- against real engines ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    return path, HFReference(save_random_smollm2_shaped(path, **TINY))
+
+
+def test_gateway_hashes_equal_the_engines(tiny_model):
+    """The router, set up from the engine's ModelInfo, names a prompt's full blocks as the engine's BlockStored
+    events do: with a hash seed, another algorithm, another block size and a cache salt."""
+    path, _ = tiny_model
+    flags = ["--model", path, "--kv-cache-memory", "8MiB", "--enable-kv-cache-events", "--block-size", "8"]
+    flags += ["--prefix-caching-hash-algo", "blake2b", "--prefix-caching-hash-seed", "deployment-7"]
+    prompt = random.Random(0).choices(range(3, 512), k=45)  # 5 full blocks of 8
+    with InProcessService("engine", flags) as engine, grpc.insecure_channel(engine.address) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        router = Router([engine.address])
+        router.set_model_info(stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=30))
+        events = stub.SubscribeKvEvents(engine_pb2.SubscribeKvEventsRequest(), timeout=60)
+        hashes = []
+        reader = threading.Thread(target=read_stored, args=(events, hashes, 5))
+        reader.start()
+        params = client.sampling_params(temperature=0.0, max_tokens=1)
+        request = engine_pb2.EngineGenerateRequest(prompt_token_ids=prompt, sampling_params=params, cache_salt="t1")
+        list(stub.Generate(request, timeout=60))
+        reader.join(60)
+        events.cancel()
+    assert len(hashes) == 5
+    assert router.block_hashes(prompt, "t1") == hashes
+    assert router.block_hashes(prompt, None) != hashes  # the salt is part of the name
+
+
+def read_stored(events, hashes: list, count: int) -> None:
+    for b in events:
+        hashes += [x for e in b.events if e.WhichOneof("event") == "stored" for x in e.stored.block_hashes]
+        if len(hashes) >= count:
+            return
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model):
+    path, _ = tiny_model
+    args = EngineArgs(model=str(path), kv_cache_memory="16MiB", max_num_seqs=8)
+    with Mesh(args, num_engines=2, service_args={"engine": ["--shutdown-timeout", "30"]}) as m:
+        yield m
+
+
+def conversations(seed: int) -> list[list[list[int]]]:
+    """Per conversation, the new tokens of each turn: a system prompt shared by all with its own document first,
+    then short follow-ups."""
+    rng = random.Random(seed)
+    system = rng.choices(range(3, 512), k=SYSTEM_TOKENS)
+    return [
+        [system + rng.choices(range(3, 512), k=DOCUMENT_TOKENS)]
+        + [rng.choices(range(3, 512), k=FOLLOW_UP_TOKENS) for _ in range(NUM_TURNS - 1)]
+        for _ in range(NUM_CONVERSATIONS)
+    ]
+
+
+def ask(address: str, prompt: list[int]) -> tuple[list[int], int]:
+    """One turn, greedy: the reply and the prompt tokens the engine found cached."""
+    result = client.collect(
+        client.generate(address, prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, timeout=120)
+    )
+    return list(result.token_ids[0]), result.complete.usage.cached_tokens
+
+
+def run_conversations(address: str, seed: int, concurrent: bool = True, during=None) -> list[list[tuple]]:
+    """Per conversation, (prompt, reply, cached tokens) per turn, each prompt the whole history. Concurrent: each
+    conversation on its own thread, turn after turn; else they take turns on one. `during(turn)` runs before each
+    turn."""
+    records = [[] for _ in range(NUM_CONVERSATIONS)]
+
+    def turn(c: int, new: list[int]) -> None:
+        if during is not None:
+            during(len(records[c]))
+        prompt = (records[c][-1][0] + records[c][-1][1] if records[c] else []) + new
+        records[c].append((prompt, *ask(address, prompt)))
+
+    convs = conversations(seed)
+    if concurrent:
+        with ThreadPoolExecutor(NUM_CONVERSATIONS) as pool:
+            list(pool.map(lambda c: [turn(c, new) for new in convs[c]], range(NUM_CONVERSATIONS)))
+    else:
+        for t in range(NUM_TURNS):
+            for c in range(NUM_CONVERSATIONS):
+                turn(c, convs[c][t])
+    return records
+
+
+def hit_rate(records) -> float:
+    turns = [turn for record in records for turn in record]
+    return sum(cached for _, _, cached in turns) / sum(len(prompt) for prompt, _, _ in turns)
+
+
+def assert_replies_match(records, reference: HFReference) -> None:
+    for c, record in enumerate(records):
+        for t, (prompt, reply, _) in enumerate(record):
+            tokens, logits = reference.greedy(prompt, MAX_TOKENS)
+            assert_greedy_matches(reply, tokens, logits, f"conversation {c} turn {t}")
+
+
+def test_prefix_aware_sends_each_turn_where_its_prefix_is(mesh, tiny_model):
+    """Concurrent conversations through the mesh's own gateway (prefix-aware, its default with two engines)."""
+    records = run_conversations(mesh.address, seed=1)
+    for c, record in enumerate(records):
+        for t in range(1, NUM_TURNS):
+            previous_prompt = record[t - 1][0]
+            # Only the engine that served the previous turn holds its blocks: this turn went there.
+            assert record[t][2] >= len(previous_prompt) // BLOCK * BLOCK, f"conversation {c} turn {t}"
+    assert_replies_match(records, tiny_model[1])
+
+
+def test_prefix_aware_hit_rate_beats_least_loaded(mesh, tiny_model):
+    """The conversations take turns, the same workload (new prompts) through each policy's gateway."""
+    least_loaded = mesh.start_gateway(["--routing", "least-loaded"])
+    try:
+        baseline = run_conversations(least_loaded.address, seed=2, concurrent=False)
+    finally:
+        least_loaded.stop()
+    records = run_conversations(mesh.address, seed=3, concurrent=False)
+    assert hit_rate(records) > hit_rate(baseline) + 0.2, (hit_rate(records), hit_rate(baseline))
+    assert_replies_match(records + baseline, tiny_model[1])
+
+
+def test_engine_restarted_mid_run_loses_no_request(mesh, tiny_model):
+    """The second engine stops (SIGTERM: it finishes what it runs) and starts again while conversations go on:
+    every request completes, with the right output; those sent to it meanwhile went to the other engine."""
+    restarted = threading.Event()
+
+    def restart_once(turn: int) -> None:
+        if turn == 2 and not restarted.is_set():
+            restarted.set()
+            mesh.services["engine-2"].stop()
+            mesh.restart("engine-2")
+
+    records = run_conversations(mesh.address, seed=4, during=restart_once)
+    assert restarted.is_set() and mesh.services["engine-2"].alive()
+    assert all(len(record) == NUM_TURNS for record in records)
+    assert_replies_match(records, tiny_model[1])
+
+
+def test_serve_starts_engine_replicas_that_share_one_kvstore(tiny_model):
+    """`llmmesh serve --engines 2`: two engines with their KV events on, one kvstore behind both, and the gateway
+    in front of them."""
+    path, reference = tiny_model
+    flags = ["--port", "0", "--model", path, "--engines", "2", "--kv-cache-memory", "16MiB"]
+    process = Serve([*flags, "--no-sampler-service", "--log-level", "WARNING"])
+    try:
+        services = {}
+        while len(services) < 7:
+            name, address, _, _ = process.expect(SERVING_LINE).groups()
+            services[name] = address
+        assert set(services) == {"redis-server", "kvstore", "engine", "engine-2", "tokenizer", "detokenizer", "gateway"}
+        for name in ("engine", "engine-2"):
+            with grpc.insecure_channel(services[name]) as channel:
+                info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=30)
+            assert info.enable_kv_cache_events, name
+        prompt = random.Random(5).choices(range(3, 512), k=40)
+        reply, _ = ask(process.expect(r"llmmesh gateway listening on (\S+)").group(1), prompt)
+        assert_greedy_matches(reply, *reference.greedy(prompt, MAX_TOKENS), "through serve")
+    finally:
+        process.stop()
