@@ -4,9 +4,10 @@ One Sample stream per engine. Per stream the service keeps each request's sampli
 prompt and output tokens for penalties, min_tokens and bad words, and its seeded torch.Generator, made when it
 first samples, as the engine's ModelRunner makes it), updated by what each step says changed. A step runs the
 library's SamplingMetadata.from_requests and Sampler on the same rows in the same order as the engine would,
-so outputs are identical. Sampling runs on one worker thread (torch's thread pools stay with one thread);
-the event loop only parses and answers. A message that cannot be used ends its stream with
-INVALID_ARGUMENT naming the field; other streams and the service go on.
+so outputs are identical. A stream whose engine offers shared memory (engine.sample.slots) and can be mapped here
+gets its logits in place, in the engine's slots, instead of in the messages. Sampling runs on one worker thread
+(torch's thread pools stay with one thread); the event loop only parses and answers. A message that cannot be
+used ends its stream with INVALID_ARGUMENT naming the field; other streams and the service go on.
 """
 
 import asyncio
@@ -20,9 +21,11 @@ import torch
 from engine.request import RequestFailure, SamplingParams
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
+from engine.sample.slots import SharedSlots
 from engine.sample.wire import (
     LOGITS_DTYPES,
     check_wire_token_ids,
+    dtype_and_shape_from_proto,
     logprobs_tensors_to_proto,
     sampler_params_from_proto,
     tensor_from_proto,
@@ -57,10 +60,34 @@ class StreamState:
         self.device = device
         self.requests: dict[str, SamplingState] = {}
         self.sampler = Sampler()
+        self.num_steps = 0
+        self.slots: SharedSlots | None = None  # the engine's shared-memory slots, when this stream took them
 
     @torch.inference_mode()
     def step(self, msg: sampler_pb2.SampleStep) -> sampler_pb2.SampleResult:
         """Check the whole message before changing any state; ValueError names the bad field."""
+        self.num_steps += 1
+        if msg.HasField("shared_memory"):
+            if self.num_steps > 1:
+                raise ValueError("shared_memory: offered only in a stream's first message")
+            form = self._take_offer(msg.shared_memory)
+        result = self._step(msg)
+        if msg.HasField("shared_memory"):
+            result.logits_form = form
+        if msg.HasField("shared_logits"):  # read to the end (the results are on the host): the slot is the engine's
+            self.slots.finish(msg.shared_logits.slot, msg.shared_logits.generation)
+        return result
+
+    def _take_offer(self, offer: sampler_pb2.SharedMemoryOffer) -> int:
+        """The LogitsForm this stream's logits take: in the engine's slots when they can be mapped here."""
+        try:
+            self.slots = SharedSlots.from_offer(offer, self.device)
+        except (OSError, ValueError, RuntimeError) as e:  # another host, user or GPU, or no CUDA IPC: bytes
+            logger.info("an engine's shared memory cannot be used here (%s): its logits come as bytes", e)
+            return sampler_pb2.LOGITS_FORM_BYTES
+        return self.slots.form
+
+    def _step(self, msg: sampler_pb2.SampleStep) -> sampler_pb2.SampleResult:
         rows, logits, news, prompt_logits = self._check(msg)
         for request_id in msg.finished_request_ids:
             self.requests.pop(request_id, None)
@@ -90,13 +117,16 @@ class StreamState:
         """The rows' states by request id (new ones not yet registered), the logits, the new states and the
         prompt logits."""
         n = len(msg.request_ids)
-        logits, vocab = None, None
-        if n or msg.HasField("logits"):
+        logits, vocab, field = None, None, "logits"
+        if msg.HasField("shared_logits"):
+            logits, field = self._shared_logits(msg), "shared_logits"
+        elif n or msg.HasField("logits"):
             logits = tensor_from_proto(msg.logits, "logits", LOGITS_DTYPES, 2, self.device)
+        if logits is not None:
             vocab = logits.shape[1]
             if logits.shape[0] != n or vocab == 0:
                 raise ValueError(
-                    f"logits.shape must be [{n} rows (one per request_ids), vocab], got {list(logits.shape)}"
+                    f"{field}.shape must be [{n} rows (one per request_ids), vocab], got {list(logits.shape)}"
                 )
         if len(msg.num_new_tokens) != n:
             raise ValueError(f"num_new_tokens must have one entry per request_ids ({n}), got {len(msg.num_new_tokens)}")
@@ -142,6 +172,19 @@ class StreamState:
         if set(news) - set(rows):
             raise ValueError(f"new_requests: {sorted(set(news) - set(rows))[0]!r} has no row in request_ids")
         return rows, logits, news.values(), self._check_prompt_chunks(msg)
+
+    def _shared_logits(self, msg: sampler_pb2.SampleStep) -> torch.Tensor:
+        """The rows' logits in the engine's slot, in place (a copy only to another device than the slot's)."""
+        if msg.HasField("logits"):
+            raise ValueError("logits and shared_logits: a step's logits come in one of them, not both")
+        if self.slots is None:
+            raise ValueError("shared_logits: this stream took no shared memory (its logits come as bytes)")
+        shared = msg.shared_logits
+        dtype, shape = dtype_and_shape_from_proto(shared, "shared_logits", LOGITS_DTYPES, 2)
+        try:
+            return self.slots.read(shared.slot, shared.generation, dtype, shape).to(self.device)
+        except ValueError as e:
+            raise ValueError(f"shared_logits: {e}") from None
 
     def _check_prompt_chunks(self, msg: sampler_pb2.SampleStep) -> torch.Tensor | None:
         chunks = len(msg.prompt_num_targets)

@@ -1,10 +1,15 @@
 """The sampler as its own service (llmmesh.v1.Sampler): remote sampling gives exactly what in-process sampling
-gives (token ids, logprobs, prompt logprobs, finish reasons), also under preemption and chunked prefill; the mesh
-with the sampler service gives LLM.generate's text; a sampler killed, frozen or restarted costs the affected
-requests UNAVAILABLE, never the engine; bad messages get INVALID_ARGUMENT naming the field."""
+gives (token ids, logprobs, prompt logprobs, finish reasons), with the logits as bytes or in shared memory, also
+under preemption and chunked prefill; the mesh with the sampler service gives LLM.generate's text; a sampler
+killed, frozen or restarted (mid-read of a shared-memory slot too) costs the affected requests UNAVAILABLE, never
+the engine, and a new stream gets new shared memory; the segment is private to its user and unlinked once both
+ends have it; bad messages get INVALID_ARGUMENT naming the field."""
 
 import os
 import signal
+import stat
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -16,11 +21,12 @@ from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from engine.request import Request
 from engine.sample.remote import RemoteSampler
-from engine.sample.sampler import SamplerUnavailableError
+from engine.sample.sampler import LocalSampler, SamplerUnavailableError
+from engine.sample.slots import SHM_DIR, SharedSlots
 from engine.sample.wire import tensor_to_proto
 from llmmesh.v1 import common_pb2, engine_pb2_grpc, sampler_pb2, sampler_pb2_grpc
 from services.client import collect, generate
-from services.supervisor import Mesh
+from services.supervisor import Mesh, ServiceProcess
 
 POEM = "Write a short poem about the sea, the wind, the gulls, the fishing boats coming home at dusk, " * 2
 PROMPTS = [
@@ -82,14 +88,17 @@ def outputs(llm):
     return result, llm.engine.get_stats().num_preemptions - before
 
 
-def test_remote_sampling_equals_in_process_under_preemption_and_chunked_prefill(sampler):
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["bytes", "shared-memory"])
+def test_remote_sampling_equals_in_process_under_preemption_and_chunked_prefill(sampler, shared_memory):
     # 16 blocks of 16 tokens for 8 sequences that grow to 30-100 tokens: preemptions; 32-token steps: chunks.
     llm = LLM(kv_cache_memory=str(16 * SMOLLM2_BLOCK_BYTES), max_num_batched_tokens=32)
     runner = llm.engine.worker.model_runner
     local, local_preemptions = outputs(llm)
-    runner.sampler = RemoteSampler(sampler.address)
+    slot_bytes = llm.engine.args.max_num_seqs * llm.engine.model_config.vocab_size * 4 if shared_memory else 0
+    runner.sampler = RemoteSampler(sampler.address, slot_bytes=slot_bytes)
     try:
         remote, remote_preemptions = outputs(llm)
+        assert (runner.sampler.slots is not None) == shared_memory  # the form the test names
     finally:
         runner.sampler.close()
     assert local_preemptions > 0 and remote_preemptions == local_preemptions
@@ -155,6 +164,145 @@ def test_a_lost_stream_names_the_seeded_requests_it_took_with_it():
         service.stop()
 
 
+# ---- shared memory -------------------------------------------------------------------------------
+
+
+def heavy_step(rows=64, vocab=49152):
+    """A step whose sampling takes a while (top-p sorts the whole vocabulary of every row, plus logprobs): long
+    enough to catch the sampler in the middle of reading its slot."""
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i, logprobs=5) for i in range(rows)]
+    requests = [Request(f"r{i}", [1, 2], p, (0,)) for i, p in enumerate(params)]
+    return requests, torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
+
+
+def reading(slots: SharedSlots, generation: int) -> bool:
+    """The sampler has begun reading that generation's slot and not finished."""
+    headers = [slots.header(i) for i in range(slots.num_slots)]  # (written, reading, done)
+    return any(w == r == generation != d for w, r, d in headers)
+
+
+def wait_until(condition, timeout=60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def in_process(requests, logits):
+    out, _ = LocalSampler(torch.device("cpu")).sample(requests, logits.clone(), [])
+    return out.sampled_token_ids.tolist(), out.logprobs.logprobs.tolist()
+
+
+def sample_with_retries(client, requests, logits, attempts=100):
+    """The first calls after a restart may still find the port closed (the channel's reconnect backoff)."""
+    for _ in range(attempts):
+        try:
+            out, _ = client.sample(requests, logits.clone(), [])
+            return out.sampled_token_ids.tolist(), out.logprobs.logprobs.tolist()
+        except SamplerUnavailableError:
+            time.sleep(0.1)
+    raise AssertionError(f"no answer after {attempts} attempts")
+
+
+def segment_exists(slots: SharedSlots) -> bool:
+    return os.path.exists(os.path.join(SHM_DIR, slots.name))
+
+
+def test_the_segment_is_private_and_unlinked_once_both_ends_have_it(sampler):
+    slots = SharedSlots.create(num_slots=2, slot_bytes=4096)
+    try:
+        st = os.stat(os.path.join(SHM_DIR, slots.name))
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+        # The sampler maps only a private segment, and only the one whose token it was given.
+        os.chmod(os.path.join(SHM_DIR, slots.name), 0o640)
+        with pytest.raises(ValueError, match="private"):
+            SharedSlots.from_offer(slots.offer(), torch.device("cpu"))
+        os.chmod(os.path.join(SHM_DIR, slots.name), 0o600)
+        offer = slots.offer()
+        offer.token = bytes(16)
+        with pytest.raises(ValueError, match="token"):
+            SharedSlots.from_offer(offer, torch.device("cpu"))
+    finally:
+        slots.close()
+    assert not segment_exists(slots)
+
+    requests, logits = heavy_step(rows=2, vocab=8)
+    client = RemoteSampler(sampler.address, slot_bytes=logits.numel() * 4)
+    try:
+        assert sample_with_retries(client, requests, logits) == in_process(requests, logits)
+        assert client.slots is not None and not segment_exists(client.slots)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(
+    "name", ["llmmesh-logits-" + "0" * 32, "../../etc/passwd", "llmmesh-logits-../../x"], ids=["absent", "path", "dots"]
+)
+def test_an_offer_the_sampler_cannot_map_keeps_the_bytes(sampler, name):
+    """As from another host (no such segment here), or a name that is not a segment's: the answer is bytes, and
+    the stream goes on with them."""
+    offer = sampler_pb2.SharedMemoryOffer(name=name, num_slots=2, slot_bytes=4096, token=bytes(16))
+    with grpc.insecure_channel(sampler.address) as channel:
+        stub = sampler_pb2_grpc.SamplerStub(channel)
+        first, second = stub.Sample(iter([step(shared_memory=offer), sampler_pb2.SampleStep(step_id=2, **GOOD)]))
+    assert first.logits_form == sampler_pb2.LOGITS_FORM_BYTES
+    assert list(second.sampled_token_ids) == [7]
+
+
+def test_sampler_killed_mid_read_fails_the_step_at_once_and_a_restart_gets_fresh_memory():
+    requests, logits = heavy_step()
+    want = in_process(requests, logits)
+    process = ServiceProcess("sampler", ["--port", "0"])
+    client = RemoteSampler(process.wait_listening(120), timeout=60, slot_bytes=logits.numel() * 4)
+    try:
+        assert sample_with_retries(client, requests[:1], logits[:1]) == in_process(requests[:1], logits[:1])
+        old, generation = client.slots, client.slots.generation + 1
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(client.sample, requests[1:], logits[1:].clone(), [])
+            wait_until(lambda: reading(old, generation))
+            process.popen.kill()
+            with pytest.raises(SamplerUnavailableError) as info:
+                future.result()
+        # The stream broke: the step failed then, not after the 60 s deadline.
+        assert "failed: UNAVAILABLE" in str(info.value)
+        assert client.slots is None and not segment_exists(old)
+
+        process = ServiceProcess("sampler", ["--port", str(process.port)])
+        process.wait_listening(120)
+        assert sample_with_retries(client, requests, logits) == want
+        assert client.slots.name != old.name
+    finally:
+        client.close()
+        process.stop()
+
+
+def test_a_frozen_sampler_costs_the_deadline_and_its_slot_is_never_written_again():
+    requests, logits = heavy_step()
+    process = ServiceProcess("sampler", ["--port", "0"])
+    client = RemoteSampler(process.wait_listening(120), timeout=2, slot_bytes=logits.numel() * 4)
+    try:
+        sample_with_retries(client, requests[:1], logits[:1])
+        old = client.slots
+        buffer, generation = old.buffer, old.generation + 1  # the test's own mapping outlives the client's
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(client.sample, requests, logits.clone(), [])
+            wait_until(lambda: reading(old, generation))
+            os.kill(process.popen.pid, signal.SIGSTOP)
+            with pytest.raises(SamplerUnavailableError, match="did not answer within 2 s"):
+                future.result()
+        assert client.slots is None
+        os.kill(process.popen.pid, signal.SIGCONT)
+        # The sampler reads on to the end and finds its slot as it was: the engine did not write it again.
+        view = SharedSlots(old.name, buffer, old.num_slots, old.slot_bytes, old.token)
+        wait_until(lambda: any(view.header(i) == (generation,) * 3 for i in range(view.num_slots)))
+        # The engine goes on: a new stream on the same sampler, with new memory.
+        assert sample_with_retries(client, requests, logits) == in_process(requests, logits)
+        assert client.slots.name != old.name
+    finally:
+        client.close()
+        process.stop()
+
+
 # ---- bad messages ------------------------------------------------------------------------------
 
 
@@ -174,6 +322,9 @@ GOOD = dict(
 )
 
 
+SHARED = sampler_pb2.SharedLogits(slot=0, generation=1, dtype="float32", shape=[1, 8])
+
+
 @pytest.mark.parametrize(
     "fields, named",
     [
@@ -188,6 +339,8 @@ GOOD = dict(
             "new_requests[1].request_id",
         ),
         (dict(GOOD, prompt_num_targets=[1], prompt_num_logprobs=[2], prompt_target_ids=[3]), "prompt_logits"),
+        (dict(GOOD, shared_logits=SHARED), "shared_logits"),  # both forms at once
+        ({k: v for k, v in GOOD.items() if k != "logits"} | {"shared_logits": SHARED}, "shared_logits"),  # no offer
     ],
 )
 def test_bad_messages_are_invalid_argument_naming_the_field(sampler, fields, named):

@@ -9,6 +9,12 @@ split over several messages when they are many. Blocking: the engine thread wait
 SamplerUnavailableError, naming the other requests whose seeded generator is lost with it (the engine fails
 them too: a seed must give in-process sampling's tokens or nothing), and the next step opens a new one. Given a
 fallback (--sampler-fallback: a LocalSampler), a step the service cannot serve samples there instead.
+
+With slot_bytes, each stream opens with an offer of shared memory (engine.sample.slots: host memory, or the
+GPU's through CUDA IPC): a service on this host takes it, and from then on a step's logits are written once into
+a slot and the message carries only the slot, its generation, dtype and shape. A service that cannot map it
+(another host, another user, another GPU), or an engine that cannot make it, keeps the bytes. A new stream
+makes a new segment.
 """
 
 import logging
@@ -21,7 +27,8 @@ import torch
 from engine.grpc_policy import CHANNEL_OPTIONS
 from engine.request import RequestFailure
 from engine.sample.sampler import BatchSampler, LogprobsTensors, SamplerOutput, SamplerUnavailableError
-from engine.sample.wire import logprobs_tensors_from_proto, new_request_to_proto, serialize_with_tensors
+from engine.sample.slots import SharedSlots
+from engine.sample.wire import DTYPE_NAMES, logprobs_tensors_from_proto, new_request_to_proto, serialize_with_tensors
 from llmmesh.v1 import sampler_pb2
 
 logger = logging.getLogger("llmmesh.engine")
@@ -29,6 +36,8 @@ logger = logging.getLogger("llmmesh.engine")
 _SAMPLE_METHOD = "/llmmesh.v1.Sampler/Sample"
 # Prompt-logprob rows per message: up to about this many bytes of logits.
 MESSAGE_TARGET_BYTES = 32 * 2**20
+# Shared-memory slots per stream: one step is in flight at a time, so one is read while the next can be written.
+NUM_SLOTS = 2
 _END = object()
 
 
@@ -59,12 +68,24 @@ class _Stream:
 
 
 class RemoteSampler(BatchSampler):
-    def __init__(self, address: str, timeout: float = 10.0, fallback: BatchSampler | None = None):
+    def __init__(
+        self,
+        address: str,
+        timeout: float = 10.0,
+        fallback: BatchSampler | None = None,
+        slot_bytes: int = 0,
+        device: torch.device | str = "cpu",
+    ):
+        """slot_bytes: the most a step's logits take (rows * vocab * itemsize), for shared-memory slots of that
+        size; 0: logits always go as bytes. device: where the logits are (a GPU's stay there)."""
         self.address = address
         self.timeout = timeout
         self.fallback = fallback
+        self.slot_bytes = slot_bytes
+        self.device = torch.device(device)
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stream: _Stream | None = None
+        self.slots: SharedSlots | None = None  # this stream's, when the service took them
         self._sent: dict[str, int] = {}  # request id -> output tokens the service has of it
         self._seeded: set[str] = set()  # those of them with a generator on the service
         self._finished: list[str] = []  # known requests to forget in the next message
@@ -88,15 +109,19 @@ class RemoteSampler(BatchSampler):
             return self.fallback.sample(requests, logits, prompt_chunks)
 
     def _sample(self, requests, logits, prompt_chunks):
-        if self._stream is None:
-            self._stream = _Stream(self.channel)
         try:
+            if self._stream is None:
+                self._stream = _Stream(self.channel)
+                self.slots = self._offer_shared_memory()
             pieces = list(_split_prompt_chunks(prompt_chunks))
             batches = _pack(pieces)
             replies = [self._exchange(*self._prompt_message(batch), None) for batch in batches[:-1]]
             last, prompt_logits = self._prompt_message(batches[-1])
             self._add_rows(last, requests)
-            replies.append(self._exchange(last, prompt_logits, logits if requests else None))
+            shared = self._write_slot(last, logits) if requests else None
+            replies.append(self._exchange(last, prompt_logits, logits if requests and shared is None else None))
+            if shared is not None and not self.slots.released(*shared):
+                raise SamplerUnavailableError(f"the sampler at {self.address} answered before releasing slot {shared}")
             results = [logprobs_tensors_from_proto(lp, "prompt_logprobs") for r in replies for lp in r.prompt_logprobs]
             reply = replies[-1]
             logprobs = logprobs_tensors_from_proto(reply.logprobs, "logprobs") if reply.HasField("logprobs") else None
@@ -117,10 +142,13 @@ class RemoteSampler(BatchSampler):
         return SamplerOutput(sampled, logprobs, failed), prompt_results
 
     def reset(self) -> None:
-        """End the stream: the service forgets every request, the next step starts a new stream."""
+        """End the stream: the service forgets every request, the next step starts a new stream (and segment)."""
         if self._stream is not None:
             self._stream.close()
         self._stream = None
+        if self.slots is not None:
+            self.slots.close()  # a sampler still reading keeps its own mapping; this side never writes it again
+            self.slots = None
         self._sent.clear()
         self._seeded.clear()
         self._finished.clear()
@@ -130,6 +158,41 @@ class RemoteSampler(BatchSampler):
         self.channel.close()
 
     # ---- one message ---------------------------------------------------------------------------------
+
+    def _offer_shared_memory(self) -> SharedSlots | None:
+        """The stream's first message: the offer of slots; the slots if the service took them."""
+        if not self.slot_bytes:
+            return None
+        try:
+            slots = SharedSlots.for_device(NUM_SLOTS, self.slot_bytes, self.device)
+        except (OSError, RuntimeError) as e:  # RuntimeError: the GPU's memory
+            logger.warning("no shared memory for the sampler's logits (%s): they go as bytes", e)
+            return None
+        try:
+            msg, _ = self._prompt_message([])
+            msg.shared_memory.CopyFrom(slots.offer())
+            form = self._exchange(msg, None, None).logits_form
+        finally:
+            slots.unlink()  # both ends have it open (or the service declined): nothing else may open it
+        if form != slots.form:
+            logger.info("the sampler at %s cannot share this host's memory: logits go as bytes", self.address)
+            slots.close()
+            return None
+        name = sampler_pb2.LogitsForm.Name(form)
+        logger.info("the sampler at %s reads the logits in place (%s)", self.address, name)
+        return slots
+
+    def _write_slot(self, msg: sampler_pb2.SampleStep, logits: torch.Tensor) -> tuple[int, int] | None:
+        """Logits into a free slot, named in msg; None (they go as bytes) without slots or one that fits."""
+        shared = self.slots.write(logits) if self.slots is not None else None
+        if shared is not None:
+            slot, generation = shared
+            msg.shared_logits.CopyFrom(
+                sampler_pb2.SharedLogits(
+                    slot=slot, generation=generation, dtype=DTYPE_NAMES[logits.dtype], shape=logits.shape
+                )
+            )
+        return shared
 
     def _prompt_message(self, pieces) -> tuple[sampler_pb2.SampleStep, torch.Tensor | None]:
         self._step_id += 1

@@ -1,6 +1,7 @@
 """The sampler's wire form (llmmesh.v1.Sampler), shared by the engine's client and the sampler service.
 
-Tensors travel as raw row-major bytes with dtype and shape; sampling parameters as SamplerParams.
+Tensors travel as raw row-major bytes with dtype and shape (or, for a service on the engine's host, in shared
+memory: engine.sample.slots); sampling parameters as SamplerParams.
 Everything read from the wire is checked here and a bad value raises ValueError naming its field.
 """
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
 LOGITS_DTYPES = ("float32", "float16", "bfloat16")
-_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # SamplerParams fields that take SamplingParams' default when unset.
 _OPTIONAL = ("temperature", "top_p", "repetition_penalty", "seed", "logprobs")
 
@@ -25,7 +26,9 @@ _OPTIONAL = ("temperature", "top_p", "repetition_penalty", "seed", "logprobs")
 def tensor_to_proto(t: torch.Tensor) -> sampler_pb2.Tensor:
     """One copy to host bytes (a device tensor comes to the host first)."""
     t = t.detach().to("cpu").contiguous()
-    return sampler_pb2.Tensor(dtype=_NAMES[t.dtype], shape=t.shape, data=t.view(-1).view(torch.uint8).numpy().tobytes())
+    return sampler_pb2.Tensor(
+        dtype=DTYPE_NAMES[t.dtype], shape=t.shape, data=t.view(-1).view(torch.uint8).numpy().tobytes()
+    )
 
 
 def _varint(n: int) -> bytes:
@@ -52,7 +55,7 @@ def serialize_with_tensors(msg, tensors: dict[str, torch.Tensor | None]) -> byte
             continue
         t = t.detach().to("cpu").contiguous()
         raw = t.view(-1).view(torch.uint8).numpy()
-        header = sampler_pb2.Tensor(dtype=_NAMES[t.dtype], shape=t.shape).SerializeToString()
+        header = sampler_pb2.Tensor(dtype=DTYPE_NAMES[t.dtype], shape=t.shape).SerializeToString()
         data_key = _length_delimited(data_number, raw.nbytes)
         parts += [
             _length_delimited(fields[name].number, len(header) + len(data_key) + raw.nbytes),
@@ -63,6 +66,18 @@ def serialize_with_tensors(msg, tensors: dict[str, torch.Tensor | None]) -> byte
     return b"".join(parts)
 
 
+def dtype_and_shape_from_proto(msg, field: str, dtypes=tuple(DTYPES), ndim: int | None = None):
+    """A Tensor's or SharedLogits' dtype and shape; ValueError naming field.dtype or field.shape."""
+    if msg.dtype not in dtypes:
+        raise ValueError(f"{field}.dtype must be one of {', '.join(dtypes)}, got {msg.dtype!r}")
+    shape = list(msg.shape)
+    if ndim is not None and len(shape) != ndim:
+        raise ValueError(f"{field}.shape must have {ndim} dimensions, got {shape}")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"{field}.shape must not be negative, got {shape}")
+    return DTYPES[msg.dtype], shape
+
+
 def tensor_from_proto(
     msg: sampler_pb2.Tensor,
     field: str,
@@ -71,14 +86,7 @@ def tensor_from_proto(
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """A writable tensor of the message's bytes; ValueError naming field.dtype, field.shape or field.data."""
-    if msg.dtype not in dtypes:
-        raise ValueError(f"{field}.dtype must be one of {', '.join(dtypes)}, got {msg.dtype!r}")
-    shape = list(msg.shape)
-    if ndim is not None and len(shape) != ndim:
-        raise ValueError(f"{field}.shape must have {ndim} dimensions, got {shape}")
-    if any(d < 0 for d in shape):
-        raise ValueError(f"{field}.shape must not be negative, got {shape}")
-    dtype = DTYPES[msg.dtype]
+    dtype, shape = dtype_and_shape_from_proto(msg, field, dtypes, ndim)
     numel = 1
     for d in shape:
         numel *= d

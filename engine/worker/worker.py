@@ -203,14 +203,20 @@ class Worker:
         self.model_runner, _ = self._make_model_runner(self.kv_caches, self._make_sampler())
 
     def _make_sampler(self) -> BatchSampler:
-        """In process, or on the sampler service at --sampler-address (falling back here with --sampler-fallback)."""
+        """In process, or on the sampler service at --sampler-address (falling back here with --sampler-fallback; the
+        logits in shared memory when the service is on this host)."""
         local = LocalSampler(self.device)
         if not self.args.sampler_address:
             return local
         from engine.sample.remote import RemoteSampler
 
         return RemoteSampler(
-            self.args.sampler_address, self.args.sampler_timeout, fallback=local if self.args.sampler_fallback else None
+            self.args.sampler_address,
+            self.args.sampler_timeout,
+            fallback=local if self.args.sampler_fallback else None,
+            # A step's logits at most, float32 (the widest logits dtype): the size of a shared-memory slot.
+            slot_bytes=self.args.max_num_seqs * self.model_config.vocab_size * 4,
+            device=self.device,
         )
 
     def set_step_trace_headers(self, trace_headers: tuple[tuple[str, str], ...]) -> None:
