@@ -188,8 +188,9 @@ def wait_until(condition, timeout=60.0) -> None:
         time.sleep(0.001)
 
 
-def in_process(requests, logits):
-    out, _ = LocalSampler(torch.device("cpu")).sample(requests, logits.clone(), [])
+def in_process(requests, logits, sampler=None):
+    """What sampling in process gives (a fresh sampler: the requests' first step)."""
+    out, _ = (sampler or LocalSampler(logits.device)).sample(requests, logits.clone(), [])
     return out.sampled_token_ids.tolist(), out.logprobs.logprobs.tolist()
 
 
@@ -301,6 +302,62 @@ def test_a_frozen_sampler_costs_the_deadline_and_its_slot_is_never_written_again
     finally:
         client.close()
         process.stop()
+
+
+# ---- on a GPU: the logits stay on the device (CUDA IPC) ------------------------------------------
+
+
+def gpu_sampler(device: str) -> ServiceProcess:
+    """A sampler process (CUDA IPC is between processes) sampling on `device`."""
+    return ServiceProcess("sampler", ["--port", "0", "--device", device])
+
+
+@pytest.mark.gpu
+def test_a_sampler_on_the_engines_gpu_samples_the_device_ring_in_place():
+    requests, logits = heavy_step(rows=8)
+    logits = logits.cuda()
+    process = gpu_sampler("cuda")
+    client = RemoteSampler(process.wait_listening(120), timeout=60, slot_bytes=logits.numel() * 4, device="cuda")
+    try:
+        local = LocalSampler(logits.device)
+        for _ in range(3):  # the ring's slots in turn; the seeded generators go on from step to step
+            assert sample_with_retries(client, requests, logits) == in_process(requests, logits, local)
+        assert client.slots.form == sampler_pb2.LOGITS_FORM_CUDA_IPC and client.slots.device_ring.is_cuda
+        assert client.slots.generation == 3 and not segment_exists(client.slots)
+    finally:
+        client.close()
+        process.stop()
+
+
+@pytest.mark.gpu
+def test_a_sampler_on_the_cpu_takes_gpu_logits_as_bytes():
+    requests, logits = heavy_step(rows=8)
+    process = gpu_sampler("cpu")
+    client = RemoteSampler(process.wait_listening(120), timeout=60, slot_bytes=logits.numel() * 4, device="cuda")
+    try:
+        assert sample_with_retries(client, requests, logits.cuda()) == in_process(requests, logits)
+        assert client.slots is None
+    finally:
+        client.close()
+        process.stop()
+
+
+@pytest.mark.gpu
+def test_remote_sampling_through_cuda_ipc_equals_in_process_under_preemption():
+    llm = LLM(device="cuda", kv_cache_memory=str(16 * SMOLLM2_BLOCK_BYTES), max_num_batched_tokens=32)
+    runner = llm.engine.worker.model_runner
+    local, local_preemptions = outputs(llm)
+    process = gpu_sampler("cuda")
+    slot_bytes = llm.engine.args.max_num_seqs * llm.engine.model_config.vocab_size * 4
+    runner.sampler = RemoteSampler(process.wait_listening(120), timeout=60, slot_bytes=slot_bytes, device="cuda")
+    try:
+        remote, remote_preemptions = outputs(llm)
+        assert runner.sampler.slots.form == sampler_pb2.LOGITS_FORM_CUDA_IPC
+    finally:
+        runner.sampler.close()
+        process.stop()
+    assert local_preemptions > 0 and remote_preemptions == local_preemptions
+    assert remote == local
 
 
 # ---- bad messages ------------------------------------------------------------------------------

@@ -169,8 +169,14 @@ class RemoteSampler(BatchSampler):
             logger.warning("no shared memory for the sampler's logits (%s): they go as bytes", e)
             return None
         try:
+            offer = slots.offer()
+        except RuntimeError as e:  # CUDA IPC refused
+            logger.warning("the logits' device memory cannot be shared (%s): they go as bytes", e)
+            slots.close()
+            return None
+        try:
             msg, _ = self._prompt_message([])
-            msg.shared_memory.CopyFrom(slots.offer())
+            msg.shared_memory.CopyFrom(offer)
             form = self._exchange(msg, None, None).logits_form
         finally:
             slots.unlink()  # both ends have it open (or the service declined): nothing else may open it

@@ -100,11 +100,11 @@ class SharedSlots:
             _, (*_, handle, size, offset, _, counter, counter_offset, event, event_sync) = reduce_tensor(
                 self.device_ring
             )
-            uuid = torch.cuda.get_device_properties(self.device_ring.device).uuid.bytes
+            uuid = _device_uuid(self.device_ring.device)
             offer.cuda.CopyFrom(
                 sampler_pb2.CudaIpcRing(
                     device_uuid=uuid, handle=handle, storage_size_bytes=size, storage_offset_bytes=offset,
-                    ref_counter_handle=counter, ref_counter_offset=counter_offset, event_handle=event,
+                    ref_counter_handle=counter, ref_counter_offset=counter_offset, event_handle=event or b"",
                     event_sync_required=event_sync,
                 )
             )  # fmt: skip
@@ -243,7 +243,7 @@ def _open_cuda_ring(ring: sampler_pb2.CudaIpcRing, nbytes: int, device: torch.de
     if device.type != "cuda":
         raise ValueError("the logits are on the engine's GPU and this sampler runs on the CPU")
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if torch.cuda.get_device_properties(index).uuid.bytes != ring.device_uuid:
+    if _device_uuid(index) != ring.device_uuid:
         raise ValueError("the logits are on another GPU than this sampler's")
     if ring.storage_size_bytes < nbytes:
         raise ValueError(f"cuda.storage_size_bytes is {ring.storage_size_bytes}; the slots need {nbytes}")
@@ -252,5 +252,10 @@ def _open_cuda_ring(ring: sampler_pb2.CudaIpcRing, nbytes: int, device: torch.de
     return rebuild_cuda_tensor(
         torch.Tensor, (nbytes,), (1,), 0, torch.storage.TypedStorage, torch.uint8, index,
         ring.handle, ring.storage_size_bytes, ring.storage_offset_bytes, False,
-        ring.ref_counter_handle, ring.ref_counter_offset, ring.event_handle, ring.event_sync_required,
+        ring.ref_counter_handle, ring.ref_counter_offset, ring.event_handle or None, ring.event_sync_required,
     )  # fmt: skip
+
+
+def _device_uuid(device) -> bytes:
+    """The GPU's UUID: the same GPU under any device index (CUDA_VISIBLE_DEVICES differs between processes)."""
+    return bytes(torch.cuda.get_device_properties(device).uuid.bytes)  # a list of ints in some torch versions
