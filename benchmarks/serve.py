@@ -23,6 +23,12 @@ the mesh and then offline. It reports the mesh/offline throughput ratio and the 
 mesh adds. --rounds N alternates the two N times, each
 round with new prompts (seed + round), and reports the median of the per-round figures. --launch
 starts the whole mesh (`llmmesh serve`'s processes) on loopback first.
+
+--launch --engines N (N > 1) compares routing instead: --conversations multi-turn conversations at once, each
+turn's prompt the whole history (a prefix of --shared-prefix-len tokens shared by all, then each one's own first
+message and later messages), through a gateway for each of --routing (prefix-aware, least-loaded, and one-engine:
+a gateway in front of the first engine alone), each on new prompts, in one run. Reported per run: the table above
+and the prefix cache hit rate (cached / prompt tokens); then prefix-aware's TTFT p50 over least-loaded's.
 """
 
 import argparse
@@ -52,6 +58,7 @@ class BenchRequest:
     prompt: str
     prompt_len: int
     max_tokens: int
+    token_ids: list[int] | None = None  # sent as token ids rather than the text
 
 
 @dataclass
@@ -63,6 +70,8 @@ class RequestResult:
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    token_ids: list[int] = field(default_factory=list)  # the reply
+    cached_tokens: int = 0  # prompt tokens the engine found cached
 
     @property
     def tpot(self) -> float | None:
@@ -111,6 +120,8 @@ async def arrivals(n: int, rate: float, burstiness: float, seed: int):
 async def one_request(stub, request: BenchRequest, model: str, api_key: str | None) -> RequestResult:
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
     message = gateway_pb2.GenerateRequest(model=model, text=request.prompt, sampling_params=params, stream=True)
+    if request.token_ids is not None:
+        message.token_ids.ids.extend(request.token_ids)
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
     result = RequestResult(ok=False, prompt_len=request.prompt_len)
     start = last = time.perf_counter()
@@ -126,10 +137,12 @@ async def one_request(stub, request: BenchRequest, model: str, api_key: str | No
                 else:
                     result.itls.append(now - last)
                 result.output_tokens += n
+                result.token_ids += [t for c in response.chunk.choices for t in c.token_ids]
                 last = now
             else:
                 result.output_tokens = response.complete.usage.completion_tokens
                 result.prompt_len = response.complete.usage.prompt_tokens
+                result.cached_tokens = response.complete.usage.cached_tokens
         result.e2e = time.perf_counter() - start
         result.ok = True
     except grpc.aio.AioRpcError as e:
@@ -263,6 +276,113 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
     return slos
 
 
+# ---- routing across engine replicas: multi-turn conversations that share a prefix ----------------------------
+
+ROUTING_RUNS = ("prefix-aware", "least-loaded", "one-engine")
+
+
+def add_routing_args(ap: argparse.ArgumentParser) -> None:
+    group = ap.add_argument_group("routing across engine replicas (--launch --engines N, N > 1)")
+    group.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        help="engine replicas; more than one runs the routing comparison instead: multi-turn conversations through "
+        "a gateway for each of --routing, each on new prompts, in one run",
+    )
+    group.add_argument("--routing", nargs="+", choices=ROUTING_RUNS, default=list(ROUTING_RUNS))
+    group.add_argument("--conversations", type=int, default=8, help="conversations at once")
+    group.add_argument("--turns", type=int, default=4, help="turns per conversation")
+    group.add_argument(
+        "--shared-prefix-len", type=int, default=256, help="tokens of the prompt all conversations share"
+    )
+    group.add_argument("--first-turn-len", type=int, default=256, help="tokens of each conversation's first message")
+    group.add_argument("--turn-len", type=int, default=32, help="tokens of each later message")
+    group.add_argument("--reply-len", type=int, default=16, help="tokens of each reply")
+
+
+def conversation_turns(args, vocab_size: int, seed: int) -> list[list[list[int]]]:
+    """Per conversation, the new tokens of each turn: the shared prefix and its own first message, then later
+    messages (seeded random ids from the ordinary vocabulary)."""
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(FIRST_REGULAR_ID, vocab_size) for _ in range(n)]
+
+    shared = ids(args.shared_prefix_len)
+    return [
+        [shared + ids(args.first_turn_len)] + [ids(args.turn_len) for _ in range(args.turns - 1)]
+        for _ in range(args.conversations)
+    ]
+
+
+async def run_conversations(address: str, conversations, reply_len: int, model: str):
+    """All conversations at once, each turn after turn: each prompt is the whole history so far (greedy replies of
+    reply_len tokens). The results of every turn, and the seconds it all took."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        await one_request(stub, BenchRequest("Hello", 2, 2), model, None)  # warm-up, untimed
+
+        async def converse(turns) -> list[RequestResult]:
+            history, results = [], []
+            for new in turns:
+                prompt = history + new
+                result = await one_request(stub, BenchRequest("", len(prompt), reply_len, prompt), model, None)
+                results.append(result)
+                history = prompt + result.token_ids
+            return results
+
+        start = time.perf_counter()
+        per_conversation = await asyncio.gather(*(converse(turns) for turns in conversations))
+        return [r for results in per_conversation for r in results], time.perf_counter() - start
+
+
+def run_routing(args, engine_args: EngineArgs, tokenizer: Tokenizer) -> None:
+    """The same kind of workload through a gateway per routing policy over --engines replicas, and through a
+    gateway in front of the first engine alone; new prompts for each, so no run finds another's prefixes."""
+    from services.supervisor import Mesh, ServiceProcess
+
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    print(f"machine: {machine}; {args.conversations} conversations of {args.turns} turns at once")
+    gateway_args = ["--served-model-name", engine_args.model, "--log-level", "WARNING"]
+    report = {
+        "machine": machine,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "args": {k: v for k, v in vars(args).items() if k != "api_key"},
+        "runs": {},
+    }
+    with Mesh(engine_args, gateway_args, num_engines=args.engines) as mesh:
+        backends = ["--tokenizer", mesh.services["tokenizer"].address]
+        backends += ["--detokenizer", mesh.services["detokenizer"].address]
+        for i, run in enumerate(args.routing):
+            if run == "one-engine":
+                gateway = ServiceProcess(
+                    "gateway", ["--port", "0", *gateway_args, "--engine", mesh.services["engine"].address, *backends]
+                )
+                gateway.wait_listening(60)
+            else:
+                gateway = mesh.start_gateway([*gateway_args, "--routing", run])
+            try:
+                conversations = conversation_turns(args, tokenizer.vocab_size, args.seed + i)
+                results, elapsed = asyncio.run(
+                    run_conversations(gateway.address, conversations, args.reply_len, engine_args.model)
+                )
+            finally:
+                gateway.stop()
+            summary = summarize(results, elapsed, {})
+            ok = [r for r in results if r.ok]
+            summary["prefix_cache_hit_rate"] = sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_len for r in ok))
+            report["runs"][run] = summary
+            print_table(f"{run} ({args.engines if run != 'one-engine' else 1} engines)", summary)
+            print(f"  prefix cache hit rate {summary['prefix_cache_hit_rate']:.1%}")
+    runs = report["runs"]
+    if "prefix-aware" in runs and "least-loaded" in runs:
+        ratio = runs["prefix-aware"]["ttft_ms"]["p50"] / runs["least-loaded"]["ttft_ms"]["p50"]
+        report["prefix_aware_over_least_loaded_ttft_p50"] = ratio
+        print(f"\nprefix-aware / least-loaded TTFT p50: {ratio:.2f}x")
+    write_report(args.output_json, report)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     target = ap.add_mutually_exclusive_group(required=True)
@@ -280,11 +400,16 @@ def main():
     ap.add_argument("--rounds", type=int, default=1, help="alternate mesh and offline runs this many times")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--output-json", default="benchmarks/results/serve.json")
+    add_routing_args(ap)
     EngineArgs.add_cli_args(ap)
     args = ap.parse_args()
     goodput = parse_goodput(args.goodput)
     engine_args = EngineArgs.from_cli_args(args)
     tokenizer = Tokenizer.from_pretrained(prepare_model_dir(engine_args.model))
+    if args.engines > 1:
+        if not args.launch:
+            raise SystemExit("--engines N (N > 1) starts its own mesh: give --launch")
+        return run_routing(args, engine_args, tokenizer)
 
     def make_requests(seed: int) -> list[BenchRequest]:
         if args.dataset == "synthetic":

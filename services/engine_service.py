@@ -115,17 +115,17 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             )
         queue = engine.subscribe_kv_events()  # bounded: a subscriber that falls behind loses the oldest batches
         await context.send_initial_metadata(())  # the stream is open before the first event
-        stopping = asyncio.ensure_future(self.stopping.wait())
+        stopping = batch = asyncio.ensure_future(self.stopping.wait())
         try:
             while True:
                 batch = asyncio.ensure_future(queue.get())
                 await asyncio.wait((batch, stopping), return_when=asyncio.FIRST_COMPLETED)
                 if not batch.done():
-                    batch.cancel()
                     return
                 yield kv_events_to_llmmesh(*batch.result())
-        finally:
+        finally:  # the server stops, or the subscriber went away
             stopping.cancel()
+            batch.cancel()
             engine.unsubscribe_kv_events(queue)
 
 

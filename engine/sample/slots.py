@@ -139,10 +139,12 @@ class SharedSlots:
         else:
             return None
         self.next_slot = (slot + 1) % self.num_slots
-        if nbytes:
+        if nbytes and self.device_ring is not None:
             self._data(slot, logits.dtype, logits.shape).copy_(logits)
-            if self.device_ring is not None:  # the sampler reads it once the message is sent: done by then
-                torch.cuda.current_stream(self.device_ring.device).synchronize()
+            torch.cuda.current_stream(self.device_ring.device).synchronize()  # done before the sampler reads it
+        elif nbytes:  # one memcpy on this thread: torch's copy_ would wake its thread pool for it (slower here)
+            start = _PAGE + slot * self.slot_bytes
+            self.buffer[start : start + nbytes] = logits.detach().contiguous().view(-1).view(torch.uint8).numpy()
         self.generation += 1
         struct.pack_into("<q", self.buffer, self._offset(slot), self.generation)
         return slot, self.generation
