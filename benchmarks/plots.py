@@ -1,4 +1,5 @@
-"""The figures of docs/benchmarks.md, drawn from the tables in that file (no numbers of its own).
+"""The figures of docs/benchmarks.md, drawn from the tables in that file and from the per-request latencies a
+`benchmarks/serve.py` run kept (its report, copied to docs/benchmarks/serve-ttft.json); no numbers of their own.
 
     build/docs/bin/python benchmarks/plots.py     # `make docs` makes build/docs, a venv with matplotlib
 
@@ -6,6 +7,7 @@ Each figure reads one table, found by its header row; a figure whose table chang
 rather than drawing something else.
 """
 
+import json
 import re
 import statistics
 from pathlib import Path
@@ -166,10 +168,43 @@ def multi_turn(text: str) -> None:
     )
 
 
+def cdf(ax, values: list[float]) -> None:
+    """The share of values at or below each value."""
+    values = sorted(values)
+    ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+
+
+def ttft_distribution(text: str) -> None:
+    """TTFT and ITL of every request of a serve.py run, as distributions (the docs' tables give only percentiles)."""
+    report = json.loads((OUT / "serve-ttft.json").read_text())
+    run, args = report["rounds"][0]["mesh"]["requests"], report["args"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8.4, 3.4))
+    cdf(left, [r["ttft_ms"] / 1e3 for r in run])
+    left.set(xlabel="time to first token (s)", ylabel="share of requests")
+    cdf(right, [itl for r in run for itl in r["itl_ms"]])
+    right.set(xlabel="inter-token latency (ms, log scale)", ylabel="share of token gaps", xscale="log")
+    fig.suptitle(
+        f"Through the mesh: {len(run)} requests, at most {args['max_concurrency']} in flight "
+        f"({report['machine']}, {report['date'][:10]})",
+        fontsize=10,
+    )
+    save(fig, "ttft-distribution.png")
+
+
 def main() -> None:
     text = DOC.read_text()
     OUT.mkdir(exist_ok=True)
-    for figure in (offline_throughput, sampler_service_throughput, sampler_hop, kv_store_ttft, multi_turn):
+    figures = (
+        offline_throughput,
+        sampler_service_throughput,
+        sampler_hop,
+        kv_store_ttft,
+        multi_turn,
+        ttft_distribution,
+    )
+    for figure in figures:
         figure(text)
 
 

@@ -10,7 +10,8 @@ Requests arrive at --request-rate per second (inf: all at once) with gamma-distr
 gateway's Generate; the client stamps every chunk that carries tokens. Reported (mean, p50, p90,
 p99): TTFT (first token), ITL (gap between token-bearing chunks), TPOT ((e2e - ttft) / (tokens - 1))
 and end-to-end latency; request, output and total token throughput; goodput (requests per second
-meeting every --goodput SLO).
+meeting every --goodput SLO). The --output-json report also keeps each request's TTFT and ITLs
+(`requests` of each run), which benchmarks/plots.py draws as distributions.
 
 Datasets: `synthetic` (seeded: random token ids from the ordinary vocabulary, decoded to text, with
 lengths uniform in --input-len; max_tokens uniform in --output-len), or a ShareGPT-format JSON file
@@ -37,6 +38,7 @@ import json
 import os
 import platform
 import random
+import re
 import statistics
 import sys
 import time
@@ -246,6 +248,7 @@ def summarize(results: list[RequestResult], elapsed: float, goodput: dict[str, f
         "tpot_ms": stats_ms([r.tpot for r in ok if r.tpot is not None]),
         "itl_ms": stats_ms([x for r in ok for x in r.itls]),
         "e2e_ms": stats_ms([r.e2e for r in ok]),
+        "requests": [{"ttft_ms": round(r.ttft * 1e3, 2), "itl_ms": [round(x * 1e3, 2) for x in r.itls]} for r in ok],
     }
 
 
@@ -417,16 +420,20 @@ def main():
         return sharegpt_requests(tokenizer, args.dataset, args.num_prompts, seed)
 
     requests = make_requests(args.seed)
-    print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    )
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    print(f"machine: {machine}, Python {platform.python_version()}")
     print(
         f"workload: {len(requests)} requests, {sum(r.prompt_len for r in requests)} prompt tokens, "
         f"{sum(r.max_tokens for r in requests)} output tokens; rate {args.request_rate}, "
         f"burstiness {args.burstiness}, max concurrency {args.max_concurrency}"
     )
 
-    report = {"args": {k: v for k, v in vars(args).items() if k != "api_key"}, "rounds": []}
+    report = {
+        "machine": machine,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "args": {k: v for k, v in vars(args).items() if k != "api_key"},
+        "rounds": [],
+    }
     one_at_a_time = args.max_concurrency == 1
     if (
         args.offline
@@ -521,8 +528,11 @@ def median_over_rounds(report: dict, key: str, ratio_name: str, adder: str) -> s
 
 
 def write_report(path: str, report: dict) -> None:
+    text = json.dumps(report, indent=2, default=str)
+    # A list of numbers (a request's ITLs) on one line, so a report with every request's stays short.
+    text = re.sub(r"\[[-\d.,\s]+\]", lambda m: json.dumps(json.loads(m.group())), text)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(report, indent=2, default=str))
+    Path(path).write_text(text)
     print(f"wrote {path}")
 
 
