@@ -19,7 +19,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from conftest import InProcessService
 from engine import LLM, SamplingParams
@@ -42,15 +44,21 @@ SMG = shutil.which("smg", path=os.pathsep.join([str(Path(sys.executable).parent)
 
 
 class InProcessMesh:
-    """The engine, tokenizer and detokenizer, and a gateway in front of them, each served in-process."""
+    """The engines ("engine", "engine-2"...), tokenizer and detokenizer, and a gateway in front of them, each served
+    in-process."""
 
-    def __init__(self, engine_flags: list[str]):
+    def __init__(self, engine_flags: list[str], num_engines: int = 1):
         self.services: dict[str, InProcessService] = {}
+        self.engine_names = ["engine"] + [f"engine-{i}" for i in range(2, num_engines + 1)]
         try:
-            for name, flags in (("engine", engine_flags), ("tokenizer", []), ("detokenizer", [])):
-                self.services[name] = InProcessService(name, [*flags, "--shutdown-timeout", "5"])
+            for name in self.engine_names:
+                self.services[name] = InProcessService("engine", [*engine_flags, "--shutdown-timeout", "5"])
+            for name in ("tokenizer", "detokenizer"):
+                self.services[name] = InProcessService(name, ["--shutdown-timeout", "5"])
             backends = [
-                f for name in ("engine", "tokenizer", "detokenizer") for f in (f"--{name}", self.services[name].address)
+                f
+                for name in (*self.engine_names, "tokenizer", "detokenizer")
+                for f in (f"--{self.services[name].service}", self.services[name].address)
             ]
             self.services["gateway"] = InProcessService("gateway", [*backends, "--shutdown-timeout", "5"])
         except BaseException:
@@ -136,9 +144,9 @@ def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> dict
 
 
 class SmgRouter:
-    """`smg launch` in front of one engine, on free loopback ports."""
+    """`smg launch` in front of engines, on free loopback ports (extra: further smg flags)."""
 
-    def __init__(self, engine_address: str, model_dir: Path, log: Path):
+    def __init__(self, engine_addresses: list[str], model_dir: Path, log: Path, extra: list[str] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -147,7 +155,7 @@ class SmgRouter:
                 SMG,
                 "launch",
                 "--worker-urls",
-                f"grpc://{engine_address}",
+                *[f"grpc://{address}" for address in engine_addresses],
                 "--host",
                 "127.0.0.1",
                 "--port",
@@ -160,6 +168,7 @@ class SmgRouter:
                 str(model_dir),
                 "--log-level",
                 "info",
+                *extra,
             ],
             stdout=log.open("w"),
             stderr=subprocess.STDOUT,
@@ -220,7 +229,7 @@ def smg(mesh, tmp_path_factory):
     if reason:
         pytest.skip(reason)
     router = SmgRouter(
-        mesh.services["engine"].address, prepare_model_dir(DEFAULT_MODEL), tmp_path_factory.mktemp("smg") / "smg.log"
+        [mesh.services["engine"].address], prepare_model_dir(DEFAULT_MODEL), tmp_path_factory.mktemp("smg") / "smg.log"
     )
     try:
         model = router.wait_ready()
@@ -270,3 +279,44 @@ def test_smg_streamed_chat_matches_gateway(mesh, smg):
     assert sum(1 for d in deltas if d) > 1, "smg sent the whole text in one event: it did not stream"
     assert "".join(deltas) == ours.text()
     assert finish == [ours.choice().finish_reason]
+
+
+# ---- smg over two engines ---------------------------------------------------------------------------------
+
+# Two system prompts, two questions each: smg's cache-aware policy sees two prefixes to place.
+CONVERSATIONS = [
+    [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    for question in ("Name a colour.", "Name a fruit.")
+    for system in ("You are a helpful assistant.", "You answer in one short sentence, politely and precisely.")
+]
+
+
+@pytest.fixture(scope="module")
+def two_engines():
+    m = InProcessMesh(["--kv-cache-memory", KV, "--enable-kv-cache-events"], num_engines=2)
+    yield m
+    m.stop()
+
+
+def test_smg_cache_aware_over_two_engines_matches_gateway(two_engines, tmp_path):
+    """smg with its cache-aware policy in front of two of our engines (their KV events on): every reply equals our
+    gateway's over the same two engines, and both engines served smg's requests."""
+    reason = smg_missing()
+    if reason:
+        pytest.skip(reason)
+    addresses = [two_engines.services[name].address for name in two_engines.engine_names]
+    router = SmgRouter(addresses, prepare_model_dir(DEFAULT_MODEL), tmp_path / "smg.log", ["--policy", "cache_aware"])
+    try:
+        model = router.wait_ready()
+        for messages in CONVERSATIONS:
+            body = {"model": model, "messages": messages, "temperature": 0, "max_tokens": CHAT_MAX_TOKENS}
+            reply = http_json(f"{router.url}/v1/chat/completions", body)
+            ours = collect(chat(two_engines.address, messages, temperature=0.0, max_tokens=CHAT_MAX_TOKENS))
+            assert ours.text(), "our gateway produced no text"
+            assert reply["choices"][0]["message"]["content"] == ours.text(), messages
+    finally:
+        router.stop()
+    for address in addresses:  # each engine's VllmEngine saw a Generate from smg
+        with grpc.insecure_channel(address) as channel:
+            info = vllm_engine_pb2_grpc.VllmEngineStub(channel).GetServerInfo(vllm_engine_pb2.GetServerInfoRequest())
+        assert info.last_receive_timestamp > 0, f"smg sent nothing to the engine at {address}"
