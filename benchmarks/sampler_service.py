@@ -2,18 +2,26 @@
 
     .venv/bin/python benchmarks/sampler_service.py [--streams 1,32,128] [--rounds 3] [--output-len 64]
         [--sampling greedy|typical] [--hop-batches 1,64,256] [--hop-iters 20] [--skip-throughput] [--skip-hop]
-        [--output-json PATH]
+        [--serve-concurrency 1,32,64,256] [--output-json PATH]
 
 Throughput: one offline LLM (SmolLM2, CPU) runs `streams` requests at once (prompts of 32 random token ids,
 `--output-len` tokens each, ignore_eos; --sampling greedy, or typical: temperature 0.7 / top_p 0.95 with a seed
-each), sampling in process
-and on a sampler service (`llmmesh sampler`, its own process, over TCP loopback) in alternating rounds on the
-same EngineCore; output tokens/s of each, and the ratio per round. Both runs give the same tokens (checked).
+each), sampling in process and on a sampler service (`llmmesh sampler`, its own process, over TCP loopback, the
+logits in shared memory as the engine sends them) in alternating rounds on the same EngineCore; output tokens/s
+of each, and the ratio per round. Both runs give the same tokens (checked).
 
 Hop: RemoteSampler.sample against the in-process Sampler on the same random float32 logits [batch, vocab]
 (the same per-row settings as above), at each --hop-batches size: bytes on the wire per step, and ms per
-step (median over --hop-iters after warm-up), over TCP loopback and over a Unix domain socket; plus the
-engine's own decode step at that batch (in-process sampling), for the break-even.
+step (median over --hop-iters after warm-up; each iteration times every form in turn), with the logits as bytes
+over TCP loopback and over a Unix domain socket, and in shared memory (the message over TCP loopback); plus the
+engine's own decode step at that batch (in-process sampling) and its scheduling and update parts, for the
+break-even.
+
+Serve (--serve-concurrency): two meshes as `llmmesh serve --no-kv-store` starts them, one with the sampler
+service and one with --no-sampler-service, both up at once; at each concurrency, `rounds` rounds alternate which
+goes first, each sending the same synthetic requests (32 prompt tokens, `--output-len` output tokens, greedy,
+ignore_eos; as many requests as the concurrency, at least 4) through the gateway all at once (benchmarks/serve.py's
+client); output tokens/s of each and the ratio per round.
 """
 
 import argparse
@@ -30,12 +38,13 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
+from engine.config import EngineArgs
 from engine.request import Request
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.remote import RemoteSampler
 from engine.sample.sampler import Sampler
 from engine.sample.wire import serialize_with_tensors
-from services.supervisor import ServiceProcess
+from services.supervisor import Mesh, ServiceProcess
 
 FIRST_REGULAR_ID = 17
 
@@ -68,7 +77,7 @@ def throughput(llm, address, streams_list, rounds, output_len, seed) -> list[dic
     runner = llm.engine.worker.model_runner
     rng = random.Random(seed)
     vocab = llm.engine.model_config.vocab_size
-    client = RemoteSampler(address)
+    client = RemoteSampler(address, slot_bytes=max(streams_list) * vocab * 4)  # shared memory, as the engine has it
     local_sampler = runner.sampler
     results = []
     try:
@@ -119,20 +128,14 @@ def hop_batch(batch: int, vocab: int, rng: torch.Generator):
     return requests, torch.randn(batch, vocab, generator=rng)
 
 
-def median_ms(fn, iters: int, warmup: int = 3) -> float:
-    times = []
-    for i in range(warmup + iters):
-        start = time.perf_counter()
-        fn()
-        if i >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def hop(addresses: dict[str, str], batches, iters, vocab) -> list[dict]:
+def hop(addresses: dict[str, str], batches, iters, vocab, warmup: int = 3) -> list[dict]:
+    """Each iteration times every form once, in turn (the order rotating), so a busy machine's drift hits all
+    of them alike; medians over the iterations after warm-up."""
     rng = torch.Generator().manual_seed(0)
     sampler = Sampler()
     results = []
+    # name -> (address, slot_bytes): the logits as bytes (over TCP, over a Unix socket) or in shared memory.
+    forms = {"tcp": (addresses["tcp"], 0), "uds": (addresses["uds"], 0), "shm": (addresses["tcp"], max(batches))}
     for batch in batches:
         requests, logits = hop_batch(batch, vocab, rng)
         generators = {row: torch.Generator().manual_seed(row) for row in range(batch)}
@@ -141,42 +144,118 @@ def hop(addresses: dict[str, str], batches, iters, vocab) -> list[dict]:
             md = SamplingMetadata.from_requests(requests, generators, vocab, torch.device("cpu"))
             sampler(logits.clone(), md)
 
-        row = {"batch": batch, "logits_bytes": logits.numel() * 4, "in_process_ms": median_ms(local, iters)}
-        for name, address in addresses.items():
-            client = RemoteSampler(address)
-            try:
+        row = {"batch": batch, "logits_bytes": logits.numel() * 4}
+        clients = {name: RemoteSampler(address, slot_bytes=rows * vocab * 4) for name, (address, rows) in forms.items()}
+        try:
+            calls = {"in_process": local}
+            for name, client in clients.items():
                 client.sample(requests, logits, [])  # registers the requests: later steps carry no parameters
-                row[f"{name}_ms"] = median_ms(lambda: client.sample(requests, logits, []), iters)
+                assert (client.slots is not None) == (name == "shm"), f"{name}: not the form it names"
+                calls[name] = lambda client=client: client.sample(requests, logits, [])
                 msg, _ = client._prompt_message([])
                 client._add_rows(msg, requests)
-                row["message_bytes"] = len(serialize_with_tensors(msg, {"logits": logits}))
-            finally:
+                if name == "shm":
+                    client._write_slot(msg, logits)
+                    row["shm_message_bytes"] = len(msg.SerializeToString())
+                else:
+                    row["message_bytes"] = len(serialize_with_tensors(msg, {"logits": logits}))
+            times = {name: [] for name in calls}
+            names = list(calls)
+            for i in range(warmup + iters):
+                for name in names[i % len(names) :] + names[: i % len(names)]:
+                    start = time.perf_counter()
+                    calls[name]()
+                    if i >= warmup:
+                        times[name].append((time.perf_counter() - start) * 1e3)
+            row.update({f"{name}_ms": statistics.median(t) for name, t in times.items()})
+        finally:
+            for client in clients.values():
                 client.close()
         print(json.dumps(row), flush=True)
         results.append(row)
     return results
 
 
-def decode_step_ms(llm, batch: int, vocab: int) -> float:
-    """The engine's median step while `batch` requests decode (in-process sampling)."""
+def decode_step_ms(llm, batch: int, vocab: int) -> dict:
+    """The engine's median step while `batch` requests decode (in-process sampling), and the medians of its
+    scheduling, input-building and output-update parts: the host work an overlap with sampling could hide."""
     rng = random.Random(batch)
     prompts = [{"prompt_token_ids": [rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(16)]} for _ in range(batch)]
-    core, times = llm.engine, []
-    step = core.step
+    core, runner, times, parts = llm.engine, llm.engine.worker.model_runner, [], []
+    step, prepare_inputs = core.step, runner.prepare_inputs
+    prepared = []
+
+    def timed_prepare(so):
+        start = time.perf_counter()
+        out = prepare_inputs(so)
+        prepared.append((time.perf_counter() - start) * 1e3)
+        return out
 
     def timed_step():
         start = time.perf_counter()
         out = step()
         if all(r.num_output_tokens > 0 for r in core.scheduler.running) and len(core.scheduler.running) == batch:
             times.append((time.perf_counter() - start) * 1e3)
+            parts.append((core.last_step.schedule_s * 1e3, prepared[-1], core.last_step.update_s * 1e3))
         return out
 
-    core.step = timed_step
+    core.step, runner.prepare_inputs = timed_step, timed_prepare
     try:
         llm.generate(prompts, [params(i, 12) for i in range(batch)], use_tqdm=False)
     finally:
-        del core.step
-    return statistics.median(times) if times else float("nan")
+        del core.step, runner.prepare_inputs
+    if not times:
+        return {"decode_step_ms": float("nan")}
+    return {
+        "decode_step_ms": statistics.median(times),
+        **{
+            f"{name}_ms": statistics.median(p[i] for p in parts)
+            for i, name in enumerate(("schedule", "prepare", "update"))
+        },
+    }
+
+
+def serve_throughput(concurrencies, rounds, output_len, seed) -> list[dict]:
+    """`llmmesh serve --no-kv-store` with the sampler service against --no-sampler-service (both meshes up at
+    once), alternating which goes first each round."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import asyncio
+
+    from serve import run_mesh, synthetic_requests
+
+    from engine.models.loader import prepare_model_dir
+    from engine.text.tokenizer import Tokenizer
+
+    args = EngineArgs(kv_cache_memory="1GiB")
+    tokenizer = Tokenizer.from_pretrained(prepare_model_dir(args.model))
+    results = []
+    with Mesh(args, sampler=True) as with_sampler, Mesh(args, sampler=False) as without:
+        meshes = {"sampler service": with_sampler.address, "in process": without.address}
+        for concurrency in concurrencies:
+            requests = synthetic_requests(tokenizer, max(4, concurrency), (32, 32), (output_len, output_len), seed)
+            warmup = synthetic_requests(tokenizer, max(4, concurrency), (32, 32), (4, 4), seed)
+            for address in meshes.values():  # warm-up: the whole batch once each (the first run allocates)
+                asyncio.run(run_mesh(address, warmup, float("inf"), 1.0, concurrency, seed, "", None))
+            row = {"concurrency": concurrency, "in_process_tok_s": [], "sampler_service_tok_s": [], "ratios": []}
+            for r in range(rounds):
+                got = {}
+                for name in list(meshes)[:: 1 if r % 2 == 0 else -1]:
+                    out, elapsed = asyncio.run(
+                        run_mesh(meshes[name], requests, float("inf"), 1.0, concurrency, seed, "", None)
+                    )
+                    assert all(x.ok for x in out), [x.error for x in out if not x.ok][:3]
+                    got[name] = sum(x.output_tokens for x in out) / elapsed
+                row["in_process_tok_s"].append(got["in process"])
+                row["sampler_service_tok_s"].append(got["sampler service"])
+                row["ratios"].append(got["sampler service"] / got["in process"])
+                print(
+                    f"concurrency {concurrency:4d} round {r + 1}: in process {got['in process']:7.1f} tok/s, "
+                    f"sampler service {got['sampler service']:7.1f} tok/s, ratio {row['ratios'][-1]:.3f}",
+                    flush=True,
+                )
+            row["median_ratio"] = statistics.median(row["ratios"])
+            results.append(row)
+    return results
 
 
 def serve_both(tcp_port_file: str, uds: str) -> None:
@@ -219,6 +298,7 @@ def main():
     ap.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-hop", action="store_true")
+    ap.add_argument("--serve-concurrency", default="", help="e.g. 1,32,64,256: the mesh with and without the service")
     ap.add_argument("--output-json", default="benchmarks/results/sampler_service.json")
     ap.add_argument("--serve-both", nargs=2, metavar=("PORT_FILE", "UDS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -232,6 +312,11 @@ def main():
         f"{'CUDA' if torch.cuda.is_available() else 'no GPU'}",
         "args": vars(args),
     }
+    if args.serve_concurrency:
+        concurrencies = [int(c) for c in args.serve_concurrency.split(",")]
+        report["serve"] = serve_throughput(concurrencies, args.rounds, args.output_len, args.seed)
+    if args.skip_throughput and args.skip_hop:
+        return write_report(args.output_json, report)
     llm = LLM(kv_cache_memory="2GiB", max_num_seqs=256, seed=args.seed)
     vocab = llm.engine.model_config.vocab_size
     if not args.skip_throughput:
@@ -258,12 +343,16 @@ def main():
             server.terminate()
             server.wait()
         for row in report["hop"]:
-            row["decode_step_ms"] = decode_step_ms(llm, row["batch"], vocab)
+            row.update(decode_step_ms(llm, row["batch"], vocab))
             print(f"batch {row['batch']}: decode step {row['decode_step_ms']:.1f} ms", flush=True)
-    os.makedirs(os.path.dirname(args.output_json) or ".", exist_ok=True)
-    with open(args.output_json, "w") as f:
+    write_report(args.output_json, report)
+
+
+def write_report(path: str, report: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
         json.dump(report, f, indent=1)
-    print(f"wrote {args.output_json}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
