@@ -40,6 +40,9 @@ def _scalar_type(t) -> type:
     return parse_int_list if typing.get_origin(t) is list else t
 
 
+# --quantization's methods (engine/models/quantization.py); unset: the checkpoint's own (gguf for a .gguf file), else none.
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+
 # CUDA graphs are captured for decode batches of 1, 2, 4, then every multiple of 8 up to this (vLLM's default).
 MAX_CUDAGRAPH_CAPTURE_SIZE = 512
 
@@ -49,6 +52,9 @@ FLAG_HELP = {
     "model": "the model: the embedded default's name, a Hugging Face model directory or a .gguf file",
     "dtype": "weights' and activations' dtype: float32, bfloat16 or float16; auto: float32 on CPU, bfloat16 on a "
     "GPU that has it",
+    "quantization": "weight quantization: int8 (per output row) or int4 (groups of 32), weight-only and quantized at "
+    "load, computed in bfloat16 or float16; gguf: a .gguf file's Q8_0/Q4_0/Q4_1 tensors as stored; unset: the "
+    "checkpoint's own (gguf for a .gguf file)",
     "device": "cpu or cuda; auto: cuda when there is one, else cpu",
     "seed": "seed of the engine's random state, which samples the requests that bring no seed of their own",
     "max_model_len": "longest sequence (prompt and output) a request may reach; unset: the model's own",
@@ -88,6 +94,7 @@ FLAG_HELP = {
 class EngineArgs:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
+    quantization: str | None = None
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -144,6 +151,10 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0, got {self.max_logprobs}.")
         if self.sampler_timeout <= 0:
             raise ValueError(f"sampler_timeout must be positive, got {self.sampler_timeout}.")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset), got {self.quantization!r}."
+            )
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, got {self.attention_backend!r}."

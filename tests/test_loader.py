@@ -135,8 +135,14 @@ def test_smollm2_conversion_matches_transformers_gguf_loader(converted_smollm2, 
     ref = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     expected = ref.state_dict()
 
-    ours = dict(load_weights(converted_smollm2))
+    # Every linear layer's Q4_1 and the embedding's Q8_0 stay quantized; dequantized, they equal transformers'
+    # tensors (gguf's own dequantizer) bit for bit.
+    stored = dict(load_weights(converted_smollm2))
+    assert sum(name.endswith(".qweight") for name in stored) == 30 * 7 + 1
+    assert stored["model.embed_tokens.qweight"].dtype == torch.int8
+    ours = dict(load_weights(converted_smollm2, dequantized=True))
     config = load_config(converted_smollm2)
+    assert config.quantization == "gguf"
     assert config.tie_word_embeddings and "lm_head.weight" not in ours
     assert set(ours) == set(expected) - {"lm_head.weight"}
     for name, t in ours.items():

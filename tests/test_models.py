@@ -75,27 +75,29 @@ def test_tiny_model_matches_hf(tmp_path, variant):
 
 
 def test_cpu_linear_layers_run_packed_and_keep_only_shared_weights():
-    """engine/models/linear.py: oneDNN's packed matmul gives F.linear's result; a weight shared with an
-    embedding (tied lm_head) stays, the others are dropped; nothing is packed off the CPU."""
+    """engine/models/linear.py: oneDNN's packed matmul gives F.linear's result; the plain weight is dropped,
+    and a tied lm_head's table stays with the embedding."""
+    import torch.nn.functional as F
     from torch import nn
 
-    from engine.models.linear import Linear, pack_linear_weights
+    from engine.models.linear import Linear, VocabEmbedding, process_weights_after_loading, tie_weights
 
     torch.manual_seed(0)
     model = nn.Module()
-    model.embed = nn.Embedding(40, 24)
+    model.embed = VocabEmbedding(40, 24)
     model.proj = Linear(24, 24, bias=True)
     model.head = Linear(24, 40, bias=False)
-    model.head.weight = model.embed.weight
+    tie_weights(model.head, model.embed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
     x = torch.randn(5, 24)
-    want_proj, want_head = model.proj(x), model.head(x)
-    plain_proj = model.proj.weight.detach().clone()
+    plain_proj, table = model.proj.weight.detach().clone(), model.embed.weight.detach().clone()
+    want_proj, want_head = F.linear(x, plain_proj, model.proj.bias), x @ table.T
 
-    assert pack_linear_weights(model, torch.device("meta"), torch.float32) == 0
-    assert model.proj.packed is None
-    assert pack_linear_weights(model, torch.device("cpu"), torch.float32) == 2
+    process_weights_after_loading(model, torch.float32)
     assert model.proj.weight is None and model.proj.packed is not None
-    assert model.head.weight is model.embed.weight  # the embedding still needs it
+    assert model.head.weight is None and torch.equal(model.embed.weight, table)  # the embedding still needs it
     torch.testing.assert_close(model.proj(x), want_proj, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model.head(x), want_head, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model.proj(x[:0]), x[:0] @ plain_proj.T)  # an empty step

@@ -39,6 +39,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: list[int]
     torch_dtype: str | None
+    # The checkpoint's own quantization (config.json's quantization_config.quant_method): "gguf" for a converted GGUF.
+    quantization: str | None = None
 
     @classmethod
     def from_hf_config(cls, d: dict) -> "ModelConfig":
@@ -89,4 +91,5 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            quantization=(d.get("quantization_config") or {}).get("quant_method"),
         )

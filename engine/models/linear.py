@@ -1,45 +1,49 @@
-"""Linear layers whose CPU matmul goes through oneDNN with the weight packed once, after loading.
-
-PyTorch's CPU `F.linear` calls MKL's sgemm. On the AMD EPYC development machine oneDNN's packed
-float32 GEMM measured 1.3-1.9x faster on this model's shapes (3.4x on the lm_head at 16 rows;
-docs/benchmarks.md), and it needs no code of ours. vLLM's CPU backend does the same
-(`dispatch_cpu_unquantized_gemm`). On a GPU, or where oneDNN cannot take the dtype, the layer is plain.
-"""
+"""The model's weight-bearing layers. Each delegates its weight format to a quantization method
+(engine/models/quantization.py): the layer knows its sizes, the method what the weight is and how to use it."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.models.quantization import (
+    QuantizeMethodBase,
+    UnquantizedEmbeddingMethod,
+    UnquantizedLinearMethod,
+)
 
-class Linear(nn.Linear):
-    packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout, once packed
+
+class Linear(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_method=None):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.quant_method: QuantizeMethodBase = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, input_size, output_size)
+        self.bias = nn.Parameter(torch.zeros(output_size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-    def pack_for_cpu(self, keep_weight: bool) -> None:
-        """Pack the weight for oneDNN; drop the plain copy unless something else shares it (a tied embedding)."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-        if not keep_weight:
-            self.weight = None
+        return self.quant_method.apply(self, x)
 
 
-def onednn_supports(device: torch.device, dtype: torch.dtype) -> bool:
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.float32:
-        return True
-    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+class VocabEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, quant_method=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.quant_method: QuantizeMethodBase = quant_method or UnquantizedEmbeddingMethod()
+        self.quant_method.create_weights(self, num_embeddings, embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, ids)
 
 
-def pack_linear_weights(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """Pack every Linear of a loaded model (already in its final dtype) for oneDNN; how many were packed."""
-    if not onednn_supports(device, dtype):
-        return 0
-    shared = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    for layer in layers:
-        layer.pack_for_cpu(keep_weight=id(layer.weight) in shared)
-    return len(layers)
+def tie_weights(lm_head: Linear, embedding: VocabEmbedding) -> None:
+    """The output projection reads the embedding's parameters (whatever its method made of them)."""
+    for name, param in embedding.named_parameters(recurse=False):
+        setattr(lm_head, name, param)
+
+
+def process_weights_after_loading(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every layer's method turns its loaded weights into its kernel's form in `dtype`; then the rest (norms,
+    biases) is cast."""
+    for module in model.modules():
+        if isinstance(module, (Linear, VocabEmbedding)):
+            module.quant_method.process_weights_after_loading(module, dtype)
+    model.to(dtype)

@@ -12,10 +12,12 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parameter import UninitializedParameter
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
-from engine.models.linear import Linear
+from engine.models.linear import Linear, VocabEmbedding, tie_weights
+from engine.models.quantization import get_embedding_method, get_linear_method
 
 
 class RMSNorm(nn.Module):
@@ -88,15 +90,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     ops = None  # as RMSNorm's
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, quantization: str | None = None):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        method = get_linear_method(quantization)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, method)
+        self.o_proj = Linear(self.q_size, config.hidden_size, False, method)
         self.scale = self.head_dim**-0.5
         self.backend = backend
 
@@ -116,10 +119,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     ops = None  # as RMSNorm's
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, quantization: str | None = None):
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        method = get_linear_method(quantization)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, method)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, method)
 
     def forward(self, x):
         if self.ops is not None:
@@ -129,12 +133,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, quantization: str | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config, backend, quantization)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, quantization)
 
     def forward(self, x, kv_cache, metadata, cos_sin):
         x = x + self.self_attn(self.input_layernorm(x), kv_cache, metadata, cos_sin)
@@ -142,17 +146,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, quantization: str | None = None):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, get_embedding_method(quantization))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, quantization) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.attn_backend = backend
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, get_linear_method(quantization))
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            tie_weights(self.lm_head, self.embed_tokens)
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_caches) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -204,7 +210,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             self._copy(params, name, tensor)
             loaded.add(name)
-        missing = set(params) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
+        # A GGUF layer has parameters for both of the forms a tensor may arrive in; its method checks one came.
+        optional = {n for n, p in params.items() if isinstance(p, UninitializedParameter)}
+        missing = set(params) - loaded - optional - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
         if missing or shards:
             raise ValueError(f"Checkpoint is missing weights: {sorted(missing | set(shards))[:8]}")
 
@@ -213,6 +221,8 @@ class LlamaForCausalLM(nn.Module):
         if name not in params:
             raise ValueError(f"Checkpoint has an unexpected weight {name!r}")
         param = params[name]
+        if isinstance(param, UninitializedParameter):  # its shape and dtype are the checkpoint's
+            param.materialize(tensor.shape, dtype=tensor.dtype)
         if tuple(param.shape) != tuple(tensor.shape):
             raise ValueError(f"Weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
         with torch.no_grad():

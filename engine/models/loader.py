@@ -1,8 +1,11 @@
 """The engine's side of model loading: weights (safetensors, or a GGUF converted once) and dtype checks.
 
-A GGUF file (llama.cpp's format) is converted once into a cached HF directory (float32 safetensors,
-config.json, tokenizer files) so that every later start only memory-maps safetensors. Finding a model
-and reading its config and tokenizer needs no torch and lives in files.py.
+A GGUF file (llama.cpp's format) is converted once into a cached HF directory (safetensors, config.json,
+tokenizer files) so that every later start only memory-maps safetensors. Its Q8_0, Q4_0 and Q4_1 tensors
+are kept quantized, as int8 codes with float32 scales and zeros per block of 32 (kernels/quant.py's
+format: `<name>.qweight`, `.scales`, `.zeros`), which dequantize to exactly the values the file's own
+dequantizer gives; other types are dequantized to float32. Finding a model and reading its config and
+tokenizer needs no torch and lives in files.py.
 """
 
 import json
@@ -10,6 +13,7 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -26,6 +30,7 @@ from engine.models.files import (  # noqa: F401 (DEFAULT_MODEL and load_config r
     resolve_model,
     write_text_files,
 )
+from kernels.quant import dequantize
 
 logger = logging.getLogger("llmmesh.loader")
 
@@ -62,13 +67,19 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF parameter name, tensor as stored) for every tensor of every safetensors file."""
+def load_weights(model_dir: Path, dequantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF parameter name, tensor as stored) for every tensor of every safetensors file; with
+    `dequantized`, a converted GGUF's quantized tensors come as their float32 `<name>.weight`."""
     for path in _weight_files(Path(model_dir)):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    base, _, kind = name.rpartition(".")
+                    if not dequantized or kind not in ("qweight", "scales", "zeros"):
+                        yield name, f.get_tensor(name)
+                    elif kind == "qweight":
+                        codes = (f.get_tensor(f"{base}.{k}") for k in ("qweight", "scales", "zeros"))
+                        yield f"{base}.weight", dequantize(*codes)
         except Exception as e:  # safetensors raises its own error types for bad headers and short files
             raise ModelLoadError(f"cannot read weights from {path}: {e}") from e
 
@@ -156,20 +167,60 @@ def _unpermute_rope(w, n_head: int):
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_tensor(tensor, config: dict):
-    from gguf.quants import dequantize
+# Types held natively: (bytes per block of 32, whether a float16 minimum follows the float16 scale).
+_NATIVE_TYPES = {"Q8_0": (34, False), "Q4_0": (18, False), "Q4_1": (20, True)}
+# Checkpoint tensors the model fuses into one layer: all of a group are native, or none (the fused layer
+# holds one format).
+_FUSED_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+
+
+def _native_names(reader) -> set[str]:
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    native = {name for name, kind in types.items() if kind in _NATIVE_TYPES and name.endswith(".weight")}
+    for name in list(native):
+        parts = name.split(".")
+        for group in _FUSED_GROUPS:
+            if len(parts) == 4 and parts[2] in group:
+                members = [".".join([*parts[:2], member, parts[3]]) for member in group]
+                if not all(m in native or m not in types for m in members):
+                    native.discard(name)
+    return native
+
+
+def gguf_codes(data: np.ndarray, kind: str, shape: tuple[int, int]) -> tuple[np.ndarray, ...]:
+    """A Q8_0/Q4_0/Q4_1 tensor's raw blocks -> int8 codes [N, K] and float32 scales and zeros [N, K // 32],
+    with codes * scale + zero equal to ggml's dequantization (Q4_0's d * (q - 8) is q * d + (-8 d), exactly)."""
+    block_bytes, has_min = _NATIVE_TYPES[kind]
+    n, k = shape
+    blocks = np.ascontiguousarray(data).reshape(n, k // 32, block_bytes)
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        return blocks[..., 2:].copy().view(np.int8).reshape(n, k), scales, np.zeros_like(scales)
+    nibbles = blocks[..., 4 if has_min else 2 :]
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).astype(np.int8).reshape(n, k)  # low half first
+    zeros = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else -8 * scales
+    return codes, scales, zeros
+
+
+def _gguf_tensor(tensor, config: dict, native: bool) -> dict[str, torch.Tensor]:
+    """One GGUF tensor as the checkpoint tensors it becomes: {"weight": float32} or qweight/scales/zeros."""
+    from gguf.quants import dequantize as gguf_dequantize
 
     # ggml lists dims fastest-first; PyTorch wants them slowest-first.
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    w = dequantize(tensor.data, tensor.tensor_type).astype("float32", copy=False).reshape(shape)
-    if config["model_type"] == "llama":  # only llama.cpp's llama converter permutes q/k
-        if ".attn_q." in tensor.name:
-            w = _unpermute_rope(w, config["num_attention_heads"])
-        elif ".attn_k." in tensor.name:
-            w = _unpermute_rope(w, config["num_key_value_heads"])
-    if not w.flags.writeable:  # an f32 tensor is a view of the read-only memmap; torch wants owned memory
-        w = w.copy()
-    return torch.from_numpy(w)
+    if native:
+        arrays = dict(zip(("qweight", "scales", "zeros"), gguf_codes(tensor.data, tensor.tensor_type.name, shape)))
+    else:
+        arrays = {
+            "weight": gguf_dequantize(tensor.data, tensor.tensor_type).astype("float32", copy=False).reshape(shape)
+        }
+    if config["model_type"] == "llama":  # only llama.cpp's llama converter permutes q/k (rows, in every array)
+        heads = {".attn_q.": config["num_attention_heads"], ".attn_k.": config["num_key_value_heads"]}
+        for part, n_head in heads.items():
+            if part in tensor.name:
+                arrays = {kind: _unpermute_rope(a, n_head) for kind, a in arrays.items()}
+    # An f32 tensor is a view of the read-only memmap; torch wants owned memory.
+    return {kind: torch.from_numpy(a if a.flags.writeable else a.copy()) for kind, a in arrays.items()}
 
 
 def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, "object"]]:
@@ -180,26 +231,36 @@ def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, "object"]]:
 
 
 def _write_weights(reader, config: dict, out: Path) -> None:
-    # Group tensors into <= _SHARD_BYTES float32 files, so only one shard is ever held in memory.
+    # Group tensors into <= _SHARD_BYTES files, so only one shard is ever held in memory.
+    native = _native_names(reader)
+
+    def nbytes(t):  # int8 codes and two float32 per block of 32, or float32
+        return int(t.n_elements) * (1 + 8 / 32 if t.name in native else 4)
+
     shards, size = [[]], 0
     for hf_name, t in _gguf_tensors(reader, config):
-        nbytes = 4 * int(t.n_elements)
-        if shards[-1] and size + nbytes > _SHARD_BYTES:
+        if shards[-1] and size + nbytes(t) > _SHARD_BYTES:
             shards.append([])
             size = 0
         shards[-1].append((hf_name, t))
-        size += nbytes
+        size += nbytes(t)
     if len(shards) == 1:
         names = ["model.safetensors"]
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
+    weight_map, total = {}, 0
     for file_name, shard in zip(names, shards):
-        save_file({n: _gguf_tensor(t, config) for n, t in shard}, str(out / file_name), metadata={"format": "pt"})
-        weight_map.update({n: file_name for n, _ in shard})
+        tensors = {}
+        for hf_name, t in shard:
+            base = hf_name.removesuffix(".weight")
+            for kind, tensor in _gguf_tensor(t, config, t.name in native).items():
+                tensors[hf_name if kind == "weight" else f"{base}.{kind}"] = tensor
+        save_file(tensors, str(out / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file_name))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(4 * int(t.n_elements) for s in shards for _, t in s)}}
-        (out / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": weight_map}, indent=2))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def _convert_gguf(path: Path, out: Path) -> None:

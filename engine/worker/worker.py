@@ -21,9 +21,10 @@ from engine.kv.connector.factory import create_connector
 from engine.kv.layout import KVLayout, model_fingerprint, weights_digest
 from engine.kv.manager import cdiv
 from engine.models.config import ModelConfig
-from engine.models.linear import pack_linear_weights
+from engine.models.linear import process_weights_after_loading
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import check_dtype, load_weights
+from engine.models.quantization import check_quantization, resolve_quantization
 from engine.request import Request, SamplingParams
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import BatchSampler, LocalSampler, Sampler
@@ -65,6 +66,8 @@ class Worker:
             args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         )
         self.dtype = check_dtype(args.dtype, self.device.type)
+        self.quantization = resolve_quantization(args.quantization, model_config.quantization)
+        check_quantization(self.quantization, self.dtype, self.device)
         if self.device.type == "cpu":
             keep_freed_memory_in_process()
         torch.manual_seed(args.seed)
@@ -96,11 +99,12 @@ class Worker:
 
     def load_model(self) -> None:
         with torch.device(self.device):
-            model = LlamaForCausalLM(self.model_config, self.attn_backend)
-        model.load_weights(load_weights(self.model_dir))
-        self.model = model.to(self.dtype).eval()
+            model = LlamaForCausalLM(self.model_config, self.attn_backend, self.quantization)
+        dequantized = self.quantization != self.model_config.quantization  # a GGUF quantized again
+        model.load_weights(load_weights(self.model_dir, dequantized=dequantized))
+        process_weights_after_loading(model, self.dtype)
+        self.model = model.eval()
         if self.device.type == "cpu":
-            pack_linear_weights(self.model, self.device, self.dtype)
             try:
                 from kernels.cpu_ops import load  # builds the kernels if setup did not
 
@@ -261,8 +265,10 @@ class Worker:
         cfg = self.model_config
         dtype = str(self.dtype).removeprefix("torch.")
         shape = (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, self.args.block_size, cfg.head_dim)
+        # The same checkpoint quantized another way computes other K and V values.
+        weights = f"{weights_digest(self.model_dir)}/{self.quantization or 'unquantized'}"
         fingerprint = model_fingerprint(
-            weights_digest(self.model_dir), dtype, self.attn_backend.name, shape, self.args.prefix_caching_hash_algo
+            weights, dtype, self.attn_backend.name, shape, self.args.prefix_caching_hash_algo
         )
         return KVLayout(fingerprint, dtype, shape)
 

@@ -1,0 +1,248 @@
+"""Quantization methods: the only code that knows a layer's weight format (vLLM's QuantizeMethodBase).
+
+A Linear or VocabEmbedding owns no weights of its own: its method creates the parameters a checkpoint
+fills (create_weights), turns them into what its kernel reads once they are loaded
+(process_weights_after_loading), and computes with them (apply). Wrapping a layer (LoRA) or sharding it
+(tensor parallelism) goes through the same three calls.
+
+Methods (--quantization):
+- unset: the checkpoint's float weights (UnquantizedLinearMethod).
+- int8: weight-only, symmetric int8 codes with one scale per output row, quantized at load.
+- int4: weight-only, asymmetric 4-bit codes in groups of 32 along the input, quantized at load.
+- gguf: a GGUF file's Q8_0, Q4_0 and Q4_1 tensors as stored (group-wise codes, kernels/quant.py's format);
+  its other tensor types arrive dequantized to float32. A GGUF model gets it by default.
+
+On CPU the int8 and int4 kernels compute in bfloat16 or float16 and pay off for a decode step's few rows;
+oneDNN on the dequantized weight is faster for more rows (docs/benchmarks.md), so a quantized layer
+keeps that too. A GGUF model in float32 runs the dequantized weights alone: the same values the file's
+dequantizer gives, on float32's fastest kernel.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parameter import UninitializedParameter
+
+from kernels.quant import (
+    dequantize,
+    int4_linear,
+    int4_scales_and_zeros,
+    int8_linear,
+    is_int4,
+    is_int8_per_row,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+)
+
+INT4_GROUP_SIZE = 32
+# Most rows a CPU step runs on the int4/int8 kernels; above it oneDNN on the dequantized weight is faster.
+CPU_KERNEL_MAX_ROWS = 4
+_QUANTIZED_ACT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class QuantizeMethodBase:
+    """How one layer holds and uses its weight; one instance may serve many layers (state lives on the layer)."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        """Turn the loaded parameters into what apply() reads, in the compute dtype."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LinearMethodBase(QuantizeMethodBase):
+    pass
+
+
+def _onednn_supports(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _register(layer: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+    layer.register_parameter(name, None if tensor is None else nn.Parameter(tensor, requires_grad=False))
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """Float weights. On CPU the matmul goes through oneDNN with the weight packed once, after loading:
+    on this model's shapes it measured 1.3-1.9x faster than F.linear's MKL sgemm (vLLM's CPU backend does
+    the same, `dispatch_cpu_unquantized_gemm`). On a GPU, or where oneDNN cannot take the dtype, F.linear."""
+
+    def create_weights(self, layer, input_size, output_size):
+        _register(layer, "weight", torch.empty(output_size, input_size))
+
+    def process_weights_after_loading(self, layer, dtype):
+        layer.packed = None
+        if _onednn_supports(layer.weight.device, dtype):
+            layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach().to(dtype), None)
+            layer.weight = None  # a tied embedding keeps its own reference
+        else:
+            layer.weight.data = layer.weight.data.to(dtype)
+
+    def apply(self, layer, x):
+        if layer.packed is None:
+            return F.linear(x, layer.weight, layer.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+
+
+class GroupQuantLinearMethod(LinearMethodBase):
+    """Group-wise codes, scales and zeros (kernels/quant.py): PyTorch's int4 or int8 kernel for a step's
+    few rows, the dequantized weight through UnquantizedLinearMethod for the rest."""
+
+    dense = UnquantizedLinearMethod()
+
+    def process_codes(self, layer, q, scales, zeros, dtype) -> None:
+        layer.kernel, layer.kernel_max_rows = None, CPU_KERNEL_MAX_ROWS if q.device.type == "cpu" else None
+        if dtype in _QUANTIZED_ACT_DTYPES and is_int4(q, scales):
+            group_size = q.shape[1] // scales.shape[1]
+            packed, sz = pack_int4(q, q.device), int4_scales_and_zeros(scales, zeros, dtype)
+            layer.kernel = lambda x: int4_linear(x, packed, group_size, sz)
+        elif dtype in _QUANTIZED_ACT_DTYPES and is_int8_per_row(q, scales, zeros) and q.device.type == "cpu":
+            row_scales = scales[:, 0].to(dtype)
+            layer.kernel = lambda x: int8_linear(x, q, row_scales)
+        if layer.kernel is None or layer.kernel_max_rows is not None:
+            _register(layer, "weight", dequantize(q, scales, zeros))
+            self.dense.process_weights_after_loading(layer, dtype)
+
+    def apply(self, layer, x):
+        if layer.kernel is not None and (layer.kernel_max_rows is None or x.shape[0] <= layer.kernel_max_rows):
+            out = layer.kernel(x)
+            return out if layer.bias is None else out + layer.bias
+        return self.dense.apply(layer, x)
+
+
+class _QuantizeAtLoad(GroupQuantLinearMethod):
+    """Float weights from the checkpoint, quantized once they are loaded."""
+
+    def create_weights(self, layer, input_size, output_size):
+        _register(layer, "weight", torch.empty(output_size, input_size))
+
+    def quantize(self, w: torch.Tensor):
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer, dtype):
+        q, scales, zeros = self.quantize(layer.weight.detach())
+        layer.weight = None
+        self.process_codes(layer, q, scales, zeros, dtype)
+
+
+class Int8LinearMethod(_QuantizeAtLoad):
+    def quantize(self, w):
+        return quantize_int8(w, group_size=w.shape[1])
+
+
+class Int4LinearMethod(_QuantizeAtLoad):
+    def quantize(self, w):
+        return quantize_int4(w, INT4_GROUP_SIZE)
+
+
+def _create_gguf_weights(layer) -> None:
+    # A GGUF tensor arrives as codes, scales and zeros, or (a type not held natively) as a float weight; the
+    # shapes come with it (vLLM's GGUF method materializes its parameters on load the same way).
+    for name in ("weight", "qweight", "scales", "zeros"):
+        layer.register_parameter(name, UninitializedParameter(requires_grad=False))
+
+
+def _take_gguf_weights(layer) -> tuple[tuple | None, torch.Tensor | None]:
+    """(codes, scales, zeros) if the file held the tensor natively, else its float weight; the parameters
+    themselves are dropped from the layer."""
+    names = ("weight", "qweight", "scales", "zeros")
+    loaded = {n: getattr(layer, n).detach() for n in names if not isinstance(getattr(layer, n), UninitializedParameter)}
+    for name in names:
+        _register(layer, name, None)
+    if "qweight" in loaded:
+        return (loaded["qweight"], loaded["scales"], loaded["zeros"]), None
+    if "weight" not in loaded:
+        raise ValueError(f"no weight was loaded for a {type(layer).__name__} of the GGUF model")
+    return None, loaded["weight"]
+
+
+class GGUFLinearMethod(GroupQuantLinearMethod):
+    def create_weights(self, layer, input_size, output_size):
+        _create_gguf_weights(layer)
+
+    def process_weights_after_loading(self, layer, dtype):
+        codes, weight = _take_gguf_weights(layer)
+        if codes is not None:
+            self.process_codes(layer, *codes, dtype)
+        else:
+            layer.kernel = None
+            _register(layer, "weight", weight)
+            self.dense.process_weights_after_loading(layer, dtype)
+
+
+class UnquantizedEmbeddingMethod(QuantizeMethodBase):
+    def create_weights(self, layer, input_size, output_size):
+        _register(layer, "weight", torch.empty(input_size, output_size))
+
+    def process_weights_after_loading(self, layer, dtype):
+        layer.weight.data = layer.weight.data.to(dtype)
+
+    def apply(self, layer, ids):
+        return F.embedding(ids, layer.weight)
+
+
+class GGUFEmbeddingMethod(QuantizeMethodBase):
+    """A GGUF embedding table kept as stored: each step dequantizes only the rows it looks up."""
+
+    def create_weights(self, layer, input_size, output_size):
+        _create_gguf_weights(layer)
+
+    def process_weights_after_loading(self, layer, dtype):
+        layer.codes, weight = _take_gguf_weights(layer)
+        layer.dtype = dtype
+        if weight is not None:
+            _register(layer, "weight", weight.to(dtype))
+
+    def apply(self, layer, ids):
+        if layer.codes is None:
+            return F.embedding(ids, layer.weight)
+        q, scales, zeros = layer.codes
+        return dequantize(q[ids], scales[ids], zeros[ids]).to(layer.dtype)
+
+
+_LINEAR_METHODS = {
+    None: UnquantizedLinearMethod,
+    "int8": Int8LinearMethod,
+    "int4": Int4LinearMethod,
+    "gguf": GGUFLinearMethod,
+}
+
+
+def get_linear_method(quantization: str | None) -> LinearMethodBase:
+    return _LINEAR_METHODS[quantization]()
+
+
+def get_embedding_method(quantization: str | None) -> QuantizeMethodBase:
+    # int8 and int4 quantize the matmuls only; an embedding lookup reads a few rows, not the whole table.
+    return GGUFEmbeddingMethod() if quantization == "gguf" else UnquantizedEmbeddingMethod()
+
+
+def check_quantization(quantization: str | None, dtype: torch.dtype, device: torch.device) -> None:
+    """Fail at start-up on a combination that cannot run, naming the flags and the values that can."""
+    if quantization in ("int8", "int4") and dtype not in _QUANTIZED_ACT_DTYPES:
+        raise ValueError(
+            f"--quantization {quantization} computes in bfloat16 or float16, not {str(dtype).removeprefix('torch.')}; "
+            "pass --dtype bfloat16 or --dtype float16"
+        )
+    if quantization == "int4" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+        raise ValueError("--quantization int4 needs a GPU of compute capability 8.0 or newer on CUDA")
+
+
+def resolve_quantization(requested: str | None, checkpoint: str | None) -> str | None:
+    """The method to run: --quantization, else the checkpoint's own. A GGUF checkpoint may also be
+    dequantized and quantized again with int8 or int4."""
+    if checkpoint not in (None, "gguf"):
+        raise ValueError(
+            f"the checkpoint is quantized with {checkpoint!r}, which this engine cannot load; it loads gguf"
+        )
+    if requested == "gguf" and checkpoint != "gguf":
+        raise ValueError("--quantization gguf needs a .gguf model file")
+    return requested or checkpoint

@@ -1,0 +1,88 @@
+"""Group-wise quantized weights: the one format, its quantizers, torch references, and the kernels that run it.
+
+A weight [N, K] is held as integer codes q [N, K] (int8) with float32 scales and zeros [N, K // group_size]:
+w[n, k] = q[n, k] * scales[n, g] + zeros[n, g], with g = k // group_size. GGUF's Q8_0, Q4_0 and Q4_1 blocks
+are exactly of this form, and so are the int8 (symmetric) and int4 (asymmetric) weight-only methods.
+
+Kernels: PyTorch's packed ones. 4-bit codes run on its int4 matmul (CPU: `_weight_int4pack_mm_for_cpu`, CUDA:
+`_weight_int4pack_mm`), int8 codes with one scale per row on `_weight_int8pack_mm`. On CPU both are fast for
+a decode step's few rows in bfloat16 and slow in float32 or for many rows, where oneDNN's matmul on the
+dequantized weight wins (docs/benchmarks.md); engine/models/quantization.py chooses between them.
+"""
+
+import torch
+import torch.nn.functional as F
+
+# Group sizes PyTorch's int4 kernels take.
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] the codes stand for (each element one float32 multiply-add, as GGUF's own)."""
+    group_size = q.shape[1] // scales.shape[1]
+    return q.float() * scales.repeat_interleave(group_size, 1) + zeros.repeat_interleave(group_size, 1)
+
+
+def group_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The reference every quantized kernel is held to: x @ w.T in float32 on the dequantized weight."""
+    return F.linear(x.float(), dequantize(q, scales, zeros)).to(x.dtype)
+
+
+def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"input size {k} is not a multiple of the quantization group size {group_size}")
+    return w.float().reshape(n, k // group_size, group_size)
+
+
+def quantize_int8(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes in [-127, 127], one scale per group (absmax / 127), zeros 0."""
+    g = _groups(w, group_size)
+    scales = g.abs().amax(-1) / 127
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    q = torch.round(g / scales[..., None]).clamp(-127, 127).to(torch.int8).reshape(w.shape)
+    return q, scales, torch.zeros_like(scales)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes in [0, 15]: each group's minimum is its zero, (max - min) / 15 its scale."""
+    g = _groups(w, group_size)
+    low, high = g.amin(-1), g.amax(-1)
+    scales = (high - low) / 15
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    q = torch.round((g - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int8).reshape(w.shape)
+    return q, scales, low
+
+
+def is_int4(q: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether PyTorch's int4 kernels can run these codes: all in [0, 15], in a group size they take."""
+    return q.shape[1] // scales.shape[1] in INT4_GROUP_SIZES and bool(q.min() >= 0) and bool(q.max() <= 15)
+
+
+def int4_scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[groups, N, 2] for PyTorch's int4 kernels, which compute (q - 8) * scale + zero: the zero moves by 8 scales."""
+    return torch.stack([scales, zeros + 8 * scales], dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+
+def pack_int4(q: torch.Tensor, device: torch.device, inner_k_tiles: int = 8) -> torch.Tensor:
+    """The codes [N, K] in the device's packed int4 layout."""
+    if device.type == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    pairs = q.to(torch.uint8)
+    packed = (pairs[:, ::2] << 4 | pairs[:, 1::2]).contiguous().to(device)
+    return torch.ops.aten._convert_weight_to_int4pack(packed, inner_k_tiles)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+    return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_and_zeros)
+
+
+def is_int8_per_row(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> bool:
+    """Whether `_weight_int8pack_mm` can run these codes: one scale per row, no zeros."""
+    return scales.shape[1] == 1 and not bool(zeros.any())
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int8pack_mm(x, q, scales)

@@ -1,0 +1,167 @@
+"""Quantized weights (engine/models/quantization.py, kernels/quant.py): GGUF's blocks against gguf's own
+dequantizer, each quantized layer against its dequantized float32 reference, greedy output against Hugging
+Face on the same dequantized weights, and the start-up errors of combinations that cannot run."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_no_leaks, run_greedy
+from engine.config import EngineArgs
+from engine.core import EngineCore
+from engine.models.linear import Linear, process_weights_after_loading
+from engine.models.loader import gguf_codes
+from engine.models.quantization import CPU_KERNEL_MAX_ROWS, get_linear_method
+from kernels.quant import (
+    dequantize,
+    group_linear_ref,
+    int4_linear,
+    int4_scales_and_zeros,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+)
+from test_models import save_random_model
+
+# A bfloat16 layer output against the float32 reference on the same dequantized weight: the activations are
+# rounded to bfloat16 (8 bits) and the kernels accumulate in float32, so the largest error stays within 1% of
+# the output's largest magnitude (measured: about 0.4%).
+BF16_REL_TOL = 1e-2
+
+
+def gguf_blocks(kind: str, shape=(96, 256), seed=0):
+    """Random weights quantized by gguf into `kind`'s blocks; our codes of them, and gguf's dequantized values."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    data = quants.quantize(w, GGMLQuantizationType[kind])
+    codes = tuple(torch.from_numpy(a) for a in gguf_codes(data, kind, shape))
+    return codes, torch.from_numpy(quants.dequantize(data, GGMLQuantizationType[kind]))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_hold_exactly_ggufs_values(kind):
+    codes, want = gguf_blocks(kind)
+    assert codes[0].dtype == torch.int8 and codes[1].shape == (96, 256 // 32)
+    assert torch.equal(dequantize(*codes), want)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_int4_packing_holds_exactly_ggufs_values(kind):
+    """The packed int4 weight, read back through the kernel in float32 (x = identity), is gguf's dequantization
+    bit for bit: the kernel's (q - 8) * scale + (zero + 8 scale) is exact for float16 scales and minimums."""
+    codes, want = gguf_blocks(kind)
+    packed = pack_int4(codes[0], torch.device("cpu"))
+    eye = torch.eye(want.shape[1])
+    assert torch.equal(int4_linear(eye, packed, 32, int4_scales_and_zeros(codes[1], codes[2], torch.float32)).T, want)
+
+
+def _layer(method: str, seed=0):
+    """A Linear(256 -> 96, bias) of `method` as loading leaves it, and the codes its weight is made of."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = Linear(256, 96, bias=True, quant_method=get_linear_method(method.split("-")[0]))
+    layer.bias.data.normal_(generator=gen)
+    if method == "int8" or method == "int4":
+        w = torch.randn(96, 256, generator=gen)
+        layer.weight.data.copy_(w)
+        codes = quantize_int8(w, 256) if method == "int8" else quantize_int4(w, 32)
+    else:
+        codes, _ = gguf_blocks(method.split("-")[1].upper(), seed=seed)
+        for name, tensor in zip(("qweight", "scales", "zeros"), codes):
+            getattr(layer, name).materialize(tensor.shape, dtype=tensor.dtype)
+            getattr(layer, name).data.copy_(tensor)
+    return layer, codes
+
+
+# int8: _weight_int8pack_mm; int4, gguf-q4_*: the int4 kernel; gguf-q8_0: oneDNN on the dequantized weight.
+METHODS = ["int8", "int4", "gguf-q4_0", "gguf-q4_1", "gguf-q8_0"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rows", [1, CPU_KERNEL_MAX_ROWS + 7])  # the quantized kernel's rows, then oneDNN's
+def test_bfloat16_layer_matches_its_dequantized_reference(method, rows):
+    layer, codes = _layer(method)
+    bias = layer.bias.detach().clone()
+    process_weights_after_loading(layer, torch.bfloat16)
+    assert (layer.kernel is None) == (method == "gguf-q8_0")
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
+    want = group_linear_ref(x, *codes) + bias
+    got = layer(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    error = ((got.float() - want).abs().max() / want.abs().max()).item()
+    assert error < BF16_REL_TOL, f"{method}, {rows} rows: relative error {error:.4f}"
+
+
+@pytest.mark.parametrize("method", ["gguf-q4_1", "gguf-q8_0"])
+def test_float32_gguf_layer_runs_the_exact_dequantized_weight(method):
+    layer, codes = _layer(method)
+    bias = layer.bias.detach().clone()
+    process_weights_after_loading(layer, torch.float32)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(layer(x), group_linear_ref(x, *codes) + bias, atol=1e-4, rtol=1e-5)
+
+
+def _dequantize_hf_weights(hf_model, method: str) -> None:
+    """Replace each of the Hugging Face model's linear weights by its dequantized codes (float32)."""
+    quantize = (lambda w: quantize_int8(w, w.shape[1])) if method == "int8" else (lambda w: quantize_int4(w, 32))
+    with torch.no_grad():
+        for module in hf_model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(dequantize(*quantize(module.weight)))
+
+
+# Greedy tokens of the bfloat16 engine against Hugging Face in float32 on the same dequantized weights.
+# Token identity cannot hold (bfloat16 activations move these logits, of magnitude about 15, by tenths), so
+# each token the engine chose is scored by the reference: it must be the reference's top-1 at >= 85% of
+# positions (measured: 45 of 48 for both methods), and its logit at most 5% of the largest logit magnitude
+# under the reference's top anywhere (measured: 1.1% for int8, 3.1% for int4).
+MIN_TOP1_AGREEMENT, MAX_LOGIT_REGRET = 0.85, 0.05
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_greedy_agrees_with_hf_on_the_dequantized_weights(tmp_path, method):
+    """The engine quantizing at load (bfloat16; decode steps of <= 4 rows on the quantized kernels)."""
+    path, hf_model = save_random_model(tmp_path, "llama3-rope-untied")
+    _dequantize_hf_weights(hf_model, method)
+    args = EngineArgs(model=str(path), dtype="bfloat16", quantization=method, kv_cache_memory="8MiB", block_size=8)
+    engine = EngineCore(args)
+    assert engine.worker.model.layers[0].mlp.down_proj.kernel is not None
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 17, 40)]
+    agree, total, regret = 0, 0, 0.0
+    for prompt, ours in zip(prompts, run_greedy(engine, prompts, 16)):
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1]
+        chosen = logits[torch.arange(len(ours)), torch.tensor(ours)]
+        agree += int((logits.argmax(-1) == torch.tensor(ours)).sum())
+        total += len(ours)
+        regret = max(regret, ((logits.max(-1).values - chosen) / logits.abs().max()).max().item())
+    assert agree / total >= MIN_TOP1_AGREEMENT, f"{method}: top-1 agreement {agree}/{total}"
+    assert regret <= MAX_LOGIT_REGRET, (
+        f"{method}: a chosen token's logit is {regret:.1%} (of the largest) under the top"
+    )
+    assert_no_leaks(engine)
+
+
+def test_bad_combinations_fail_at_start_up(tmp_path):
+    with pytest.raises(ValueError, match=r"quantization must be one of int8, int4, gguf \(or unset\), got 'int3'"):
+        EngineArgs(quantization="int3")
+    path, _ = save_random_model(tmp_path, "mistral")
+    with pytest.raises(ValueError, match="--quantization int4 computes in bfloat16 or float16.*--dtype bfloat16"):
+        EngineCore(EngineArgs(model=str(path), quantization="int4", dtype="float32", kv_cache_memory="8MiB"))
+    with pytest.raises(ValueError, match="--quantization gguf needs a .gguf model file"):
+        EngineCore(EngineArgs(model=str(path), quantization="gguf", dtype="bfloat16", kv_cache_memory="8MiB"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["int4", "gguf-q4_1"])
+def test_cuda_int4_layer_matches_its_dequantized_reference(method):
+    layer, codes = _layer(method)
+    bias = layer.bias.detach().clone()
+    layer = layer.cuda()
+    process_weights_after_loading(layer, torch.bfloat16)
+    assert layer.kernel is not None and layer.kernel_max_rows is None
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    want = group_linear_ref(x, *codes) + bias
+    got = layer(x.bfloat16().cuda()).float().cpu()
+    assert ((got - want).abs().max() / want.abs().max()).item() < BF16_REL_TOL
