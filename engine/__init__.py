@@ -9,6 +9,7 @@ import importlib
 _EXPORTS = {
     "LLM": "engine.llm",
     "SamplingParams": "engine.request",
+    "StructuredOutputsParams": "engine.request",
     "EngineArgs": "engine.config",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",

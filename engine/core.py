@@ -13,6 +13,7 @@ from engine.models.loader import prepare_model_dir
 from engine.request import Request, RequestStatus
 from engine.sched.output import EngineCoreOutput, SchedulerStats
 from engine.sched.scheduler import Scheduler
+from engine.structured_output.manager import StructuredOutputManager
 from engine.worker.worker import Worker
 
 logger = logging.getLogger("llmmesh.engine")
@@ -77,6 +78,7 @@ class EngineCore:
             )
             logger.info("KV connector %s (%s), model fingerprint %s", kv_transfer_config.kv_connector,
                         kv_transfer_config.kv_role, layout.fingerprint[:16])  # fmt: skip
+        self.structured_output_manager = StructuredOutputManager(self.model_dir, cfg.vocab_size, cfg.eos_token_ids)
         # A request can never grow past the whole pool, so that is its length cap too.
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -86,6 +88,7 @@ class EngineCore:
             scheduling_policy=args.scheduling_policy,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             connector=self.connector,
+            structured_output_manager=self.structured_output_manager,
         )
         self._aborted: list[EngineCoreOutput] = []
 
@@ -97,6 +100,8 @@ class EngineCore:
         request.eos_token_ids = request.eos_token_ids or tuple(self.model_config.eos_token_ids)
         if self.has_request(request.request_id):
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
+        if request.structured_output_request is not None:
+            self.structured_output_manager.grammar_init(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids) -> None:
@@ -190,6 +195,7 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
+        self.structured_output_manager.shutdown()
         self.worker.shutdown()
 
     def take_kv_events(self):

@@ -2,10 +2,10 @@
 Processor).
 
 It checks a request against the configured limits (RequestLimits) and the model (vocabulary, length, KV cache
-size, --max-logprobs), refuses what can never work, tokenizes bad words, truncates the prompt and fills in the EOS
-ids. The offline LLM, AsyncLLM (both engine protocols) and the gateway all admit through it; the gateway has no
-tokenizer in process and knows the model from the engines' ModelInfo, so it checks everything but the bad words'
-tokens, which the engine checks again. Every refusal is a ValueError naming the field and what it allows.
+size, --max-logprobs), refuses what can never work (a grammar that does not compile too), tokenizes bad words,
+truncates the prompt and fills in the EOS ids. The offline LLM, AsyncLLM (both engine protocols) and the gateway
+all admit through it; the gateway has no tokenizer or grammar compiler in process and knows the model from the
+engines' ModelInfo, so it checks everything but the bad words' tokens and the grammars, which the engine checks. Every refusal is a ValueError naming the field and what it allows.
 """
 
 from engine.limits import RequestLimits
@@ -23,6 +23,7 @@ class Processor:
         max_logprobs: int | None = None,
         kv_capacity_tokens: int | None = None,
         tokenizer=None,
+        structured_output_manager=None,
     ):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -31,6 +32,8 @@ class Processor:
         self.max_logprobs = max_logprobs  # None: not checked here (the gateway leaves it to the engine)
         self.kv_capacity_tokens = kv_capacity_tokens
         self.tokenizer = tokenizer  # engine.text.Tokenizer; None: bad words are tokenized further in
+        # Parses grammars (xgrammar); None: they are checked further in (the gateway imports no xgrammar).
+        self.structured_output_manager = structured_output_manager
 
     @classmethod
     def for_engine(cls, core, limits: RequestLimits | None = None, tokenizer=None) -> "Processor":
@@ -43,6 +46,7 @@ class Processor:
             core.args.max_logprobs,
             core.num_blocks * core.args.block_size,
             tokenizer,
+            core.structured_output_manager,
         )
 
     def check_ids(self, request_id: str, cache_salt: str | None) -> None:
@@ -60,6 +64,8 @@ class Processor:
             # of whitespace alone is no word at all.
             if not word.strip():
                 raise ValueError(f"bad_words[{i}] must contain a character other than whitespace, got {word!r}.")
+        if params.structured_outputs is not None and self.structured_output_manager is not None:
+            self.structured_output_manager.validate(params.structured_outputs)
         if params.bad_words and self.tokenizer is not None:
             params.update_from_tokenizer(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
             self.check_bad_words_token_ids(params)

@@ -2,24 +2,29 @@
 
 import copy
 import enum
+import json
 import math
 import time
 from dataclasses import dataclass, field
 
+from engine.structured_output.request import StructuredOutputRequest
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
+    # Its grammar is compiling: it waits in line while the others run.
+    WAITING_FOR_FSM = 1
     # Admitted with blocks reserved, while a KV connector loads its prefix into them.
-    WAITING_FOR_REMOTE_KVS = 1
-    RUNNING = 2
-    PREEMPTED = 3
+    WAITING_FOR_REMOTE_KVS = 2
+    RUNNING = 3
+    PREEMPTED = 4
     # Everything after PREEMPTED is a finished state.
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH_CAPPED = 5
-    FINISHED_ABORTED = 6
-    FINISHED_IGNORED = 7
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
+    FINISHED_IGNORED = 8
     # Per-request work in a step raised for this request alone (its EngineCoreOutput.failure says what).
-    FINISHED_ERROR = 8
+    FINISHED_ERROR = 9
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -85,6 +90,55 @@ SAMPLING_EPS = 1e-5
 MAX_LOGIT_BIAS = 100.0
 
 
+# StructuredOutputsParams' constraints: exactly one is set.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vllm.sampling_params.StructuredOutputsParams: the output must match exactly one constraint.
+
+    json: a JSON schema (a dict, or its JSON text); regex; choice: one of these strings; grammar: EBNF (xgrammar's
+    dialect, as GBNF); json_object: any JSON; structural_tag: xgrammar's structural tag as JSON text.
+    disable_any_whitespace: JSON without whitespace between its tokens (json, json_object).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json)
+        set_kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        _check(
+            len(set_kinds) == 1,
+            "structured_outputs",
+            f"must set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}",
+            set_kinds,
+        )
+        for name in ("json", "regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, str), f"structured_outputs.{name}", "must be a string", value)
+        if self.choice is not None:
+            self.choice = list(self.choice)
+            _check(
+                len(self.choice) > 0 and all(isinstance(c, str) and c for c in self.choice),
+                "structured_outputs.choice",
+                "must be a non-empty list of non-empty strings",
+                self.choice[:3],
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of STRUCTURED_OUTPUT_KINDS."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+
 @dataclass
 class SamplingParams:
     """vllm.SamplingParams for generation: the same fields, defaults and meaning."""
@@ -113,6 +167,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: max_model_len
+    structured_outputs: StructuredOutputsParams | None = None
     # Token-id sequences of bad_words, filled in from the tokenizer (update_from_tokenizer).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -190,6 +245,12 @@ class SamplingParams:
             "allowed_token_ids",
             "must not be empty (None allows every token)",
             self.allowed_token_ids,
+        )
+        _check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "must be a StructuredOutputsParams",
+            type(self.structured_outputs).__name__,
         )
 
     def verify_for_model(self, vocab_size: int, max_logprobs: int) -> None:
@@ -269,7 +330,13 @@ class Request:
         # engine makes for this request (the KV store's) join its trace. Empty when it is not traced.
         self.trace_headers: tuple[tuple[str, str], ...] = ()
 
-        self.status = RequestStatus.WAITING
+        # Its grammar and matcher (StructuredOutputManager.grammar_init compiles it); None without structured outputs.
+        self.structured_output_request = (
+            None
+            if sampling_params.structured_outputs is None
+            else StructuredOutputRequest(sampling_params.structured_outputs)
+        )
+        self.status = RequestStatus.WAITING if self.structured_output_request is None else RequestStatus.WAITING_FOR_FSM
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

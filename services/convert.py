@@ -7,7 +7,7 @@ engine/sample/wire.py.
 import time
 
 from engine.outputs import Logprob, RequestMetrics, RequestOutput
-from engine.request import SamplingParams
+from engine.request import SamplingParams, StructuredOutputsParams
 from llmmesh.v1 import common_pb2, engine_pb2
 
 # Proto fields copied as they are when set (optional scalars).
@@ -38,6 +38,8 @@ def sampling_params_from_llmmesh(msg: common_pb2.SamplingParams) -> SamplingPara
         kwargs["logit_bias"] = dict(msg.logit_bias)
     if msg.allowed_token_ids:
         kwargs["allowed_token_ids"] = list(msg.allowed_token_ids)
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs_from_llmmesh(msg.structured_outputs)
     return SamplingParams(
         stop=list(msg.stop),
         stop_token_ids=list(msg.stop_token_ids),
@@ -46,6 +48,13 @@ def sampling_params_from_llmmesh(msg: common_pb2.SamplingParams) -> SamplingPara
         include_stop_str_in_output=msg.include_stop_str_in_output,
         **kwargs,
     )
+
+
+def structured_outputs_from_llmmesh(msg: common_pb2.StructuredOutputsParams) -> StructuredOutputsParams:
+    """The constraint set; ValueError naming structured_outputs when there is none."""
+    kind = msg.WhichOneof("constraint")
+    constraint = {} if kind is None else {kind: list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)}
+    return StructuredOutputsParams(**constraint, disable_any_whitespace=msg.disable_any_whitespace)
 
 
 def logprobs_to_llmmesh(positions: list[dict[int, Logprob] | None]) -> list[common_pb2.PositionLogprobs]:

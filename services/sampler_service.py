@@ -26,6 +26,7 @@ from engine.sample.wire import (
     LOGITS_DTYPES,
     check_wire_token_ids,
     dtype_and_shape_from_proto,
+    grammar_bitmask_from_proto,
     logprobs_tensors_to_proto,
     sampler_params_from_proto,
     tensor_from_proto,
@@ -89,6 +90,7 @@ class StreamState:
 
     def _step(self, msg: sampler_pb2.SampleStep) -> sampler_pb2.SampleResult:
         rows, logits, news, prompt_logits = self._check(msg)
+        grammar = grammar_bitmask_from_proto(msg, len(msg.request_ids), 0 if logits is None else logits.shape[1])
         for request_id in msg.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in news:
@@ -103,7 +105,7 @@ class StreamState:
             start += n
         states = [rows[request_id] for request_id in msg.request_ids]
         generators = {row: s.generator for row, s in enumerate(states) if s.generator is not None}
-        metadata = SamplingMetadata.from_requests(states, generators, logits.shape[-1], self.device)
+        metadata = SamplingMetadata.from_requests(states, generators, logits.shape[-1], self.device, grammar)
         metadata.failed.update({row: s.failure for row, s in enumerate(states) if s.failure is not None})
         output = self.sampler(logits, metadata)
         result.sampled_token_ids.extend(output.sampled_token_ids.tolist())

@@ -9,15 +9,12 @@ from smg_grpc_proto.generated import vllm_engine_pb2
 
 from engine.kv.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from engine.outputs import RequestOutput
-from engine.request import SamplingParams
+from engine.request import SamplingParams, StructuredOutputsParams
 
 
 def sampling_params_from_vllm(msg: vllm_engine_pb2.SamplingParams) -> SamplingParams:
     """vLLM's servicer reading of proto3 zeros: top_p 0 and repetition_penalty 0 mean "unset", n 0 means 1,
     no max_tokens means up to the model's length. A bad value raises ValueError naming the field."""
-    constraint = msg.WhichOneof("constraint")
-    if constraint is not None:
-        raise NotImplementedError(f"sampling_params.{constraint}: structured outputs are not supported by this engine")
     return SamplingParams(
         n=msg.n or 1,
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,
@@ -40,7 +37,18 @@ def sampling_params_from_vllm(msg: vllm_engine_pb2.SamplingParams) -> SamplingPa
         include_stop_str_in_output=msg.include_stop_str_in_output,
         logit_bias=dict(msg.logit_bias) or None,
         truncate_prompt_tokens=msg.truncate_prompt_tokens if msg.HasField("truncate_prompt_tokens") else None,
+        structured_outputs=structured_outputs_from_vllm(msg),
     )
+
+
+def structured_outputs_from_vllm(msg: vllm_engine_pb2.SamplingParams) -> StructuredOutputsParams | None:
+    """The request's constraint (smg's response_format and tool-call constraints arrive here); None without one."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        return None
+    value = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
+    # json_schema is StructuredOutputsParams' json; the other fields have its names.
+    return StructuredOutputsParams(**{"json" if kind == "json_schema" else kind: value})
 
 
 def _top(entry: dict, num_top: int) -> tuple[list[int], list[float]]:

@@ -106,6 +106,21 @@ def run_greedy(engine, prompts: list[list[int]], max_tokens: int | list[int]) ->
     return [tokens[str(i)] for i in range(len(prompts))]
 
 
+def run_to_completion(engine, requests) -> tuple[dict[str, list[int]], dict]:
+    """Add the requests to an EngineCore and step it until nothing is left, which must leak nothing: each
+    request's tokens, and the output that finished it."""
+    for request in requests:
+        engine.add_request(request)
+    tokens, ends = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                ends[out.request_id] = out
+    assert_no_leaks(engine)
+    return tokens, ends
+
+
 def assert_no_leaks(engine):
     """No request left, and every block free (or free and still cached)."""
     assert not engine.scheduler.requests

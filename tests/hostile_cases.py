@@ -94,6 +94,14 @@ def _set(name, value):
     return apply
 
 
+def _structured(**constraint):
+    def apply(msg):
+        msg.structured_outputs.SetInParent()
+        msg.structured_outputs.MergeFrom(common_pb2.StructuredOutputsParams(**constraint))
+
+    return apply
+
+
 def _extend(name, values):
     def apply(msg):
         getattr(msg, name).extend(values)
@@ -176,6 +184,11 @@ def sampling_mutations(vocab: int, max_model_len: int, max_logprobs: int, vllm: 
     add("truncate_prompt_tokens=int32 max", _set("truncate_prompt_tokens", I32_MAX), OK, bad("truncate_prompt_tokens"))
     add("truncate_prompt_tokens=-1", _set("truncate_prompt_tokens", -1), OK)
     add("truncate_prompt_tokens=1", _set("truncate_prompt_tokens", 1), OK)
+    if not vllm:  # vLLM's constraint fields are in vllm_cases
+        add("structured_outputs unset", _structured(), bad("structured_outputs"))
+        add("structured_outputs regex '(['", _structured(regex="(["), bad("regex"))
+        add("structured_outputs choice []", _structured(choice=common_pb2.Choices()), bad("choice"))
+        add("structured_outputs json '{}'", _structured(json="{}"), OK)
 
     bias_keys = [-1, vocab, I32_MAX, I32_MIN]
     for key in bias_keys:
@@ -654,10 +667,18 @@ def vllm_cases(rng: random.Random, info: Info, count: int) -> list[Case]:
     add("request_id 10,000 chars", _set("request_id", "r" * LONG), bad("request_id"))
     add("request_id ''", _set("request_id", ""), OK)
 
-    def json_schema(req):
-        req.sampling_params.json_schema = "{}"
+    def constraint(name, value):
+        def apply(req):
+            setattr(req.sampling_params, name, value)
 
-    m.append(Mutation("json_schema", json_schema, outcomes(bad("json_schema", code="UNIMPLEMENTED"))))
+        return apply
+
+    # A constraint is refused naming StructuredOutputsParams' field (json for json_schema), or it runs.
+    add("json_schema '{'", constraint("json_schema", "{"), bad("json_schema", "json"))
+    add("json_schema '{}'", constraint("json_schema", "{}"), OK)
+    add("regex '(['", constraint("regex", "(["), bad("regex"))
+    add("grammar ''", constraint("grammar", ""), bad("grammar"))
+    add("choice []", lambda req: req.sampling_params.choice.SetInParent(), bad("choice"))
     return _each_then_random(rng, info, sp_muts, m, count, _vllm_case)
 
 

@@ -17,7 +17,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import SERVING, InProcessService, assert_no_leaks, wait_for_health
+from conftest import SERVING, InProcessService, run_to_completion, wait_for_health
 from engine import LLM, SamplingParams
 from engine.output_processor import OutputProcessor, RequestOutputKind
 from engine.request import Request
@@ -86,6 +86,7 @@ HOSTILE_PARAMS = {
     "logprobs": (10**6, "logprobs"),
     "prompt_logprobs": (-2, "prompt_logprobs"),
     "truncate_prompt_tokens": (0, "truncate_prompt_tokens"),
+    "structured_outputs": (common_pb2.StructuredOutputsParams(regex="(["), "structured_outputs.regex"),
 }
 
 
@@ -100,6 +101,8 @@ def hostile_request(field: str) -> tuple[engine_pb2.EngineGenerateRequest, str |
     params = request.sampling_params
     if isinstance(value, dict):
         params.logit_bias.update(value)
+    elif isinstance(value, common_pb2.StructuredOutputsParams):
+        params.structured_outputs.CopyFrom(value)
     elif isinstance(value, list):
         getattr(params, field).extend(value)
     else:
@@ -226,18 +229,8 @@ def llm():
 
 
 def run_core(engine, hostile: Request | None = None) -> tuple[dict[str, list[int]], dict]:
-    for i, params in enumerate(GOOD):
-        engine.add_request(Request(f"good-{i}", PROMPTS[i], SamplingParams(**params)))
-    if hostile is not None:
-        engine.add_request(hostile)
-    tokens, ends = {}, {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finished:
-                ends[out.request_id] = out
-    assert_no_leaks(engine)
-    return tokens, ends
+    good = [Request(f"good-{i}", PROMPTS[i], SamplingParams(**params)) for i, params in enumerate(GOOD)]
+    return run_to_completion(engine, good + ([hostile] if hostile is not None else []))
 
 
 @pytest.mark.parametrize("where", ["in_process", "sampler_service"])

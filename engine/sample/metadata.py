@@ -26,6 +26,14 @@ _FAILED_ROW = SamplingParams(temperature=0.0)
 
 
 @dataclass
+class GrammarBitmask:
+    """The step's grammar masks (structured output): bitmask[j] is for row rows[j] of the step's logits."""
+
+    rows: list[int]
+    bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32 on the host; xgrammar's packed bits, set = allowed
+
+
+@dataclass
 class SamplingMetadata:
     num_reqs: int
     vocab_size: int
@@ -66,6 +74,11 @@ class SamplingMetadata:
     output_token_counts: torch.Tensor | None = None  # [m, vocab] float32: count of each token in the output
     seen_token_mask: torch.Tensor | None = None  # [m, vocab] bool: in prompt or output; None: no repetition penalty
 
+    # Structured output: [num_reqs, ceil(vocab / 32)] int32 (all bits set on rows without a grammar), and the rows
+    # that have one (None: every row).
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: list[int] | None = None
+
     # The largest logprobs asked for in the batch (-1 made vocab_size); None when no row asks.
     max_num_logprobs: int | None = None
     # Rows whose own settings could not be worked out: sampled greedily, their token not to be used.
@@ -78,8 +91,10 @@ class SamplingMetadata:
         generators: dict[int, torch.Generator],
         vocab_size: int,
         device: torch.device,
+        grammar: GrammarBitmask | None = None,
     ) -> "SamplingMetadata":
-        """Row i is requests[i]. generators maps row -> that row's torch.Generator (only seeded, non-greedy rows)."""
+        """Row i is requests[i]. generators maps row -> that row's torch.Generator (only seeded, non-greedy rows);
+        grammar: the grammar masks of the rows that have one."""
         rows: list[_Row | None] = []
         failed = {}
         for i, request in enumerate(requests):
@@ -107,6 +122,11 @@ class SamplingMetadata:
             md.generators = {position[row]: g for row, g in generators.items() if row in position}
         _set_bans_and_bias(md, rows, vocab_size, device)
         _set_penalties(md, rows, vocab_size, device)
+        if grammar is not None and grammar.rows:
+            bitmask = torch.full((len(requests), grammar.bitmask.shape[1]), -1, dtype=torch.int32)
+            bitmask[grammar.rows] = grammar.bitmask
+            md.grammar_bitmask = bitmask.to(device, non_blocking=True)
+            md.grammar_rows = None if len(grammar.rows) == len(requests) else list(grammar.rows)
         return md
 
 

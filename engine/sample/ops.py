@@ -3,6 +3,13 @@
 import torch
 
 
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None) -> None:
+    """Tokens the grammar does not allow get -inf, on the given rows (None: all), in place (xgrammar's kernel)."""
+    import xgrammar  # here: only a step with structured requests needs it (it takes seconds to import)
+
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+
+
 def apply_penalties(
     logits: torch.Tensor,
     output_token_counts: torch.Tensor,  # [rows, vocab] float32

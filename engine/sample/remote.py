@@ -28,7 +28,13 @@ from engine.grpc_policy import CHANNEL_OPTIONS
 from engine.request import RequestFailure
 from engine.sample.sampler import BatchSampler, LogprobsTensors, SamplerOutput, SamplerUnavailableError
 from engine.sample.slots import SharedSlots
-from engine.sample.wire import DTYPE_NAMES, logprobs_tensors_from_proto, new_request_to_proto, serialize_with_tensors
+from engine.sample.wire import (
+    DTYPE_NAMES,
+    grammar_bitmask_to_proto,
+    logprobs_tensors_from_proto,
+    new_request_to_proto,
+    serialize_with_tensors,
+)
 from llmmesh.v1 import sampler_pb2
 
 logger = logging.getLogger("llmmesh.engine")
@@ -99,16 +105,16 @@ class RemoteSampler(BatchSampler):
                 self._seeded.discard(request_id)
                 self._finished.append(request_id)
 
-    def sample(self, requests, logits, prompt_chunks):
+    def sample(self, requests, logits, prompt_chunks, grammar=None):
         try:
-            return self._sample(requests, logits, prompt_chunks)
+            return self._sample(requests, logits, prompt_chunks, grammar)
         except SamplerUnavailableError as e:
             if self.fallback is None:
                 raise
             logger.warning("%s; sampling this step in process", e)
-            return self.fallback.sample(requests, logits, prompt_chunks)
+            return self.fallback.sample(requests, logits, prompt_chunks, grammar)
 
-    def _sample(self, requests, logits, prompt_chunks):
+    def _sample(self, requests, logits, prompt_chunks, grammar):
         try:
             if self._stream is None:
                 self._stream = _Stream(self.channel)
@@ -118,6 +124,7 @@ class RemoteSampler(BatchSampler):
             replies = [self._exchange(*self._prompt_message(batch), None) for batch in batches[:-1]]
             last, prompt_logits = self._prompt_message(batches[-1])
             self._add_rows(last, requests)
+            grammar_bitmask_to_proto(last, grammar)
             shared = self._write_slot(last, logits) if requests else None
             replies.append(self._exchange(last, prompt_logits, logits if requests and shared is None else None))
             if shared is not None and not self.slots.released(*shared):

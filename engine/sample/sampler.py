@@ -1,10 +1,12 @@
 """Sampler: vLLM v1's order over one batch of logits, each row with its own settings.
 
-    raw logprobs -> float32 -> allowed / bad words -> min_tokens, logit_bias -> penalties
+    float32 -> grammar bitmask -> logprobs -> allowed / bad words -> min_tokens, logit_bias -> penalties
     -> greedy argmax | temperature -> min_p -> top-k, then top-p -> softmax -> Gumbel-max draw
 
 Everything that can move the argmax comes before the greedy/random split; greedy rows skip the
-rest. Nothing here reads a tensor back to the host: the metadata decided every branch already.
+rest. The grammar's mask comes first, as vLLM applies it to the logits before its sampler: nothing after it
+can pick a token the grammar forbids, and logprobs are those of the masked logits, as vLLM's are. Nothing
+here reads a tensor back to the host: the metadata decided every branch already.
 """
 
 from dataclasses import dataclass, field
@@ -12,8 +14,15 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.request import RequestFailure
-from engine.sample.metadata import SamplingMetadata
-from engine.sample.ops import apply_min_p, apply_penalties, apply_top_k_top_p, apply_top_p, random_sample
+from engine.sample.metadata import GrammarBitmask, SamplingMetadata
+from engine.sample.ops import (
+    apply_grammar_bitmask,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    apply_top_p,
+    random_sample,
+)
 
 
 class SamplerUnavailableError(RuntimeError):
@@ -95,11 +104,14 @@ def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch
 class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """One token per row of logits [num_reqs, vocab]. float32 logits are modified in place."""
+        logits = logits.to(torch.float32)
+        if metadata.grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
-            # Logprobs describe the model's own distribution, before any processing.
+            # Logprobs describe the model's own distribution, before any processing (but the grammar's).
             raw_logprobs = compute_logprobs(logits)
-        logits = apply_logits_processors(logits.to(torch.float32), metadata)
+        logits = apply_logits_processors(logits, metadata)
         sampled = self.sample(logits, metadata)
         logprobs = None
         if raw_logprobs is not None:
@@ -140,9 +152,14 @@ class BatchSampler:
     trace_headers: tuple[tuple[str, str], ...] = ()
 
     def sample(
-        self, requests: list, logits: torch.Tensor | None, prompt_chunks: list[PromptChunk]
+        self,
+        requests: list,
+        logits: torch.Tensor | None,
+        prompt_chunks: list[PromptChunk],
+        grammar: GrammarBitmask | None = None,
     ) -> tuple[SamplerOutput | None, list[LogprobsTensors]]:
-        """Row i of logits samples for requests[i]; also each prompt chunk's logprobs. None without rows."""
+        """Row i of logits samples for requests[i], within its grammar's mask if it has one; also each prompt
+        chunk's logprobs. None without rows."""
         raise NotImplementedError
 
     def forget(self, request_ids) -> None:
@@ -163,7 +180,7 @@ class LocalSampler(BatchSampler):
         for request_id in request_ids:
             self.generators.pop(request_id, None)
 
-    def sample(self, requests, logits, prompt_chunks):
+    def sample(self, requests, logits, prompt_chunks, grammar=None):
         prompt_logprobs = [gather_logprobs(compute_logprobs(lg), k, targets) for lg, k, targets in prompt_chunks]
         if logits is None:
             return None, prompt_logprobs
@@ -174,5 +191,5 @@ class LocalSampler(BatchSampler):
                 if request.request_id not in self.generators:
                     self.generators[request.request_id] = torch.Generator(self.device).manual_seed(params.seed)
                 generators[row] = self.generators[request.request_id]
-        metadata = SamplingMetadata.from_requests(requests, generators, logits.shape[-1], self.device)
+        metadata = SamplingMetadata.from_requests(requests, generators, logits.shape[-1], self.device, grammar)
         return self.sampler(logits, metadata), prompt_logprobs

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.request import SamplingParams
+from engine.sample.metadata import GrammarBitmask
 from engine.sample.sampler import LogprobsTensors
 from llmmesh.v1 import common_pb2, sampler_pb2
 
@@ -152,3 +153,27 @@ def check_wire_token_ids(token_ids, vocab_size: int, field: str) -> None:
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"{field}: token ids must be in [0, {vocab_size}), got {bad[:3]}")
+
+
+def grammar_bitmask_to_proto(msg: sampler_pb2.SampleStep, grammar: GrammarBitmask | None) -> None:
+    """The step's grammar masks into msg: the rows they constrain and their packed bits."""
+    if grammar is not None and grammar.rows:
+        msg.grammar_rows.extend(grammar.rows)
+        msg.grammar_bitmask = grammar.bitmask.contiguous().numpy().tobytes()
+
+
+def grammar_bitmask_from_proto(msg: sampler_pb2.SampleStep, num_rows: int, vocab_size: int) -> GrammarBitmask | None:
+    """The step's grammar masks; ValueError naming grammar_rows or grammar_bitmask."""
+    rows = list(msg.grammar_rows)
+    if not rows and not msg.grammar_bitmask:
+        return None
+    if len(set(rows)) != len(rows) or any(r >= num_rows for r in rows):
+        raise ValueError(f"grammar_rows must be distinct rows of logits, in [0, {num_rows}), got {rows[:8]}")
+    words = (vocab_size + 31) // 32
+    expected = len(rows) * words * 4
+    if len(msg.grammar_bitmask) != expected:
+        raise ValueError(
+            f"grammar_bitmask holds {len(msg.grammar_bitmask)} bytes; {len(rows)} rows of {words} int32 need {expected}"
+        )
+    bitmask = torch.frombuffer(bytearray(msg.grammar_bitmask), dtype=torch.int32)
+    return GrammarBitmask(rows, bitmask.view(len(rows), words))

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.request import EngineCoreEvent, FinishReason, Request, RequestFailure
 from engine.sample.sampler import LogprobsTensors
 
@@ -19,6 +21,10 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # The KV connector's loads and stores for this step (None without a connector).
     kv_connector_metadata: object = None
+    # Structured requests that sample in this step -> their row of grammar_bitmask ([rows, ceil(vocab / 32)] int32 on
+    # the host, xgrammar's packed bits: set = the token is allowed next). None when no such request is scheduled.
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -5,10 +5,15 @@ tokens, and each step gives it as many as the budget allows. A prompt larger tha
 budget is therefore chunked across steps, and decodes ride in the same batch.
 """
 
+import concurrent.futures
+
 from engine.kv.manager import KVCacheManager
-from engine.request import EngineCoreEventType, Request, RequestStatus
+from engine.request import EngineCoreEventType, FinishReason, Request, RequestFailure, RequestStatus
 from engine.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from engine.sched.request_queue import create_request_queue
+
+# How long a step with nothing to run waits for a grammar to compile (new requests wait as long at most).
+GRAMMAR_WAIT_S = 0.01
 
 
 class Scheduler:
@@ -21,6 +26,7 @@ class Scheduler:
         scheduling_policy: str = "fcfs",
         long_prefill_token_threshold: int = 0,
         connector=None,
+        structured_output_manager=None,
     ):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -34,6 +40,10 @@ class Scheduler:
         # WAITING_FOR_REMOTE_KVS: blocks reserved, a KV connector loading into them (no token budget used).
         self.loading: set[Request] = set()
         self.connector = connector
+        # Builds each step's grammar bitmask (engine.structured_output.manager.StructuredOutputManager).
+        self.structured_output_manager = structured_output_manager
+        # Requests that failed on their own while waiting (their grammar did not compile): output with the next step.
+        self.failed_outputs: list[EngineCoreOutput] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
 
@@ -78,6 +88,8 @@ class Scheduler:
         return self.finish_requests([r.request_id for r in self.running], RequestStatus.FINISHED_ABORTED)
 
     def _free_request(self, request: Request) -> None:
+        if request.structured_output_request is not None and request.structured_output_request.grammar is not None:
+            request.structured_output_request.grammar.cancel()  # a compile that has not started yet never runs
         if self.connector is not None:
             self.connector.request_finished(request)
         self.kv_cache_manager.free(request)
@@ -85,7 +97,8 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running) + sum(1 for r in self.loading if not r.is_finished())
+        loading = sum(1 for r in self.loading if not r.is_finished())
+        return len(self.waiting) + len(self.running) + loading + len(self.failed_outputs)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -148,11 +161,18 @@ class Scheduler:
             req_index += 1
 
         # Then waiting requests, but never in a step that had to preempt.
-        skipped: list[Request] = []  # waiting on the KV connector's answer: they keep their place in line
+        # Waiting on the KV connector's answer or on their grammar: they keep their place in line.
+        skipped: list[Request] = []
         while not preempted and len(self.waiting) and token_budget > 0:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                if not request.structured_output_request.is_grammar_ready():  # the requests behind it go first
+                    skipped.append(self.waiting.pop_request())
+                    continue
+                if not self._grammar_compiled(request):
+                    continue
             # A request back from a KV load already holds its computed prefix.
             num_cached = request.num_computed_tokens
             computed_blocks, num_local, num_external, load_async = [], 0, 0, False
@@ -202,6 +222,9 @@ class Scheduler:
                 self.connector.update_state_after_alloc(
                     request, self.kv_cache_manager.req_to_blocks[request.request_id], 0
                 )
+        compiling = [r.structured_output_request.grammar for r in skipped if r.status == RequestStatus.WAITING_FOR_FSM]
+        if compiling and not scheduled:  # nothing to run but grammars to wait for: wait a little, do not spin
+            concurrent.futures.wait(compiling, timeout=GRAMMAR_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
         for request in reversed(skipped):
             self.waiting.prepend_request(request)
 
@@ -213,10 +236,37 @@ class Scheduler:
             preempted_req_ids={r.request_id for r in preempted},
             finished_req_ids=self.finished_req_ids,
         )
+        self._add_grammar_bitmask(output)
         self.finished_req_ids = set()
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
+
+    # ---- structured output ---------------------------------------------------------------------------
+
+    def _grammar_compiled(self, request: Request) -> bool:
+        """The first waiting request's grammar is ready: it waits as any other now; or it failed to compile, and the
+        request ends alone (False)."""
+        error = request.structured_output_request.grammar.exception()
+        if error is not None:
+            self.waiting.pop_request()
+            failure = RequestFailure.from_exception(request.request_id, "structured output", error)
+            self.failed_outputs.append(self._end_with_error(request, failure))
+            return False
+        request.status = RequestStatus.WAITING
+        return True
+
+    def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """One bitmask row for each structured request that samples in this step (its prompt complete)."""
+        structured = [
+            r
+            for r in output.scheduled_requests
+            if r.structured_output_request is not None
+            and r.num_computed_tokens + output.num_scheduled_tokens[r.request_id] >= r.num_tokens
+        ]
+        if structured:
+            output.structured_output_request_ids = {r.request_id: i for i, r in enumerate(structured)}
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(structured)
 
     # ---- loads from a KV connector -------------------------------------------------------------
 
@@ -280,7 +330,8 @@ class Scheduler:
         return self.running.pop()
 
     def _preempt(self, request: Request) -> None:
-        # Recompute preemption: drop the KV cache and start the request over later.
+        # Recompute preemption: drop the KV cache and start the request over later. Its output tokens stay, and so
+        # does its grammar matcher, which has accepted exactly them.
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -293,13 +344,22 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Advance each scheduled request; those whose chunk reached the end get their token."""
-        outputs = []
+        outputs, self.failed_outputs = self.failed_outputs, []
         if runner_output.kv_connector_output is not None:
             self.update_from_connector_output(runner_output.kv_connector_output)
         for request, token_id in zip(scheduler_output.scheduled_requests, runner_output.sampled_token_ids):
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a partial prefill chunk emits nothing
+            # Advance the grammar's matcher. It rejects a token only if the mask let through one it does not allow: a
+            # bug, not the request's input.
+            if request.structured_output_request is not None and not (
+                request.structured_output_request.matcher.accept_token(token_id)
+            ):
+                self.running.remove(request)
+                why = f"request {request.request_id}: structured output failed: the grammar rejected token {token_id}"
+                outputs.append(self._end_with_error(request, RequestFailure(why)))
+                continue
             request.append_output_token_ids(token_id)
             stopped = self.check_stop(request)
             if stopped:
@@ -319,6 +379,14 @@ class Scheduler:
             )
         return outputs
 
+    def _end_with_error(self, request: Request, failure: RequestFailure) -> EngineCoreOutput:
+        """End a request that failed on its own, already out of the queues; its output."""
+        request.status = RequestStatus.FINISHED_ERROR
+        self._free_request(request)
+        return EngineCoreOutput(
+            request.request_id, [], FinishReason.ERROR, events=request.take_events(), failure=failure
+        )
+
     def check_stop(self, request: Request) -> bool:
         params = request.sampling_params
         if request.num_tokens >= self.max_model_len or (
@@ -335,5 +403,9 @@ class Scheduler:
         if last in params.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
+            return True
+        if request.structured_output_request is not None and request.structured_output_request.matcher.is_terminated():
+            # The grammar is complete and took its stop token (EOS, even with ignore_eos): vLLM's "stop".
+            request.status = RequestStatus.FINISHED_STOPPED
             return True
         return False

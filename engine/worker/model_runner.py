@@ -14,6 +14,7 @@ import time
 import torch
 
 from engine.kv.manager import cdiv
+from engine.sample.metadata import GrammarBitmask
 from engine.sample.sampler import BatchSampler, LocalSampler, LogprobsTensors
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cuda_graphs import CUDAGraphs, InputBuffers
@@ -89,7 +90,9 @@ class ModelRunner:
         sampled_requests = [requests[i] for i in rows]
         logits = self.model.compute_logits(hidden[logits_indices]) if rows else None
         sample_started = time.perf_counter()
-        sampler_output, prompt_logprobs = self.sampler.sample(sampled_requests, logits, [c for _, c in prompt_chunks])
+        sampler_output, prompt_logprobs = self.sampler.sample(
+            sampled_requests, logits, [c for _, c in prompt_chunks], grammar_rows(so, sampled_requests)
+        )
         output.sample_s = time.perf_counter() - sample_started
         for (chunks, _), result in zip(prompt_chunks, prompt_logprobs):
             chunks.append(result)
@@ -151,3 +154,12 @@ class ModelRunner:
                 output.prompt_logprobs[request_id] = LogprobsTensors(
                     *(torch.cat(parts) for parts in zip(*((c.token_ids, c.logprobs, c.ranks) for c in chunks)))
                 )
+
+
+def grammar_rows(so: SchedulerOutput, sampled_requests) -> GrammarBitmask | None:
+    """The scheduler's grammar bitmask rows, for the rows of the step's logits (in sampled_requests order)."""
+    if so.grammar_bitmask is None:
+        return None
+    rows = [i for i, r in enumerate(sampled_requests) if r.request_id in so.structured_output_request_ids]
+    index = [so.structured_output_request_ids[sampled_requests[i].request_id] for i in rows]
+    return GrammarBitmask(rows, so.grammar_bitmask[index])

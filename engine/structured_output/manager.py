@@ -1,0 +1,120 @@
+"""StructuredOutputManager: compiles each structured request's grammar off the step loop, and fills the step's
+token bitmask (vLLM's StructuredOutputManager over its xgrammar backend).
+
+Admission checks a constraint with xgrammar's parser alone (validate: no tokenizer, milliseconds). The engine then
+compiles it on a thread pool (grammar_init), through one xgrammar GrammarCompiler whose cache is keyed by the
+constraint, so a schema seen before compiles in microseconds; the request waits in WAITING_FOR_FSM meanwhile and
+the other requests keep stepping. Each step the scheduler asks for one bitmask row per structured request that
+samples (grammar_bitmask); the sampler masks its logits with it, and the scheduler advances the request's matcher
+over the token it kept.
+"""
+
+import json
+import os
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import xgrammar as xgr
+
+from engine.request import Request, StructuredOutputsParams
+
+# xgrammar's errors start with a timestamp and its source file: "[06:22:41] /project/cpp/x.cc:83: ".
+_XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def choice_as_grammar(choices: list[str]) -> str:
+    """EBNF whose only sentences are the choices (JSON's string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def grammar_error(error: Exception) -> str:
+    return _XGRAMMAR_PREFIX.sub("", str(error).strip())
+
+
+class StructuredOutputManager:
+    def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids):
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        # Compiling is CPU work: half the cores, as vLLM sizes this pool.
+        self.executor = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() + 1) // 2), thread_name_prefix="grammar")
+        self._compiler: xgr.GrammarCompiler | None = None  # made by the first compile (it needs the tokenizer)
+        self._compiler_lock = threading.Lock()
+        self._batch_matcher = xgr.BatchGrammarMatcher()
+
+    # ---- admission ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def validate(params: StructuredOutputsParams) -> None:
+        """Parse the constraint as xgrammar will compile it; ValueError naming the field if it cannot."""
+        kind = params.kind
+        try:
+            if kind == "json":
+                xgr.Grammar.from_json_schema(params.json, any_whitespace=not params.disable_any_whitespace)
+            elif kind == "regex":
+                xgr.Grammar.from_regex(params.regex)
+            elif kind == "choice":
+                xgr.Grammar.from_ebnf(choice_as_grammar(params.choice))
+            elif kind == "grammar":
+                xgr.Grammar.from_ebnf(params.grammar)
+            elif kind == "structural_tag":
+                xgr.Grammar.from_structural_tag(params.structural_tag)
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar raises RuntimeError for a bad grammar
+            raise ValueError(f"structured_outputs.{kind} does not compile: {grammar_error(e)}") from None
+
+    # ---- compiling ---------------------------------------------------------------------------------
+
+    def grammar_init(self, request: Request) -> None:
+        """Start compiling the request's grammar; it waits in WAITING_FOR_FSM until the matcher is ready."""
+        request.structured_output_request.grammar = self.executor.submit(
+            self._compile, request.structured_output_request.params
+        )
+
+    def _get_compiler(self) -> xgr.GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                from engine.models.files import load_tokenizer
+
+                info = xgr.TokenizerInfo.from_huggingface(
+                    load_tokenizer(self.model_dir), vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
+                )
+                self._compiler = xgr.GrammarCompiler(info)
+            return self._compiler
+
+    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The compiled grammar, from the compiler's cache when this constraint was compiled before."""
+        compiler, kind = self._get_compiler(), params.kind
+        any_whitespace = not params.disable_any_whitespace
+        if kind == "json":
+            return compiler.compile_json_schema(params.json, any_whitespace=any_whitespace)
+        if kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+        if kind == "regex":
+            return compiler.compile_regex(params.regex)
+        if kind == "choice":
+            return compiler.compile_grammar(choice_as_grammar(params.choice))
+        if kind == "grammar":
+            return compiler.compile_grammar(params.grammar)
+        return compiler.compile_structural_tag(params.structural_tag)
+
+    def _compile(self, params: StructuredOutputsParams) -> xgr.GrammarMatcher:
+        try:
+            return xgr.GrammarMatcher(self.compile(params))
+        except RuntimeError as e:
+            raise ValueError(f"structured_outputs.{params.kind} does not compile: {grammar_error(e)}") from None
+
+    # ---- each step ---------------------------------------------------------------------------------
+
+    def grammar_bitmask(self, requests: list[Request]) -> torch.Tensor:
+        """[len(requests), ceil(vocab / 32)] int32 on the host: row i packs the tokens requests[i]'s grammar allows
+        next (bit set = allowed)."""
+        bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
+        matchers = [r.structured_output_request.matcher for r in requests]
+        self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+        return bitmask
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
