@@ -153,6 +153,18 @@ def test_bad_combinations_fail_at_start_up(tmp_path):
         EngineCore(EngineArgs(model=str(path), quantization="gguf", dtype="bfloat16", kv_cache_memory="8MiB"))
 
 
+def test_start_up_reports_the_dtype_and_why(tmp_path, caplog):
+    from engine.models.loader import cpu_native_bf16
+
+    path, _ = save_random_model(tmp_path, "mistral")
+    with caplog.at_level("INFO", logger="llmmesh.engine"):
+        EngineCore(EngineArgs(model=str(path), kv_cache_memory="8MiB"))
+    native = cpu_native_bf16()
+    assert "Computing in float32 (--dtype auto: float32 on CPU; this CPU " in caplog.text
+    assert (f"natively ({native}): --dtype bfloat16 is faster" if native else "no native bfloat16") in caplog.text
+    assert "quantization: none" in caplog.text
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["int4", "gguf-q4_1"])
 def test_cuda_int4_layer_matches_its_dequantized_reference(method):

@@ -125,6 +125,25 @@ def check_dtype(dtype: str, device: str) -> torch.dtype:
     return result
 
 
+def cpu_native_bf16() -> str | None:
+    """The instructions this CPU computes bfloat16 with natively (AMX, AVX512-BF16), or None."""
+    if torch.cpu._is_amx_tile_supported():
+        return "AMX"
+    return "AVX512-BF16" if torch.cpu._is_avx512_bf16_supported() else None
+
+
+def dtype_reason(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Why the engine computes in `dtype`, for the start-up report."""
+    if str(requested).lower() != "auto":
+        return "as --dtype asks"
+    if device.type == "cuda":
+        return "--dtype auto: bfloat16 where the GPU computes it natively (compute capability 8.0+), else float16"
+    native = cpu_native_bf16()
+    if native is None:
+        return "--dtype auto: float32 on CPU; this CPU has no native bfloat16 (AMX or AVX512-BF16)"
+    return f"--dtype auto: float32 on CPU; this CPU computes bfloat16 natively ({native}): --dtype bfloat16 is faster"
+
+
 def _cuda_bf16(dev: torch.device) -> bool:
     # Native bf16 needs compute capability >= 8.0; older GPUs only emulate it, slowly.
     return torch.cuda.get_device_capability(dev)[0] >= 8

@@ -23,7 +23,7 @@ from engine.kv.manager import cdiv
 from engine.models.config import ModelConfig
 from engine.models.linear import process_weights_after_loading
 from engine.models.llama import LlamaForCausalLM
-from engine.models.loader import check_dtype, load_weights
+from engine.models.loader import check_dtype, dtype_reason, load_weights
 from engine.models.quantization import check_quantization, resolve_quantization
 from engine.request import Request, SamplingParams
 from engine.sample.metadata import SamplingMetadata
@@ -68,6 +68,12 @@ class Worker:
         self.dtype = check_dtype(args.dtype, self.device.type)
         self.quantization = resolve_quantization(args.quantization, model_config.quantization)
         check_quantization(self.quantization, self.dtype, self.device)
+        logger.info(
+            "Computing in %s (%s); quantization: %s",
+            str(self.dtype).removeprefix("torch."),
+            dtype_reason(args.dtype, self.device, self.dtype),
+            self.quantization or "none",
+        )
         if self.device.type == "cpu":
             keep_freed_memory_in_process()
         torch.manual_seed(args.seed)
