@@ -392,17 +392,25 @@ def main():
     target.add_argument("--address", help="a running gateway's HOST:PORT")
     target.add_argument("--launch", action="store_true", help="start the mesh on loopback for the run")
     ap.add_argument("--dataset", default="synthetic", help="'synthetic' or a ShareGPT-format JSON file")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
-    ap.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
-    ap.add_argument("--request-rate", type=float, default=float("inf"))
-    ap.add_argument("--burstiness", type=float, default=1.0)
-    ap.add_argument("--max-concurrency", type=int, default=32)
+    ap.add_argument("--num-prompts", type=int, default=64, help="requests in a round")
+    ap.add_argument(
+        "--input-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"), help="synthetic prompt tokens"
+    )
+    ap.add_argument(
+        "--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"), help="synthetic max_tokens"
+    )
+    ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second; inf: all at once")
+    ap.add_argument("--burstiness", type=float, default=1.0, help="the arrival gaps' gamma shape; 1: Poisson")
+    ap.add_argument("--max-concurrency", type=int, default=32, help="requests in flight at most")
     ap.add_argument("--goodput", nargs="*", help="SLOs, e.g. ttft:2000 tpot:500 (ms)")
     ap.add_argument("--offline", action="store_true", help="also run the same requests in-process and compare")
     ap.add_argument("--rounds", type=int, default=1, help="alternate mesh and offline runs this many times")
-    ap.add_argument("--api-key", default=None)
-    ap.add_argument("--output-json", default="benchmarks/results/serve.json")
+    ap.add_argument("--api-key", default=None, help="the gateway's --api-key, with --address")
+    ap.add_argument(
+        "--output-json",
+        default="benchmarks/results/serve.json",
+        help="the report: every figure and each request's TTFT and ITLs",
+    )
     add_routing_args(ap)
     EngineArgs.add_cli_args(ap)
     args = ap.parse_args()
