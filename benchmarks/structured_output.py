@@ -77,7 +77,7 @@ def main():
     )
 
     started = time.perf_counter()
-    compiler = manager._get_compiler()
+    compiler = manager.get_compiler()
     print(f"tokenizer info (once per engine): {(time.perf_counter() - started) * 1e3:.0f} ms")
     params = StructuredOutputsParams(json=SCHEMA)
     cold_ms, cold_best = median_ms(lambda: manager.compile(params), max(3, args.iters // 4), compiler.clear_cache)

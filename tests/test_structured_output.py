@@ -24,6 +24,7 @@ from engine.sample.metadata import GrammarBitmask, SamplingMetadata
 from engine.sample.remote import RemoteSampler
 from engine.sample.sampler import Sampler
 from engine.sample.wire import grammar_bitmask_from_proto, grammar_bitmask_to_proto
+from engine.sched.output import ModelRunnerOutput
 from llmmesh.v1 import common_pb2, sampler_pb2
 
 SCHEMAS = [
@@ -220,6 +221,25 @@ def test_a_grammar_that_fails_past_admission_ends_its_request_alone(llm):
     end = ends["hostile"]
     assert str(end.finish_reason) == "error" and tokens.get("hostile", []) == []
     assert "structured_outputs.regex does not compile" in end.failure.message and end.failure.invalid_input
+
+
+def test_a_token_the_grammar_rejects_ends_its_request_alone(llm):
+    """The mask and the matcher disagreeing (a bug past the mask): the request ends with an error, the others go on."""
+    engine = llm.engine
+    plain, phone = good_requests()
+    engine.add_request(plain)
+    engine.add_request(phone)
+    phone.structured_output_request.grammar.result(timeout=60)
+    so = engine.scheduler.schedule()
+    assert set(so.structured_output_request_ids) == {"phone"} and so.grammar_bitmask.shape == (1, 1536)
+    letter = llm.tokenizer.encode("x", add_special_tokens=False)[0]  # no digit: the regex cannot take it
+    outputs = engine.scheduler.update_from_output(so, ModelRunnerOutput([letter, letter]))
+    by_id = {o.request_id: o for o in outputs}
+    assert by_id["plain"].new_token_ids == [letter] and not by_id["plain"].finished
+    assert str(by_id["phone"].finish_reason) == "error" and by_id["phone"].new_token_ids == []
+    assert f"the grammar rejected token {letter}" in by_id["phone"].failure.message
+    tokens, _ = run_to_completion(engine, [])
+    assert len(tokens["plain"]) == 5
 
 
 def test_a_compiling_request_waits_while_the_others_step(llm, monkeypatch):

@@ -73,7 +73,8 @@ class StructuredOutputManager:
             self._compile, request.structured_output_request.params
         )
 
-    def _get_compiler(self) -> xgr.GrammarCompiler:
+    def get_compiler(self) -> xgr.GrammarCompiler:
+        """The engine's one compiler, made on first use from the model's tokenizer (its cache is shared)."""
         with self._compiler_lock:
             if self._compiler is None:
                 from engine.models.files import load_tokenizer
@@ -86,7 +87,7 @@ class StructuredOutputManager:
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The compiled grammar, from the compiler's cache when this constraint was compiled before."""
-        compiler, kind = self._get_compiler(), params.kind
+        compiler, kind = self.get_compiler(), params.kind
         any_whitespace = not params.disable_any_whitespace
         if kind == "json":
             return compiler.compile_json_schema(params.json, any_whitespace=any_whitespace)
