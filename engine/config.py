@@ -53,8 +53,8 @@ FLAG_HELP = {
     "dtype": "weights' and activations' dtype: float32, bfloat16 or float16; auto: float32 on CPU, bfloat16 on a "
     "GPU that has it",
     "quantization": "weight quantization: int8 (per output row) or int4 (groups of 32), weight-only and quantized at "
-    "load, computed in bfloat16 or float16; gguf: a .gguf file's Q8_0/Q4_0/Q4_1 tensors as stored; unset: the "
-    "checkpoint's own (gguf for a .gguf file)",
+    "load, computed in bfloat16 or float16; gguf: a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors as stored; unset: "
+    "the checkpoint's own (gguf for a .gguf file)",
     "device": "cpu or cuda; auto: cuda when there is one, else cpu",
     "seed": "seed of the engine's random state, which samples the requests that bring no seed of their own",
     "max_model_len": "longest sequence (prompt and output) a request may reach; unset: the model's own",

@@ -1,8 +1,8 @@
 """Group-wise quantized weights: the one format, its quantizers, torch references, and the kernels that run it.
 
 A weight [N, K] is held as integer codes q [N, K] (int8) with float32 scales and zeros [N, K // group_size]:
-w[n, k] = q[n, k] * scales[n, g] + zeros[n, g], with g = k // group_size. GGUF's Q8_0, Q4_0 and Q4_1 blocks
-are exactly of this form, and so are the int8 (symmetric) and int4 (asymmetric) weight-only methods.
+w[n, k] = q[n, k] * scales[n, g] + zeros[n, g], with g = k // group_size. GGUF's Q8_0, Q4_0, Q4_1, Q4_K and
+Q6_K blocks are exactly of this form, and so are the int8 (symmetric) and int4 (asymmetric) weight-only methods.
 
 Kernels: PyTorch's packed ones. 4-bit codes run on its int4 matmul (CPU: `_weight_int4pack_mm_for_cpu`, CUDA:
 `_weight_int4pack_mm`), int8 codes with one scale per row on `_weight_int8pack_mm`. On CPU both are fast for

@@ -46,6 +46,37 @@ def test_gguf_blocks_hold_exactly_ggufs_values(kind):
     assert torch.equal(dequantize(*codes), want)
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_gguf_k_quant_blocks_hold_exactly_ggufs_values(kind):
+    """gguf cannot quantize K-quants, so the blocks are random bytes with finite float16 scales."""
+    from gguf import GGMLQuantizationType, quants
+
+    from engine.models.loader import _NATIVE_TYPES
+
+    elements, block_bytes = _NATIVE_TYPES[kind]
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (48 * 512 // elements, block_bytes), dtype=np.uint8)
+    halves = rng.uniform(-0.05, 0.05, (len(blocks), 2)).astype(np.float16).view(np.uint8)
+    fields = [0, 1, 2, 3] if kind == "Q4_K" else [208, 209]  # d and dmin, or d
+    blocks[:, fields] = halves[:, : len(fields)]
+    data = blocks.reshape(48, -1)
+    codes = tuple(torch.from_numpy(a) for a in gguf_codes(data, kind, (48, 512)))
+    want = torch.from_numpy(quants.dequantize(data, GGMLQuantizationType[kind]))
+    assert codes[1].shape == (48, 512 // (32 if kind == "Q4_K" else 16))
+    assert torch.equal(dequantize(*codes), want)
+
+
+def test_fused_shards_of_different_group_sizes_keep_their_values():
+    """q/k in Q4_K (groups of 32) and v in Q6_K (groups of 16) fuse into one qkv layer of groups of 16."""
+    from engine.models.llama import _cat_rows
+
+    q = quantize_int4(torch.randn(8, 64), 32)
+    v = quantize_int8(torch.randn(4, 64), 16)
+    fused = [_cat_rows([a, b]) for a, b in zip(q, v)]
+    assert fused[1].shape == (12, 4)
+    assert torch.equal(dequantize(*fused), torch.cat([dequantize(*q), dequantize(*v)]))
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 def test_int4_packing_holds_exactly_ggufs_values(kind):
     """The packed int4 weight, read back through the kernel in float32 (x = identity), is gguf's dequantization

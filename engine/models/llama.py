@@ -145,6 +145,13 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _cat_rows(shards: list[torch.Tensor]) -> torch.Tensor:
+    """Stack fused shards' rows. Quantization scales of different group sizes (GGUF's Q4_K beside Q6_K) are
+    repeated to the finest first, which keeps every weight's value."""
+    width = max(s.shape[-1] for s in shards) if shards[0].dim() == 2 else None
+    return torch.cat([s.repeat_interleave(width // s.shape[-1], dim=-1) if width else s for s in shards], dim=0)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, quantization: str | None = None):
         super().__init__()
@@ -204,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
                 group = shards.setdefault(fused_name, {})
                 group[fused[1]] = tensor
                 if len(group) == (3 if fused[0] == "qkv_proj" else 2):
-                    self._copy(params, fused_name, torch.cat([group[i] for i in sorted(group)], dim=0))
+                    self._copy(params, fused_name, _cat_rows([group[i] for i in sorted(group)]))
                     loaded.add(fused_name)
                     del shards[fused_name]
                 continue

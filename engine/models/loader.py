@@ -1,10 +1,10 @@
 """The engine's side of model loading: weights (safetensors, or a GGUF converted once) and dtype checks.
 
 A GGUF file (llama.cpp's format) is converted once into a cached HF directory (safetensors, config.json,
-tokenizer files) so that every later start only memory-maps safetensors. Its Q8_0, Q4_0 and Q4_1 tensors
-are kept quantized, as int8 codes with float32 scales and zeros per block of 32 (kernels/quant.py's
-format: `<name>.qweight`, `.scales`, `.zeros`), which dequantize to exactly the values the file's own
-dequantizer gives; other types are dequantized to float32. Finding a model and reading its config and
+tokenizer files) so that every later start only memory-maps safetensors. Its Q8_0, Q4_0, Q4_1, Q4_K and
+Q6_K tensors are kept quantized, as int8 codes with float32 scales and zeros per group of 32 (16 for Q6_K;
+kernels/quant.py's format: `<name>.qweight`, `.scales`, `.zeros`), which dequantize to exactly the values
+the file's own dequantizer gives; other types are dequantized to float32. Finding a model and reading its config and
 tokenizer needs no torch and lives in files.py.
 """
 
@@ -186,8 +186,8 @@ def _unpermute_rope(w, n_head: int):
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# Types held natively: (bytes per block of 32, whether a float16 minimum follows the float16 scale).
-_NATIVE_TYPES = {"Q8_0": (34, False), "Q4_0": (18, False), "Q4_1": (20, True)}
+# Types held natively: (elements, bytes) per block.
+_NATIVE_TYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 # Checkpoint tensors the model fuses into one layer: all of a group are native, or none (the fused layer
 # holds one format).
 _FUSED_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
@@ -206,19 +206,50 @@ def _native_names(reader) -> set[str]:
     return native
 
 
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """[blocks, 2] bytes -> [blocks, 1] float32."""
+    return raw.copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(raw: np.ndarray, run: int) -> np.ndarray:
+    """[blocks, bytes] -> [blocks, 2 * bytes]: the low nibbles of each run of `run` bytes, then its high ones."""
+    halves = raw.reshape(raw.shape[0], -1, 1, run) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+    return (halves & 0x0F).reshape(raw.shape[0], -1)
+
+
+def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes -> eight 6-bit scales and eight 6-bit minimums (float32, [blocks, 8])."""
+    d, m, both = raw[:, 0:4], raw[:, 4:8], raw[:, 8:12]
+    scales = np.concatenate([d & 0x3F, (both & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([m & 0x3F, (both >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return scales.astype(np.float32), mins.astype(np.float32)
+
+
 def gguf_codes(data: np.ndarray, kind: str, shape: tuple[int, int]) -> tuple[np.ndarray, ...]:
-    """A Q8_0/Q4_0/Q4_1 tensor's raw blocks -> int8 codes [N, K] and float32 scales and zeros [N, K // 32],
-    with codes * scale + zero equal to ggml's dequantization (Q4_0's d * (q - 8) is q * d + (-8 d), exactly)."""
-    block_bytes, has_min = _NATIVE_TYPES[kind]
-    n, k = shape
-    blocks = np.ascontiguousarray(data).reshape(n, k // 32, block_bytes)
-    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    """A Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensor's raw blocks -> int8 codes [N, K] and float32 scales and zeros
+    [N, K // group] (32 elements a group; Q6_K's 16), with codes * scale + zero equal to gguf's dequantization
+    bit for bit: every product of a float16 and a 6- or 8-bit integer is exact in float32, and Q4_0's
+    d * (q - 8) is q * d + (-8 d), exactly."""
+    elements, block_bytes = _NATIVE_TYPES[kind]
+    b = np.ascontiguousarray(data).reshape(-1, block_bytes)
     if kind == "Q8_0":
-        return blocks[..., 2:].copy().view(np.int8).reshape(n, k), scales, np.zeros_like(scales)
-    nibbles = blocks[..., 4 if has_min else 2 :]
-    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).astype(np.int8).reshape(n, k)  # low half first
-    zeros = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else -8 * scales
-    return codes, scales, zeros
+        d = _f16(b[:, 0:2])
+        codes, scales, zeros = b[:, 2:].copy().view(np.int8), d, np.zeros_like(d)
+    elif kind == "Q4_0":
+        d = _f16(b[:, 0:2])
+        codes, scales, zeros = _nibbles(b[:, 2:], 16), d, -8 * d
+    elif kind == "Q4_1":
+        codes, scales, zeros = _nibbles(b[:, 4:], 16), _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    elif kind == "Q4_K":
+        sub_scales, sub_mins = _k_scales(b[:, 4:16])
+        codes, scales, zeros = _nibbles(b[:, 16:], 32), _f16(b[:, 0:2]) * sub_scales, -(_f16(b[:, 2:4]) * sub_mins)
+    else:  # Q6_K: 4 low bits, 2 high bits, signed around 32; an int8 scale per 16
+        high = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+        codes = (_nibbles(b[:, :128], 64) | ((high & 0x03).reshape(-1, elements) << 4)).astype(np.int8) - 32
+        scales = _f16(b[:, 208:210]) * b[:, 192:208].copy().view(np.int8).astype(np.float32)
+        zeros = np.zeros_like(scales)
+    n, k = shape
+    return codes.astype(np.int8).reshape(n, k), scales.reshape(n, -1), zeros.reshape(n, -1)
 
 
 def _gguf_tensor(tensor, config: dict, native: bool) -> dict[str, torch.Tensor]:
@@ -253,8 +284,8 @@ def _write_weights(reader, config: dict, out: Path) -> None:
     # Group tensors into <= _SHARD_BYTES files, so only one shard is ever held in memory.
     native = _native_names(reader)
 
-    def nbytes(t):  # int8 codes and two float32 per block of 32, or float32
-        return int(t.n_elements) * (1 + 8 / 32 if t.name in native else 4)
+    def nbytes(t):  # int8 codes and two float32 per group of 16 or 32, or float32
+        return int(t.n_elements) * (1 + 8 / 16 if t.name in native else 4)
 
     shards, size = [[]], 0
     for hf_name, t in _gguf_tensors(reader, config):

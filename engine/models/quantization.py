@@ -9,7 +9,7 @@ Methods (--quantization):
 - unset: the checkpoint's float weights (UnquantizedLinearMethod).
 - int8: weight-only, symmetric int8 codes with one scale per output row, quantized at load.
 - int4: weight-only, asymmetric 4-bit codes in groups of 32 along the input, quantized at load.
-- gguf: a GGUF file's Q8_0, Q4_0 and Q4_1 tensors as stored (group-wise codes, kernels/quant.py's format);
+- gguf: a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K tensors as stored (group-wise codes, kernels/quant.py's format);
   its other tensor types arrive dequantized to float32. A GGUF model gets it by default.
 
 On CPU the int8 and int4 kernels compute in bfloat16 or float16 and pay off for a decode step's few rows;
