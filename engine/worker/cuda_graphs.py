@@ -135,7 +135,7 @@ class CUDAGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays: Counter[int] = Counter()  # size -> steps that ran its graph
         # Outside the graphs' pool, at one address: each graph copies its hidden states here.
-        weight = model.embed_tokens.weight
+        weight = model.norm.weight  # in the model's dtype whatever its layers' quantization
         self.hidden = torch.zeros(max(sizes), model.config.hidden_size, dtype=weight.dtype, device=weight.device)
 
     def padded_size(self, num_scheduled: list[int]) -> int | None:
