@@ -184,6 +184,17 @@ def test_bad_combinations_fail_at_start_up(tmp_path):
         EngineCore(EngineArgs(model=str(path), quantization="gguf", dtype="bfloat16", kv_cache_memory="8MiB"))
 
 
+def test_kv_blocks_of_differently_quantized_engines_never_mix(tmp_path):
+    path, _ = save_random_model(tmp_path, "mistral")
+    fingerprints = {
+        EngineCore(
+            EngineArgs(model=str(path), dtype="bfloat16", quantization=q, kv_cache_memory="8MiB")
+        ).worker.kv_layout.fingerprint
+        for q in (None, "int8", "int4")
+    }
+    assert len(fingerprints) == 3
+
+
 def test_start_up_reports_the_dtype_and_why(tmp_path, caplog):
     from engine.models.loader import cpu_native_bf16
 
