@@ -3,6 +3,7 @@ gateway's block hashes against the engine's, and a mesh of two engines (a tiny r
 that share a system prompt: where each turn lands, the hit rate against least-loaded, and an engine restarted
 mid-run."""
 
+import asyncio
 import random
 import threading
 import tracemalloc
@@ -14,11 +15,14 @@ from test_serve import SERVING_LINE, Serve
 
 from conftest import HFReference, InProcessService, assert_greedy_matches
 from engine.config import EngineArgs
+from engine.limits import RequestLimits
 from engine.models.random_model import save_random_smollm2_shaped
-from llmmesh.v1 import engine_pb2, engine_pb2_grpc
+from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from services import client
+from services.dependencies import Dependencies
+from services.gateway import Gateway
 from services.routing import INDEX_ENTRY_BYTES, STORE, EngineLoad, KVBlockIndex, Router, engine_cost
-from services.supervisor import Mesh
+from services.supervisor import Mesh, free_port
 from test_models import COMMON
 
 TINY = {**COMMON, "max_position_embeddings": 2048}  # a tiny Llama for conversations of a few hundred tokens
@@ -306,3 +310,52 @@ def test_serve_starts_engine_replicas_that_share_one_kvstore(tiny_model):
         assert_greedy_matches(reply, *reference.greedy(prompt, MAX_TOKENS), "through serve")
     finally:
         process.stop()
+
+
+def test_a_request_whose_engine_is_gone_goes_to_another(tiny_model):
+    """The gateway still takes an engine for healthy that is gone (its health check has not run since): a request
+    routed there gets UNAVAILABLE before any message and goes to the other engine, with the right output. With
+    only the gone one left, the request fails with UNAVAILABLE naming it."""
+    path, reference = tiny_model
+    with (
+        InProcessService("engine", ["--model", path, "--kv-cache-memory", "8MiB"]) as engine,
+        InProcessService("tokenizer", ["--model", path]) as tokenizer,
+        InProcessService("detokenizer", ["--model", path]) as detokenizer,
+    ):
+        gone = f"127.0.0.1:{free_port()}"
+        prompt = random.Random(6).choices(range(3, 512), k=40)
+        reply, routers, error = asyncio.run(
+            generate_with_a_stale_health_view(gone, engine.address, tokenizer.address, detokenizer.address, prompt)
+        )
+    assert_greedy_matches(reply, *reference.greedy(prompt, MAX_TOKENS), "after the retry")
+    assert routers.loads[gone] == routers.loads[engine.address] == EngineLoad()  # every request released
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and gone in error.details(), error.details()
+
+
+async def generate_with_a_stale_health_view(gone, live, tokenizer, detokenizer, prompt):
+    """A gateway in this process whose view of the engines' health is set by hand (no monitor runs): round-robin
+    first tries `gone`. The reply through both engines, the router, and the error with only `gone` healthy."""
+    deps = Dependencies([gone, live], tokenizer, detokenizer, routing="round-robin")
+    deps.healthy_engines = {live}
+    await deps.load_model_info()
+    server = grpc.aio.server()
+    gateway_pb2_grpc.add_GatewayServicer_to_server(Gateway(deps, "", RequestLimits()), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    params = client.sampling_params(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    request = gateway_pb2.GenerateRequest(token_ids=common_pb2.TokenIds(ids=prompt), sampling_params=params)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            deps.healthy_engines = {gone, live}
+            responses = [r async for r in stub.Generate(request, timeout=60)]
+            deps.healthy_engines = {gone}
+            try:
+                [r async for r in stub.Generate(request, timeout=60)]
+                error = None
+            except grpc.aio.AioRpcError as e:
+                error = e
+    finally:
+        await server.stop(None)
+        await deps.close()
+    return list(responses[-1].complete.choices[0].token_ids), deps.router, error
