@@ -72,7 +72,7 @@ class Dependencies:
         )
         healthy = {a for a, ok in zip(engines, results[2:]) if ok}
         for address in self.healthy_engines - healthy:
-            self.router.drop_engine(address)  # what it held may be gone when it comes back
+            self.set_unhealthy(address)
         self.healthy_engines = healthy
         if self.healthy_engines and self.model_info is None:
             try:
@@ -82,6 +82,11 @@ class Dependencies:
         if self.router.policy == "prefix-aware":
             await asyncio.gather(*(self._read_load(address) for address in healthy))
         return all(results[:2]) and bool(self.healthy_engines)
+
+    def set_unhealthy(self, address: str) -> None:
+        """No new requests for this engine, and its index entries go: what it held may be gone when it is back."""
+        self.healthy_engines.discard(address)
+        self.router.drop_engine(address)
 
     async def _read_load(self, address: str) -> None:
         try:

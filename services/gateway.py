@@ -348,6 +348,7 @@ class GatewayRequest:
             self.engine_span.end()
         self.deps.router.release(self.routed)
         self.routed = None
+        self.deps.set_unhealthy(self.address)  # until its next health check says otherwise
         self._call_engine(tried)
 
     def _engine_request(self) -> engine_pb2.EngineGenerateRequest:
