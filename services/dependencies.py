@@ -7,6 +7,7 @@ fail at once with UNAVAILABLE rather than wait on a dead one.
 """
 
 import asyncio
+import itertools
 import logging
 
 import grpc
@@ -36,11 +37,18 @@ class Dependencies:
         detokenizer: str,
         max_batch: int = RequestLimits.max_batch,
         routing: str | None = None,
+        prefill_engines: list[str] = (),
     ):
         self.max_batch = max_batch  # items per DetokenizeBatch: the detokenizer's --max-batch (serve gives both one)
         if not engines:
             raise ValueError("engine: give at least one engine address (--engine HOST:PORT).")
-        self.channels = {address: channel(address) for address in dict.fromkeys([*engines, tokenizer, detokenizer])}
+        addresses = dict.fromkeys([*engines, *prefill_engines, tokenizer, detokenizer])
+        self.channels = {address: channel(address) for address in addresses}
+        # kv_producer engines for disaggregated prefill (the engines above are then kv_consumers), taken in turn
+        self.prefill_engines = {
+            address: engine_pb2_grpc.EngineStub(self.channels[address]) for address in dict.fromkeys(prefill_engines)
+        }
+        self.prefill_turn = itertools.cycle(self.prefill_engines)
         self.engines = {
             address: engine_pb2_grpc.EngineStub(self.channels[address]) for address in dict.fromkeys(engines)
         }

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import json
 
 import grpc
 
@@ -9,6 +10,7 @@ from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.kv.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
+from engine.kv.connector.base import parse_json_object
 from engine.kv.connector.kvstore_connector import KVStoreConnector
 from engine.text.tokenizer import Tokenizer
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
@@ -19,6 +21,33 @@ from services.server import Server, llmmesh_version
 from services.vllm_engine import VLLM_ENGINE_SERVICE, VllmEngineServicer, vllm_engine_pb2_grpc
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+# vLLM's kv_transfer_params keys this engine reads, and what a kv_producer answers (the kv_consumer finds the blocks
+# in the shared kvstore by their hashes, so nothing else needs to travel).
+KV_TRANSFER_KEYS = ("do_remote_decode", "do_remote_prefill")
+MAX_KV_TRANSFER_PARAMS_CHARS = 1024
+REMOTE_PREFILL_PARAMS = json.dumps({"do_remote_prefill": True, "do_remote_decode": False}, separators=(",", ":"))
+
+
+def parse_kv_transfer_params(text: str, kv_role: str | None) -> dict:
+    """EngineGenerateRequest.kv_transfer_params -> its flags; ValueError naming the field and what it allows."""
+    if not text:
+        return {}
+    if len(text) > MAX_KV_TRANSFER_PARAMS_CHARS:
+        raise ValueError(f"kv_transfer_params: at most {MAX_KV_TRANSFER_PARAMS_CHARS} characters, got {len(text)}.")
+    params = parse_json_object(text, "kv_transfer_params", KV_TRANSFER_KEYS)
+    for key, value in params.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"kv_transfer_params.{key} must be true or false, got {value!r}.")
+    if params.get("do_remote_decode") and kv_role != "kv_producer":
+        raise ValueError(
+            f"kv_transfer_params.do_remote_decode needs an engine with kv_role kv_producer; this one's is {kv_role}."
+        )
+    if params.get("do_remote_prefill") and kv_role not in ("kv_consumer", "kv_both"):
+        raise ValueError(
+            "kv_transfer_params.do_remote_prefill needs an engine with kv_role kv_consumer or kv_both; "
+            f"this one's is {kv_role}."
+        )
+    return params
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
@@ -38,6 +67,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def Generate(self, request: engine_pb2.EngineGenerateRequest, context):
         engine = await self.ready(context)
+        connector = engine.core.connector
+        try:
+            kv_role = connector.config.kv_role if connector is not None else None
+            kv_transfer = parse_kv_transfer_params(request.kv_transfer_params, kv_role)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
         def add_request(arrival, trace_headers):
             params = sampling_params_from_llmmesh(request.sampling_params)
@@ -58,7 +93,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         ) as outputs:
             async for out in outputs:
                 moved = any(c.token_ids for c in out.outputs)
-                yield request_output_to_llmmesh(out, first_tokens and moved)
+                msg = request_output_to_llmmesh(out, first_tokens and moved)
+                if out.finished and kv_transfer.get("do_remote_decode"):
+                    # A kv_producer's steps answer once their blocks are stored: they are in the kvstore now.
+                    msg.kv_transfer_params = REMOTE_PREFILL_PARAMS
+                yield msg
                 first_tokens = first_tokens and not moved
 
     async def Abort(self, request: engine_pb2.AbortRequest, context):

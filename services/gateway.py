@@ -51,6 +51,10 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 DETOKENIZE_TIMEOUT = 10.0  # s to wait for the detokenizer's answer to a step already sent
 ENGINE_END_TIMEOUT = 1.0  # s to wait for the engine's stream to end once its last message is in
 _ENGINE_DONE = object()  # queued by the engine reader after the engine's last message
+# vLLM's kv_transfer_params for disaggregated prefill: to the kv_producer, and to the kv_consumer when the producer
+# answered nothing (it failed: the consumer loads what is in the kvstore and computes the rest).
+REMOTE_DECODE_PARAMS = '{"do_remote_decode":true}'
+REMOTE_PREFILL_PARAMS = '{"do_remote_prefill":true}'
 
 
 def fill_decoded_tokens(positions, texts) -> None:
@@ -308,6 +312,7 @@ class GatewayRequest:
         self.address = self.routed = self.detokenizer = self.detokenize_start = self.call = self.reader = None
         self.context = None
         self.engine_span = self.detokenize_span = None
+        self.kv_transfer_params = ""  # to the engine: vLLM's kv_transfer_params (JSON) with disaggregated prefill
 
     def start(self, context) -> None:
         """Route the detokenizer's answers here, open the engine call on the engine the router picks, and start the
@@ -322,8 +327,9 @@ class GatewayRequest:
         self.detokenize_start = self._detokenize_start()
         self.detokenize_start.trace_context.update(inject(self.detokenize_span))
         self.context = context
-        self._call_engine()
-        context.add_done_callback(lambda _: self.call.cancel())  # even if the handler is never resumed
+        if not self.deps.prefill_engines:  # else read_engine calls it after the remote prefill
+            self._call_engine()
+        context.add_done_callback(lambda _: self.call is not None and self.call.cancel())  # even if never resumed
         self.reader = asyncio.create_task(self.read_engine())
 
     def _call_engine(self, tried: tuple[str, ...] = ()) -> None:
@@ -361,7 +367,48 @@ class GatewayRequest:
             sampling_params=params,
             priority=self.request.priority,
             cache_salt=self.request.cache_salt,
+            kv_transfer_params=self.kv_transfer_params,
         )
+
+    async def _remote_prefill(self) -> None:
+        """vLLM's disaggregated prefill: a kv_producer engine computes the prompt (max_tokens 1, its token dropped)
+        and answers once every full prompt block is in the kvstore; then the decode engine loads them and computes
+        only the rest, its first token too, so its output is what one engine gives. A prefill engine that fails
+        costs the decode engine the prompt's computation, never the request."""
+        self.kv_transfer_params = REMOTE_PREFILL_PARAMS
+        if self.request.sampling_params.HasField("prompt_logprobs"):
+            return  # every prompt position runs on the decode engine anyway
+        address = next(self.deps.prefill_turn)
+        params = common_pb2.SamplingParams(max_tokens=1, temperature=0.0)
+        if self.request.sampling_params.HasField("truncate_prompt_tokens"):
+            params.truncate_prompt_tokens = self.request.sampling_params.truncate_prompt_tokens
+        request = engine_pb2.EngineGenerateRequest(
+            request_id=self.state.request_id,
+            prompt_token_ids=self.prompt_ids,
+            sampling_params=params,
+            cache_salt=self.request.cache_salt,
+            kv_transfer_params=REMOTE_DECODE_PARAMS,
+        )
+        with self.telemetry.client_call("remote_prefill", self.span, {"server.address": address}) as s:
+            self.call = self.deps.prefill_engines[address].Generate(
+                request, timeout=self.context.time_remaining(), metadata=inject(s)
+            )
+            try:
+                async for msg in self.call:
+                    if msg.kv_transfer_params:
+                        self.kv_transfer_params = msg.kv_transfer_params
+            except grpc.aio.AioRpcError as e:
+                if self.context.done():
+                    raise
+                logger.warning(
+                    "prefill engine %s: %s (%s); the decode engine computes the prompt of %s",
+                    address,
+                    e.code().name,
+                    e.details(),
+                    self.request_id,
+                )
+            finally:
+                self.call = None
 
     def _detokenize_start(self) -> detokenizer_pb2.DetokenizeStart:
         sp = self.request.sampling_params
@@ -384,6 +431,9 @@ class GatewayRequest:
         message hands the request to another healthy one."""
         tried = ()
         try:
+            if self.deps.prefill_engines:
+                await self._remote_prefill()
+                self._call_engine()
             while True:
                 received = False
                 try:
@@ -597,7 +647,9 @@ class GatewayRequest:
 
 async def serve(args) -> None:
     limits = config.limits_from_args(args)
-    deps = Dependencies(args.engine, args.tokenizer, args.detokenizer, limits.max_batch, args.routing)
+    deps = Dependencies(
+        args.engine, args.tokenizer, args.detokenizer, limits.max_batch, args.routing, args.prefill_engine or ()
+    )
     gateway = Gateway(
         deps,
         args.served_model_name,
@@ -657,6 +709,14 @@ def add_subcommands(subparsers) -> None:
         action="append",
         default=None,
         help="an engine address HOST:PORT (repeatable; in the environment, a comma-separated list)",
+    )
+    p.add_argument(
+        "--prefill-engine",
+        action="append",
+        default=None,
+        help="a kv_producer engine's HOST:PORT for disaggregated prefill (repeatable; in the environment, a "
+        "comma-separated list): each prompt is computed there and its KV blocks handed through the kvstore to the "
+        "--engine engines (kv_consumers), which decode",
     )
     p.add_argument("--tokenizer", default=None, help="the tokenizer service's HOST:PORT")
     p.add_argument("--detokenizer", default=None, help="the detokenizer service's HOST:PORT")

@@ -278,13 +278,13 @@ def engine_flags(engine_args: EngineArgs) -> list[str]:
     return flags
 
 
-def kv_transfer_config(kvstore_address: str, **options) -> str:
-    """The engine's --kv-transfer-config (vLLM's form) for a connector to the kvstore at kvstore_address, with
-    any further connector options (load_policy, store_decode_blocks, timeouts)."""
+def kv_transfer_config(kvstore_address: str, kv_role: str = "kv_both", **options) -> str:
+    """The engine's --kv-transfer-config (vLLM's form) for a connector to the kvstore at kvstore_address, in
+    kv_role, with any further connector options (load_policy, store_decode_blocks, timeouts)."""
     return json.dumps(
         {
             "kv_connector": "KVStoreConnector",
-            "kv_role": "kv_both",
+            "kv_role": kv_role,
             "kv_connector_extra_config": {"kvstore_address": kvstore_address, **options},
         },
         separators=(",", ":"),
@@ -296,7 +296,11 @@ class Mesh:
     and the kvstore, started before the engine, which is given a --kv-transfer-config pointing at the kvstore.
 
     service_args: further flags for the services behind the gateway, by service ("engine": every replica,
-    "tokenizer", "detokenizer", "kvstore", "sampler"); the gateway's own are gateway_args."""
+    "tokenizer", "detokenizer", "kvstore", "sampler"); the gateway's own are gateway_args.
+
+    prefill_engines > 0 disaggregates prefill (vLLM's P/D through the KV store, which it then needs): that many
+    kv_producer engines ("prefill", "prefill-2"...) compute the prompts, and the num_engines others, kv_consumers,
+    load their blocks from the kvstore and decode."""
 
     def __init__(
         self,
@@ -310,6 +314,7 @@ class Mesh:
         sampler: bool = False,
         env: dict | None = None,
         service_args: dict[str, list[str]] | None = None,
+        prefill_engines: int = 0,
     ):
         self.engine_args = engine_args
         self.env = env  # variables every service gets on top of this process's (LLMMESH_*, OTEL_*)
@@ -323,6 +328,9 @@ class Mesh:
         self.sampler = sampler  # a sampler service (started before the engines, which sample on it)
         # "engine", then "engine-2"...: replicas behind the one gateway (sharing the KV store, when there is one)
         self.engine_names = ["engine"] + [f"engine-{i}" for i in range(2, num_engines + 1)]
+        self.prefill_names = [f"prefill{'' if i == 1 else f'-{i}'}" for i in range(1, prefill_engines + 1)]
+        if prefill_engines and not kv_store:
+            raise ValueError("prefill engines hand their KV blocks over through the KV store: it must run.")
         if num_engines > 1:  # the gateway routes by where their KV blocks are
             self.engine_args = dataclasses.replace(engine_args, enable_kv_cache_events=True)
         self.services: dict[str, ServiceProcess] = {}
@@ -336,31 +344,42 @@ class Mesh:
         """Start the engine, tokenizer and detokenizer (they load at the same time), after Redis and the kvstore
         when the KV store is on; wait() finishes the job."""
         engine_args, flags = self.engine_args, self.service_args
+        prefill_args = engine_args
         try:
             if self.kv_store:
                 self.redis = RedisServer(maxmemory=self.redis_maxmemory, echo=self.echo)
                 kvstore = self._start(
                     "kvstore", ["--port", "0", "--redis-url", self.redis.url, *flags.get("kvstore", [])]
                 )
-                engine_args = dataclasses.replace(
-                    engine_args, kv_transfer_config=kv_transfer_config(kvstore.wait_listening(timeout))
-                )
+                kvstore_address = kvstore.wait_listening(timeout)
+                if self.prefill_names:
+                    # A consumer loads what the producers stored whatever its estimate says: that is its role.
+                    consumer = kv_transfer_config(kvstore_address, "kv_consumer", load_policy="always")
+                    producer = kv_transfer_config(kvstore_address, "kv_producer")
+                    prefill_args = dataclasses.replace(engine_args, kv_transfer_config=producer)
+                    engine_args = dataclasses.replace(engine_args, kv_transfer_config=consumer)
+                else:
+                    engine_args = dataclasses.replace(
+                        engine_args, kv_transfer_config=kv_transfer_config(kvstore_address)
+                    )
             if self.sampler:
                 sampler = self._start("sampler", ["--port", "0", *flags.get("sampler", [])])
                 engine_args = dataclasses.replace(engine_args, sampler_address=sampler.wait_listening(timeout))
+                prefill_args = dataclasses.replace(prefill_args, sampler_address=engine_args.sampler_address)
         except BaseException:
             self.stop()
             raise
         model = ["--model", engine_args.model]
-        for name in self.engine_names:
-            self._start(name, ["--port", "0", *engine_flags(engine_args), *flags.get("engine", [])], service="engine")
+        for names, args in ((self.engine_names, engine_args), (self.prefill_names, prefill_args)):
+            for name in names:
+                self._start(name, ["--port", "0", *engine_flags(args), *flags.get("engine", [])], service="engine")
         self._start("tokenizer", ["--port", "0", *model, *flags.get("tokenizer", [])])
         self._start("detokenizer", ["--port", "0", *model, *flags.get("detokenizer", [])])
 
     def wait(self, timeout: float = 600.0) -> str:
         """Wait for the services, then start the gateway in front of them and wait until it is serving."""
         try:
-            for name in (*self.engine_names, "tokenizer", "detokenizer"):
+            for name in (*self.engine_names, *self.prefill_names, "tokenizer", "detokenizer"):
                 self.services[name].wait_listening(timeout)
             self._start("gateway", ["--port", str(self.port), *self.gateway_args, *self.backend_flags()])
             return self.services["gateway"].wait_listening(timeout)
@@ -374,10 +393,13 @@ class Mesh:
 
     def backend_flags(self) -> list[str]:
         """The gateway flags that point at this mesh's engines, tokenizer and detokenizer."""
-        return [
+        flags = [
             flag
             for name in (*self.engine_names, "tokenizer", "detokenizer")
             for flag in (f"--{self.services[name].service}", self.services[name].address)
+        ]
+        return flags + [
+            flag for name in self.prefill_names for flag in ("--prefill-engine", self.services[name].address)
         ]
 
     def start_gateway(self, args: list[str], timeout: float = 60.0) -> ServiceProcess:
@@ -449,6 +471,7 @@ def serve(args: argparse.Namespace) -> None:
         raise ValueError("--prometheus-config needs --metrics-port (0: each service on a free port of its own)")
     if not 1 <= args.engines <= MAX_ENGINES:
         raise ValueError(f"--engines must be from 1 to {MAX_ENGINES}, got {args.engines}.")
+    num_engines = disaggregated_engines(args)
     engine_args = EngineArgs.from_cli_args(args)
     flags = service_flags(args)
     mesh = Mesh(
@@ -456,7 +479,8 @@ def serve(args: argparse.Namespace) -> None:
         flags.pop("gateway"),
         port=args.port,
         echo=True,
-        num_engines=args.engines,
+        num_engines=num_engines,
+        prefill_engines=args.prefill_engines,
         **kv_store_options(args),
         **sampler_options(args),
         env=telemetry_env(args),
@@ -473,7 +497,9 @@ def serve(args: argparse.Namespace) -> None:
         signal.signal(sig, on_signal)
     began = time.perf_counter()
     store = (", Redis, the kvstore" if mesh.kv_store else "") + (", the sampler" if mesh.sampler else "")
-    engines = "the engine" if args.engines == 1 else f"{args.engines} engines"
+    engines = "the engine" if num_engines == 1 else f"{num_engines} engines"
+    if args.prefill_engines:
+        engines = f"{args.prefill_engines} prefill and {num_engines} decode engines"
     say(f"starting {engines}, the tokenizer, detokenizer{store} and gateway for {engine_args.model}")
     try:
         try:
@@ -595,6 +621,27 @@ def telemetry_env(args: argparse.Namespace) -> dict:
     return env
 
 
+def disaggregated_engines(args: argparse.Namespace) -> int:
+    """Check --prefill-engines and --decode-engines; the engines behind the gateway's routing (the decode ones with
+    disaggregated prefill)."""
+    if args.prefill_engines == 0:
+        if args.decode_engines is not None:
+            raise ValueError("--decode-engines needs --prefill-engines (without them, --engines sets the replicas).")
+        return args.engines
+    if not 1 <= args.prefill_engines <= MAX_ENGINES:
+        raise ValueError(f"--prefill-engines must be from 0 to {MAX_ENGINES}, got {args.prefill_engines}.")
+    if args.engines != 1:
+        raise ValueError("with --prefill-engines, give the decode engines' count as --decode-engines, not --engines.")
+    decode = 1 if args.decode_engines is None else args.decode_engines
+    if not 1 <= decode <= MAX_ENGINES:
+        raise ValueError(f"--decode-engines must be from 1 to {MAX_ENGINES}, got {decode}.")
+    if not args.kv_store:
+        raise ValueError(
+            "--prefill-engines hand their KV blocks to the decode engines through the KV store: drop --no-kv-store."
+        )
+    return decode
+
+
 def as_flags(args: argparse.Namespace, dests) -> list[str]:
     """`--name value` for each dest, as args holds it."""
     return [flag for dest in dests for flag in ("--" + dest.replace("_", "-"), str(getattr(args, dest)))]
@@ -685,6 +732,19 @@ def add_subcommands(subparsers) -> None:
         type=int,
         default=1,
         help=f"engine replicas behind the gateway (at most {MAX_ENGINES}), sharing the KV store when it runs",
+    )
+    p.add_argument(
+        "--prefill-engines",
+        type=int,
+        default=0,
+        help="disaggregated prefill (vLLM's P/D): this many kv_producer engines compute each prompt and store its "
+        "KV blocks in the KV store, from which the decode engines load them (0: off)",
+    )
+    p.add_argument(
+        "--decode-engines",
+        type=int,
+        default=None,
+        help="with --prefill-engines: the kv_consumer engines that load the prompts' blocks and decode (default 1)",
     )
     EngineArgs.add_cli_args(p)
     config.add_detailed_traces_arg(p)

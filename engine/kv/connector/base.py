@@ -19,6 +19,20 @@ KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 CONFIG_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config", "kv_connector_module_path")
 
 
+def parse_json_object(text: str, name: str, keys) -> dict:
+    """text as a JSON object with none but these keys; ValueError naming `name` and the keys it allows."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} must be a JSON object: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{name} must be a JSON object.")
+    unknown = set(data) - set(keys)
+    if unknown:
+        raise ValueError(f"{name} has unknown keys {sorted(unknown)}; allowed: {', '.join(keys)}.")
+    return data
+
+
 class KVConnectorRole(enum.Enum):
     SCHEDULER = 0
     WORKER = 1
@@ -38,17 +52,7 @@ class KVTransferConfig:
 
     @classmethod
     def from_json(cls, text: str) -> "KVTransferConfig":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv_transfer_config must be a JSON object: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError("kv_transfer_config must be a JSON object.")
-        unknown = set(data) - set(CONFIG_KEYS)
-        if unknown:
-            raise ValueError(
-                f"kv_transfer_config has unknown keys {sorted(unknown)}; allowed: {', '.join(CONFIG_KEYS)}."
-            )
+        data = parse_json_object(text, "kv_transfer_config", CONFIG_KEYS)
         if "kv_connector" not in data:
             raise ValueError("kv_transfer_config.kv_connector is required.")
         config = cls(**data)

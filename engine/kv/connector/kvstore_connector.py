@@ -12,7 +12,9 @@ while a store still reads it.
 Worker side. Loads and stores run on two background threads, never on the step's path (KVBlockIO
 copies the blocks). Any fault — the store down, slow past its deadline, or answering garbage —
 ends a transfer early: a load then brings fewer blocks and the rest is recomputed; a store is dropped.
-After a fault the connector leaves the store alone for retry_interval_s, then tries again.
+After a fault the connector leaves the store alone for retry_interval_s, then tries again. With kv_role
+kv_producer (a prefill engine), stores run on the step's path instead: a step reports its tokens only once its
+blocks are in the store.
 """
 
 import logging
@@ -358,6 +360,12 @@ class KVStoreConnector(KVConnectorBase):
             self.load_queue.put(job)
 
     def wait_for_save(self, metadata: KVStoreConnectorMetadata) -> None:
+        # A kv_producer's step answers only once its blocks are in the store: the kv_consumer it hands the
+        # request to looks them up next (vLLM's disaggregated prefill).
+        if self.config.kv_role == "kv_producer":
+            for job in metadata.stores:
+                self._store(job)
+            return
         for job in metadata.stores:
             self.store_queue.put(job)
 

@@ -1,0 +1,150 @@
+"""Prefill/decode disaggregation through the kvstore (vLLM's P/D): a kv_producer engine computes each prompt and
+stores its blocks, the kv_consumer engine loads them and decodes. Outputs equal one engine's, greedy and seeded,
+with and without faults: a prefill engine that is gone, a store that lost blocks, a load that fails."""
+
+import random
+
+import grpc
+import pytest
+import redis
+
+from conftest import InProcessService
+from engine.config import EngineArgs
+from engine.models.random_model import save_random_smollm2_shaped
+from llmmesh.v1 import engine_pb2, engine_pb2_grpc
+from services import client
+from services.routing import Router
+from services.supervisor import Mesh
+from test_models import COMMON
+
+BLOCK = 16
+MAX_TOKENS = 8
+PROMPT_TOKENS = 70  # 4 full blocks; the consumer loads them and computes the last 6 tokens
+FULL_BLOCK_TOKENS = PROMPT_TOKENS // BLOCK * BLOCK
+SAMPLINGS = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 1.0, "top_p": 0.9, "seed": 1234}}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-pd")
+    save_random_smollm2_shaped(path, **COMMON)
+    return path
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model):
+    """One engine alone, no KV store: the outputs to match."""
+    flags = ["--model", str(tiny_model), "--kv-cache-memory", "16MiB", "--no-enable-prefix-caching"]
+    with InProcessService("engine", flags) as engine, grpc.insecure_channel(engine.address) as channel:
+        yield engine_pb2_grpc.EngineStub(channel)
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model):
+    args = EngineArgs(model=str(tiny_model), kv_cache_memory="16MiB", max_num_seqs=8)
+    with Mesh(args, kv_store=True, prefill_engines=1, num_engines=1) as m:
+        yield m
+
+
+def prompt(seed: int) -> list[int]:
+    return random.Random(seed).choices(range(3, 512), k=PROMPT_TOKENS)
+
+
+def alone(single, tokens: list[int], sampling: dict) -> list[int]:
+    params = client.sampling_params(max_tokens=MAX_TOKENS, ignore_eos=True, **sampling)
+    request = engine_pb2.EngineGenerateRequest(prompt_token_ids=tokens, sampling_params=params)
+    return [t for msg in single.Generate(request, timeout=60) for c in msg.outputs for t in c.token_ids]
+
+
+def through(mesh, tokens: list[int], sampling: dict) -> tuple[list[int], int]:
+    """Through the P/D gateway: the reply and the prompt tokens the decode engine did not compute."""
+    responses = client.generate(mesh.address, tokens, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=120, **sampling)
+    result = client.collect(responses)
+    return result.token_ids[0], result.complete.usage.cached_tokens
+
+
+def prefill(mesh, tokens: list[int]) -> engine_pb2.EngineGenerateResponse:
+    """What the gateway asks of the prefill engine, asked directly: its last message."""
+    request = engine_pb2.EngineGenerateRequest(
+        prompt_token_ids=tokens,
+        sampling_params=client.sampling_params(max_tokens=1),
+        kv_transfer_params='{"do_remote_decode":true}',
+    )
+    with grpc.insecure_channel(mesh.services["prefill"].address) as channel:
+        return list(engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=60))[-1]
+
+
+def block_keys(mesh, tokens: list[int]) -> tuple[redis.Redis, list[bytes]]:
+    """The kvstore's Redis and the keys of the prompt's full blocks there, in order (None where absent)."""
+    with grpc.insecure_channel(mesh.services["engine"].address) as channel:
+        info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=30)
+    router = Router(["engine"])
+    router.set_model_info(info)
+    store = redis.Redis.from_url(mesh.redis.url)
+    return store, [next(iter(store.keys(f"kv:*:{h.hex()}")), None) for h in router.block_hashes(tokens, "")]
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+def test_outputs_equal_one_engine_and_the_decode_engine_loads_the_prompt(mesh, single, sampling):
+    for seed in range(3):
+        tokens = prompt(100 * list(SAMPLINGS).index(sampling) + seed)  # new to the decode engine
+        reply, loaded = through(mesh, tokens, SAMPLINGS[sampling])
+        assert reply == alone(single, tokens, SAMPLINGS[sampling]), (sampling, seed)
+        assert loaded == FULL_BLOCK_TOKENS  # every full block came from the producer, through the store
+
+
+def test_store_that_lost_blocks_costs_recomputation(mesh, single):
+    tokens = prompt(7)
+    assert prefill(mesh, tokens).kv_transfer_params == '{"do_remote_prefill":true,"do_remote_decode":false}'
+    store, keys = block_keys(mesh, tokens)
+    assert all(keys)  # stored before the producer answered
+    store.delete(*keys[1:])  # lost all but the first
+    # The producer holds the prompt in its own cache now, so it does not store it again: the store stays short.
+    reply, loaded = through(mesh, tokens, SAMPLINGS["seeded"])
+    assert reply == alone(single, tokens, SAMPLINGS["seeded"])
+    assert loaded == BLOCK
+
+
+def test_load_that_fails_costs_recomputation(mesh, single):
+    tokens = prompt(8)
+    prefill(mesh, tokens)  # in the store now, and in the producer's cache: it will not store them again
+    store, keys = block_keys(mesh, tokens)
+    value = bytearray(store.get(keys[2]))
+    value[-100] ^= 0xFF
+    store.set(keys[2], bytes(value))
+    reply, loaded = through(mesh, tokens, SAMPLINGS["seeded"])
+    assert reply == alone(single, tokens, SAMPLINGS["seeded"])
+    assert loaded == 2 * BLOCK  # the blocks before the corrupt one; the rest was recomputed
+
+
+def test_prefill_engine_gone_costs_recomputation(mesh, single):
+    mesh.services["prefill"].kill()
+    try:
+        for i, (name, sampling) in enumerate(SAMPLINGS.items()):
+            tokens = prompt(9 + i)
+            reply, loaded = through(mesh, tokens, sampling)
+            assert reply == alone(single, tokens, sampling), name
+            assert loaded == 0  # nothing in the store: the decode engine computed the prompt
+    finally:
+        mesh.restart("prefill")
+
+
+def test_kv_transfer_params_name_the_field_at_fault(mesh):
+    cases = {
+        "[1]": "kv_transfer_params must be a JSON object",
+        '{"do_remote_decode":1}': "kv_transfer_params.do_remote_decode must be true or false",
+        '{"remote_engine_id":"x"}': "allowed: do_remote_decode, do_remote_prefill",
+        '{"do_remote_prefill":true}': "do_remote_prefill needs an engine with kv_role kv_consumer or kv_both",
+    }
+    with grpc.insecure_channel(mesh.services["prefill"].address) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        for text, message in cases.items():
+            request = engine_pb2.EngineGenerateRequest(
+                prompt_token_ids=[5, 6, 7],
+                sampling_params=client.sampling_params(max_tokens=1),
+                kv_transfer_params=text,
+            )
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(request, timeout=30))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, text
+            assert message in e.value.details(), text
