@@ -7,14 +7,16 @@ import random
 import grpc
 import pytest
 import redis
+from test_serve import SERVING_LINE, Serve
 
 from conftest import InProcessService
 from engine.config import EngineArgs
 from engine.models.random_model import save_random_smollm2_shaped
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
 from services import client
+from services.cli import build_parser
 from services.routing import Router
-from services.supervisor import Mesh
+from services.supervisor import Mesh, disaggregated_engines
 from test_models import COMMON
 
 BLOCK = 16
@@ -148,3 +150,39 @@ def test_kv_transfer_params_name_the_field_at_fault(mesh):
                 list(stub.Generate(request, timeout=30))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, text
             assert message in e.value.details(), text
+
+
+def test_serve_runs_prefill_and_decode_engines(tiny_model, single):
+    """`llmmesh serve --prefill-engines 1 --decode-engines 2`: a kv_producer and two kv_consumers behind the gateway,
+    one kvstore between them."""
+    flags = ["--port", "0", "--model", str(tiny_model), "--kv-cache-memory", "16MiB", "--no-sampler-service"]
+    process = Serve([*flags, "--prefill-engines", "1", "--decode-engines", "2", "--log-level", "WARNING"])
+    try:
+        services = {}
+        while len(services) < 8:
+            name, address, _, _ = process.expect(SERVING_LINE).groups()
+            services[name] = address
+        assert {"prefill", "engine", "engine-2", "kvstore"} <= set(services)
+        address = process.expect(r"llmmesh gateway listening on (\S+)").group(1)
+        tokens = prompt(20)
+        result = client.collect(
+            client.generate(address, tokens, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=120, **SAMPLINGS["seeded"])
+        )
+        assert result.token_ids[0] == alone(single, tokens, SAMPLINGS["seeded"])
+        assert result.complete.usage.cached_tokens == FULL_BLOCK_TOKENS
+    finally:
+        process.stop()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--decode-engines", "2"], "--decode-engines needs --prefill-engines"),
+        (["--prefill-engines", "1", "--engines", "2"], "give the decode engines' count as --decode-engines"),
+        (["--prefill-engines", "1", "--no-kv-store"], "through the KV store"),
+        (["--prefill-engines", "-1"], "--prefill-engines must be from 0 to 64"),
+    ],
+)
+def test_serve_refuses_inconsistent_engine_counts(flags, message):
+    with pytest.raises(ValueError, match=message):
+        disaggregated_engines(build_parser().parse_args(["serve", *flags]))
