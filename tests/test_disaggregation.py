@@ -76,6 +76,18 @@ def prefill(mesh, tokens: list[int]) -> engine_pb2.EngineGenerateResponse:
         return list(engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=60))[-1]
 
 
+def decode(mesh, tokens: list[int], sampling: dict) -> tuple[list[int], int]:
+    """What the gateway asks of the decode engine after the prefill, asked directly: the reply and the prompt tokens
+    it did not compute."""
+    params = client.sampling_params(max_tokens=MAX_TOKENS, ignore_eos=True, **sampling)
+    request = engine_pb2.EngineGenerateRequest(
+        prompt_token_ids=tokens, sampling_params=params, kv_transfer_params='{"do_remote_prefill":true}'
+    )
+    with grpc.insecure_channel(mesh.services["engine"].address) as channel:
+        messages = list(engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=60))
+    return [t for msg in messages for c in msg.outputs for t in c.token_ids], messages[-1].usage.cached_tokens
+
+
 def block_keys(mesh, tokens: list[int]) -> tuple[redis.Redis, list[bytes]]:
     """The kvstore's Redis and the keys of the prompt's full blocks there, in order (None where absent)."""
     with grpc.insecure_channel(mesh.services["engine"].address) as channel:
@@ -96,20 +108,32 @@ def test_outputs_equal_one_engine_and_the_decode_engine_loads_the_prompt(mesh, s
 
 
 def test_store_that_lost_blocks_costs_recomputation(mesh, single):
+    """Blocks lost between the two hops: the decode engine loads those left and computes the rest."""
     tokens = prompt(7)
     assert prefill(mesh, tokens).kv_transfer_params == '{"do_remote_prefill":true,"do_remote_decode":false}'
     store, keys = block_keys(mesh, tokens)
     assert all(keys)  # stored before the producer answered
-    store.delete(*keys[1:])  # lost all but the first
-    # The producer holds the prompt in its own cache now, so it does not store it again: the store stays short.
-    reply, loaded = through(mesh, tokens, SAMPLINGS["seeded"])
+    store.delete(*keys[1:])
+    reply, loaded = decode(mesh, tokens, SAMPLINGS["seeded"])
     assert reply == alone(single, tokens, SAMPLINGS["seeded"])
     assert loaded == BLOCK
 
 
+def test_producer_stores_again_what_the_store_lost(mesh, single):
+    """Blocks lost before the request: the producer, which holds them in its cache, writes them to the store again."""
+    tokens = prompt(6)
+    prefill(mesh, tokens)
+    store, keys = block_keys(mesh, tokens)
+    store.delete(*keys[1:])
+    reply, loaded = through(mesh, tokens, SAMPLINGS["greedy"])
+    assert reply == alone(single, tokens, SAMPLINGS["greedy"])
+    assert loaded == FULL_BLOCK_TOKENS
+    assert all(block_keys(mesh, tokens)[1])
+
+
 def test_load_that_fails_costs_recomputation(mesh, single):
     tokens = prompt(8)
-    prefill(mesh, tokens)  # in the store now, and in the producer's cache: it will not store them again
+    prefill(mesh, tokens)  # in the store now; the producer checks they are present, not what they hold
     store, keys = block_keys(mesh, tokens)
     value = bytearray(store.get(keys[2]))
     value[-100] ^= 0xFF

@@ -210,7 +210,9 @@ class KVStoreConnector(KVConnectorBase):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         bs = self.block_size
         first = num_computed_tokens // bs
-        self.num_stored_blocks.setdefault(request.request_id, first)
+        # Local hits are in the store already, but a kv_producer hands every prompt over through it: its store job
+        # checks them all, and writes those the store lost.
+        self.num_stored_blocks.setdefault(request.request_id, 0 if self.config.kv_role == "kv_producer" else first)
         # The last prompt token always runs through the model.
         last = (request.num_tokens - 1) // bs
         lookup = self.lookups.get(request.request_id)
