@@ -77,6 +77,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def create_weights(self, layer, input_size, output_size):
         _register(layer, "weight", torch.empty(output_size, input_size))
+        layer.packed = None  # plain F.linear until the weight is loaded and packed
 
     def process_weights_after_loading(self, layer, dtype):
         layer.packed = None
