@@ -129,9 +129,11 @@ class AsyncLLM:
         arrival_time: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         trace_headers: tuple[tuple[str, str], ...] = (),
+        kv_transfer_params: dict | None = None,
     ) -> RequestStream:
         """Check and queue a request (n engine requests when n > 1); ValueError names what is wrong.
-        trace_headers: the request span's traceparent/tracestate, for the calls the engine makes for it."""
+        trace_headers: the request span's traceparent/tracestate, for the calls the engine makes for it.
+        kv_transfer_params: vLLM's, already checked (services/engine_service.py), for the KV connector."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine thread has stopped: {self.dead}")
         request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
@@ -144,6 +146,7 @@ class AsyncLLM:
         for r in state.engine_requests:
             r.priority, r.cache_salt, r.eos_token_ids = priority, cache_salt or None, self.processor.eos_token_ids
             r.trace_headers = trace_headers
+            r.kv_transfer_params = kv_transfer_params or {}
         stream = self.streams[request_id] = RequestStream(request_id, state)
         self.inbox.put(("add", state.engine_requests))
         return stream

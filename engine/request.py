@@ -329,6 +329,9 @@ class Request:
         # W3C traceparent/tracestate of the request's span (vLLM's trace_headers), as gRPC metadata: the calls the
         # engine makes for this request (the KV store's) join its trace. Empty when it is not traced.
         self.trace_headers: tuple[tuple[str, str], ...] = ()
+        # vLLM's kv_transfer_params with disaggregated prefill: do_remote_prefill makes the KV connector load what the
+        # store holds of the prompt, whatever its own load-or-recompute estimate says.
+        self.kv_transfer_params: dict = {}
 
         # Its grammar and matcher (StructuredOutputManager.grammar_init compiles it); None without structured outputs.
         self.structured_output_request = (

@@ -85,6 +85,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 cache_salt=request.cache_salt,
                 arrival_time=arrival,
                 trace_headers=trace_headers,
+                kv_transfer_params=kv_transfer,
             )
 
         first_tokens = True

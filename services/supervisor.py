@@ -353,8 +353,9 @@ class Mesh:
                 )
                 kvstore_address = kvstore.wait_listening(timeout)
                 if self.prefill_names:
-                    # A consumer loads what the producers stored whatever its estimate says: that is its role.
-                    consumer = kv_transfer_config(kvstore_address, "kv_consumer", load_policy="always")
+                    # Its requests' do_remote_prefill makes a consumer load what the producers stored, whatever its
+                    # load_policy; the policy still judges what other engines stored.
+                    consumer = kv_transfer_config(kvstore_address, "kv_consumer")
                     producer = kv_transfer_config(kvstore_address, "kv_producer")
                     prefill_args = dataclasses.replace(engine_args, kv_transfer_config=producer)
                     engine_args = dataclasses.replace(engine_args, kv_transfer_config=consumer)

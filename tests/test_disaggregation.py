@@ -3,6 +3,7 @@ stores its blocks, the kv_consumer engine loads them and decodes. Outputs equal 
 with and without faults: a prefill engine that is gone, a store that lost blocks, a load that fails."""
 
 import random
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -16,7 +17,7 @@ from llmmesh.v1 import engine_pb2, engine_pb2_grpc
 from services import client
 from services.cli import build_parser
 from services.routing import Router
-from services.supervisor import Mesh, disaggregated_engines
+from services.supervisor import Mesh, disaggregated_engines, kv_transfer_config
 from test_models import COMMON
 
 BLOCK = 16
@@ -76,16 +77,39 @@ def prefill(mesh, tokens: list[int]) -> engine_pb2.EngineGenerateResponse:
         return list(engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=60))[-1]
 
 
-def decode(mesh, tokens: list[int], sampling: dict) -> tuple[list[int], int]:
+def decode(
+    mesh, tokens: list[int], sampling: dict, kv_transfer_params: str = '{"do_remote_prefill":true}'
+) -> tuple[list[int], int]:
     """What the gateway asks of the decode engine after the prefill, asked directly: the reply and the prompt tokens
     it did not compute."""
     params = client.sampling_params(max_tokens=MAX_TOKENS, ignore_eos=True, **sampling)
     request = engine_pb2.EngineGenerateRequest(
-        prompt_token_ids=tokens, sampling_params=params, kv_transfer_params='{"do_remote_prefill":true}'
+        prompt_token_ids=tokens, sampling_params=params, kv_transfer_params=kv_transfer_params
     )
     with grpc.insecure_channel(mesh.services["engine"].address) as channel:
         messages = list(engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=60))
     return [t for msg in messages for c in msg.outputs for t in c.token_ids], messages[-1].usage.cached_tokens
+
+
+@pytest.mark.parametrize("load_policy", ["auto", "never"])
+def test_do_remote_prefill_loads_whatever_the_load_policy(mesh, single, tiny_model, load_policy):
+    """The request's do_remote_prefill reaches the connector: a kv_consumer loads what the prefill engine stored even
+    when its own load_policy would not (never), and waits for it (WAITING_FOR_REMOTE_KVS) rather than recompute."""
+    config = kv_transfer_config(mesh.services["kvstore"].address, "kv_consumer", load_policy=load_policy)
+    flags = ["--model", str(tiny_model), "--kv-cache-memory", "16MiB", "--kv-transfer-config", config]
+    with InProcessService("engine", flags) as consumer:
+        consumer_mesh = SimpleNamespace(services={"engine": consumer})
+        tokens = prompt(30)
+        prefill(mesh, tokens)
+        reply, loaded = decode(consumer_mesh, tokens, SAMPLINGS["greedy"])
+        assert reply == alone(single, tokens, SAMPLINGS["greedy"])
+        assert loaded == FULL_BLOCK_TOKENS
+        if load_policy == "never":  # without the flag, the policy decides
+            tokens = prompt(31)
+            prefill(mesh, tokens)
+            reply, loaded = decode(consumer_mesh, tokens, SAMPLINGS["greedy"], kv_transfer_params="")
+            assert reply == alone(single, tokens, SAMPLINGS["greedy"])
+            assert loaded == 0
 
 
 def block_keys(mesh, tokens: list[int]) -> tuple[redis.Redis, list[bytes]]:

@@ -215,9 +215,12 @@ class KVStoreConnector(KVConnectorBase):
         self.num_stored_blocks.setdefault(request.request_id, 0 if self.config.kv_role == "kv_producer" else first)
         # The last prompt token always runs through the model.
         last = (request.num_tokens - 1) // bs
+        # A prefill engine stored this prompt for this engine (vLLM's do_remote_prefill): load it, whatever the policy.
+        remote_prefill = request.kv_transfer_params.get("do_remote_prefill", False)
+        policy = "always" if remote_prefill else self.options["load_policy"]
         lookup = self.lookups.get(request.request_id)
         if lookup is None:
-            if not self.config.is_kv_consumer or self.options["load_policy"] == "never" or last <= first:
+            if not self.config.is_kv_consumer or policy == "never" or last <= first:
                 return 0, False
             if not self._store_up():
                 return 0, False
@@ -226,7 +229,7 @@ class KVStoreConnector(KVConnectorBase):
         if lookup.end_block is None:
             if not lookup.future.done():
                 return None, False
-            lookup.end_block = self._take_answer(lookup, last)
+            lookup.end_block = self._take_answer(lookup, last, policy)
         # Local hits that grew while the request waited shorten the load; ones that shrank leave a gap: recompute.
         num_blocks = min(lookup.end_block, last) - first if first >= lookup.first_block else 0
         return (num_blocks * bs, True) if num_blocks > 0 else (0, False)
@@ -241,7 +244,7 @@ class KVStoreConnector(KVConnectorBase):
             return None
         return num_present, time.perf_counter() - started
 
-    def _take_answer(self, lookup: Lookup, last: int) -> int:
+    def _take_answer(self, lookup: Lookup, last: int, policy: str) -> int:
         """Count a finished Lookup (once per request) and decide: the first block not to load."""
         answer = lookup.future.result()
         if answer is None:
@@ -252,7 +255,7 @@ class KVStoreConnector(KVConnectorBase):
         self.stats["lookups"] += 1
         self.stats["lookup_tokens"] += (last - lookup.first_block) * bs
         self.stats["lookup_hit_tokens"] += num_present * bs
-        if num_present and self.options["load_policy"] == "auto" and not self.cost.load_pays(num_present):
+        if num_present and policy == "auto" and not self.cost.load_pays(num_present):
             self.stats["recompute_chosen_tokens"] += num_present * bs
             return lookup.first_block
         return lookup.first_block + num_present
