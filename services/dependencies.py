@@ -38,6 +38,7 @@ class Dependencies:
         max_batch: int = RequestLimits.max_batch,
         routing: str | None = None,
         prefill_engines: list[str] = (),
+        prefill_timeout: float = 30.0,
     ):
         self.max_batch = max_batch  # items per DetokenizeBatch: the detokenizer's --max-batch (serve gives both one)
         if not engines:
@@ -49,6 +50,8 @@ class Dependencies:
             address: engine_pb2_grpc.EngineStub(self.channels[address]) for address in dict.fromkeys(prefill_engines)
         }
         self.prefill_turn = itertools.cycle(self.prefill_engines)
+        self.healthy_prefill_engines: set[str] = set()
+        self.prefill_timeout = prefill_timeout  # s a prefill may take before the decode engine computes the prompt
         self.engines = {
             address: engine_pb2_grpc.EngineStub(self.channels[address]) for address in dict.fromkeys(engines)
         }
@@ -74,11 +77,14 @@ class Dependencies:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def check(self) -> bool:
-        engines = list(self.engines)
+        """Every dependency's health; the gateway's own. Prefill engines are checked but optional: without a healthy
+        one, the decode engines compute the prompts."""
+        engines, prefill_engines = list(self.engines), list(self.prefill_engines)
         results = await asyncio.gather(
-            *(self._healthy(a) for a in [self.tokenizer_address, self.detokenizer_address, *engines])
+            *(self._healthy(a) for a in [self.tokenizer_address, self.detokenizer_address, *engines, *prefill_engines])
         )
         healthy = {a for a, ok in zip(engines, results[2:]) if ok}
+        self.healthy_prefill_engines = {a for a, ok in zip(prefill_engines, results[2 + len(engines) :]) if ok}
         for address in self.healthy_engines - healthy:
             self.set_unhealthy(address)
         self.healthy_engines = healthy
@@ -160,6 +166,14 @@ class Dependencies:
 
     async def get_model_info(self) -> engine_pb2.ModelInfo:
         return self.model_info if self.model_info is not None else await self.load_model_info()
+
+    def prefill_engine(self) -> str | None:
+        """The next healthy prefill engine in turn; None when none is."""
+        for _ in self.prefill_engines:
+            address = next(self.prefill_turn)
+            if address in self.healthy_prefill_engines:
+                return address
+        return None
 
     def route(self, prompt_ids: list[int], cache_salt: str = "", exclude=()) -> Routed:
         """The engine for this prompt, among the healthy ones not excluded (router.release(...) once it ends)."""

@@ -378,7 +378,9 @@ class GatewayRequest:
         self.kv_transfer_params = REMOTE_PREFILL_PARAMS
         if self.request.sampling_params.HasField("prompt_logprobs"):
             return  # every prompt position runs on the decode engine anyway
-        address = next(self.deps.prefill_turn)
+        address = self.deps.prefill_engine()
+        if address is None:
+            return
         params = common_pb2.SamplingParams(max_tokens=1, temperature=0.0)
         if self.request.sampling_params.HasField("truncate_prompt_tokens"):
             params.truncate_prompt_tokens = self.request.sampling_params.truncate_prompt_tokens
@@ -389,10 +391,13 @@ class GatewayRequest:
             cache_salt=self.request.cache_salt,
             kv_transfer_params=REMOTE_DECODE_PARAMS,
         )
+        # A hung prefill engine costs at most --prefill-timeout, a dead one its health check or the failed call.
+        timeout = self.deps.prefill_timeout
+        remaining = self.context.time_remaining()
+        if remaining is not None:
+            timeout = min(timeout, remaining)
         with self.telemetry.client_call("remote_prefill", self.span, {"server.address": address}) as s:
-            self.call = self.deps.prefill_engines[address].Generate(
-                request, timeout=self.context.time_remaining(), metadata=inject(s)
-            )
+            self.call = self.deps.prefill_engines[address].Generate(request, timeout=timeout, metadata=inject(s))
             try:
                 async for msg in self.call:
                     if msg.kv_transfer_params:
@@ -400,6 +405,8 @@ class GatewayRequest:
             except grpc.aio.AioRpcError as e:
                 if self.context.done():
                     raise
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self.deps.healthy_prefill_engines.discard(address)  # until its next health check
                 logger.warning(
                     "prefill engine %s: %s (%s); the decode engine computes the prompt of %s",
                     address,
@@ -648,7 +655,13 @@ class GatewayRequest:
 async def serve(args) -> None:
     limits = config.limits_from_args(args)
     deps = Dependencies(
-        args.engine, args.tokenizer, args.detokenizer, limits.max_batch, args.routing, args.prefill_engine or ()
+        args.engine,
+        args.tokenizer,
+        args.detokenizer,
+        limits.max_batch,
+        args.routing,
+        args.prefill_engine or (),
+        args.prefill_timeout,
     )
     gateway = Gateway(
         deps,
@@ -695,6 +708,14 @@ def add_gateway_args(parser) -> None:
         "against load; the default with more than one engine), least-loaded (fewest in flight) or round-robin",
     )
     parser.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=30.0,
+        help="with disaggregated prefill: seconds a prefill engine may take over a prompt before the gateway gives "
+        "up on it and the decode engine computes the prompt itself (a hung prefill engine costs a request at most "
+        "this; one that fails its health checks is skipped until it passes them again)",
+    )
+    parser.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="pass a request's own chat template on to the tokenizer (which must trust it too)",
@@ -730,4 +751,6 @@ def run(args) -> None:
             raise ValueError(f"--{name} is required (the {name} service's HOST:PORT, or LLMMESH_{name.upper()}).")
     if args.max_requests_in_flight < 1:
         raise ValueError(f"max_requests_in_flight must be at least 1, got {args.max_requests_in_flight}.")
+    if not 0 < args.prefill_timeout <= 3600:
+        raise ValueError(f"--prefill-timeout must be a number of seconds in (0, 3600], got {args.prefill_timeout}.")
     config.run(serve(args), args)

@@ -658,6 +658,7 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     store = as_flags(args, ("redis_timeout", "max_blocks_per_request", "max_block_bytes"))
     trust = ["--trust-request-chat-template"] if args.trust_request_chat_template else []
     gateway = ["--host", args.host, "--max-requests-in-flight", str(args.max_requests_in_flight)]
+    gateway += ["--prefill-timeout", str(args.prefill_timeout)]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
     if args.api_key:

@@ -3,6 +3,7 @@ stores its blocks, the kv_consumer engine loads them and decodes. Outputs equal 
 with and without faults: a prefill engine that is gone, a store that lost blocks, a load that fails."""
 
 import random
+import signal
 from types import SimpleNamespace
 
 import grpc
@@ -24,6 +25,7 @@ BLOCK = 16
 MAX_TOKENS = 8
 PROMPT_TOKENS = 70  # 4 full blocks; the consumer loads them and computes the last 6 tokens
 FULL_BLOCK_TOKENS = PROMPT_TOKENS // BLOCK * BLOCK
+PREFILL_TIMEOUT = 3  # s the gateway gives the prefill engine
 SAMPLINGS = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 1.0, "top_p": 0.9, "seed": 1234}}
 
 
@@ -45,7 +47,8 @@ def single(tiny_model):
 @pytest.fixture(scope="module")
 def mesh(tiny_model):
     args = EngineArgs(model=str(tiny_model), kv_cache_memory="16MiB", max_num_seqs=8)
-    with Mesh(args, kv_store=True, prefill_engines=1, num_engines=1) as m:
+    gateway_args = ["--prefill-timeout", str(PREFILL_TIMEOUT)]
+    with Mesh(args, kv_store=True, prefill_engines=1, num_engines=1, gateway_args=gateway_args) as m:
         yield m
 
 
@@ -59,9 +62,11 @@ def alone(single, tokens: list[int], sampling: dict) -> list[int]:
     return [t for msg in single.Generate(request, timeout=60) for c in msg.outputs for t in c.token_ids]
 
 
-def through(mesh, tokens: list[int], sampling: dict) -> tuple[list[int], int]:
+def through(mesh, tokens: list[int], sampling: dict, timeout: float = 120) -> tuple[list[int], int]:
     """Through the P/D gateway: the reply and the prompt tokens the decode engine did not compute."""
-    responses = client.generate(mesh.address, tokens, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=120, **sampling)
+    responses = client.generate(
+        mesh.address, tokens, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=timeout, **sampling
+    )
     result = client.collect(responses)
     return result.token_ids[0], result.complete.usage.cached_tokens
 
@@ -177,6 +182,30 @@ def test_prefill_engine_gone_costs_recomputation(mesh, single):
             assert loaded == 0  # nothing in the store: the decode engine computed the prompt
     finally:
         mesh.restart("prefill")
+
+
+def test_prefill_engine_hung_costs_its_timeout_then_recomputation(mesh, single):
+    """A stopped prefill engine (SIGSTOP) holds a request no longer than --prefill-timeout; its failed health checks
+    then keep the gateway off it until it answers again."""
+    prefill_process = mesh.services["prefill"].popen
+    prefill_process.send_signal(signal.SIGSTOP)
+    try:
+        for i, (name, sampling) in enumerate(SAMPLINGS.items()):
+            tokens = prompt(40 + i)
+            # Within a deadline far short of a hang's, though longer than the prefill timeout.
+            reply, loaded = through(mesh, tokens, sampling, timeout=10 * PREFILL_TIMEOUT)
+            assert reply == alone(single, tokens, sampling), name
+            assert loaded == 0  # the decode engine computed the prompt
+    finally:
+        prefill_process.send_signal(signal.SIGCONT)
+    # Back in the gateway's turn once its health check passes: the decode engine loads the prompt again.
+    for attempt in range(100):
+        tokens = prompt(50 + attempt)
+        reply, loaded = through(mesh, tokens, SAMPLINGS["greedy"])
+        if loaded:
+            break
+    assert loaded == FULL_BLOCK_TOKENS
+    assert reply == alone(single, tokens, SAMPLINGS["greedy"])
 
 
 def test_kv_transfer_params_name_the_field_at_fault(mesh):
