@@ -149,6 +149,7 @@ class SmgRouter:
     def __init__(self, engine_addresses: list[str], model_dir: Path, log: Path, extra: list[str] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.num_workers = len(engine_addresses)
         self.log = log
         self.popen = subprocess.Popen(
             [
@@ -185,7 +186,9 @@ class SmgRouter:
                 raise RuntimeError(f"smg exited with {self.popen.returncode}:\n{self.log.read_text()[-4000:]}")
             try:
                 models = http_json(f"{self.url}/v1/models", timeout=5.0).get("data", [])
-                if models:
+                # Every engine registered: a policy set up with one worker would route everything there.
+                workers = http_json(f"{self.url}/workers", timeout=5.0).get("total", 0)
+                if models and workers == self.num_workers:
                     model = models[0]["id"]
                     http_json(
                         f"{self.url}/v1/chat/completions",

@@ -61,6 +61,10 @@ HOSTILE_REQUEST = {
     "priority": (lambda r: setattr(r, "priority", -I32_MAX), None),
     "cache_salt": (lambda r: setattr(r, "cache_salt", "s" * 100_000), "cache_salt"),
     "sampling_params": (lambda r: setattr(r.sampling_params, "n", 0), "n"),
+    "kv_transfer_params": (
+        lambda r: setattr(r, "kv_transfer_params", '{"do_remote_decode": "yes"}'),
+        "kv_transfer_params",
+    ),
 }
 HOSTILE_PARAMS = {
     "n": (MAX_N + 1, "n"),

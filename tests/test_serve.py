@@ -132,6 +132,8 @@ def test_every_flag_of_serve_reaches_each_service_that_takes_it(monkeypatch):
         "sampler_service",
         "prometheus_config",
         "engines",
+        "prefill_engines",
+        "decode_engines",
     }
     # The engine's flags reach it as EngineArgs; a device named for it is the sampler's too.
     sampler = supervisor.service_flags(build_parser().parse_args(["serve", "--device", "cpu"]))["sampler"]

@@ -183,6 +183,7 @@ class RemoteSampler(BatchSampler):
             return None
         try:
             msg, _ = self._prompt_message([])
+            msg.ClearField("trace_context")  # the offer is no step: the service traces none for it
             msg.shared_memory.CopyFrom(offer)
             form = self._exchange(msg, None, None).logits_form
         finally:
