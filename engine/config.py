@@ -50,8 +50,8 @@ MAX_CUDAGRAPH_CAPTURE_SIZE = 512
 # Each flag's --help text (docs/flags.md shows them too); every field of EngineArgs has one.
 FLAG_HELP = {
     "model": "the model: the embedded default's name, a Hugging Face model directory or a .gguf file",
-    "dtype": "weights' and activations' dtype: float32, bfloat16 or float16; auto: float32 on CPU, bfloat16 on a "
-    "GPU that has it",
+    "dtype": "weights' and activations' dtype: float32, bfloat16 or float16; auto: bfloat16 on a CPU (AMX or "
+    "AVX512-BF16) or GPU that computes it natively, else float32 on CPU and float16 on a GPU",
     "quantization": "weight quantization: int8 (per output row) or int4 (groups of 32), weight-only and quantized at "
     "load, computed in bfloat16 or float16; gguf: a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors as stored; unset: "
     "the checkpoint's own (gguf for a .gguf file)",

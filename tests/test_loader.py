@@ -11,7 +11,7 @@ import torch
 from engine.models import files, loader
 from engine.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
 from engine.models.files import DEFAULT_MODEL, load_config, load_tokenizer, prepare_text_dir, resolve_model
-from engine.models.loader import check_dtype, load_weights, prepare_model_dir
+from engine.models.loader import check_dtype, cpu_native_bf16, dtype_reason, load_weights, prepare_model_dir
 
 
 @pytest.fixture(scope="session")
@@ -357,11 +357,36 @@ def test_unsupported_gguf_architecture_is_named(tmp_path):
 
 
 def test_check_dtype_names_and_aliases():
-    assert check_dtype("auto", "cpu") == torch.float32
     for name, dt in [("float32", torch.float32), ("float", torch.float32), ("bfloat16", torch.bfloat16),
                      ("bf16", torch.bfloat16), ("float16", torch.float16), ("half", torch.float16),
                      ("fp16", torch.float16)]:  # fmt: skip
         assert check_dtype(name, "cpu") == dt
+
+
+def cpuinfo_flags() -> set[str]:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("reads the CPU's flags from /proc/cpuinfo")
+    return {flag for line in cpuinfo.read_text().splitlines() if line.startswith("flags") for flag in line.split()}
+
+
+def test_auto_dtype_on_cpu_is_bfloat16_exactly_where_the_cpu_computes_it_natively():
+    # The kernel's flags, read independently of torch's CPU detection that check_dtype reads.
+    native = bool({"amx_bf16", "avx512_bf16"} & cpuinfo_flags())
+    assert (cpu_native_bf16() is not None) == native
+    assert check_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+    reason = dtype_reason("auto", torch.device("cpu"), check_dtype("auto", "cpu"))
+    assert reason.startswith("--dtype auto: bfloat16 on CPU" if native else "--dtype auto: float32 on CPU")
+
+
+@pytest.mark.parametrize(("amx", "avx512_bf16", "expected"), [(False, False, torch.float32), (True, False, torch.bfloat16),
+                                                            (False, True, torch.bfloat16)])  # fmt: skip
+def test_auto_dtype_on_cpu_follows_the_cpu_features(monkeypatch, amx, avx512_bf16, expected):
+    # The CPUs this machine is not: torch's feature checks answer as theirs would.
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert check_dtype("auto", "cpu") == expected
+    assert check_dtype("float32", "cpu") == torch.float32  # an explicit dtype is never overridden
 
 
 def test_check_dtype_errors_name_the_dtype():

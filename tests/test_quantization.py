@@ -218,10 +218,13 @@ def test_start_up_reports_the_dtype_and_why(tmp_path, caplog):
 
     path, _ = save_random_model(tmp_path, "mistral")
     with caplog.at_level("INFO", logger="llmmesh.engine"):
-        EngineCore(EngineArgs(model=str(path), kv_cache_memory="8MiB"))
+        EngineCore(EngineArgs(model=str(path), dtype="auto", kv_cache_memory="8MiB"))
     native = cpu_native_bf16()
-    assert "Computing in float32 (--dtype auto: float32 on CPU; this CPU " in caplog.text
-    assert (f"natively ({native}): --dtype bfloat16 is faster" if native else "no native bfloat16") in caplog.text
+    assert (
+        f"Computing in bfloat16 (--dtype auto: bfloat16 on CPU, which this CPU computes natively ({native}))"
+        if native
+        else "Computing in float32 (--dtype auto: float32 on CPU; this CPU has no native bfloat16"
+    ) in caplog.text
     assert "quantization: none" in caplog.text
 
 

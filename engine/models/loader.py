@@ -106,7 +106,8 @@ def check_dtype(dtype: str, device: str) -> torch.dtype:
     if name == "auto":
         if dev.type == "cuda":
             return torch.bfloat16 if _cuda_bf16(dev) else torch.float16
-        return torch.float32
+        # As vLLM's CPU backend: bfloat16 where the CPU computes it natively, else float32 (emulated bfloat16 is slow).
+        return torch.bfloat16 if cpu_native_bf16() else torch.float32
     if name not in _DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; allowed values: {allowed}")
     result = _DTYPES[name]
@@ -141,7 +142,7 @@ def dtype_reason(requested: str, device: torch.device, dtype: torch.dtype) -> st
     native = cpu_native_bf16()
     if native is None:
         return "--dtype auto: float32 on CPU; this CPU has no native bfloat16 (AMX or AVX512-BF16)"
-    return f"--dtype auto: float32 on CPU; this CPU computes bfloat16 natively ({native}): --dtype bfloat16 is faster"
+    return f"--dtype auto: bfloat16 on CPU, which this CPU computes natively ({native})"
 
 
 def _cuda_bf16(dev: torch.device) -> bool:
