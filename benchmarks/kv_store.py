@@ -146,15 +146,15 @@ def one_turn(address: str, prompt: str, args) -> tuple[float, str]:
 def run_mesh(args) -> dict:
     """Both meshes up at once; every turn goes to one and then the other (the order alternating), so the
     machine's drift hits both alike. Greedy answers are equal, so the histories stay equal too."""
-    pool = str(args.pool_blocks * 2 * 30 * 16 * 3 * 64 * 4)
+    pool = str(args.pool_blocks * 2 * 30 * 16 * 3 * 64 * 4)  # float32 blocks of SmolLM2, so the engines are float32
     rng = random.Random(0)
     words = "paged attention block cache store prefix token engine request memory layer model the a of".split()
     histories = ["" for _ in range(args.conversations)]
     ttft = {"store": [[] for _ in range(args.turns)], "no_store": [[] for _ in range(args.turns)]}
     identical = True
     with (
-        Mesh(EngineArgs(kv_cache_memory=pool), kv_store=True) as store,
-        Mesh(EngineArgs(kv_cache_memory=pool)) as plain,
+        Mesh(EngineArgs(dtype="float32", kv_cache_memory=pool), kv_store=True) as store,
+        Mesh(EngineArgs(dtype="float32", kv_cache_memory=pool)) as plain,
     ):
         meshes = {"store": store.address, "no_store": plain.address}
         started = time.perf_counter()
