@@ -133,7 +133,7 @@ class AsyncLLM:
     ) -> RequestStream:
         """Check and queue a request (n engine requests when n > 1); ValueError names what is wrong.
         trace_headers: the request span's traceparent/tracestate, for the calls the engine makes for it.
-        kv_transfer_params: vLLM's, already checked (services/engine_service.py), for the KV connector."""
+        kv_transfer_params: vLLM's, already checked by the caller, for the KV connector."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine thread has stopped: {self.dead}")
         request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
