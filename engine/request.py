@@ -343,6 +343,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        # Speculative decoding: the drafts proposed to follow all_token_ids, verified in the request's next step.
+        self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
         # Prompt tokens served from the prefix cache at first admission (-1: not yet scheduled).
         self.num_cached_tokens = -1
@@ -363,6 +365,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     def append_output_token_ids(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -23,7 +23,7 @@ def make_request(request_id, num_tokens, max_tokens=1000, priority=0, arrival=No
 
 def step(scheduler):
     so = scheduler.schedule()
-    outputs = scheduler.update_from_output(so, ModelRunnerOutput([TOKEN] * len(so.scheduled_requests)))
+    outputs = scheduler.update_from_output(so, ModelRunnerOutput([[TOKEN]] * len(so.scheduled_requests)))
     check_block_accounting(scheduler.kv_cache_manager)
     return so, outputs
 

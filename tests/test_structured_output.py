@@ -233,7 +233,7 @@ def test_a_token_the_grammar_rejects_ends_its_request_alone(llm):
     so = engine.scheduler.schedule()
     assert set(so.structured_output_request_ids) == {"phone"} and so.grammar_bitmask.shape == (1, 1536)
     letter = llm.tokenizer.encode("x", add_special_tokens=False)[0]  # no digit: the regex cannot take it
-    outputs = engine.scheduler.update_from_output(so, ModelRunnerOutput([letter, letter]))
+    outputs = engine.scheduler.update_from_output(so, ModelRunnerOutput([[letter], [letter]]))
     by_id = {o.request_id: o for o in outputs}
     assert by_id["plain"].new_token_ids == [letter] and not by_id["plain"].finished
     assert str(by_id["phone"].finish_reason) == "error" and by_id["phone"].new_token_ids == []

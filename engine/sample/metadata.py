@@ -42,6 +42,7 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     random_rows: torch.Tensor | None = None  # rows that draw; None when all_random or all_greedy
+    random_row_ids: list[int] = field(default_factory=list)  # the rows that draw, on the host
 
     # Settings of the random rows. Rows here are positions among the random rows, not batch rows.
     temperature: torch.Tensor | None = None  # [r] float32; None when every random row has temperature 1
@@ -113,6 +114,7 @@ class SamplingMetadata:
             all_random=bool(random) and len(random) == len(requests),
             max_num_logprobs=max(asked) if asked else None,
             failed=failed,
+            random_row_ids=random,
         )
         if random and not md.all_random:
             md.random_rows = _tensor(random, torch.int64, device)

@@ -23,6 +23,7 @@ from engine.sample.ops import (
     apply_top_p,
     random_sample,
 )
+from engine.sample.rejection_sampler import DraftTokens, expand_positions, rejection_sample
 
 
 class SamplerUnavailableError(RuntimeError):
@@ -102,8 +103,14 @@ def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """One token per row of logits [num_reqs, vocab]. float32 logits are modified in place."""
+    def __call__(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, drafts: DraftTokens | None = None
+    ) -> SamplerOutput:
+        """One token per row of logits [num_reqs, vocab]. float32 logits are modified in place.
+
+        With drafts, the rows are each request's verified positions (DraftTokens.positions) and the rejection
+        sampler decides its tokens: sampled_token_ids is then [num_reqs, 1 + most drafts], -1 past a row's tokens,
+        and logprobs have one row per position."""
         logits = logits.to(torch.float32)
         if metadata.grammar_bitmask is not None:
             apply_grammar_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
@@ -112,17 +119,34 @@ class Sampler:
             # Logprobs describe the model's own distribution, before any processing (but the grammar's).
             raw_logprobs = compute_logprobs(logits)
         logits = apply_logits_processors(logits, metadata)
-        sampled = self.sample(logits, metadata)
+        if drafts is None:
+            sampled = position_tokens = self.sample(logits, metadata)
+            failed = metadata.failed
+        else:
+            sampled, position_tokens = rejection_sample(*self.target_probs(logits, metadata), metadata, drafts)
+            failed = drafts.request_failures(metadata.failed)
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs, failed=metadata.failed)
+            logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, position_tokens)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs, failed=failed)
 
     @staticmethod
     def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        greedy, probs = Sampler.target_probs(logits, md)
+        if probs is None:
+            return greedy
+        drawn = random_sample(probs, md.generators)
+        if greedy is None:
+            return drawn
+        return greedy.index_copy_(0, md.random_rows, drawn)
+
+    @staticmethod
+    def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The argmax of every row (None when all rows are random), and the distribution each random row draws from
+        (md.random_rows' order; None when all rows are greedy)."""
         greedy = None if md.all_random else logits.argmax(dim=-1)
         if md.all_greedy:
-            return greedy
+            return greedy, None
         # Only the random rows go on; their settings are indexed by position among them.
         x = logits if md.random_rows is None else logits[md.random_rows]
         if md.temperature is not None:
@@ -133,10 +157,7 @@ class Sampler:
             x = _on_rows(apply_top_k_top_p, x, md.top_k_rows, md.top_k, md.top_k_top_p, md.max_top_k)
         if md.top_p is not None:
             x = _on_rows(apply_top_p, x, md.top_p_rows, md.top_p)
-        drawn = random_sample(x.softmax(dim=-1), md.generators)
-        if greedy is None:
-            return drawn
-        return greedy.index_copy_(0, md.random_rows, drawn)
+        return greedy, x.softmax(dim=-1)
 
 
 # A chunk of a prompt's logits to turn into prompt logprobs: (logits, num_logprobs, the prompt tokens they predict).
@@ -157,9 +178,11 @@ class BatchSampler:
         logits: torch.Tensor | None,
         prompt_chunks: list[PromptChunk],
         grammar: GrammarBitmask | None = None,
+        drafts: DraftTokens | None = None,
     ) -> tuple[SamplerOutput | None, list[LogprobsTensors]]:
         """Row i of logits samples for requests[i], within its grammar's mask if it has one; also each prompt
-        chunk's logprobs. None without rows."""
+        chunk's logprobs. None without rows. With drafts, the rows are the requests' verified positions (and
+        grammar's rows are positions too), and the rejection sampler decides (Sampler.__call__)."""
         raise NotImplementedError
 
     def forget(self, request_ids) -> None:
@@ -180,16 +203,17 @@ class LocalSampler(BatchSampler):
         for request_id in request_ids:
             self.generators.pop(request_id, None)
 
-    def sample(self, requests, logits, prompt_chunks, grammar=None):
+    def sample(self, requests, logits, prompt_chunks, grammar=None, drafts=None):
         prompt_logprobs = [gather_logprobs(compute_logprobs(lg), k, targets) for lg, k, targets in prompt_chunks]
         if logits is None:
             return None, prompt_logprobs
+        rows = requests if drafts is None else expand_positions(requests, drafts)
         generators = {}
-        for row, request in enumerate(requests):
+        for row, request in enumerate(rows):
             params = request.sampling_params
             if params.seed is not None and not params.greedy:
                 if request.request_id not in self.generators:
                     self.generators[request.request_id] = torch.Generator(self.device).manual_seed(params.seed)
                 generators[row] = self.generators[request.request_id]
-        metadata = SamplingMetadata.from_requests(requests, generators, logits.shape[-1], self.device, grammar)
-        return self.sampler(logits, metadata), prompt_logprobs
+        metadata = SamplingMetadata.from_requests(rows, generators, logits.shape[-1], self.device, grammar)
+        return self.sampler(logits, metadata, drafts), prompt_logprobs

@@ -6,6 +6,7 @@ import torch
 
 from engine.request import EngineCoreEvent, FinishReason, Request, RequestFailure
 from engine.sample.sampler import LogprobsTensors
+from engine.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass
@@ -25,6 +26,9 @@ class SchedulerOutput:
     # the host, xgrammar's packed bits: set = the token is allowed next). None when no such request is scheduled.
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: torch.Tensor | None = None
+    # Speculative decoding: request_id -> the drafts scheduled for verification after its last token (the
+    # request's num_scheduled_tokens counts them). Requests without drafts are absent.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -35,9 +39,12 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     """What one forward pass produced, per scheduled request (in scheduled_requests order)."""
 
-    # The sampled token, or None for a row still in the middle of its prompt.
-    sampled_token_ids: list[int | None]
-    # request_id -> one row: the sampled token's logprob and rank, then the request's top k.
+    # The tokens each request produced: one sampled token, or with drafts the accepted drafts and the target's
+    # own token; [] for a row still in the middle of its prompt.
+    sampled_token_ids: list[list[int]]
+    # Speculative decoding: request_id -> the drafts proposed to follow its new tokens.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> one row per new token: the token's logprob and rank, then the request's top k.
     logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
     # request_id -> one row per prompt token after the first; sent once the whole prompt has run.
     prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
@@ -80,3 +87,5 @@ class SchedulerStats:
     num_loading_reqs: int = 0  # waiting for a KV connector's load
     # Cumulative KV connector counters (tokens loaded, load faults, blocks stored...); None without one.
     kv_connector_stats: dict | None = None
+    # Cumulative drafts proposed and accepted; None without speculative decoding.
+    spec_decoding_stats: SpecDecodingStats | None = None

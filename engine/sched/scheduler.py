@@ -9,8 +9,10 @@ import concurrent.futures
 
 from engine.kv.manager import KVCacheManager
 from engine.request import EngineCoreEventType, FinishReason, Request, RequestFailure, RequestStatus
+from engine.sample.sampler import LogprobsTensors
 from engine.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from engine.sched.request_queue import create_request_queue
+from engine.spec_decode.metrics import SpecDecodingStats
 
 # How long a step with nothing to run waits for a grammar to compile (new requests wait as long at most).
 GRAMMAR_WAIT_S = 0.01
@@ -27,6 +29,8 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         connector=None,
         structured_output_manager=None,
+        num_spec_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -46,6 +50,10 @@ class Scheduler:
         self.failed_outputs: list[EngineCoreOutput] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # Speculative decoding: each decoding request verifies up to num_spec_tokens drafts per step.
+        self.spec_decoding_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
+        # Slots reserved past a request's scheduled tokens, where a draft model writes its drafts' KV.
+        self.num_lookahead_tokens = num_lookahead_tokens
 
     # ---- requests in and out -------------------------------------------------
 
@@ -115,12 +123,13 @@ class Scheduler:
             num_blocks=self.kv_cache_manager.num_blocks,
             num_loading_reqs=len(self.loading),
             kv_connector_stats=self.connector.get_kv_connector_stats() if self.connector is not None else None,
+            spec_decoding_stats=self.spec_decoding_stats,
         )
 
     # ---- one step ------------------------------------------------------------
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
-        num_new_tokens = request.num_tokens - num_computed_tokens
+        num_new_tokens = request.num_tokens_with_spec - num_computed_tokens
         if 0 < self.long_prefill_token_threshold < num_new_tokens:
             num_new_tokens = self.long_prefill_token_threshold
         return min(num_new_tokens, token_budget)
@@ -129,6 +138,7 @@ class Scheduler:
         token_budget = self.max_num_batched_tokens
         scheduled: list[Request] = []
         num_scheduled_tokens: dict[str, int] = {}
+        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         preempted: list[Request] = []
 
         # Running requests first: decodes and unfinished prefill chunks.
@@ -140,7 +150,9 @@ class Scheduler:
                 req_index += 1
                 continue
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens + self._num_lookahead(request.num_computed_tokens + num_new_tokens)
+                )
                 if new_blocks is not None:
                     break
                 # Out of blocks: preempt until this request fits, or it is the victim itself.
@@ -148,6 +160,7 @@ class Scheduler:
                 if victim.request_id in num_scheduled_tokens:
                     scheduled.remove(victim)
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    scheduled_spec_decode_tokens.pop(victim.request_id, None)
                     req_index -= 1
                 self._preempt(victim)
                 preempted.append(victim)
@@ -159,6 +172,11 @@ class Scheduler:
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
+            # The drafts that fit this step go to the runner; the request proposes anew after it.
+            num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
+            if num_spec > 0:
+                scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            request.spec_token_ids = []
 
         # Then waiting requests, but never in a step that had to preempt.
         # Waiting on the KV connector's answer or on their grammar: they keep their place in line.
@@ -193,7 +211,7 @@ class Scheduler:
             num_new_tokens = self._num_new_tokens(request, num_cached + num_local, token_budget)
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request,
-                num_new_tokens,
+                num_new_tokens + self._num_lookahead(num_cached + num_local + num_new_tokens),
                 num_local,
                 computed_blocks,
                 apply_watermark=bool(self.running),
@@ -235,6 +253,7 @@ class Scheduler:
             block_ids={r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r in scheduled},
             preempted_req_ids={r.request_id for r in preempted},
             finished_req_ids=self.finished_req_ids,
+            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
         )
         self._add_grammar_bitmask(output)
         self.finished_req_ids = set()
@@ -335,6 +354,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.record_event(EngineCoreEventType.PREEMPTED)
@@ -343,41 +363,76 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Advance each scheduled request; those whose chunk reached the end get their token."""
+        """Advance each scheduled request; those whose chunk reached the end get their tokens.
+
+        With speculative decoding a request gets its accepted drafts and the target's token, checked one by one
+        (a stop in the middle ends it there); the KV of its rejected drafts is rolled back (num_computed_tokens),
+        to be written over."""
         outputs, self.failed_outputs = self.failed_outputs, []
         if runner_output.kv_connector_output is not None:
             self.update_from_connector_output(runner_output.kv_connector_output)
-        for request, token_id in zip(scheduler_output.scheduled_requests, runner_output.sampled_token_ids):
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        for request, token_ids in zip(scheduler_output.scheduled_requests, runner_output.sampled_token_ids):
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
-            if request.num_computed_tokens < request.num_tokens:
+            if not token_ids or request.num_computed_tokens < request.num_tokens:
                 continue  # a partial prefill chunk emits nothing
-            # Advance the grammar's matcher. It rejects a token only if the mask let through one it does not allow: a
-            # bug, not the request's input.
-            if request.structured_output_request is not None and not (
-                request.structured_output_request.matcher.accept_token(token_id)
-            ):
+            drafts = spec.get(request.request_id)
+            if drafts:
+                request.num_computed_tokens -= len(drafts) + 1 - len(token_ids)
+                self.spec_decoding_stats.observe_draft(len(drafts), len(token_ids) - 1)
+            new_token_ids, stopped, failure = [], False, None
+            for token_id in token_ids:
+                # Advance the grammar's matcher. It rejects a token only if the mask let through one it does not
+                # allow: a bug, not the request's input.
+                so_request = request.structured_output_request
+                if so_request is not None and not so_request.matcher.accept_token(token_id):
+                    failure = f"request {request.request_id}: structured output failed: the grammar rejected token "
+                    failure += str(token_id)
+                    break
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                stopped = self.check_stop(request)
+                if stopped:
+                    break
+            if failure is not None:
                 self.running.remove(request)
-                why = f"request {request.request_id}: structured output failed: the grammar rejected token {token_id}"
-                outputs.append(self._end_with_error(request, RequestFailure(why)))
+                outputs.append(self._end_with_error(request, RequestFailure(failure)))
                 continue
-            request.append_output_token_ids(token_id)
-            stopped = self.check_stop(request)
             if stopped:
                 self.running.remove(request)
                 self._free_request(request)
+            else:
+                proposed = runner_output.spec_token_ids.get(request.request_id, [])
+                request.spec_token_ids = proposed[: self._max_num_drafts(request)]
+            logprobs = runner_output.logprobs.get(request.request_id)
+            if logprobs is not None and len(new_token_ids) < len(token_ids):  # a stop among them: its rows only
+                n = len(new_token_ids)
+                logprobs = LogprobsTensors(logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.ranks[:n])
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
-                    new_token_ids=[token_id],
+                    new_token_ids=new_token_ids,
                     finish_reason=request.get_finished_reason(),
                     stop_reason=request.stop_reason,
                     events=request.take_events(),
                     num_cached_tokens=request.num_cached_tokens,
-                    new_logprobs=runner_output.logprobs.get(request.request_id),
+                    new_logprobs=logprobs,
                     new_prompt_logprobs=runner_output.prompt_logprobs.get(request.request_id),
                 )
             )
         return outputs
+
+    def _num_lookahead(self, num_tokens: int) -> int:
+        """Lookahead slots after num_tokens, within the length cap."""
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - num_tokens))
+
+    def _max_num_drafts(self, request: Request) -> int:
+        """Drafts whose verification cannot overrun max_tokens or the length cap (a step adds one token more)."""
+        room = self.max_model_len - request.num_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens)
+        return max(0, room - 1)
 
     def _end_with_error(self, request: Request, failure: RequestFailure) -> EngineCoreOutput:
         """End a request that failed on its own, already out of the queues; its output."""

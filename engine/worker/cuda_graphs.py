@@ -61,7 +61,8 @@ class InputBuffers:
         self.seq_lens = CpuGpuBuffer(max_num_reqs, device=device)
         # Rows keep whatever ids an earlier step left past their own blocks: valid block ids, never read.
         self.block_table = CpuGpuBuffer(max_num_reqs, max_blocks_per_req, device=device)
-        self.logits_indices = CpuGpuBuffer(max_num_reqs, device=device)
+        # Speculative decoding verifies several positions of a request: up to one logits row per token.
+        self.logits_indices = CpuGpuBuffer(max_num_tokens, device=device)
         # Recorded after each step's copies; the next step waits on it before overwriting the host side.
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
@@ -72,12 +73,16 @@ class InputBuffers:
         block_ids: list[list[int]],
         sampled_rows: list[int],
         pad_to: int | None = None,
+        spec_token_ids: list[list[int]] | None = None,
     ):
         """Fill the buffers with these requests' scheduled tokens, in order, and start the copies to the device.
 
         With pad_to (a decode-only batch for a CUDA graph), rows len(requests)..pad_to are padding: one
         token each, id 0 at position 0, slot -1, seq_len 0. Returns input_ids, positions, the attention
         metadata, and logits_indices: where the last token of each of sampled_rows sits in the flat batch.
+
+        spec_token_ids: each request's drafts (speculative decoding), the last of its scheduled tokens; the
+        logits of a sampled row are then its last 1 + len(drafts) positions, each verifying the next.
         """
         if self.copied is not None:
             self.copied.synchronize()  # the last step's copies are done reading the host side (normally long since)
@@ -98,7 +103,10 @@ class InputBuffers:
         table, input_ids = self.block_table.np, self.input_ids.np
         for row, (request, ids) in enumerate(zip(requests, block_ids)):
             table[row, : len(ids)] = ids
-            input_ids[qsl[row] : qsl[row + 1]] = request.all_token_ids[starts[row] : starts[row] + n[row]]
+            drafts = spec_token_ids[row] if spec_token_ids else ()
+            end = qsl[row + 1] - len(drafts)
+            input_ids[qsl[row] : end] = request.all_token_ids[starts[row] : starts[row] + n[row] - len(drafts)]
+            input_ids[end : qsl[row + 1]] = drafts
         input_ids[num_real:total] = 0
         rows = np.repeat(np.arange(num_rows), n)
         positions = self.positions.np[:total]
@@ -107,7 +115,13 @@ class InputBuffers:
         slots = self.slot_mapping.np[:total]
         slots[:] = table[rows, positions // bs] * bs + positions % bs
         slots[num_real:] = -1
-        self.logits_indices.np[: len(sampled_rows)] = qsl[1:][sampled_rows] - 1
+        num_logits = np.ones(len(sampled_rows), dtype=np.int64)
+        if spec_token_ids:
+            num_logits += [len(spec_token_ids[row]) for row in sampled_rows]
+        num_logits_total = int(num_logits.sum())
+        first = np.repeat(qsl[1:][sampled_rows] - num_logits, num_logits)
+        offset = np.arange(num_logits_total) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
+        self.logits_indices.np[:num_logits_total] = first + offset
 
         metadata = AttentionMetadata(
             num_actual_tokens=total,
@@ -120,7 +134,7 @@ class InputBuffers:
             seq_lens_cpu=seq_lens.tolist(),
         )
         input_ids, positions = self.input_ids.copy_to_gpu(total), self.positions.copy_to_gpu(total)
-        logits_indices = self.logits_indices.copy_to_gpu(len(sampled_rows))
+        logits_indices = self.logits_indices.copy_to_gpu(num_logits_total)
         if self.copied is not None:
             self.copied.record()
         return input_ids, positions, metadata, logits_indices

@@ -15,6 +15,7 @@ import torch
 
 from engine.kv.manager import cdiv
 from engine.sample.metadata import GrammarBitmask
+from engine.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, DraftTokens
 from engine.sample.sampler import BatchSampler, LocalSampler, LogprobsTensors
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.cuda_graphs import CUDAGraphs, InputBuffers
@@ -43,6 +44,8 @@ class ModelRunner:
         self.sampler = sampler or LocalSampler(device)
         # Prompt logprobs of requests whose prompt is still being prefilled in chunks.
         self.prompt_logprobs_in_progress: dict[str, list[LogprobsTensors]] = {}
+        # Speculative decoding's proposer (engine.spec_decode); None: off.
+        self.drafter = None
 
     def capture_cudagraphs(self, sizes: list[int]) -> None:
         """CUDA graphs of the model's forward for decode batches of these sizes (after the KV cache exists)."""
@@ -62,8 +65,14 @@ class ModelRunner:
         num_scheduled = [so.num_scheduled_tokens[r.request_id] for r in requests]
         rows = [i for i, (r, n) in enumerate(zip(requests, num_scheduled)) if r.num_computed_tokens + n >= r.num_tokens]
         size = self.cudagraphs.padded_size(num_scheduled) if self.cudagraphs is not None else None
+        spec = so.scheduled_spec_decode_tokens
         inputs = self.buffers.prepare(
-            requests, num_scheduled, [so.block_ids[r.request_id] for r in requests], rows, size
+            requests,
+            num_scheduled,
+            [so.block_ids[r.request_id] for r in requests],
+            rows,
+            size,
+            [spec.get(r.request_id, []) for r in requests] if spec else None,
         )
         return requests, order, rows, size, *inputs
 
@@ -71,12 +80,16 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Sampled tokens (and any logprobs) per scheduled request, in so.scheduled_requests order.
 
-        Rows that are mid-prefill get None: they are not sampled, so a seeded request's
-        generator advances only when it really emits a token.
+        Rows that are mid-prefill get []: they are not sampled, so a seeded request's
+        generator advances only when it really emits a token. With speculative decoding a request's drafts are
+        verified in this one forward pass (logits at each of its drafts and after them), the rejection sampler
+        keeps what the target model agrees with, and the drafter proposes the next drafts.
         """
         for request_id in so.finished_req_ids:
             self.prompt_logprobs_in_progress.pop(request_id, None)
         self.sampler.forget(so.finished_req_ids)
+        if self.drafter is not None:
+            self.drafter.forget(so.finished_req_ids)
         self.device_wait_s = 0.0
         if so.is_empty:
             return ModelRunnerOutput([])
@@ -85,13 +98,23 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, metadata, self.kv_caches)
         else:
             hidden = self.cudagraphs.replay(size)
-        output = ModelRunnerOutput([None] * len(order))
+        if self.drafter is not None:
+            self.drafter.run_batch(input_ids, positions, metadata)
+        output = ModelRunnerOutput([[] for _ in order])
         prompt_chunks, prompts_done = self._prompt_logprob_chunks(requests, metadata, hidden)
         sampled_requests = [requests[i] for i in rows]
+        drafts = None
+        if so.scheduled_spec_decode_tokens:
+            spec = so.scheduled_spec_decode_tokens
+            drafts = self.drafter.draft_tokens([spec.get(r.request_id, []) for r in sampled_requests], sampled_requests)
         logits = self.model.compute_logits(hidden[logits_indices]) if rows else None
         sample_started = time.perf_counter()
         sampler_output, prompt_logprobs = self.sampler.sample(
-            sampled_requests, logits, [c for _, c in prompt_chunks], grammar_rows(so, sampled_requests)
+            sampled_requests,
+            logits,
+            [c for _, c in prompt_chunks],
+            grammar_rows(so, sampled_requests, drafts),
+            drafts,
         )
         output.sample_s = time.perf_counter() - sample_started
         for (chunks, _), result in zip(prompt_chunks, prompt_logprobs):
@@ -102,23 +125,37 @@ class ModelRunner:
         waited = time.perf_counter()
         sampled = sampler_output.sampled_token_ids.tolist()  # the step's one wait for the device
         self.device_wait_s = time.perf_counter() - waited
-        for row, token_id in enumerate(sampled):
+        new_token_ids = [[t for t in tokens if t != PLACEHOLDER_TOKEN_ID] if drafts else [tokens] for tokens in sampled]
+        for row, tokens in enumerate(new_token_ids):
             if row in sampler_output.failed:
                 output.failed[sampled_requests[row].request_id] = sampler_output.failed[row]
             else:
-                output.sampled_token_ids[order[rows[row]]] = token_id
+                output.sampled_token_ids[order[rows[row]]] = tokens
         if sampler_output.logprobs is not None:
-            lp, vocab = sampler_output.logprobs, logits.shape[-1]
-            for row, request in enumerate(sampled_requests):
-                k = request.sampling_params.logprobs
-                if k is not None and row not in sampler_output.failed:
-                    k = vocab if k == -1 else k
-                    output.logprobs[request.request_id] = LogprobsTensors(
-                        lp.token_ids[row : row + 1, : k + 1].clone(),
-                        lp.logprobs[row : row + 1, : k + 1].clone(),
-                        lp.ranks[row : row + 1].clone(),
-                    )
+            self._gather_logprobs(sampler_output, sampled_requests, new_token_ids, drafts, logits.shape[-1], output)
+        if self.drafter is not None:
+            proposing = [row for row in range(len(sampled_requests)) if row not in sampler_output.failed]
+            output.spec_token_ids = self.drafter.propose(
+                [sampled_requests[row] for row in proposing], [new_token_ids[row] for row in proposing], so
+            )
         return output
+
+    @staticmethod
+    def _gather_logprobs(sampler_output, sampled_requests, new_token_ids, drafts, vocab: int, output) -> None:
+        """Each request's logprobs rows, one per new token (with drafts the sampler's rows are positions)."""
+        lp = sampler_output.logprobs
+        start = 0
+        for row, request in enumerate(sampled_requests):
+            k = request.sampling_params.logprobs
+            n = len(new_token_ids[row])
+            if k is not None and row not in sampler_output.failed:
+                k = vocab if k == -1 else k
+                output.logprobs[request.request_id] = LogprobsTensors(
+                    lp.token_ids[start : start + n, : k + 1].clone(),
+                    lp.logprobs[start : start + n, : k + 1].clone(),
+                    lp.ranks[start : start + n].clone(),
+                )
+            start += drafts.num_positions[row] if drafts else 1
 
     def _prompt_logprob_chunks(self, requests, metadata, hidden):
         """This step's chunk of each prompt that wants logprobs: (the list its results gather in, (logits,
@@ -156,10 +193,17 @@ class ModelRunner:
                 )
 
 
-def grammar_rows(so: SchedulerOutput, sampled_requests) -> GrammarBitmask | None:
-    """The scheduler's grammar bitmask rows, for the rows of the step's logits (in sampled_requests order)."""
+def grammar_rows(so: SchedulerOutput, sampled_requests, drafts: DraftTokens | None = None) -> GrammarBitmask | None:
+    """The scheduler's grammar bitmask rows, for the rows of the step's logits (in sampled_requests order; with
+    drafts, a structured request's rows are its verified positions, and so are its bitmask rows)."""
     if so.grammar_bitmask is None:
         return None
-    rows = [i for i, r in enumerate(sampled_requests) if r.request_id in so.structured_output_request_ids]
-    index = [so.structured_output_request_ids[sampled_requests[i].request_id] for i in rows]
+    counts = drafts.num_positions if drafts else [1] * len(sampled_requests)
+    rows, index, position = [], [], 0
+    for request, n in zip(sampled_requests, counts):
+        first = so.structured_output_request_ids.get(request.request_id)
+        if first is not None:
+            rows += range(position, position + n)
+            index += range(first, first + n)
+        position += n
     return GrammarBitmask(rows, so.grammar_bitmask[index])

@@ -29,6 +29,8 @@ from engine.request import Request, SamplingParams
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import BatchSampler, LocalSampler, Sampler
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.worker.cuda_graphs import use_cudagraphs
 from engine.worker.model_runner import ModelRunner
 
@@ -110,6 +112,7 @@ class Worker:
         model.load_weights(load_weights(self.model_dir, dequantized=dequantized))
         process_weights_after_loading(model, self.dtype)
         self.model = model.eval()
+        self.drafter = self._make_drafter()  # speculative decoding's proposer: a draft model loads here
         if self.device.type == "cpu":
             try:
                 from kernels.cpu_ops import load  # builds the kernels if setup did not
@@ -130,7 +133,8 @@ class Worker:
             budget = self._profile_gpu_kv_budget()
         else:
             budget = parse_memory_size(self.args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
-        block_bytes = self.get_cache_block_size_bytes()
+        # A draft model keeps its own KV in the same blocks: the budget pays for both.
+        block_bytes = self.get_cache_block_size_bytes() + (self.drafter.kv_cache_block_bytes if self.drafter else 0)
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(
@@ -211,6 +215,19 @@ class Worker:
         ]
         self.connector = self._make_kv_connector()
         self.model_runner, _ = self._make_model_runner(self.kv_caches, self._make_sampler())
+        self.model_runner.drafter = self.drafter
+        if isinstance(self.drafter, DraftModelProposer):
+            self.drafter.initialize_kv_cache(num_blocks)
+
+    def _make_drafter(self) -> NgramProposer | DraftModelProposer | None:
+        """Speculative decoding's proposer (--speculative-config), or None. A draft model is loaded here."""
+        config = self.args.get_speculative_config()
+        if config is None:
+            return None
+        if config.method == "ngram":
+            return NgramProposer(config)
+        vocab = self.model_config.vocab_size
+        return DraftModelProposer(config, vocab, self.args, self.device, self.dtype, self.attn_backend)
 
     def _make_sampler(self) -> BatchSampler:
         """In process, or on the sampler service at --sampler-address (falling back here with --sampler-fallback; the
