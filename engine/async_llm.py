@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 
 from engine.core import EngineCore
+from engine.executor.uniproc import ExecutorDeadError
 from engine.limits import RequestLimits
 from engine.output_processor import OutputProcessor, RequestOutputKind
 from engine.outputs import RequestOutput
@@ -253,6 +254,8 @@ class AsyncLLM:
     def _run(self, build_core: Callable[[], EngineCore]) -> None:
         try:
             self.core = build_core()
+            # A tensor-parallel rank that goes while the engine is idle wakes the thread, which then ends.
+            self.core.executor.on_failure = lambda reason: self.inbox.put(("executor_dead", reason))
             self.processor = Processor.for_engine(self.core, self.limits, self.tokenizer)
             self.stats = self.core.get_stats()
         except BaseException as e:  # noqa: BLE001 (loading failed or was interrupted: the caller of loaded() gets it)
@@ -292,6 +295,8 @@ class AsyncLLM:
             for kind, payload in commands:
                 if kind is _STOP:
                     return
+                if kind == "executor_dead":
+                    raise ExecutorDeadError(payload)
                 if kind == "add":
                     for request in payload:
                         try:
@@ -312,6 +317,8 @@ class AsyncLLM:
                     error = EngineRequestError(f"sampling failed: {e}", unavailable=True)
                     failed.update(dict.fromkeys(core.fail_running_requests(), error))
                     failed.update(dict.fromkeys(core.fail_requests(e.lost_request_ids), error))
+                except ExecutorDeadError:  # a rank is gone: no step can run again
+                    raise
                 except Exception as e:  # a bug hit by this batch: fail its requests, keep serving
                     logger.exception("engine step failed")
                     message = f"the engine step failed: {type(e).__name__}: {e}"

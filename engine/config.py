@@ -44,6 +44,9 @@ def _scalar_type(t) -> type:
 # --quantization's methods (engine/models/quantization.py); unset: the checkpoint's own (gguf for a .gguf file), else none.
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 
+# Most tensor-parallel ranks: each is a process, so a typo must not start thousands.
+MAX_TENSOR_PARALLEL_SIZE = 64
+
 # CUDA graphs are captured for decode batches of 1, 2, 4, then every multiple of 8 up to this (vLLM's default).
 MAX_CUDAGRAPH_CAPTURE_SIZE = 512
 
@@ -57,6 +60,9 @@ FLAG_HELP = {
     "load, computed in bfloat16 or float16; gguf: a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors as stored; unset: "
     "the checkpoint's own (gguf for a .gguf file)",
     "device": "cpu or cuda; auto: cuda when there is one, else cpu",
+    "tensor_parallel_size": "ranks the model is split across (Megatron-style: heads, MLP and vocabulary), one "
+    "process each, meeting at $MASTER_ADDR:$MASTER_PORT (default: this host and a free port); the heads, KV "
+    "heads and MLP width must divide by it",
     "seed": "seed of the engine's random state, which samples the requests that bring no seed of their own",
     "max_model_len": "longest sequence (prompt and output) a request may reach; unset: the model's own",
     "block_size": "tokens per KV-cache block (a power of two)",
@@ -100,6 +106,8 @@ class EngineArgs:
     dtype: str = "auto"
     quantization: str | None = None
     device: str = "auto"
+    # vLLM's --tensor-parallel-size: one worker process per rank (engine.executor), 1: the worker runs in process.
+    tensor_parallel_size: int = 1
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
@@ -151,6 +159,13 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}.")
+        if not 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL_SIZE:
+            raise ValueError(
+                f"tensor_parallel_size must be in [1, {MAX_TENSOR_PARALLEL_SIZE}], got {self.tensor_parallel_size}."
+            )
+        for name in ("kv_transfer_config", "speculative_config"):
+            if self.tensor_parallel_size > 1 and getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported with tensor_parallel_size > 1 yet; pass one or the other.")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         if self.max_logprobs < -1:

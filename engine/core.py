@@ -1,10 +1,12 @@
-"""EngineCore: the scheduler and the KV cache manager, advanced one step at a time by a Worker."""
+"""EngineCore: the scheduler and the KV cache manager, advanced one step at a time by an executor (one Worker in
+this process, or one per tensor-parallel rank)."""
 
 import logging
 import time
 from dataclasses import dataclass
 
 from engine.config import EngineArgs
+from engine.executor import make_executor
 from engine.kv.connector.base import KVConnectorRole
 from engine.kv.connector.factory import create_connector
 from engine.kv.manager import KVCacheManager
@@ -45,11 +47,10 @@ class EngineCore:
                 f"max_position_embeddings={cfg.max_position_embeddings}."
             )
 
-        self.worker = Worker(args, cfg, self.model_dir, self.max_model_len)
+        self.executor = make_executor(args, cfg, self.model_dir, self.max_model_len)
         self.device, self.dtype = self.worker.device, self.worker.dtype
-        self.worker.load_model()
-        self.num_blocks = self.worker.determine_num_available_blocks()
-        self.worker.initialize_kv_cache(self.num_blocks)
+        self.num_blocks = self.executor.determine_num_available_blocks()
+        self.executor.initialize_kv_cache(self.num_blocks)
         block_size = args.block_size
         capacity = self.num_blocks * block_size
         logger.info(
@@ -94,6 +95,11 @@ class EngineCore:
         )
         self._aborted: list[EngineCoreOutput] = []
 
+    @property
+    def worker(self) -> Worker:
+        """Rank 0's worker, in this process (the one that samples)."""
+        return self.executor.driver_worker
+
     # ---- the API the offline LLM and the gRPC engine service drive -------------
 
     def add_request(self, request: Request) -> None:
@@ -125,7 +131,7 @@ class EngineCore:
         began = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         started = time.perf_counter()
-        runner_output = self.worker.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         ran = time.perf_counter()
         if self.connector is not None:
             self.connector.record_step_time(scheduler_output, ran - started)  # for its own estimates
@@ -198,7 +204,7 @@ class EngineCore:
         if self.connector is not None:
             self.connector.shutdown()
         self.structured_output_manager.shutdown()
-        self.worker.shutdown()
+        self.executor.shutdown()
 
     def take_kv_events(self):
         return self.kv_cache_manager.take_events()

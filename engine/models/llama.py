@@ -15,8 +15,9 @@ from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.distributed.parallel_state import divide, get_tp_size
 from engine.models.config import ModelConfig
-from engine.models.linear import Linear, VocabEmbedding, tie_weights
+from engine.models.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabEmbedding, tie_weights
 from engine.models.quantization import get_embedding_method, get_linear_method
 
 
@@ -92,14 +93,18 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, quantization: str | None = None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # This rank's heads and KV heads (check_tensor_parallel_size: they divide by the ranks).
+        self.num_heads = config.num_attention_heads // get_tp_size()
+        self.num_kv_heads = config.num_key_value_heads // get_tp_size()
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         method = get_linear_method(quantization)
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, method)
-        self.o_proj = Linear(self.q_size, config.hidden_size, False, method)
+        q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias, method
+        )
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, False, method)
         self.scale = self.head_dim**-0.5
         self.backend = backend
 
@@ -122,8 +127,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, quantization: str | None = None):
         super().__init__()
         method = get_linear_method(quantization)
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, method)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, method)
+        size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], False, method)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, False, method)
 
     def forward(self, x):
         if self.ops is not None:
@@ -152,9 +158,17 @@ def _cat_rows(shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([s.repeat_interleave(width // s.shape[-1], dim=-1) if width else s for s in shards], dim=0)
 
 
+def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
+    """A start-up error unless the heads, KV heads and MLP width split evenly over `size` ranks."""
+    divide(config.num_attention_heads, size, "the model's attention heads (num_attention_heads)")
+    divide(config.num_key_value_heads, size, "the model's KV heads (num_key_value_heads)")
+    divide(config.intermediate_size, size, "the model's MLP width (intermediate_size)")
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, quantization: str | None = None):
         super().__init__()
+        check_tensor_parallel_size(config, get_tp_size())
         self.config = config
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, get_embedding_method(quantization))
         self.layers = nn.ModuleList(
@@ -163,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.attn_backend = backend
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, get_linear_method(quantization))
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, get_linear_method(quantization))
         if config.tie_word_embeddings:
             tie_weights(self.lm_head, self.embed_tokens)
 
@@ -194,8 +208,15 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def load_weights(self, weights) -> None:
-        """Copy Hugging Face–named tensors in, fusing q/k/v and gate/up as they arrive."""
+        """Copy Hugging Face–named tensors in, fusing q/k/v and gate/up as they arrive; each layer keeps its
+        rank's part of a full tensor (a fused layer, of each part)."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+
+        def shard(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            module = modules.get(name.rpartition(".")[0])
+            return module.shard(tensor, name) if hasattr(module, "shard") else tensor
+
         shards: dict[str, dict[int, torch.Tensor]] = {}
         loaded = set()
         for name, tensor in weights:
@@ -209,13 +230,13 @@ class LlamaForCausalLM(nn.Module):
             if fused is not None:
                 fused_name = ".".join(parts[:-2] + [fused[0], parts[-1]])
                 group = shards.setdefault(fused_name, {})
-                group[fused[1]] = tensor
+                group[fused[1]] = shard(fused_name, tensor)
                 if len(group) == (3 if fused[0] == "qkv_proj" else 2):
                     self._copy(params, fused_name, _cat_rows([group[i] for i in sorted(group)]))
                     loaded.add(fused_name)
                     del shards[fused_name]
                 continue
-            self._copy(params, name, tensor)
+            self._copy(params, name, shard(name, tensor))
             loaded.add(name)
         # A GGUF layer has parameters for both of the forms a tensor may arrive in; its method checks one came.
         optional = {n for n, p in params.items() if isinstance(p, UninitializedParameter)}

@@ -8,6 +8,7 @@ and runs each step (execute_model).
 import ctypes
 import functools
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 from engine.attention.backend import AttentionMetadata
 from engine.attention.selector import get_attn_backend
 from engine.config import EngineArgs, parse_memory_size
+from engine.distributed.parallel_state import destroy_distributed, get_tp_rank, get_tp_size
 from engine.kv.connector.base import KVConnectorBase, KVConnectorRole
 from engine.kv.connector.factory import create_connector
 from engine.kv.layout import KVLayout, model_fingerprint, weights_digest
@@ -58,15 +60,26 @@ def keep_freed_memory_in_process() -> None:
     libc.mallopt(M_TOP_PAD, 64 << 20)
 
 
+def resolve_device(device: str, rank: int = 0, world_size: int = 1) -> torch.device:
+    """--device (auto: cuda when there is one); with tensor parallelism on CUDA, this rank's device on its host
+    ($LOCAL_RANK, else the rank)."""
+    device = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and world_size > 1:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    return torch.device(device)
+
+
 class Worker:
     def __init__(self, args: EngineArgs, model_config: ModelConfig, model_dir: Path, max_model_len: int):
+        """With tensor parallelism, built once this process joined the group (engine.distributed): the model's
+        layers and the KV cache take this rank's shard."""
         self.args = args
         self.model_config = model_config
         self.model_dir = model_dir
         self.max_model_len = max_model_len
-        self.device = torch.device(
-            args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        )
+        self.rank, self.world_size = get_tp_rank(), get_tp_size()
+        self.device = resolve_device(args.device, self.rank, self.world_size)
+        self.num_kv_heads = model_config.num_key_value_heads // self.world_size  # this rank's, in its KV cache
         self.dtype = check_dtype(args.dtype, self.device.type)
         self.quantization = resolve_quantization(args.quantization, model_config.quantization)
         check_quantization(self.quantization, self.dtype, self.device)
@@ -84,7 +97,8 @@ class Worker:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model_runner: ModelRunner | None = None
         self.connector: KVConnectorBase | None = None  # the worker's half of the KV connector, with the KV cache
-        self.use_cudagraphs = use_cudagraphs(args, self.device, self.attn_backend)
+        # The other ranks replay no graphs of their own: with tensor parallelism every step runs eagerly.
+        self.use_cudagraphs = self.world_size == 1 and use_cudagraphs(args, self.device, self.attn_backend)
         if self.device.type == "cuda" and args.kv_cache_memory is None:
             self._snapshot_gpu_memory()
 
@@ -125,7 +139,7 @@ class Worker:
         """K and V of one block across every layer."""
         cfg = self.model_config
         element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * cfg.num_hidden_layers * self.args.block_size * cfg.num_key_value_heads * cfg.head_dim * element
+        return 2 * cfg.num_hidden_layers * self.args.block_size * self.num_kv_heads * cfg.head_dim * element
 
     def determine_num_available_blocks(self) -> int:
         """How many KV blocks fit: the configured budget, or on a GPU what profiling leaves free."""
@@ -155,7 +169,7 @@ class Worker:
         cfg, bs, dev = self.model_config, self.args.block_size, self.device
         torch.cuda.reset_peak_memory_stats(dev)  # from here: loading's temporaries (float32 weights) are gone
         n = min(self.args.max_num_batched_tokens, self.max_model_len)
-        shape = self.attn_backend.get_kv_cache_shape(cdiv(n, bs), bs, cfg.num_key_value_heads, cfg.head_dim)
+        shape = self.attn_backend.get_kv_cache_shape(cdiv(n, bs), bs, self.num_kv_heads, cfg.head_dim)
         caches = [(torch.zeros(shape, dtype=self.dtype, device=dev),) * 2 for _ in range(cfg.num_hidden_layers)]
         cache_bytes = sum(k.numel() * k.element_size() for k, _ in caches)
         metadata = AttentionMetadata(
@@ -205,7 +219,7 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's K and V cache, then the runner that reads and writes them."""
         cfg, bs = self.model_config, self.args.block_size
-        shape = self.attn_backend.get_kv_cache_shape(num_blocks, bs, cfg.num_key_value_heads, cfg.head_dim)
+        shape = self.attn_backend.get_kv_cache_shape(num_blocks, bs, self.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -255,6 +269,8 @@ class Worker:
             self.connector.shutdown()
         if self.model_runner is not None:
             self.model_runner.sampler.close()
+        if self.world_size > 1:
+            destroy_distributed()
 
     def _make_model_runner(self, kv_caches, sampler: BatchSampler | None = None) -> tuple[ModelRunner, int]:
         """A runner over these caches, with its CUDA graphs captured if they are used; and the device memory it took."""
@@ -287,11 +303,17 @@ class Worker:
         fingerprint of everything that makes blocks interchangeable between engines."""
         cfg = self.model_config
         dtype = str(self.dtype).removeprefix("torch.")
-        shape = (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, self.args.block_size, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, 2, self.num_kv_heads, self.args.block_size, cfg.head_dim)
         # The same checkpoint quantized another way computes other K and V values.
         weights = f"{weights_digest(self.model_dir)}/{self.quantization or 'unquantized'}"
         fingerprint = model_fingerprint(
-            weights, dtype, self.attn_backend.name, shape, self.args.prefix_caching_hash_algo
+            weights,
+            dtype,
+            self.attn_backend.name,
+            shape,
+            self.args.prefix_caching_hash_algo,
+            self.rank,
+            self.world_size,
         )
         return KVLayout(fingerprint, dtype, shape)
 

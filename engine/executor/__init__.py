@@ -1,0 +1,18 @@
+"""Executors (vLLM's seam between the engine core and its workers): the core schedules once and hands each step
+to its executor, which runs it on one worker in this process, or on one worker per tensor-parallel rank."""
+
+from pathlib import Path
+
+from engine.config import EngineArgs
+from engine.models.config import ModelConfig
+
+
+def make_executor(args: EngineArgs, model_config: ModelConfig, model_dir: Path, max_model_len: int):
+    """The executor for args.tensor_parallel_size, with the model loaded on every rank."""
+    if args.tensor_parallel_size == 1:
+        from engine.executor.uniproc import UniProcExecutor
+
+        return UniProcExecutor(args, model_config, model_dir, max_model_len)
+    from engine.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(args, model_config, model_dir, max_model_len)

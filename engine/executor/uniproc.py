@@ -1,0 +1,36 @@
+"""The executor of one worker, in the engine core's process."""
+
+from collections.abc import Callable
+from pathlib import Path
+
+from engine.config import EngineArgs
+from engine.models.config import ModelConfig
+from engine.sched.output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.worker import Worker
+
+
+class ExecutorDeadError(RuntimeError):
+    """A rank is gone (or its collectives failed): the ranks are out of step, so the engine cannot go on."""
+
+
+class UniProcExecutor:
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, model_dir: Path, max_model_len: int):
+        self.driver_worker = self._make_driver_worker(args, model_config, model_dir, max_model_len)
+        self.driver_worker.load_model()
+        # Called (from another thread) with the reason once a rank is gone, so an idle engine learns of it too.
+        self.on_failure: Callable[[str], None] | None = None
+
+    def _make_driver_worker(self, args, model_config, model_dir, max_model_len) -> Worker:
+        return Worker(args, model_config, model_dir, max_model_len)
+
+    def determine_num_available_blocks(self) -> int:
+        return self.driver_worker.determine_num_available_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.driver_worker.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.driver_worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.driver_worker.shutdown()

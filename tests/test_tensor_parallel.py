@@ -1,0 +1,232 @@
+"""Tensor parallelism: two ranks, each a process, over gloo on loopback, on a tiny random Llama whose heads (4),
+KV heads (2) and MLP width divide by 2."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import torch
+
+from conftest import NOT_SERVING, InProcessService, assert_no_leaks, run_greedy, wait_for_health
+from engine.attention.selector import get_attn_backend
+from engine.config import EngineArgs
+from engine.core import EngineCore
+from engine.distributed import parallel_state
+from engine.executor.multiproc import free_port_pair
+from engine.executor.uniproc import ExecutorDeadError
+from engine.models.files import load_config
+from engine.models.linear import RowParallelLinear
+from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import load_weights
+from engine.models.random_model import save_random_smollm2_shaped
+from engine.request import Request, SamplingParams
+from llmmesh.v1 import engine_pb2, engine_pb2_grpc
+from services import client
+from test_models import COMMON
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-tp")
+    save_random_smollm2_shaped(path, **COMMON)
+    return path
+
+
+def make_engine(model_dir, tensor_parallel_size: int, **kwargs) -> EngineCore:
+    args = EngineArgs(
+        model=str(model_dir), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=tensor_parallel_size,
+        **kwargs,
+    )  # fmt: skip
+    return EngineCore(args)
+
+
+def prompts() -> list[list[int]]:
+    """Prompts of under one block, several blocks, and one long enough to be prefilled in two chunks."""
+    return [random.Random(seed).choices(range(3, COMMON["vocab_size"]), k=k) for seed, k in enumerate((5, 37, 90))]
+
+
+def run(engine: EngineCore) -> dict[str, tuple[list[int], list[torch.Tensor], torch.Tensor]]:
+    """Greedy requests with logprobs and prompt logprobs: each one's tokens, per-token logprobs, prompt logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    for i, prompt in enumerate(prompts()):
+        engine.add_request(Request(str(i), prompt, params))
+    results = {str(i): ([], [], None) for i in range(len(prompts()))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens, logprobs, _ = results[out.request_id]
+            tokens += out.new_token_ids
+            if out.new_logprobs is not None:
+                logprobs.append(out.new_logprobs.logprobs)
+            if out.new_prompt_logprobs is not None:
+                results[out.request_id] = (tokens, logprobs, out.new_prompt_logprobs.logprobs)
+    assert_no_leaks(engine)
+    return results
+
+
+def test_tp2_greedy_output_and_logprobs_equal_tp1_in_float32(tiny_model):
+    """The ranks' partial sums add in another order than one device's matmul, so logits differ by float rounding
+    only; the greedy tokens must be identical (this model's logits are far from ties)."""
+    outputs = {}
+    for size in (1, 2):
+        # A small token budget: the longest prompt is prefilled in two chunks beside the others' decodes.
+        engine = make_engine(tiny_model, size, max_num_batched_tokens=64)
+        try:
+            outputs[size] = run(engine)
+        finally:
+            engine.shutdown()
+    for request_id, (tokens, logprobs, prompt_logprobs) in outputs[1].items():
+        tp_tokens, tp_logprobs, tp_prompt_logprobs = outputs[2][request_id]
+        assert tp_tokens == tokens and len(tokens) == 12
+        torch.testing.assert_close(torch.cat(tp_logprobs), torch.cat(logprobs), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(tp_prompt_logprobs, prompt_logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_a_rank_started_by_hand_as_on_another_host_joins_through_master_addr(tiny_model, monkeypatch):
+    """Rank 1 started first, by hand, as on a second host: it waits for rank 0 at MASTER_ADDR:MASTER_PORT + 1."""
+    port = free_port_pair()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LLMMESH_TP_TOKEN": "shared-secret"}
+    for name, value in {**env, "LLMMESH_TP_LOCAL_RANKS": ""}.items():
+        monkeypatch.setenv(name, value)
+    rank1 = subprocess.Popen([sys.executable, "-m", "engine.executor.multiproc", "--rank", "1"], env=os.environ.copy())
+    try:
+        engine = make_engine(tiny_model, 2)
+        try:
+            assert _rank_processes() == [rank1.pid]  # rank 0 started none itself
+            by_hand = run_greedy(engine, prompts(), 8)
+        finally:
+            engine.shutdown()
+        assert rank1.wait(timeout=30) == 0  # told to stop, it stops
+    finally:
+        rank1.kill()
+    monkeypatch.delenv("LLMMESH_TP_LOCAL_RANKS")
+    engine = make_engine(tiny_model, 1)
+    try:
+        assert by_hand == run_greedy(engine, prompts(), 8)
+    finally:
+        engine.shutdown()
+
+
+def build_rank(model_dir, monkeypatch, rank: int, size: int) -> LlamaForCausalLM:
+    """The model as rank `rank` of `size` builds and loads it (its layers read the rank when built)."""
+    monkeypatch.setattr(parallel_state, "_tp_rank", rank)
+    monkeypatch.setattr(parallel_state, "_tp_size", size)
+    model = LlamaForCausalLM(load_config(model_dir), get_attn_backend("torch", BLOCK, "cpu"))
+    model.load_weights(load_weights(model_dir))
+    return model
+
+
+def test_each_rank_keeps_its_shard_and_the_shards_make_the_whole(tiny_model, monkeypatch):
+    full = build_rank(tiny_model, monkeypatch, 0, 1)
+    ranks = [build_rank(tiny_model, monkeypatch, r, 2) for r in range(2)]
+    head_dim = COMMON["hidden_size"] // COMMON["num_attention_heads"]
+    q, kv = COMMON["num_attention_heads"] * head_dim, COMMON["num_key_value_heads"] * head_dim
+    attn = [m.layers[0].self_attn for m in (full, *ranks)]
+    assert [(a.num_heads, a.num_kv_heads) for a in attn] == [(4, 2), (2, 1), (2, 1)]
+    assert tuple(attn[1].qkv_proj.weight.shape) == ((q + 2 * kv) // 2, COMMON["hidden_size"])
+    assert tuple(attn[1].o_proj.weight.shape) == (COMMON["hidden_size"], q // 2)
+    vocab = COMMON["vocab_size"]
+    assert tuple(ranks[1].embed_tokens.weight.shape) == (vocab // 2, COMMON["hidden_size"])
+
+    def parts(tensor, sizes):  # a fused weight's parts, each split in two: the rank-ordered halves of each
+        return [half for part in tensor.split(sizes) for half in part.chunk(2)]
+
+    for i in range(COMMON["num_hidden_layers"]):
+        whole, shards = full.layers[i], [m.layers[i] for m in ranks]
+        qkv = parts(whole.self_attn.qkv_proj.weight, [q, kv, kv])
+        assert torch.equal(shards[0].self_attn.qkv_proj.weight, torch.cat(qkv[0::2]))
+        assert torch.equal(shards[1].self_attn.qkv_proj.weight, torch.cat(qkv[1::2]))
+        gate_up = parts(whole.mlp.gate_up_proj.weight, [COMMON["intermediate_size"]] * 2)
+        assert torch.equal(shards[1].mlp.gate_up_proj.weight, torch.cat(gate_up[1::2]))
+        for name in ("self_attn.o_proj", "mlp.down_proj"):  # row-parallel: the input columns
+            joined = torch.cat([s.get_submodule(name).weight for s in shards], dim=1)
+            assert torch.equal(joined, whole.get_submodule(name).weight)
+        assert torch.equal(shards[1].input_layernorm.weight, whole.input_layernorm.weight)  # replicated
+    assert torch.equal(torch.cat([m.embed_tokens.weight for m in ranks]), full.embed_tokens.weight)
+
+
+def test_quantized_groups_that_would_be_cut_are_refused(monkeypatch):
+    monkeypatch.setattr(parallel_state, "_tp_size", 2)
+    layer = RowParallelLinear(64, 8)
+    scales = torch.ones(8, 3)  # three quantization groups along the input: two ranks would cut one
+    with pytest.raises(ValueError, match=r"scales of shape \(8, 3\) does not split into --tensor-parallel-size 2"):
+        layer.shard(scales, "layers.0.mlp.down_proj.scales")
+    assert tuple(layer.shard(torch.ones(8, 4), "scales").shape) == (8, 2)  # whole groups split
+
+
+@pytest.mark.parametrize(
+    "size, message",
+    [
+        (3, r"attention heads \(num_attention_heads\) \(4\) does not divide by --tensor-parallel-size 3"),
+        (4, r"KV heads \(num_key_value_heads\) \(2\) does not divide by --tensor-parallel-size 4"),
+    ],
+)
+def test_sizes_that_do_not_divide_are_refused_before_any_rank_starts(tiny_model, size, message):
+    before = _rank_processes()
+    with pytest.raises(ValueError, match=message):
+        make_engine(tiny_model, size)
+    assert _rank_processes() == before
+
+
+def test_bad_tensor_parallel_flags_are_refused():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be in \[1, 64\], got 0"):
+        EngineArgs(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be in \[1, 64\], got 100000"):
+        EngineArgs(tensor_parallel_size=100000)
+    connector = '{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both"}'
+    with pytest.raises(ValueError, match="kv_transfer_config is not supported with tensor_parallel_size > 1"):
+        EngineArgs(tensor_parallel_size=2, kv_transfer_config=connector)
+
+
+def _rank_processes() -> list[int]:
+    """Pids of this process's tensor-parallel ranks."""
+    found = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "engine.executor.multiproc"], capture_output=True)
+    return sorted(int(p) for p in found.stdout.split())
+
+
+def test_a_rank_killed_mid_step_ends_the_engine_with_an_error_naming_it(tiny_model):
+    engine = make_engine(tiny_model, 2)
+    try:
+        (rank1,) = _rank_processes()
+        engine.add_request(Request("0", [5, 6, 7], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)))
+        engine.step()
+        os.kill(rank1, signal.SIGKILL)
+        began = time.monotonic()
+        with pytest.raises(ExecutorDeadError, match=r"tensor-parallel rank 1 is gone \(pid \d+ exited with code -9\)"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - began < 20  # a closed connection fails the collective at once, no timeout
+    finally:
+        engine.shutdown()
+
+
+def test_a_rank_killed_makes_the_engine_service_not_serving_and_fails_its_streams(tiny_model):
+    flags = ["--model", tiny_model, "--dtype", "float32", "--kv-cache-memory", "16MiB", "--tensor-parallel-size", 2]
+    with InProcessService("engine", flags) as service, grpc.insecure_channel(service.address) as channel:
+        (rank1,) = _rank_processes()
+        params = client.sampling_params(temperature=0.0, max_tokens=200, ignore_eos=True)
+        stream = engine_pb2_grpc.EngineStub(channel).Generate(
+            engine_pb2.EngineGenerateRequest(prompt_token_ids=[5, 6, 7], sampling_params=params), timeout=120
+        )
+        next(stream)  # running
+        os.kill(rank1, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as failure:
+            for _ in stream:
+                pass
+        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "tensor-parallel rank 1 is gone" in failure.value.details()
+        wait_for_health(service.address, NOT_SERVING, timeout=30, service="llmmesh.v1.Engine")
+
+
+def test_a_rank_killed_while_idle_makes_health_not_serving(tiny_model):
+    flags = ["--model", tiny_model, "--dtype", "float32", "--kv-cache-memory", "16MiB", "--tensor-parallel-size", 2]
+    with InProcessService("engine", flags) as service:
+        (rank1,) = _rank_processes()
+        os.kill(rank1, signal.SIGKILL)
+        wait_for_health(service.address, NOT_SERVING, timeout=30, service="llmmesh.v1.Engine")
