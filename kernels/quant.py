@@ -7,7 +7,8 @@ Q6_K blocks are exactly of this form, and so are the int8 (symmetric) and int4 (
 Kernels: PyTorch's packed ones. 4-bit codes run on its int4 matmul (CPU: `_weight_int4pack_mm_for_cpu`, CUDA:
 `_weight_int4pack_mm`), int8 codes with one scale per row on `_weight_int8pack_mm`. On CPU both are fast for
 a decode step's few rows in bfloat16 and slow in float32 or for many rows, where oneDNN's matmul on the
-dequantized weight wins (docs/benchmarks.md); engine/models/quantization.py chooses between them.
+dequantized weight wins (docs/benchmarks.md); engine/models/quantization.py chooses between them. Codes in groups
+that neither takes (GGUF's Q8_0, Q6_K) run on our CPU kernel for few rows, `group_gemv` (kernels/cpu/quant.cpp).
 """
 
 import torch
@@ -86,3 +87,15 @@ def is_int8_per_row(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._weight_int8pack_mm(x, q, scales)
+
+
+def group_gemv_kernel():
+    """Our CPU kernel for codes in groups of 16 or 32 that PyTorch's kernels cannot run (kernels/cpu/quant.cpp:
+    GGUF's Q8_0 and Q6_K): (x, q, scales, zeros) -> x @ w.T, or None where the CPU kernels cannot be built."""
+    try:
+        from kernels.cpu_ops import load
+
+        load()  # registers torch.ops.llmmesh_quant
+    except Exception:  # noqa: BLE001 (a machine that cannot build them runs the dequantized weight instead)
+        return None
+    return torch.ops.llmmesh_quant.group_gemv

@@ -14,6 +14,7 @@ from engine.models.loader import gguf_codes
 from engine.models.quantization import CPU_KERNEL_MAX_ROWS, get_linear_method
 from kernels.quant import (
     dequantize,
+    group_gemv_kernel,
     group_linear_ref,
     int4_linear,
     int4_scales_and_zeros,
@@ -104,7 +105,7 @@ def _layer(method: str, seed=0):
     return layer, codes
 
 
-# int8: _weight_int8pack_mm; int4, gguf-q4_*: the int4 kernel; gguf-q8_0: oneDNN on the dequantized weight.
+# int8: _weight_int8pack_mm; int4, gguf-q4_*: the int4 kernel; gguf-q8_0: group_gemv (kernels/cpu/quant.cpp).
 METHODS = ["int8", "int4", "gguf-q4_0", "gguf-q4_1", "gguf-q8_0"]
 
 
@@ -114,13 +115,25 @@ def test_bfloat16_layer_matches_its_dequantized_reference(method, rows):
     layer, codes = _layer(method)
     bias = layer.bias.detach().clone()
     process_weights_after_loading(layer, torch.bfloat16)
-    assert (layer.kernel is None) == (method == "gguf-q8_0")
+    assert layer.kernel is not None
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
     want = group_linear_ref(x, *codes) + bias
     got = layer(x.bfloat16())
     assert got.dtype == torch.bfloat16
     error = ((got.float() - want).abs().max() / want.abs().max()).item()
     assert error < BF16_REL_TOL, f"{method}, {rows} rows: relative error {error:.4f}"
+
+
+@pytest.mark.parametrize("group_size", [16, 32])  # Q6_K's and Q8_0's
+@pytest.mark.parametrize("rows", [1, CPU_KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_gemv_matches_its_dequantized_reference(group_size, rows, dtype):
+    codes = quantize_int8(torch.randn(96, 256, generator=torch.Generator().manual_seed(0)), group_size)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got, want = group_gemv_kernel()(x, *codes), group_linear_ref(x.float(), *codes)
+    assert got.dtype == dtype
+    error = ((got.float() - want).abs().max() / want.abs().max()).item()
+    assert error < (BF16_REL_TOL if dtype == torch.bfloat16 else 1e-6), f"relative error {error:.2e}"
 
 
 @pytest.mark.parametrize("method", ["gguf-q4_1", "gguf-q8_0"])

@@ -12,9 +12,9 @@ Methods (--quantization):
 - gguf: a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K tensors as stored (group-wise codes, kernels/quant.py's format);
   its other tensor types arrive dequantized to float32. A GGUF model gets it by default.
 
-On CPU the int8 and int4 kernels compute in bfloat16 or float16 and pay off for a decode step's few rows;
-oneDNN on the dequantized weight is faster for more rows (docs/benchmarks.md), so a quantized layer
-keeps that too. A GGUF model in float32 runs the dequantized weights alone: the same values the file's
+On CPU the int8 and int4 kernels (and ours for GGUF's Q8_0 and Q6_K groups, kernels.quant.group_gemv) compute
+in bfloat16 or float16 and pay off for a decode step's few rows; oneDNN on the dequantized weight is faster for
+more rows (docs/benchmarks.md), so a quantized layer keeps that too. A GGUF model in float32 runs the dequantized weights alone: the same values the file's
 dequantizer gives, on float32's fastest kernel.
 """
 
@@ -25,6 +25,7 @@ from torch.nn.parameter import UninitializedParameter
 
 from kernels.quant import (
     dequantize,
+    group_gemv_kernel,
     int4_linear,
     int4_scales_and_zeros,
     int8_linear,
@@ -94,8 +95,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
 
 class GroupQuantLinearMethod(LinearMethodBase):
-    """Group-wise codes, scales and zeros (kernels/quant.py): PyTorch's int4 or int8 kernel for a step's
-    few rows, the dequantized weight through UnquantizedLinearMethod for the rest."""
+    """Group-wise codes, scales and zeros (kernels/quant.py): PyTorch's int4 or int8 kernel, else our group
+    kernel on CPU, for a step's few rows; the dequantized weight through UnquantizedLinearMethod for the rest."""
 
     dense = UnquantizedLinearMethod()
 
@@ -108,6 +109,11 @@ class GroupQuantLinearMethod(LinearMethodBase):
         elif dtype in _QUANTIZED_ACT_DTYPES and is_int8_per_row(q, scales, zeros) and q.device.type == "cpu":
             row_scales = scales[:, 0].to(dtype)
             layer.kernel = lambda x: int8_linear(x, q, row_scales)
+        elif dtype in _QUANTIZED_ACT_DTYPES and q.device.type == "cpu" and q.shape[1] // scales.shape[1] in (16, 32):
+            gemv = group_gemv_kernel()
+            if gemv is not None:
+                q, scales, zeros = q.contiguous(), scales.float().contiguous(), zeros.float().contiguous()
+                layer.kernel = lambda x: gemv(x, q, scales, zeros)
         if layer.kernel is None or layer.kernel_max_rows is not None:
             _register(layer, "weight", dequantize(q, scales, zeros))
             self.dense.process_weights_after_loading(layer, dtype)
