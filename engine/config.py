@@ -6,7 +6,7 @@ import re
 import typing
 from dataclasses import dataclass
 
-from engine.attention import BACKEND_NAMES
+from engine.attention import BACKEND_NAMES, KV_CACHE_DTYPES
 from engine.kv.connector.base import KVTransferConfig
 from engine.spec_decode.config import SpeculativeConfig
 
@@ -66,6 +66,8 @@ FLAG_HELP = {
     "seed": "seed of the engine's random state, which samples the requests that bring no seed of their own",
     "max_model_len": "longest sequence (prompt and output) a request may reach; unset: the model's own",
     "block_size": "tokens per KV-cache block (a power of two)",
+    "kv_cache_dtype": "the KV cache's dtype: auto (the model's), bfloat16, float16, or fp8 (= fp8_e4m3) and fp8_e5m2, "
+    "one byte a value with a scale of 1.0, saturating at the format's largest value",
     "kv_cache_memory": "the KV cache's budget in bytes, or with a GiB/MiB/KiB/GB/MB/KB suffix; unset: 2GiB on CPU, "
     "on a GPU the memory is profiled and --gpu-memory-utilization applies",
     "gpu_memory_utilization": "share of the GPU's memory for the weights, activations and KV cache",
@@ -111,6 +113,8 @@ class EngineArgs:
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
+    # vLLM's --kv-cache-dtype: what the KV cache stores (engine.attention.backend.resolve_kv_cache_dtype).
+    kv_cache_dtype: str = "auto"
     # CPU: bytes for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE). GPU: ignored unless set.
     kv_cache_memory: str | None = None
     gpu_memory_utilization: float = 0.9
@@ -179,6 +183,10 @@ class EngineArgs:
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, got {self.attention_backend!r}."
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}."
             )
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory)

@@ -56,7 +56,7 @@ class EngineCore:
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s)",
             self.num_blocks, block_size, capacity,
-            self.num_blocks * self.worker.get_cache_block_size_bytes() / 2**30, self.dtype,
+            self.num_blocks * self.worker.get_cache_block_size_bytes() / 2**30, self.worker.kv_cache_dtype,
         )  # fmt: skip
 
         self.kv_cache_manager = KVCacheManager(

@@ -3,14 +3,23 @@
 import torch
 
 
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `dtype` stores it: rounded to nearest even, saturating at the dtype's largest finite value
+    (as vLLM's fp8 stores do, with a scale of 1.0), so an outlier is clipped instead of becoming inf or NaN."""
+    if x.dtype == dtype:
+        return x
+    largest = torch.finfo(dtype).max
+    return x.clamp(-largest, largest).to(dtype)
+
+
 def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Write token i's K/V [num_kv_heads, head_dim] to slot slot_mapping[i]; slot -1 is padding."""
     block_size = k_cache.shape[2]
     for i, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
-        k_cache[:, slot // block_size, slot % block_size] = key[i]
-        v_cache[:, slot // block_size, slot % block_size] = value[i]
+        k_cache[:, slot // block_size, slot % block_size] = to_cache_dtype(key[i], k_cache.dtype)
+        v_cache[:, slot // block_size, slot % block_size] = to_cache_dtype(value[i], v_cache.dtype)
 
 
 def paged_attention_ref(query, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale) -> torch.Tensor:

@@ -100,9 +100,9 @@ def _unified_attention_kernel(
         kv_off = cache_head + block * stride_cb + (pos % BLOCK_SIZE) * HEAD_DIM
         k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None], mask=dim_ok[:, None] & key_ok[None, :], other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        # In the query's dtype (float32 with DOT_F32): a cache of another dtype (--kv-cache-dtype) is converted here.
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
         s = tl.where(row_ok[:, None] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))

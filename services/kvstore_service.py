@@ -38,7 +38,8 @@ logger = logging.getLogger("llmmesh.kvstore")
 
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
 
-DTYPES = {"float32": (1, 4), "float16": (2, 2), "bfloat16": (3, 2)}  # name -> (code in the header, bytes)
+# name -> (code in the header, bytes): the KV cache dtypes (engine.kv.layout.DTYPE_SIZES)
+DTYPES = {"float32": (1, 4), "float16": (2, 2), "bfloat16": (3, 2), "float8_e4m3fn": (4, 1), "float8_e5m2": (5, 1)}
 MAGIC, VERSION = b"LMKV", 1
 MAX_DIMS = 8
 HASH_BYTES = 32

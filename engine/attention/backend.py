@@ -5,6 +5,21 @@ from typing import Any
 
 import torch
 
+# --kv-cache-dtype's choices but auto, as the cache stores them. fp8 stores with a scale of 1.0 (vLLM's default
+# k_scale and v_scale): a float's relative precision does not depend on a scale, which only moves the range, and
+# K and V stay well inside fp8_e4m3's (docs/models.md); the stores saturate at its largest value.
+KV_CACHE_TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    return model_dtype if name == "auto" else KV_CACHE_TORCH_DTYPES[name]
+
 
 @dataclass
 class AttentionMetadata:
@@ -29,6 +44,20 @@ class AttentionBackend:
     name = "base"
     # Whether a step can be captured in a CUDA graph: launches that depend only on tensor shapes.
     cudagraph_support = False
+
+    def kv_cache_dtypes(self, device: torch.device) -> tuple[torch.dtype, ...]:
+        """The KV cache dtypes it reads on this device (and writes from any model dtype)."""
+        return (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+    def check_kv_cache_dtype(self, dtype: torch.dtype, device: torch.device) -> None:
+        """At start-up: a clear error where this backend cannot read a KV cache of this dtype on this device."""
+        readable = self.kv_cache_dtypes(device)
+        if dtype not in readable:
+            names = ", ".join(str(d).removeprefix("torch.") for d in readable)
+            raise ValueError(
+                f"--kv-cache-dtype: the {self.name} attention backend cannot read a {str(dtype).removeprefix('torch.')} "
+                f"KV cache on {device.type}; it reads {names}. Pick another --kv-cache-dtype or --attention-backend."
+            )
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

@@ -6,6 +6,7 @@ one paged_attention call per layer for the whole mixed batch, reading K/V in pla
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from kernels.reference import to_cache_dtype
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -22,7 +23,8 @@ class CpuAttentionBackend(AttentionBackend):
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         n = metadata.num_actual_tokens
-        self._ops.reshape_and_cache(key[:n], value[:n], k_cache, v_cache, metadata.slot_mapping)
+        key, value = to_cache_dtype(key[:n], k_cache.dtype), to_cache_dtype(value[:n], v_cache.dtype)
+        self._ops.reshape_and_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
         return self._ops.paged_attention(
             query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table, scale
         )

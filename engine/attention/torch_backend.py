@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from kernels.reference import to_cache_dtype
 
 # Decodes are grouped by context length so a short request is not padded to the longest one.
 MAX_DECODE_GROUPS = 4
@@ -39,6 +40,11 @@ def decode_groups(seq_lens: list[int], block_size: int) -> list[list[int]]:
             break
         bisect.insort(cuts, best_cut)
     return [order[lo:hi] for lo, hi in zip(cuts, cuts[1:])]
+
+
+def _copyable(t: torch.Tensor) -> torch.Tensor:
+    """t, or its bytes where index_copy_ has no kernel for its dtype (fp8)."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 @dataclass
@@ -89,9 +95,16 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache, v_cache = kv_cache
         num_kv_heads, _, block_size, head_dim = k_cache.shape
         n = metadata.num_actual_tokens
-        # reshape_and_cache: each token's K/V goes to its slot.
-        k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, metadata.slot_mapping, key[:n].transpose(0, 1))
-        v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, metadata.slot_mapping, value[:n].transpose(0, 1))
+        # reshape_and_cache: each token's K/V goes to its slot, in the cache's dtype. A whole prompt then attends
+        # to the K/V as stored, as the kernels that read it from the cache do.
+        key, value = to_cache_dtype(key[:n], k_cache.dtype), to_cache_dtype(value[:n], v_cache.dtype)
+        _copyable(k_cache).view(num_kv_heads, -1, head_dim).index_copy_(
+            1, metadata.slot_mapping, _copyable(key).transpose(0, 1)
+        )
+        _copyable(v_cache).view(num_kv_heads, -1, head_dim).index_copy_(
+            1, metadata.slot_mapping, _copyable(value).transpose(0, 1)
+        )
+        key, value = key.to(query.dtype), value.to(query.dtype)
 
         output = torch.empty_like(query)
         decodes, prefills = metadata.plan
@@ -106,8 +119,8 @@ class TorchAttentionBackend(AttentionBackend):
         """One query token per request. GQA is folded: a KV head's G query heads act as G queries."""
         num_kv_heads, _, _, head_dim = k_cache.shape
         rows, num_heads = len(group.index), query.shape[1]
-        k = k_cache[:, group.table].flatten(2, 3)  # [kv_heads, R, L, D]
-        v = v_cache[:, group.table].flatten(2, 3)
+        k = k_cache[:, group.table].flatten(2, 3).to(query.dtype)  # [kv_heads, R, L, D]
+        v = v_cache[:, group.table].flatten(2, 3).to(query.dtype)
         q = query[group.index].view(rows, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)  # [kv_heads, R, G, D]
         output[group.index] = out.transpose(0, 1).reshape(rows, num_heads, head_dim)
@@ -122,7 +135,7 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             # A later chunk or a prefix-cache hit: read the cached context from the pages.
             seq_len = row.mask.shape[1]
-            k = k_cache[:, row.blocks].flatten(1, 2)[:, :seq_len]
-            v = v_cache[:, row.blocks].flatten(1, 2)[:, :seq_len]
+            k = k_cache[:, row.blocks].flatten(1, 2)[:, :seq_len].to(q.dtype)
+            v = v_cache[:, row.blocks].flatten(1, 2)[:, :seq_len].to(q.dtype)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=row.mask, scale=scale, enable_gqa=True)
         output[row.start : row.end] = out.transpose(0, 1)

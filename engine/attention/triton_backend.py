@@ -8,6 +8,7 @@ in a CUDA graph and replayed with new metadata contents.
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from kernels.reference import to_cache_dtype
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -22,8 +23,16 @@ class TritonAttentionBackend(AttentionBackend):
         self.block_size = block_size
         self._reshape_and_cache, self._unified_attention = reshape_and_cache, unified_attention
 
+    def kv_cache_dtypes(self, device: torch.device) -> tuple[torch.dtype, ...]:
+        dtypes = super().kv_cache_dtypes(device)
+        # Triton converts fp8_e4m3 on GPUs of compute capability 8.9 (Ada, Hopper) and later only.
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            return tuple(d for d in dtypes if d != torch.float8_e4m3fn)
+        return dtypes
+
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         k_cache, v_cache = kv_cache
+        key, value = to_cache_dtype(key, k_cache.dtype), to_cache_dtype(value, v_cache.dtype)
         self._reshape_and_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
         output = torch.empty_like(query)
         self._unified_attention(

@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# The KV cache dtypes (--kv-cache-dtype), by torch name.
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.backend import AttentionMetadata
+from engine.attention.backend import AttentionMetadata, resolve_kv_cache_dtype
 from engine.attention.selector import get_attn_backend
 from engine.config import EngineArgs, parse_memory_size
 from engine.distributed.parallel_state import destroy_distributed, get_tp_rank, get_tp_size
@@ -93,6 +93,8 @@ class Worker:
             keep_freed_memory_in_process()
         torch.manual_seed(args.seed)
         self.attn_backend = get_attn_backend(args.attention_backend, args.block_size, self.device.type)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
+        self.attn_backend.check_kv_cache_dtype(self.kv_cache_dtype, self.device)
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model_runner: ModelRunner | None = None
@@ -138,7 +140,7 @@ class Worker:
     def get_cache_block_size_bytes(self) -> int:
         """K and V of one block across every layer."""
         cfg = self.model_config
-        element = torch.tensor([], dtype=self.dtype).element_size()
+        element = self.kv_cache_dtype.itemsize
         return 2 * cfg.num_hidden_layers * self.args.block_size * self.num_kv_heads * cfg.head_dim * element
 
     def determine_num_available_blocks(self) -> int:
@@ -170,7 +172,9 @@ class Worker:
         torch.cuda.reset_peak_memory_stats(dev)  # from here: loading's temporaries (float32 weights) are gone
         n = min(self.args.max_num_batched_tokens, self.max_model_len)
         shape = self.attn_backend.get_kv_cache_shape(cdiv(n, bs), bs, self.num_kv_heads, cfg.head_dim)
-        caches = [(torch.zeros(shape, dtype=self.dtype, device=dev),) * 2 for _ in range(cfg.num_hidden_layers)]
+        caches = [
+            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=dev),) * 2 for _ in range(cfg.num_hidden_layers)
+        ]
         cache_bytes = sum(k.numel() * k.element_size() for k, _ in caches)
         metadata = AttentionMetadata(
             num_actual_tokens=n,
@@ -222,8 +226,8 @@ class Worker:
         shape = self.attn_backend.get_kv_cache_shape(num_blocks, bs, self.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
             )
             for _ in range(cfg.num_hidden_layers)
         ]
@@ -302,10 +306,11 @@ class Worker:
         """What one KV block is, for a KV connector: [layers, 2, kv heads, block size, head dim] and a
         fingerprint of everything that makes blocks interchangeable between engines."""
         cfg = self.model_config
-        dtype = str(self.dtype).removeprefix("torch.")
+        dtype = str(self.kv_cache_dtype).removeprefix("torch.")
         shape = (cfg.num_hidden_layers, 2, self.num_kv_heads, self.args.block_size, cfg.head_dim)
-        # The same checkpoint quantized another way computes other K and V values.
-        weights = f"{weights_digest(self.model_dir)}/{self.quantization or 'unquantized'}"
+        # The same checkpoint quantized another way, or computing in another dtype, computes other K and V values.
+        compute = str(self.dtype).removeprefix("torch.")
+        weights = f"{weights_digest(self.model_dir)}/{self.quantization or 'unquantized'}/{compute}"
         fingerprint = model_fingerprint(
             weights,
             dtype,

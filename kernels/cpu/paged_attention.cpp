@@ -7,11 +7,18 @@
 // One work item is (request, kv head, query row): the kv head's query heads are handled together, so each
 // K/V row is read once for all of them. Softmax is two-pass: all scores, then max/exp/sum, then V.
 // Items are split among torch's threads by cost (keys read), not by count.
+//
+// The cache may hold another dtype than the query (--kv-cache-dtype: bfloat16, float16, fp8_e4m3, fp8_e5m2): each
+// K/V row is converted to float32 as it is read. reshape_and_cache copies rows of the cache's dtype: the caller
+// converts them (kernels/reference.py's to_cache_dtype).
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/extension.h>
+
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
 #include <cstring>
@@ -61,15 +68,16 @@ struct Item {
   int64_t req, kv_head, row, len;  // row: the query token; len: keys it sees
 };
 
-template <typename T>
+// T: the query's and output's dtype; C: the cache's.
+template <typename T, typename C>
 void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* table,
             int64_t table_stride, const std::vector<Item>& items, int64_t begin, int64_t end, double scale,
             at::Tensor& out) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(2), group = num_heads / k_cache.size(0);
   const T* q_base = query.data_ptr<T>();
-  const T* k_base = k_cache.data_ptr<T>();
-  const T* v_base = v_cache.data_ptr<T>();
+  const C* k_base = static_cast<const C*>(k_cache.data_ptr());
+  const C* v_base = static_cast<const C*>(v_cache.data_ptr());
   T* o_base = out.data_ptr<T>();
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
   const int64_t cs0 = k_cache.stride(0), cs1 = k_cache.stride(1), cs2 = k_cache.stride(2);
@@ -94,8 +102,8 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
     }
     // Where key pos sits in a cache. Blocks are scattered (a float32 block of 16 x 64 is one page, where the
     // hardware prefetcher stops), so each row also prefetches the same row of the next block.
-    auto row = [&](const T* base, int64_t pos) {
-      const T* r = base + it.kv_head * cs0 + (pos % block_size) * cs2;
+    auto row = [&](const C* base, int64_t pos) {
+      const C* r = base + it.kv_head * cs0 + (pos % block_size) * cs2;
       if (pos + block_size < len) prefetch(r + blocks[pos / block_size + 1] * cs1, head_dim);
       return r + blocks[pos / block_size] * cs1;
     };
@@ -130,12 +138,30 @@ void check_batch(const at::Tensor& query, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(k_cache.strides() == v_cache.strides(), "K and V caches must share strides");
   TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(0) == 0, "heads do not match");
   TORCH_CHECK(query.stride(2) == 1 && k_cache.stride(3) == 1, "the head dimension must be contiguous");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "query and caches must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the K and V caches must share a dtype");
   for (const auto* t : {&query_start_loc, &seq_lens, &block_table})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "index tensors must be contiguous int64");
   TORCH_CHECK(query_start_loc.numel() == seq_lens.numel() + 1 && block_table.size(0) >= seq_lens.numel(),
               "query_start_loc, seq_lens and block_table disagree on the number of requests");
+}
+
+// Calls f with a value of the C++ type of a cache dtype.
+template <typename F>
+void dispatch_cache_type(at::ScalarType type, F&& f) {
+  switch (type) {
+    case at::kFloat:
+      return f(float{});
+    case at::kBFloat16:
+      return f(c10::BFloat16{});
+    case at::kHalf:
+      return f(c10::Half{});
+    case at::kFloat8_e4m3fn:
+      return f(c10::Float8_e4m3fn{});
+    case at::kFloat8_e5m2:
+      return f(c10::Float8_e5m2{});
+    default:
+      TORCH_CHECK(false, "no KV cache of dtype ", type, ": float32, bfloat16, float16, fp8_e4m3 or fp8_e5m2");
+  }
 }
 
 }  // namespace
@@ -169,10 +195,13 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
     return int64_t(std::lower_bound(cost.begin(), cost.end(), cost.back() * p / parts) - cost.begin());
   };
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p)
-        attend<scalar_t>(query, k_cache, v_cache, block_table.data_ptr<int64_t>(), block_table.stride(0), items,
-                         boundary(p), boundary(p + 1), scale, out);
+    dispatch_cache_type(k_cache.scalar_type(), [&](auto cache_value) {
+      using cache_t = decltype(cache_value);
+      at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p)
+          attend<scalar_t, cache_t>(query, k_cache, v_cache, block_table.data_ptr<int64_t>(), block_table.stride(0),
+                                    items, boundary(p), boundary(p + 1), scale, out);
+      });
     });
   });
   return out;
@@ -184,7 +213,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "the head dimension must be contiguous");
   TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
-              "K/V and caches must share a dtype");
+              "K/V and caches must share a dtype (a caller converts them first)");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slots must be int64");
   const int64_t num_tokens = slot_mapping.numel(), num_kv_heads = k_cache.size(0), block_size = k_cache.size(2);
   const int64_t bytes = k_cache.size(3) * k_cache.element_size();

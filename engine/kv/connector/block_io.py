@@ -21,8 +21,9 @@ class KVBlockIO:
     def _view(t):
         import torch  # here: only a worker, which has torch, makes a KVBlockIO
 
-        # numpy has no bfloat16: move its bits as int16, which is all a copy needs.
-        return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+        # numpy has no bfloat16 or float8: move their bits as integers of their size, which is all a copy needs.
+        bits = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+        return t.view(bits.get(t.dtype, t.dtype)).numpy()
 
     def read(self, block_ids: list[int]) -> list[bytes]:
         """The blocks' bytes (each [layers, 2, kv heads, block size, head dim])."""
