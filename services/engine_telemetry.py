@@ -104,6 +104,29 @@ class SchedulerCollector:
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
+        if stats.spec_decoding_stats is not None:
+            yield from spec_decode_metrics(stats.spec_decoding_stats, labels)
+
+
+def spec_decode_metrics(spec, labels: list[str]):
+    """vLLM's speculative-decoding counters (cumulative SpecDecodingStats); the acceptance rate is accepted / draft
+    tokens, the mean acceptance length 1 + accepted / drafts."""
+    for name, doc, value in (
+        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
+        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens),
+    ):
+        counter = CounterMetricFamily(name, doc, labels=["model_name"])
+        counter.add_metric(labels, value)
+        yield counter
+    per_pos = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted tokens per draft position.",
+        labels=["model_name", "position"],
+    )
+    for position, value in enumerate(spec.num_accepted_tokens_per_pos):
+        per_pos.add_metric([*labels, str(position)], value)
+    yield per_pos
 
 
 def step_attributes(step) -> dict:

@@ -12,6 +12,7 @@ used ends its stream with INVALID_ARGUMENT naming the field; other streams and t
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -20,11 +21,13 @@ import torch
 
 from engine.request import RequestFailure, SamplingParams
 from engine.sample.metadata import SamplingMetadata
+from engine.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, expand_positions
 from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
 from engine.sample.slots import SharedSlots
 from engine.sample.wire import (
     LOGITS_DTYPES,
     check_wire_token_ids,
+    drafts_from_proto,
     dtype_and_shape_from_proto,
     grammar_bitmask_from_proto,
     logprobs_tensors_to_proto,
@@ -89,8 +92,9 @@ class StreamState:
         return self.slots.form
 
     def _step(self, msg: sampler_pb2.SampleStep) -> sampler_pb2.SampleResult:
-        rows, logits, news, prompt_logits = self._check(msg)
-        grammar = grammar_bitmask_from_proto(msg, len(msg.request_ids), 0 if logits is None else logits.shape[1])
+        rows, logits, news, prompt_logits, drafts = self._check(msg)
+        num_rows = len(msg.request_ids) + (len(msg.draft_token_ids) if drafts else 0)
+        grammar = grammar_bitmask_from_proto(msg, num_rows, 0 if logits is None else logits.shape[1])
         for request_id in msg.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in news:
@@ -104,11 +108,21 @@ class StreamState:
             rows[request_id].output_token_ids.extend(msg.new_token_ids[start : start + n])
             start += n
         states = [rows[request_id] for request_id in msg.request_ids]
-        generators = {row: s.generator for row, s in enumerate(states) if s.generator is not None}
-        metadata = SamplingMetadata.from_requests(states, generators, logits.shape[-1], self.device, grammar)
-        metadata.failed.update({row: s.failure for row, s in enumerate(states) if s.failure is not None})
-        output = self.sampler(logits, metadata)
-        result.sampled_token_ids.extend(output.sampled_token_ids.tolist())
+        # With drafts, a request's rows are its verified positions (the rejection sampler's views of it).
+        positions = states if drafts is None else expand_positions(states, drafts)
+        generators = {row: rows[s.request_id].generator for row, s in enumerate(positions)}
+        generators = {row: g for row, g in generators.items() if g is not None}
+        metadata = SamplingMetadata.from_requests(positions, generators, logits.shape[-1], self.device, grammar)
+        first_rows = itertools.accumulate(drafts.num_positions, initial=0) if drafts else range(len(states))
+        metadata.failed.update({row: s.failure for row, s in zip(first_rows, states) if s.failure is not None})
+        output = self.sampler(logits, metadata, drafts)
+        if drafts is None:
+            result.sampled_token_ids.extend(output.sampled_token_ids.tolist())
+        else:
+            for tokens in output.sampled_token_ids.tolist():
+                tokens = [t for t in tokens if t != PLACEHOLDER_TOKEN_ID]
+                result.sampled_token_ids.extend(tokens)
+                result.num_sampled_tokens.append(len(tokens))
         for row, failure in output.failed.items():
             result.failed.add(row=row, message=failure.message, invalid_input=failure.invalid_input)
         if output.logprobs is not None:
@@ -124,11 +138,15 @@ class StreamState:
             logits, field = self._shared_logits(msg), "shared_logits"
         elif n or msg.HasField("logits"):
             logits = tensor_from_proto(msg.logits, "logits", LOGITS_DTYPES, 2, self.device)
+        drafts = None
         if logits is not None:
             vocab = logits.shape[1]
-            if logits.shape[0] != n or vocab == 0:
+            drafts = drafts_from_proto(msg, vocab, self.device)
+            num_rows = n + (len(msg.draft_token_ids) if drafts else 0)
+            if logits.shape[0] != num_rows or vocab == 0:
                 raise ValueError(
-                    f"{field}.shape must be [{n} rows (one per request_ids), vocab], got {list(logits.shape)}"
+                    f"{field}.shape must be [{num_rows} rows (one per request_ids, and one per draft_token_ids), "
+                    f"vocab], got {list(logits.shape)}"
                 )
         if len(msg.num_new_tokens) != n:
             raise ValueError(f"num_new_tokens must have one entry per request_ids ({n}), got {len(msg.num_new_tokens)}")
@@ -173,7 +191,7 @@ class StreamState:
             rows[request_id] = state
         if set(news) - set(rows):
             raise ValueError(f"new_requests: {sorted(set(news) - set(rows))[0]!r} has no row in request_ids")
-        return rows, logits, news.values(), self._check_prompt_chunks(msg)
+        return rows, logits, news.values(), self._check_prompt_chunks(msg), drafts
 
     def _shared_logits(self, msg: sampler_pb2.SampleStep) -> torch.Tensor:
         """The rows' logits in the engine's slot, in place (a copy only to another device than the slot's)."""

@@ -4,21 +4,24 @@ Face's, sampled outputs follow the target distribution, and blocks stay consiste
 import itertools
 import json
 import random
+import re
 
+import grpc
 import pytest
 import torch
 from scipy.stats import chisquare
 
+from conftest import HFReference, InProcessService, assert_greedy_matches, assert_no_leaks, run_to_completion
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.models.random_model import save_random_smollm2_shaped
 from engine.request import Request, SamplingParams
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.rejection_sampler import DraftTokens, expand_positions
+from engine.sample.remote import RemoteSampler
 from engine.sample.sampler import Sampler
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram_proposer import NgramProposer
-from tests.conftest import HFReference, assert_greedy_matches, assert_no_leaks, run_to_completion
 
 TINY = dict(
     vocab_size=64,
@@ -327,3 +330,179 @@ def test_seeded_requests_repeat(models):
             tokens, _ = generate(core, [PROMPTS["repetitive"], PROMPTS["random"]], params)
             runs.append(tokens)
         assert runs[0] == runs[1], method
+
+
+# ---- the sampler service ------------------------------------------------------------------------------------------
+
+
+def test_the_sampler_service_gives_the_same_tokens(models):
+    """Drafts (and a draft model's q) travel with the step: greedy, seeded and penalised requests with logprobs get
+    the same tokens and logprobs on the sampler service as in process."""
+    root, _, _ = models
+    params = [
+        greedy(32, logprobs=3),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=32, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0.7, top_k=8, seed=6, presence_penalty=0.5, max_tokens=32, ignore_eos=True),
+    ]
+    prompts = [PROMPTS["repetitive"], PROMPTS["alternating"], PROMPTS["random"]]
+
+    def run(core):
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            core.add_request(Request(str(i), prompt, p))
+        tokens, logprobs = {}, {}
+        while core.has_unfinished_requests():
+            for out in core.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.new_logprobs is not None:
+                    logprobs.setdefault(out.request_id, []).append(out.new_logprobs.logprobs)
+        assert_no_leaks(core)
+        return tokens, {k: torch.cat(v) for k, v in logprobs.items()}
+
+    for method in ("ngram", "draft_model"):
+        spec = json.dumps(specs(root)[method])
+        local_tokens, local_logprobs = run(engine(root / "target", spec))
+        core = engine(root / "target", spec)
+        runner = core.worker.model_runner
+        with InProcessService("sampler") as sampler:
+            runner.sampler = RemoteSampler(sampler.address, timeout=30)
+            try:
+                remote_tokens, remote_logprobs = run(core)
+            finally:
+                runner.sampler.close()
+        assert remote_tokens == local_tokens, method
+        assert local_logprobs.keys() == remote_logprobs.keys()
+        for key, value in local_logprobs.items():
+            assert torch.equal(remote_logprobs[key], value), method
+        assert core.get_stats().spec_decoding_stats.num_accepted_tokens > 0
+
+
+def wire_step(**fields):
+    """A step of request "a" (greedy) with two drafts: three rows of logits over a vocabulary of 8."""
+    from engine.sample.wire import tensor_to_proto
+    from llmmesh.v1 import sampler_pb2
+
+    good = dict(
+        step_id=1,
+        new_requests=[sampler_pb2.NewRequest(request_id="a", params=sampler_pb2.SamplerParams(temperature=0))],
+        request_ids=["a"],
+        num_new_tokens=[0],
+        logits=tensor_to_proto(torch.eye(8)[[7, 3, 5]] * 4),  # argmax 7, then 3, then 5
+        num_draft_tokens=[2],
+        draft_token_ids=[7, 4],
+    )
+    return sampler_pb2.SampleStep(**{**good, **fields})
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        (dict(num_draft_tokens=[3]), "num_draft_tokens"),
+        (dict(num_draft_tokens=[2, 0]), "num_draft_tokens must have one entry per request_ids"),
+        (dict(num_draft_tokens=[-1], draft_token_ids=[]), "num_draft_tokens"),
+        (dict(num_draft_tokens=[2], draft_token_ids=[7, 99]), "draft_token_ids"),
+        (dict(num_draft_tokens=[1], draft_token_ids=[7]), "logits.shape"),
+        (dict(num_draft_tokens=[]), "draft_token_ids and draft_probs need num_draft_tokens"),
+    ],
+)
+def test_bad_drafts_on_the_wire_are_invalid_argument_naming_the_field(fields, named):
+    from llmmesh.v1 import sampler_pb2_grpc
+
+    with InProcessService("sampler") as sampler, grpc.insecure_channel(sampler.address) as channel:
+        stub = sampler_pb2_grpc.SamplerStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Sample(iter([wire_step(**fields)]), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert named in info.value.details()
+        # The service goes on: the good step keeps draft 7 (the argmax), rejects 4 and gives the argmax 3.
+        (reply,) = stub.Sample(iter([wire_step()]), timeout=30)
+        assert list(reply.sampled_token_ids) == [7, 3] and list(reply.num_sampled_tokens) == [2]
+
+
+# ---- structured output --------------------------------------------------------------------------------------------
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+    },
+    "required": ["name", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_with_speculation_equals_structured_output_alone(smollm2_dir):
+    """The grammar masks every verified position; drafts it rejects are cut; the matcher ends on exactly the
+    accepted tokens. Greedy outputs equal those without speculation, sampled ones follow their grammar."""
+    import jsonschema
+
+    from engine import LLM, StructuredOutputsParams
+
+    def constrained(temperature=0.0, **constraint):
+        return SamplingParams(
+            temperature=temperature,
+            seed=3,
+            max_tokens=40,
+            structured_outputs=StructuredOutputsParams(**constraint, disable_any_whitespace=True),
+        )
+
+    batch = [
+        ('A person named "Ada Ada Ada", as JSON:', constrained(json=SCHEMA)),
+        ("Repeat: 555-1234, 555-1234, 555-1234. The number is", constrained(regex=r"\d{3}-\d{4}")),
+        ('The tags "a", "a", "a" as JSON:', constrained(0.8, json=SCHEMA)),
+    ]
+    outputs = {}
+    # The target as its own draft: long runs of accepted drafts through the grammar, and drafts it cuts.
+    for name, spec in [
+        ("none", None),
+        ("self_draft", {"method": "draft_model", "model": str(smollm2_dir), "num_speculative_tokens": 3}),
+    ]:
+        llm = LLM(kv_cache_memory="64MiB", speculative_config=spec)
+        results = llm.generate([p for p, _ in batch], [sp for _, sp in batch], use_tqdm=False)
+        outputs[name] = [r.outputs[0] for r in results]
+        person, phone, sampled = (o.text for o in outputs[name])
+        jsonschema.validate(json.loads(person), SCHEMA)
+        jsonschema.validate(json.loads(sampled), SCHEMA)
+        assert re.fullmatch(r"\d{3}-\d{4}", phone), phone
+        assert all(o.finish_reason == "stop" for o in outputs[name])
+        if spec is not None:
+            assert llm.engine.get_stats().spec_decoding_stats.num_accepted_tokens > 0, name
+        llm.engine.shutdown()
+    assert [o.token_ids for o in outputs["self_draft"][:2]] == [o.token_ids for o in outputs["none"][:2]]
+
+
+# ---- metrics ------------------------------------------------------------------------------------------------------
+
+
+def test_the_engines_metrics_count_drafts_as_vllm_names_them(models):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+    root, _, _ = models
+    flags = ["--model", root / "target", "--kv-cache-memory", "4MiB", "--metrics-port", "0"]
+    flags += ["--speculative-config", json.dumps(specs(root)["self_draft"])]
+    with InProcessService("engine", flags) as service, grpc.insecure_channel(service.address) as channel:
+        params = common_pb2.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        request = engine_pb2.EngineGenerateRequest(
+            request_id="r", prompt_token_ids=PROMPTS["random"], sampling_params=params
+        )
+        tokens = [t for msg in engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=60)
+                  for delta in msg.outputs for t in delta.token_ids]  # fmt: skip
+        url = f"http://127.0.0.1:{service.server.telemetry.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            families = {f.name: f for f in text_string_to_metric_families(reply.read().decode())}
+    assert len(tokens) == 20
+
+    def value(name, **labels):
+        return sum(s.value for s in families[name].samples if labels.items() <= s.labels.items())
+
+    drafts = value("vllm:spec_decode_num_drafts")
+    # 20 tokens: the first from the prompt's step, then steps of up to 1 + 3 tokens, every draft accepted.
+    assert drafts == 5 and value("vllm:spec_decode_num_draft_tokens") == value("vllm:spec_decode_num_accepted_tokens")
+    assert value("vllm:spec_decode_num_accepted_tokens") == 19 - drafts
+    per_pos = [value("vllm:spec_decode_num_accepted_tokens_per_pos", position=str(i)) for i in range(3)]
+    assert sum(per_pos) == value("vllm:spec_decode_num_accepted_tokens") and per_pos[0] == drafts

@@ -60,6 +60,14 @@ class PositionView:
         self.eos_token_ids = request.eos_token_ids
 
 
+def pad_token_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Each request's tokens as one row of the sampled block, -1 after them."""
+    out = torch.full((len(rows), width), PLACEHOLDER_TOKEN_ID, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
 def expand_positions(requests: list, drafts: DraftTokens) -> list[PositionView]:
     """One row per verified position of each request, in order."""
     return [PositionView(r, d[:j]) for r, d in zip(requests, drafts.token_ids) for j in range(len(d) + 1)]

@@ -26,10 +26,12 @@ import torch
 
 from engine.grpc_policy import CHANNEL_OPTIONS
 from engine.request import RequestFailure
+from engine.sample.rejection_sampler import pad_token_rows
 from engine.sample.sampler import BatchSampler, LogprobsTensors, SamplerOutput, SamplerUnavailableError
 from engine.sample.slots import SharedSlots
 from engine.sample.wire import (
     DTYPE_NAMES,
+    drafts_to_proto,
     grammar_bitmask_to_proto,
     logprobs_tensors_from_proto,
     new_request_to_proto,
@@ -105,16 +107,16 @@ class RemoteSampler(BatchSampler):
                 self._seeded.discard(request_id)
                 self._finished.append(request_id)
 
-    def sample(self, requests, logits, prompt_chunks, grammar=None):
+    def sample(self, requests, logits, prompt_chunks, grammar=None, drafts=None):
         try:
-            return self._sample(requests, logits, prompt_chunks, grammar)
+            return self._sample(requests, logits, prompt_chunks, grammar, drafts)
         except SamplerUnavailableError as e:
             if self.fallback is None:
                 raise
             logger.warning("%s; sampling this step in process", e)
-            return self.fallback.sample(requests, logits, prompt_chunks, grammar)
+            return self.fallback.sample(requests, logits, prompt_chunks, grammar, drafts)
 
-    def _sample(self, requests, logits, prompt_chunks, grammar):
+    def _sample(self, requests, logits, prompt_chunks, grammar, drafts):
         try:
             if self._stream is None:
                 self._stream = _Stream(self.channel)
@@ -125,6 +127,7 @@ class RemoteSampler(BatchSampler):
             last, prompt_logits = self._prompt_message(batches[-1])
             self._add_rows(last, requests)
             grammar_bitmask_to_proto(last, grammar)
+            drafts_to_proto(last, drafts)
             shared = self._write_slot(last, logits) if requests else None
             replies.append(self._exchange(last, prompt_logits, logits if requests and shared is None else None))
             if shared is not None and not self.slots.released(*shared):
@@ -146,6 +149,8 @@ class RemoteSampler(BatchSampler):
             return None, prompt_results
         failed = {f.row: RequestFailure(f.message, f.invalid_input) for f in reply.failed}
         sampled = torch.tensor(list(reply.sampled_token_ids), dtype=torch.int64)
+        if drafts is not None:  # each request's tokens, as the in-process rejection sampler lays them out
+            sampled = pad_token_rows(sampled.split(list(reply.num_sampled_tokens)), max(drafts.num_positions))
         return SamplerOutput(sampled, logprobs, failed), prompt_results
 
     def reset(self) -> None:
@@ -247,7 +252,8 @@ class RemoteSampler(BatchSampler):
             )
         if isinstance(reply, Exception):
             raise SamplerUnavailableError(f"the sampler at {self.address} failed: {reply}")
-        got = (reply.step_id, len(reply.sampled_token_ids), len(reply.prompt_logprobs))
+        num_rows = len(reply.num_sampled_tokens) if msg.num_draft_tokens else len(reply.sampled_token_ids)
+        got = (reply.step_id, num_rows, len(reply.prompt_logprobs))
         expected = (msg.step_id, len(msg.request_ids), len(msg.prompt_num_targets))
         if got != expected:
             raise SamplerUnavailableError(

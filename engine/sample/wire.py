@@ -11,7 +11,9 @@ import torch
 
 from engine.request import SamplingParams
 from engine.sample.metadata import GrammarBitmask
+from engine.sample.rejection_sampler import DraftTokens
 from engine.sample.sampler import LogprobsTensors
+from engine.spec_decode.config import MAX_SPECULATIVE_TOKENS
 from llmmesh.v1 import common_pb2, sampler_pb2
 
 if TYPE_CHECKING:
@@ -177,3 +179,42 @@ def grammar_bitmask_from_proto(msg: sampler_pb2.SampleStep, num_rows: int, vocab
         )
     bitmask = torch.frombuffer(bytearray(msg.grammar_bitmask), dtype=torch.int32)
     return GrammarBitmask(rows, bitmask.view(len(rows), words))
+
+
+def drafts_to_proto(msg: sampler_pb2.SampleStep, drafts: DraftTokens | None) -> None:
+    """A step's drafts (speculative decoding) into msg: their count per row, their ids and the draft model's q."""
+    if drafts is None:
+        return
+    msg.num_draft_tokens.extend(len(d) for d in drafts.token_ids)
+    msg.draft_token_ids.extend(t for d in drafts.token_ids for t in d)
+    if drafts.probs is not None:
+        msg.draft_probs.CopyFrom(tensor_to_proto(drafts.probs.float()))
+
+
+def drafts_from_proto(msg: sampler_pb2.SampleStep, vocab_size: int, device: torch.device) -> DraftTokens | None:
+    """The step's drafts; ValueError naming the field. Checked against request_ids and the vocabulary."""
+    counts = list(msg.num_draft_tokens)
+    if not counts:
+        if msg.draft_token_ids or msg.HasField("draft_probs"):
+            raise ValueError("draft_token_ids and draft_probs need num_draft_tokens (one entry per request_ids)")
+        return None
+    if len(counts) != len(msg.request_ids):
+        raise ValueError(
+            f"num_draft_tokens must have one entry per request_ids ({len(msg.request_ids)}), got {len(counts)}"
+        )
+    if any(not 0 <= n <= MAX_SPECULATIVE_TOKENS for n in counts) or sum(counts) != len(msg.draft_token_ids):
+        raise ValueError(
+            f"num_draft_tokens: each in [0, {MAX_SPECULATIVE_TOKENS}], adding up to len(draft_token_ids) "
+            f"({len(msg.draft_token_ids)}), got {counts[:8]}"
+        )
+    check_wire_token_ids(msg.draft_token_ids, vocab_size, "draft_token_ids")
+    ids, token_ids, start = list(msg.draft_token_ids), [], 0
+    for n in counts:
+        token_ids.append(ids[start : start + n])
+        start += n
+    probs = None
+    if msg.HasField("draft_probs"):
+        probs = tensor_from_proto(msg.draft_probs, "draft_probs", ("float32",), 2, device)
+        if tuple(probs.shape) != (len(ids), vocab_size):
+            raise ValueError(f"draft_probs.shape must be [{len(ids)} drafts, {vocab_size}], got {list(probs.shape)}")
+    return DraftTokens(token_ids, probs)

@@ -284,8 +284,12 @@ class Scheduler:
             and r.num_computed_tokens + output.num_scheduled_tokens[r.request_id] >= r.num_tokens
         ]
         if structured:
-            output.structured_output_request_ids = {r.request_id: i for i, r in enumerate(structured)}
-            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(structured)
+            # With drafts a request has a row per verified position: its first row here, the others after it.
+            spec, row = output.scheduled_spec_decode_tokens, 0
+            for r in structured:
+                output.structured_output_request_ids[r.request_id] = row
+                row += 1 + len(spec.get(r.request_id, ()))
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(structured, spec)
 
     # ---- loads from a KV connector -------------------------------------------------------------
 
@@ -402,8 +406,10 @@ class Scheduler:
                 self.running.remove(request)
                 self._free_request(request)
             else:
-                proposed = runner_output.spec_token_ids.get(request.request_id, [])
-                request.spec_token_ids = proposed[: self._max_num_drafts(request)]
+                proposed = runner_output.spec_token_ids.get(request.request_id, [])[: self._max_num_drafts(request)]
+                if proposed and request.structured_output_request is not None:
+                    proposed = self.structured_output_manager.validate_tokens(request, proposed)
+                request.spec_token_ids = proposed
             logprobs = runner_output.logprobs.get(request.request_id)
             if logprobs is not None and len(new_token_ids) < len(token_ids):  # a stop among them: its rows only
                 n = len(new_token_ids)

@@ -99,8 +99,6 @@ class DraftModelProposer:
             self.probs.pop(request.request_id, None)
         rows = []  # (request, position of its last token, drafts it may have, its block ids)
         for request, new in zip(requests, new_token_ids):
-            if request.structured_output_request is not None:
-                continue
             block_ids = so.block_ids[request.request_id]
             position = request.num_tokens + len(new) - 1
             # Every draft but the last writes its KV at the next position: within the reserved blocks.

@@ -30,8 +30,7 @@ class NgramProposer:
         """Drafts to follow each request's tokens and its new ones from this step (none where no suffix recurs)."""
         drafts = {}
         for request, new in zip(requests, new_token_ids):
-            if request.structured_output_request is None:
-                drafts[request.request_id] = self.lookup(request.all_token_ids + new)
+            drafts[request.request_id] = self.lookup(request.all_token_ids + new)
         return drafts
 
     def draft_tokens(self, scheduled: list[list[int]], requests: list) -> DraftTokens:

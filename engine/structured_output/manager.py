@@ -109,13 +109,44 @@ class StructuredOutputManager:
 
     # ---- each step ---------------------------------------------------------------------------------
 
-    def grammar_bitmask(self, requests: list[Request]) -> torch.Tensor:
-        """[len(requests), ceil(vocab / 32)] int32 on the host: row i packs the tokens requests[i]'s grammar allows
-        next (bit set = allowed)."""
-        bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
-        matchers = [r.structured_output_request.matcher for r in requests]
-        self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+    def grammar_bitmask(self, requests: list[Request], spec_tokens: dict[str, list[int]] | None = None) -> torch.Tensor:
+        """[rows, ceil(vocab / 32)] int32 on the host: the tokens each request's grammar allows next (bit set =
+        allowed), one row per request, or with drafts (spec_tokens: request_id -> its drafts) one per verified
+        position, consecutive: the matcher advances through the drafts to fill them, then rolls back."""
+        spec_tokens = spec_tokens or {}
+        counts = [1 + len(spec_tokens.get(r.request_id, ())) for r in requests]
+        bitmask = xgr.allocate_token_bitmask(sum(counts), self.vocab_size)
+        if sum(counts) == len(requests):
+            matchers = [r.structured_output_request.matcher for r in requests]
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+            return bitmask
+        row = 0
+        for request, n in zip(requests, counts):
+            matcher = request.structured_output_request.matcher
+            accepted = 0
+            for token in [*spec_tokens.get(request.request_id, ()), None]:
+                if matcher.is_terminated():  # the rows after a stop are never reached: they stay all allowed
+                    break
+                matcher.fill_next_token_bitmask(bitmask, row + accepted)
+                if token is None or not matcher.accept_token(token):
+                    break
+                accepted += 1
+            matcher.rollback(accepted)
+            row += n
         return bitmask
+
+    @staticmethod
+    def validate_tokens(request: Request, tokens: list[int]) -> list[int]:
+        """The longest prefix of tokens the request's grammar accepts after its output so far (its matcher is left
+        as it was): proposals the grammar rejects are cut there."""
+        matcher = request.structured_output_request.matcher
+        accepted = 0
+        for token in tokens:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            accepted += 1
+        matcher.rollback(accepted)
+        return tokens[:accepted]
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
