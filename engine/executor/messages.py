@@ -6,6 +6,7 @@ import dataclasses
 import json
 import struct
 
+import numpy as np
 import torch
 
 from engine.attention.backend import AttentionMetadata
@@ -49,9 +50,10 @@ def decode(data: bytes, device: torch.device) -> dict:
         size = dtype.itemsize
         for d in spec["shape"]:
             size *= d
-        raw = bytearray(data[offset : offset + size])
+        # Copied into torch's own (aligned) memory: kernels may read a tensor with aligned vector loads.
+        flat = torch.empty(size, dtype=torch.uint8)
+        flat.numpy()[:] = np.frombuffer(data, np.uint8, size, offset)
         offset += size
-        flat = torch.frombuffer(raw, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
         return flat.view(dtype).reshape(spec["shape"]).to(device)
 
     def walk(value):

@@ -189,7 +189,10 @@ class MultiprocExecutor(UniProcExecutor):
         """A rank's connection that closes (the rank exited, or its host went away) ends the engine."""
         conns = {conn: rank for rank, conn in self.conns.items()}
         while not self.closing and self.dead is None:
-            readable, _, _ = select.select(list(conns), [], [], 0.5)
+            try:
+                readable, _, _ = select.select(list(conns), [], [], 0.5)
+            except (OSError, ValueError):  # shutdown() closed them
+                return
             for conn in readable:
                 if self.closing:
                     return
