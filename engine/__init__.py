@@ -11,6 +11,7 @@ _EXPORTS = {
     "SamplingParams": "engine.request",
     "StructuredOutputsParams": "engine.request",
     "EngineArgs": "engine.config",
+    "LoRARequest": "engine.lora.request",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
 }

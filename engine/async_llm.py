@@ -25,6 +25,7 @@ from collections.abc import Callable
 from engine.core import EngineCore
 from engine.executor.uniproc import ExecutorDeadError
 from engine.limits import RequestLimits
+from engine.lora.request import LoRARequest
 from engine.output_processor import OutputProcessor, RequestOutputKind
 from engine.outputs import RequestOutput
 from engine.processor import Processor
@@ -131,16 +132,18 @@ class AsyncLLM:
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
         trace_headers: tuple[tuple[str, str], ...] = (),
         kv_transfer_params: dict | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Check and queue a request (n engine requests when n > 1); ValueError names what is wrong.
         trace_headers: the request span's traceparent/tracestate, for the calls the engine makes for it.
-        kv_transfer_params: vLLM's, already checked by the caller, for the KV connector."""
+        kv_transfer_params: vLLM's, already checked by the caller, for the KV connector.
+        lora_request: an adapter the engine has loaded (add_lora, --lora-modules); None: the base model."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine thread has stopped: {self.dead}")
         request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs the engine's tokenizer, which is not loaded.")
-        prompt_token_ids = self.processor.process_inputs(request_id, prompt_token_ids, params, cache_salt)
+        prompt_token_ids = self.processor.process_inputs(request_id, prompt_token_ids, params, cache_salt, lora_request)
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use by a running request.")
         state = self.output_processor.add_request(request_id, None, prompt_token_ids, params, arrival_time, output_kind)
@@ -148,9 +151,36 @@ class AsyncLLM:
             r.priority, r.cache_salt, r.eos_token_ids = priority, cache_salt or None, self.processor.eos_token_ids
             r.trace_headers = trace_headers
             r.kv_transfer_params = kv_transfer_params or {}
+            r.lora_request = lora_request
         stream = self.streams[request_id] = RequestStream(request_id, state)
         self.inbox.put(("add", state.engine_requests))
         return stream
+
+    # ---- LoRA adapters: loaded and unloaded on the engine thread, between steps ----------------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and check an adapter (ValueError: what is wrong with it); False if it was loaded already."""
+        return await self._on_engine_thread(lambda core: core.add_lora(lora_request))
+
+    async def remove_lora(self, lora_int_id_or_name: int | str) -> bool:
+        """Unload an adapter by id or name; False if none such is loaded; ValueError while requests use it."""
+        return await self._on_engine_thread(lambda core: core.remove_lora(lora_int_id_or_name))
+
+    def list_loras(self) -> set[int]:
+        return {r.lora_int_id for r in self.lora_registry.values()}
+
+    @property
+    def lora_registry(self) -> dict[str, LoRARequest]:
+        """The loaded adapters (--lora-modules' too) by name."""
+        return dict(self.core.lora_registry) if self.core is not None else {}
+
+    async def _on_engine_thread(self, call: Callable):
+        """call(core) on the engine thread between two steps; what it returns or raises."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine thread has stopped: {self.dead}")
+        done = self.loop.create_future()
+        self.inbox.put(("call", (call, done)))
+        return await done
 
     def subscribe_kv_events(self) -> asyncio.Queue:
         """A queue of (seq, timestamp, events) batches from now on; unsubscribe_kv_events when done."""
@@ -273,6 +303,15 @@ class AsyncLLM:
         finally:
             self.core.shutdown()
 
+    def _call(self, core: EngineCore, call: Callable, done: asyncio.Future) -> None:
+        """On the engine thread: run call(core) and settle `done` on the loop with its result or error."""
+        try:
+            result = call(core)
+        except Exception as e:  # noqa: BLE001 (the caller gets it: a bad adapter never stops the engine)
+            self._call_soon(_settle, done, None, e)
+        else:
+            self._call_soon(_settle, done, result, None)
+
     def _call_soon(self, callback, *args) -> bool:
         """Run callback on the event loop; False when the loop is closed and nobody listens any more."""
         try:
@@ -304,6 +343,8 @@ class AsyncLLM:
                         except Exception as e:  # noqa: BLE001 (checked already; this is a last line of defence)
                             logger.warning("request %s refused in the engine thread: %s", request.request_id, e)
                             failed[request.request_id] = str(e)
+                elif kind == "call":
+                    self._call(core, *payload)
                 else:  # "abort": the blocks are free before the next step
                     core.abort_requests(payload)
             outputs = []
@@ -332,3 +373,11 @@ class AsyncLLM:
                 self._deliver, time.monotonic(), outputs, failed, kv_events
             ):
                 return
+
+
+def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
+    if not future.done():  # its caller may have been cancelled
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)

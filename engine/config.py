@@ -34,11 +34,19 @@ def parse_int_list(value: str) -> list[int]:
     return [int(v) for v in value.strip("[]").replace(",", " ").split()]
 
 
-def _scalar_type(t) -> type:
-    """int for `int` and `int | None`, and so on; a list of ints is parsed from one string."""
+def _optional(t):
+    """T for `T | None`."""
     args = [a for a in typing.get_args(t) if a is not type(None)]
-    t = args[0] if args else t
-    return parse_int_list if typing.get_origin(t) is list else t
+    return args[0] if args and type(None) in typing.get_args(t) else t
+
+
+def _scalar_type(t) -> type:
+    """int for `int` and `int | None`, and so on; a list of ints is parsed from one string, a list of strings is
+    given as several."""
+    t = _optional(t)
+    if typing.get_origin(t) is list:
+        return str if typing.get_args(t) == (str,) else parse_int_list
+    return t
 
 
 # --quantization's methods (engine/models/quantization.py); unset: the checkpoint's own (gguf for a .gguf file), else none.
@@ -99,6 +107,11 @@ FLAG_HELP = {
     "speculative_config": "speculative decoding as JSON: {\"method\":\"ngram\",\"num_speculative_tokens\":K,\"prompt_lookup_max\":"
     "5,\"prompt_lookup_min\":2} (drafts copied from the request's own tokens) or {\"method\":\"draft_model\",\"model\":PATH,"
     "\"num_speculative_tokens\":K} (a smaller model with the same vocabulary); K in [1, 16]; unset: off",
+    "enable_lora": "serve LoRA adapters (PEFT directories) beside the base model, many in one batch",
+    "lora_modules": "adapters loaded at start, as NAME=PATH (a PEFT directory) each; needs --enable-lora",
+    "max_loras": "adapters in one batch at most: the device slots, each of --max-lora-rank, allocated at start",
+    "max_lora_rank": "highest adapter rank served (the slots' size); an adapter of a higher rank is refused",
+    "max_cpu_loras": "adapters kept in host memory (one evicted is read again from its directory); unset: --max-loras",
 }
 
 
@@ -149,6 +162,12 @@ class EngineArgs:
     cudagraph_capture_sizes: list[int] | None = None
     # vLLM's --speculative-config: JSON (or a dict, offline), engine.spec_decode.config.SpeculativeConfig.
     speculative_config: str | dict | None = None
+    # Multi-LoRA (vLLM's flags): adapters loaded at start as "name=path", and the slots' number and rank.
+    enable_lora: bool = False
+    lora_modules: list[str] | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -192,6 +211,7 @@ class EngineArgs:
             parse_memory_size(self.kv_cache_memory)
         if self.cudagraph_capture_sizes is not None and not all(s >= 1 for s in self.cudagraph_capture_sizes):
             raise ValueError(f"cudagraph_capture_sizes must all be >= 1, got {self.cudagraph_capture_sizes}.")
+        self._check_lora()
         self.get_speculative_config()
         if self.kv_transfer_config is not None:
             self.get_kv_transfer_config()
@@ -199,6 +219,27 @@ class EngineArgs:
                 raise ValueError(
                     "kv_transfer_config needs prefix caching: its blocks are named by their prefix hashes."
                 )
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}.")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}.")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras must be at least max_loras ({self.max_loras}), got {self.max_cpu_loras}.")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora).")
+        self.get_lora_modules()
+
+    def get_lora_modules(self) -> dict[str, str]:
+        """--lora-modules as adapter name -> PEFT directory."""
+        modules = {}
+        for entry in self.lora_modules or []:
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path or name in modules:
+                raise ValueError(f"lora_modules entries must be distinct NAME=PATH, got {entry!r}.")
+            modules[name] = path
+        return modules
 
     def get_cudagraph_capture_sizes(self) -> list[int]:
         """The decode batch sizes that get a CUDA graph, ascending; none above max_num_seqs or the token budget."""
@@ -223,6 +264,9 @@ class EngineArgs:
                 parser.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=f.default, help=FLAG_HELP.get(f.name)
                 )
+            elif _scalar_type(f.type) is str and typing.get_origin(_optional(f.type)) is list:
+                # A list of strings is given as vLLM gives it: --lora-modules a=/x b=/y.
+                parser.add_argument(flag, nargs="+", default=f.default, help=FLAG_HELP.get(f.name))
             else:
                 parser.add_argument(flag, type=_scalar_type(f.type), default=f.default, help=FLAG_HELP.get(f.name))
         return parser

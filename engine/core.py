@@ -10,6 +10,7 @@ from engine.executor import make_executor
 from engine.kv.connector.base import KVConnectorRole
 from engine.kv.connector.factory import create_connector
 from engine.kv.manager import KVCacheManager
+from engine.lora.request import LoRARequest
 from engine.models.files import load_config
 from engine.models.loader import prepare_model_dir
 from engine.request import Request, RequestStatus
@@ -59,6 +60,9 @@ class EngineCore:
             self.num_blocks * self.worker.get_cache_block_size_bytes() / 2**30, self.worker.kv_cache_dtype,
         )  # fmt: skip
 
+        # LoRA adapters loaded: name -> its request, and id -> the digest of its weights (its blocks' extra key).
+        self.lora_registry: dict[str, LoRARequest] = {}
+        self.lora_digests: dict[int, bytes] = {}
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks,
             block_size,
@@ -67,6 +71,7 @@ class EngineCore:
             hash_seed=args.prefix_caching_hash_seed,
             watermark=args.watermark,
             enable_kv_cache_events=args.enable_kv_cache_events,
+            lora_digests=self.lora_digests,
         )
         self.num_steps = 0
         self.last_step: StepStats | None = None
@@ -92,8 +97,11 @@ class EngineCore:
             structured_output_manager=self.structured_output_manager,
             num_spec_tokens=spec.num_speculative_tokens if (spec := args.get_speculative_config()) else 0,
             num_lookahead_tokens=self.worker.drafter.num_lookahead_tokens if self.worker.drafter else 0,
+            max_loras=args.max_loras if args.enable_lora else 0,
         )
         self._aborted: list[EngineCoreOutput] = []
+        for lora_int_id, (name, path) in enumerate(args.get_lora_modules().items(), start=1):
+            self.add_lora(LoRARequest(name, lora_int_id, path))
 
     @property
     def worker(self) -> Worker:
@@ -108,6 +116,9 @@ class EngineCore:
         request.eos_token_ids = request.eos_token_ids or tuple(self.model_config.eos_token_ids)
         if self.has_request(request.request_id):
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
+        lora = request.lora_request
+        if lora is not None and self.lora_registry.get(lora.lora_name) != lora:
+            raise ValueError(f"lora_request: adapter {lora.lora_name!r} (id {lora.lora_int_id}) is not loaded.")
         if request.structured_output_request is not None:
             self.structured_output_manager.grammar_init(request)
         self.scheduler.add_request(request)
@@ -170,6 +181,43 @@ class EngineCore:
                 )
             )
         return outputs
+
+    # ---- LoRA adapters ----------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and check an adapter (ValueError: what is wrong with it); False if it is loaded already."""
+        if not self.args.enable_lora:
+            raise ValueError("LoRA adapters need an engine started with --enable-lora.")
+        name, lora_int_id = lora_request.lora_name, lora_request.lora_int_id
+        if self.lora_registry.get(name) == lora_request:
+            return False
+        if name in self.lora_registry:
+            loaded = self.lora_registry[name]
+            raise ValueError(f"lora_request: an adapter named {name!r} is loaded already (id {loaded.lora_int_id}).")
+        if lora_int_id in self.lora_digests:
+            raise ValueError(f"lora_request: lora_int_id {lora_int_id} is taken by another adapter.")
+        self.lora_digests[lora_int_id] = self.worker.add_lora(lora_request)
+        self.lora_registry[name] = lora_request
+        return True
+
+    def remove_lora(self, lora_int_id_or_name: int | str) -> bool:
+        """Unload an adapter (by id or name); False if none such is loaded. ValueError while requests use it."""
+        lora = next(
+            (r for r in self.lora_registry.values() if lora_int_id_or_name in (r.lora_int_id, r.lora_name)), None
+        )
+        if lora is None:
+            return False
+        in_flight = self.scheduler.requests_with_lora(lora.lora_int_id)
+        if in_flight:
+            raise ValueError(
+                f"LoRA adapter {lora.lora_name!r} has {in_flight} request(s) in flight; unload it once they end."
+            )
+        self.worker.remove_lora(lora.lora_int_id)
+        del self.lora_registry[lora.lora_name], self.lora_digests[lora.lora_int_id]
+        return True
+
+    def list_loras(self) -> set[int]:
+        return {r.lora_int_id for r in self.lora_registry.values()}
 
     def set_step_trace_headers(self, trace_headers: tuple[tuple[str, str], ...]) -> None:
         """The next step's span context (--collect-detailed-traces): its call to the sampler service joins it."""

@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from engine.config import EngineArgs
 from engine.core import EngineCore
+from engine.lora.request import LoRARequest
 from engine.models.loader import DEFAULT_MODEL
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -33,6 +34,24 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and check an adapter; ValueError says what is wrong with it. False if it was loaded already."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id_or_name: int | str) -> bool:
+        """Unload an adapter by id or name; False if none such is loaded."""
+        return self.engine.remove_lora(lora_int_id_or_name)
+
+    def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
+
+    @property
+    def lora_registry(self) -> dict[str, LoRARequest]:
+        """The loaded adapters (--lora-modules' too) by name."""
+        return dict(self.engine.lora_registry)
+
     # ---- generate --------------------------------------------------------------
 
     def generate(
@@ -41,16 +60,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Prompts are strings, token-id lists, or {"prompt": ...} / {"prompt_token_ids": ...} dicts."""
+        """Prompts are strings, token-id lists, or {"prompt": ...} / {"prompt_token_ids": ...} dicts. lora_request:
+        one adapter for all prompts or one per prompt (None: the base model); one not loaded yet is loaded first,
+        as vLLM does."""
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries, expected one per prompt ({len(prompts)}).")
+        loras = self._as_lora_list(lora_request, len(prompts))
         # Check every request before adding any, so a bad one leaves the engine untouched.
         inputs = []
-        for prompt, sp in zip(prompts, params):
+        for prompt, sp, lora in zip(prompts, params, loras):
             text, token_ids = self._tokenize(prompt)
+            self.processor.process_lora(lora)
             self.processor.process_params(sp)
             inputs.append((text, self.processor.process_prompt(token_ids, sp)))
 
@@ -62,6 +86,7 @@ class LLM:
             state = self.output_processor.add_request(request_id, text, token_ids, sp, now)
             for request in state.engine_requests:
                 request.priority = priority[i] if priority else 0
+                request.lora_request = loras[i]
                 self.engine.add_request(request)
         return self._run_engine(index, use_tqdm)
 
@@ -72,6 +97,7 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -82,7 +108,7 @@ class LLM:
             )
             # The template already holds the special tokens.
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # ---- helpers ---------------------------------------------------------------
 
@@ -105,6 +131,16 @@ class LLM:
         if len(sampling_params) != n:
             raise ValueError(f"Got {len(sampling_params)} sampling_params for {n} prompts; pass one or one per prompt.")
         return sampling_params
+
+    def _as_lora_list(self, lora_request, n: int) -> list[LoRARequest | None]:
+        """One per prompt; adapters not loaded yet are loaded (and checked) now."""
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * n
+        if len(loras) != n:
+            raise ValueError(f"Got {len(loras)} lora_request entries for {n} prompts; pass one or one per prompt.")
+        for lora in loras:
+            if lora is not None and lora.lora_name not in self.engine.lora_registry:
+                self.add_lora(lora)
+        return loras
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

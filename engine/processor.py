@@ -3,12 +3,13 @@ Processor).
 
 It checks a request against the configured limits (RequestLimits) and the model (vocabulary, length, KV cache
 size, --max-logprobs), refuses what can never work (a grammar that does not compile too), tokenizes bad words,
-truncates the prompt and fills in the EOS ids. The offline LLM, AsyncLLM (both engine protocols) and the gateway
+truncates the prompt, fills in the EOS ids and resolves a request's LoRA adapter among those loaded. The offline LLM, AsyncLLM (both engine protocols) and the gateway
 all admit through it; the gateway has no tokenizer or grammar compiler in process and knows the model from the
 engines' ModelInfo, so it checks everything but the bad words' tokens and the grammars, which the engine checks. Every refusal is a ValueError naming the field and what it allows.
 """
 
 from engine.limits import RequestLimits
+from engine.lora.request import LoRARequest
 from engine.output_processor import truncate_prompt
 from engine.request import SamplingParams
 
@@ -24,6 +25,7 @@ class Processor:
         kv_capacity_tokens: int | None = None,
         tokenizer=None,
         structured_output_manager=None,
+        lora_registry: dict[str, LoRARequest] | None = None,
     ):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -34,6 +36,8 @@ class Processor:
         self.tokenizer = tokenizer  # engine.text.Tokenizer; None: bad words are tokenized further in
         # Parses grammars (xgrammar); None: they are checked further in (the gateway imports no xgrammar).
         self.structured_output_manager = structured_output_manager
+        # The engine's loaded adapters by name (EngineCore.lora_registry, kept current); None: LoRA is off.
+        self.lora_registry = lora_registry
 
     @classmethod
     def for_engine(cls, core, limits: RequestLimits | None = None, tokenizer=None) -> "Processor":
@@ -47,6 +51,7 @@ class Processor:
             core.num_blocks * core.args.block_size,
             tokenizer,
             core.structured_output_manager,
+            core.lora_registry if core.args.enable_lora else None,
         )
 
     def check_ids(self, request_id: str, cache_salt: str | None) -> None:
@@ -78,6 +83,24 @@ class Processor:
             if bad:
                 raise ValueError(f"bad_words: token ids must be in [0, {self.vocab_size}), got {bad[:3]}.")
 
+    def process_lora(self, lora_request: LoRARequest | None) -> None:
+        """The adapter must be one the engine has loaded, under this name and id."""
+        if lora_request is None:
+            return
+        if self.lora_registry is None:
+            raise ValueError("lora_request: this engine serves no LoRA adapters (start it with --enable-lora).")
+        loaded = self.lora_registry.get(lora_request.lora_name)
+        if loaded is None:
+            names = ", ".join(sorted(self.lora_registry)) or "none"
+            raise ValueError(
+                f"lora_request: unknown LoRA adapter {lora_request.lora_name!r}; loaded adapters: {names}."
+            )
+        if loaded != lora_request:
+            raise ValueError(
+                f"lora_request: adapter {lora_request.lora_name!r} is loaded as id {loaded.lora_int_id} from "
+                f"{loaded.lora_path}, not as id {lora_request.lora_int_id} from {lora_request.lora_path}."
+            )
+
     def process_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt after truncate_prompt_tokens, if the model and the KV cache can ever run it."""
         ids = truncate_prompt(list(prompt_token_ids), params.truncate_prompt_tokens, self.max_model_len)
@@ -103,9 +126,15 @@ class Processor:
         return ids
 
     def process_inputs(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[int]:
         """Everything above, in the order a client's mistakes are best reported; the prompt to run."""
         self.check_ids(request_id, cache_salt)
+        self.process_lora(lora_request)
         self.process_params(params)
         return self.process_prompt(prompt_token_ids, params)

@@ -7,6 +7,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from engine.lora.request import LoRARequest
 from engine.structured_output.request import StructuredOutputRequest
 
 
@@ -318,6 +319,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -326,6 +328,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # The adapter it runs with; None: the base model.
+        self.lora_request = lora_request
         # W3C traceparent/tracestate of the request's span (vLLM's trace_headers), as gRPC metadata: the calls the
         # engine makes for this request (the KV store's) join its trace. Empty when it is not traced.
         self.trace_headers: tuple[tuple[str, str], ...] = ()

@@ -1,6 +1,9 @@
 """Chained block hashes for prefix caching.
 
 hash(block i) = H(hash(block i-1) || canonical bytes of block i's tokens || extra keys).
+The extra keys (block 0's, which every later block inherits through the chain) are the request's cache salt and
+its LoRA adapter's digest, so requests under different adapters never share a block; a request with neither
+hashes as it always did.
 The encoding is fixed-width little-endian, so the same tokens give the same hash in every
 process and on every machine; that is what lets a KV store share blocks across engines.
 Never Python's hash() (salted per process) and never pickle.
@@ -36,24 +39,34 @@ def hash_block_tokens(hash_fn: HashFn, parent_hash: bytes, token_ids: list[int],
     return hash_fn(parent_hash + struct.pack("<I", len(token_ids)) + tokens + struct.pack("<I", len(extra)) + extra)
 
 
-def request_extra_key(cache_salt: str | None) -> bytes:
-    return b"" if cache_salt is None else b"salt:" + cache_salt.encode()
+def request_extra_key(cache_salt: str | None, lora_key: bytes | None = None) -> bytes:
+    salt = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
+    return salt if lora_key is None else salt + b"lora:" + lora_key
 
 
 def extend_block_hashes(
-    hashes: list[bytes], token_ids, block_size: int, hash_fn: HashFn, root: bytes, cache_salt: str | None
+    hashes: list[bytes],
+    token_ids,
+    block_size: int,
+    hash_fn: HashFn,
+    root: bytes,
+    cache_salt: str | None,
+    lora_key: bytes | None = None,
 ) -> list[bytes]:
-    """Append to `hashes` the hash of every full block of `token_ids` past those already hashed (the salt is mixed
-    into block 0 only). The engine names its blocks this way; a router names a prompt's blocks the same way."""
+    """Append to `hashes` the hash of every full block of `token_ids` past those already hashed (the salt and the
+    adapter's digest, lora_key, are mixed into block 0 only). The engine names its blocks this way; a router names a
+    prompt's blocks the same way."""
     num_full = len(token_ids) // block_size
     while len(hashes) < num_full:
         i = len(hashes)
         parent = hashes[-1] if hashes else root
-        extra = request_extra_key(cache_salt) if i == 0 else b""
+        extra = request_extra_key(cache_salt, lora_key) if i == 0 else b""
         hashes.append(hash_block_tokens(hash_fn, parent, token_ids[i * block_size : (i + 1) * block_size], extra))
     return hashes
 
 
-def update_block_hashes(request, block_size: int, hash_fn: HashFn, root: bytes) -> None:
-    """Append hashes for every newly full block of `request`."""
-    extend_block_hashes(request.block_hashes, request.all_token_ids, block_size, hash_fn, root, request.cache_salt)
+def update_block_hashes(request, block_size: int, hash_fn: HashFn, root: bytes, lora_key: bytes | None = None) -> None:
+    """Append hashes for every newly full block of `request` (lora_key: the digest of its adapter, if any)."""
+    extend_block_hashes(
+        request.block_hashes, request.all_token_ids, block_size, hash_fn, root, request.cache_salt, lora_key
+    )

@@ -35,6 +35,7 @@ class KVCacheManager:
         hash_seed: str | None = None,
         watermark: float = 0.0,
         enable_kv_cache_events: bool = False,
+        lora_digests: dict[int, bytes] | None = None,
     ):
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -47,6 +48,8 @@ class KVCacheManager:
         # How many of a request's blocks are already registered in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # LoRA adapter id -> digest of its weights: the extra key of its requests' block hashes.
+        self.lora_digests = lora_digests if lora_digests is not None else {}
 
     @property
     def num_blocks(self) -> int:
@@ -62,7 +65,7 @@ class KVCacheManager:
         """Longest cached prefix of full blocks, capped so at least one token is computed."""
         if not self.enable_caching:
             return [], 0
-        update_block_hashes(request, self.block_size, self.hash_fn, self.root_hash)
+        self._update_block_hashes(request)
         # The last token must run through the model to produce logits.
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         blocks = []
@@ -113,7 +116,7 @@ class KVCacheManager:
         blocks' contents came from, when not from this engine's own forward pass)."""
         if not self.enable_caching:
             return
-        update_block_hashes(request, self.block_size, self.hash_fn, self.root_hash)
+        self._update_block_hashes(request)
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         num_cached = self.num_cached_block.get(request.request_id, 0)
         if num_full > num_cached:
@@ -127,6 +130,11 @@ class KVCacheManager:
                 loaded_from,
             )
             self.num_cached_block[request.request_id] = num_full
+
+    def _update_block_hashes(self, request: Request) -> None:
+        lora = request.lora_request
+        lora_key = None if lora is None else self.lora_digests[lora.lora_int_id]
+        update_block_hashes(request, self.block_size, self.hash_fn, self.root_hash, lora_key)
 
     def free(self, request: Request) -> None:
         """Release a request's blocks tail-first, so its unique tail is evicted before shared prefix."""

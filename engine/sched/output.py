@@ -87,5 +87,8 @@ class SchedulerStats:
     num_loading_reqs: int = 0  # waiting for a KV connector's load
     # Cumulative KV connector counters (tokens loaded, load faults, blocks stored...); None without one.
     kv_connector_stats: dict | None = None
+    # LoRA adapter name -> its running / waiting requests (vLLM's lora_requests_info); empty without adapters.
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
     # Cumulative drafts proposed and accepted; None without speculative decoding.
     spec_decoding_stats: SpecDecodingStats | None = None

@@ -31,6 +31,7 @@ class Scheduler:
         structured_output_manager=None,
         num_spec_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        max_loras: int = 0,
     ):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -54,6 +55,8 @@ class Scheduler:
         self.spec_decoding_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
         # Slots reserved past a request's scheduled tokens, where a draft model writes its drafts' KV.
         self.num_lookahead_tokens = num_lookahead_tokens
+        # Adapters one step may run at most (the device's LoRA slots); 0: LoRA is off.
+        self.max_loras = max_loras
 
     # ---- requests in and out -------------------------------------------------
 
@@ -124,7 +127,19 @@ class Scheduler:
             num_loading_reqs=len(self.loading),
             kv_connector_stats=self.connector.get_kv_connector_stats() if self.connector is not None else None,
             spec_decoding_stats=self.spec_decoding_stats,
+            **self._lora_adapter_counts(),
         )
+
+    def _lora_adapter_counts(self) -> dict[str, dict[str, int]]:
+        """Adapter name -> requests running, and waiting (loading too), as vLLM's lora_requests_info counts them."""
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        if self.max_loras:
+            for r in self.requests.values():
+                if r.lora_request is not None:
+                    counts = running if r.status == RequestStatus.RUNNING else waiting
+                    counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+        return {"running_lora_adapters": running, "waiting_lora_adapters": waiting}
 
     # ---- one step ------------------------------------------------------------
 
@@ -181,6 +196,7 @@ class Scheduler:
         # Then waiting requests, but never in a step that had to preempt.
         # Waiting on the KV connector's answer or on their grammar: they keep their place in line.
         skipped: list[Request] = []
+        running_loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         while not preempted and len(self.waiting) and token_budget > 0:
             if len(self.running) >= self.max_num_seqs:
                 break
@@ -191,6 +207,10 @@ class Scheduler:
                     continue
                 if not self._grammar_compiled(request):
                     continue
+            lora = request.lora_request
+            if lora is not None and lora.lora_int_id not in running_loras and len(running_loras) >= self.max_loras:
+                skipped.append(self.waiting.pop_request())  # no slot for its adapter this step: it keeps its place
+                continue
             # A request back from a KV load already holds its computed prefix.
             num_cached = request.num_computed_tokens
             computed_blocks, num_local, num_external, load_async = [], 0, 0, False
@@ -225,6 +245,8 @@ class Scheduler:
                     request.num_computed_tokens = 0
                 break
             self._admitted(request, num_local, queried)
+            if lora is not None:
+                running_loras.add(lora.lora_int_id)
             num_cached += num_local
             self.waiting.pop_request()
             self.running.append(request)
@@ -447,6 +469,10 @@ class Scheduler:
         return EngineCoreOutput(
             request.request_id, [], FinishReason.ERROR, events=request.take_events(), failure=failure
         )
+
+    def requests_with_lora(self, lora_int_id: int) -> int:
+        """Requests in flight (waiting, loading or running) with this adapter."""
+        return sum(1 for r in self.requests.values() if r.lora_request and r.lora_request.lora_int_id == lora_int_id)
 
     def check_stop(self, request: Request) -> bool:
         params = request.sampling_params

@@ -21,10 +21,11 @@ from engine.attention.backend import AttentionBackend, AttentionMetadata
 
 def use_cudagraphs(args, device: torch.device, backend: AttentionBackend) -> bool:
     """Graphs need a CUDA device, a backend whose launches depend only on shapes, and sizes to capture;
-    --enforce-eager turns them off."""
+    --enforce-eager turns them off, and so does --enable-lora (a step's adapter segments are host data)."""
     return (
         device.type == "cuda"
         and not args.enforce_eager
+        and not args.enable_lora
         and backend.cudagraph_support
         and bool(args.get_cudagraph_capture_sizes())
     )
@@ -63,6 +64,8 @@ class InputBuffers:
         self.block_table = CpuGpuBuffer(max_num_reqs, max_blocks_per_req, device=device)
         # Speculative decoding verifies several positions of a request: up to one logits row per token.
         self.logits_indices = CpuGpuBuffer(max_num_tokens, device=device)
+        # Each token's LoRA slot (-1: the base model), vLLM's token_lora_mapping.
+        self.token_lora_indices = CpuGpuBuffer(max_num_tokens, device=device)
         # Recorded after each step's copies; the next step waits on it before overwriting the host side.
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
@@ -138,6 +141,14 @@ class InputBuffers:
         if self.copied is not None:
             self.copied.record()
         return input_ids, positions, metadata, logits_indices
+
+    def prepare_lora(self, lora_slots: list[int], num_scheduled: list[int]) -> tuple[torch.Tensor, np.ndarray]:
+        """Each scheduled token's LoRA slot, from its request's (after prepare(), in the same order): on the device,
+        and the host array it was copied from."""
+        total = sum(num_scheduled)
+        host = self.token_lora_indices.np[:total]
+        host[:] = np.repeat(lora_slots, num_scheduled)
+        return self.token_lora_indices.copy_to_gpu(total), host
 
 
 class CUDAGraphs:

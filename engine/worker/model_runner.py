@@ -32,6 +32,7 @@ class ModelRunner:
         max_num_reqs: int,
         max_model_len: int,
         sampler: BatchSampler | None = None,
+        lora_manager=None,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -46,6 +47,8 @@ class ModelRunner:
         self.prompt_logprobs_in_progress: dict[str, list[LogprobsTensors]] = {}
         # Speculative decoding's proposer (engine.spec_decode); None: off.
         self.drafter = None
+        # engine.lora.manager.LoRAModelManager with --enable-lora: puts a step's adapters in slots.
+        self.lora_manager = lora_manager
 
     def capture_cudagraphs(self, sizes: list[int]) -> None:
         """CUDA graphs of the model's forward for decode batches of these sizes (after the KV cache exists)."""
@@ -57,9 +60,11 @@ class ModelRunner:
 
         Also the rows to sample (those whose prompt is complete after this step), and the CUDA graph size the
         batch runs as (None: eagerly)."""
+        lora_slots = self._activate_loras(so.scheduled_requests)
+        # Decodes first; with adapters, each adapter's requests together, so its tokens are one segment.
         order = sorted(
             range(len(so.scheduled_requests)),
-            key=lambda i: so.num_scheduled_tokens[so.scheduled_requests[i].request_id] != 1,
+            key=lambda i: (so.num_scheduled_tokens[so.scheduled_requests[i].request_id] != 1, lora_slots[i]),
         )
         requests = [so.scheduled_requests[i] for i in order]
         num_scheduled = [so.num_scheduled_tokens[r.request_id] for r in requests]
@@ -74,7 +79,16 @@ class ModelRunner:
             size,
             [spec.get(r.request_id, []) for r in requests] if spec else None,
         )
+        if self.lora_manager is not None:
+            self.lora_manager.set_mapping(*self.buffers.prepare_lora([lora_slots[i] for i in order], num_scheduled))
         return requests, order, rows, size, *inputs
+
+    def _activate_loras(self, requests) -> list[int]:
+        """Each request's LoRA slot (-1: the base model), its adapter put in a slot if it was not."""
+        if self.lora_manager is None:
+            return [-1] * len(requests)
+        slot_of = self.lora_manager.activate({r.lora_request.lora_int_id for r in requests if r.lora_request})
+        return [-1 if r.lora_request is None else slot_of[r.lora_request.lora_int_id] for r in requests]
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -22,6 +22,8 @@ from engine.kv.connector.base import KVConnectorBase, KVConnectorRole
 from engine.kv.connector.factory import create_connector
 from engine.kv.layout import KVLayout, model_fingerprint, weights_digest
 from engine.kv.manager import cdiv
+from engine.lora.manager import LoRAModelManager
+from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
 from engine.models.linear import process_weights_after_loading
 from engine.models.llama import LlamaForCausalLM
@@ -98,6 +100,7 @@ class Worker:
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model_runner: ModelRunner | None = None
+        self.lora_manager: LoRAModelManager | None = None  # with --enable-lora, once the model is loaded
         self.connector: KVConnectorBase | None = None  # the worker's half of the KV connector, with the KV cache
         # The other ranks replay no graphs of their own: with tensor parallelism every step runs eagerly.
         self.use_cudagraphs = self.world_size == 1 and use_cudagraphs(args, self.device, self.attn_backend)
@@ -136,6 +139,18 @@ class Worker:
                 self.model.use_cpu_ops(load())
             except Exception as e:  # noqa: BLE001 (a machine that cannot build them still runs, on torch ops)
                 logger.warning("The C++ CPU kernels are unavailable (%s); the model's layers run on torch ops", e)
+        a = self.args
+        if a.enable_lora:  # wraps the loaded layers
+            self.lora_manager = LoRAModelManager(
+                self.model, self.model_config, a.max_loras, a.max_lora_rank, a.max_cpu_loras or a.max_loras
+            )
+
+    def add_lora(self, lora_request: LoRARequest) -> bytes:
+        """Read and check an adapter into host memory; the digest of its weights."""
+        return self.lora_manager.add_adapter(lora_request).digest
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.lora_manager.remove_adapter(lora_int_id)
 
     def get_cache_block_size_bytes(self) -> int:
         """K and V of one block across every layer."""
@@ -289,6 +304,7 @@ class Worker:
             a.max_num_seqs,
             self.max_model_len,
             sampler,
+            self.lora_manager,
         )
         if self.use_cudagraphs:
             began, sizes = time.perf_counter(), a.get_cudagraph_capture_sizes()

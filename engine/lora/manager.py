@@ -1,0 +1,134 @@
+"""The worker's adapters (vLLM's LRUCacheWorkerLoRAManager over a LoRAModelManager).
+
+Adapters the engine has loaded wait in host memory, in an LRU of at most max_cpu_loras (one evicted from it is read
+again from its directory when next needed). A step's adapters must be in device slots: max_loras slots of
+max_lora_rank per wrapped layer, allocated once; an adapter not in one is copied into a free slot, or into the
+least recently used slot no adapter of this step needs. The scheduler never schedules more adapters than slots.
+"""
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from engine.lora.layers import LinearWithLoRA, LoRAMapping
+from engine.lora.peft import LoRAModel, load_peft_adapter
+from engine.lora.request import LoRARequest
+from engine.models.config import ModelConfig
+
+# The model's packed layers and the PEFT modules they hold, in output order: (attribute path, modules).
+_WRAPPED = (
+    ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    ("self_attn.o_proj", ("o_proj",)),
+    ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+    ("mlp.down_proj", ("down_proj",)),
+)
+
+
+class LoRAModelManager:
+    def __init__(self, model, cfg: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int):
+        self.cfg = cfg
+        self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        self.mapping = LoRAMapping()
+        # Slots in float32 on the CPU (its path computes in float32), in the model's dtype on a GPU (its kernels
+        # accumulate in float32).
+        device = model.norm.weight.device
+        dtype = torch.float32 if device.type == "cpu" else model.norm.weight.dtype
+        self.layers: list[dict[str, LinearWithLoRA]] = []  # per decoder layer: attribute path -> wrapper
+        sizes = {"q_proj": cfg.num_attention_heads * cfg.head_dim, "gate_proj": cfg.intermediate_size}
+        sizes["k_proj"] = sizes["v_proj"] = cfg.num_key_value_heads * cfg.head_dim
+        sizes["up_proj"], sizes["o_proj"], sizes["down_proj"] = cfg.intermediate_size, cfg.hidden_size, cfg.hidden_size
+        for layer in model.layers:
+            wrapped = {}
+            for path, modules in _WRAPPED:
+                parent_name, name = path.split(".")
+                parent = getattr(layer, parent_name)
+                wrapper = LinearWithLoRA(
+                    getattr(parent, name),
+                    modules,
+                    tuple(sizes[m] for m in modules),
+                    max_loras,
+                    max_lora_rank,
+                    self.mapping,
+                    dtype,
+                    device,
+                )
+                setattr(parent, name, wrapper)
+                wrapped[path] = wrapper
+            self.layers.append(wrapped)
+        self.registered: dict[int, LoRARequest] = {}  # every adapter added, to read again after an eviction
+        self.cpu_loras: OrderedDict[int, LoRAModel] = OrderedDict()  # LRU, most recent last
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapters in slots, LRU, most recent last
+        self.slot_rank = [0] * max_loras
+        self.num_slot_loads = 0  # adapters copied into a slot, ever (the slots' churn)
+
+    # ---- adapters in host memory -----------------------------------------------------------------
+
+    def add_adapter(self, lora_request: LoRARequest) -> LoRAModel:
+        """Read and check an adapter, and keep it in host memory (a ValueError says what is wrong with it)."""
+        lora = load_peft_adapter(lora_request, self.cfg, self.max_lora_rank)
+        self.registered[lora_request.lora_int_id] = lora_request
+        self._cache(lora)
+        return lora
+
+    def remove_adapter(self, lora_int_id: int) -> None:
+        self.registered.pop(lora_int_id, None)
+        self.cpu_loras.pop(lora_int_id, None)
+        slot = self.slot_of.pop(lora_int_id, None)
+        if slot is not None:
+            self.slot_rank[slot] = 0
+
+    def _cache(self, lora: LoRAModel) -> None:
+        self.cpu_loras[lora.lora_request.lora_int_id] = lora
+        while len(self.cpu_loras) > self.max_cpu_loras:
+            self.cpu_loras.popitem(last=False)
+
+    def _get(self, lora_int_id: int) -> LoRAModel:
+        lora = self.cpu_loras.get(lora_int_id)
+        if lora is None:  # evicted from host memory: read it again
+            lora = load_peft_adapter(self.registered[lora_int_id], self.cfg, self.max_lora_rank)
+            self._cache(lora)
+        self.cpu_loras.move_to_end(lora_int_id)
+        return lora
+
+    # ---- slots ----------------------------------------------------------------------------------
+
+    def activate(self, lora_int_ids: set[int]) -> dict[int, int]:
+        """Put these adapters (at most max_loras) in slots; adapter id -> slot."""
+        assert len(lora_int_ids) <= self.max_loras, "the scheduler let more adapters than slots into one step"
+        for lora_int_id in lora_int_ids:
+            if lora_int_id in self.slot_of:
+                self.slot_of.move_to_end(lora_int_id)
+                continue
+            used = set(self.slot_of.values())
+            free = [s for s in range(self.max_loras) if s not in used]
+            if free:
+                slot = free[0]
+            else:  # the least recently used slot whose adapter this step does not need
+                victim = next(i for i in self.slot_of if i not in lora_int_ids)
+                slot = self.slot_of.pop(victim)
+            lora = self._get(lora_int_id)
+            for layer_index, wrapped in enumerate(self.layers):
+                for wrapper in wrapped.values():
+                    weights = {
+                        m: lora.weights[layer_index, m] for m in wrapper.modules_ if (layer_index, m) in lora.weights
+                    }
+                    wrapper.set_slot(slot, lora.rank, weights)
+            self.slot_of[lora_int_id] = slot
+            self.slot_rank[slot] = lora.rank
+            self.num_slot_loads += 1
+        return {i: self.slot_of[i] for i in lora_int_ids}
+
+    def set_mapping(self, token_lora_indices: torch.Tensor, host_indices: np.ndarray) -> None:
+        """The step's per-token slots (on the device, and on the host to find the runs of one slot)."""
+        self.mapping.token_lora_indices = token_lora_indices
+        segments = []
+        if len(host_indices):
+            bounds = np.flatnonzero(np.diff(host_indices)) + 1
+            starts = np.concatenate(([0], bounds))
+            ends = np.concatenate((bounds, [len(host_indices)]))
+            for start, end in zip(starts.tolist(), ends.tolist()):
+                slot = int(host_indices[start])
+                if slot >= 0:
+                    segments.append((slot, start, end, self.slot_rank[slot]))
+        self.mapping.segments = segments

@@ -1,0 +1,142 @@
+"""Reading a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) and checking it against the model.
+
+Every refusal is a ValueError naming the adapter and what is wrong: a missing or unreadable file, a rank above
+--max-lora-rank, a target module we do not serve, a tensor whose shape is not this base model's.
+"""
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors
+
+from engine.lora.request import LoRARequest
+from engine.models.config import ModelConfig
+
+# The projections an adapter may target, by PEFT's (Hugging Face's) module names.
+SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# PEFT's key for one LoRA matrix: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
+_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight")
+
+
+@dataclass
+class LoRAModel:
+    """One adapter in host memory, float32: (layer, module) -> (A [r, in], B [out, r] with the scaling folded in)."""
+
+    lora_request: LoRARequest
+    rank: int
+    scaling: float
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # Identifies the delta the adapter computes (its weights and scaling): the prefix cache's extra key.
+    digest: bytes
+
+
+def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of each target module in this base model."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+
+
+def _read_config(name: str, path: Path) -> dict:
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise ValueError(f"LoRA adapter {name!r}: {config_file} does not exist (a PEFT directory is needed).")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"LoRA adapter {name!r}: adapter_config.json is not readable JSON: {e}") from None
+    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"LoRA adapter {name!r}: adapter_config.json must be a PEFT config with peft_type LORA.")
+    return config
+
+
+def _check_config(name: str, config: dict, max_lora_rank: int) -> tuple[int, float]:
+    """The rank and the scaling (lora_alpha / r, or / sqrt(r) with rsLoRA)."""
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"LoRA adapter {name!r}: adapter_config.json's r must be an integer >= 1, got {rank!r}.")
+    if rank > max_lora_rank:
+        raise ValueError(
+            f"LoRA adapter {name!r}: its rank {rank} is above --max-lora-rank {max_lora_rank}; "
+            "raise --max-lora-rank or use an adapter of a lower rank."
+        )
+    if not isinstance(alpha, (int, float)):
+        raise ValueError(f"LoRA adapter {name!r}: adapter_config.json's lora_alpha must be a number, got {alpha!r}.")
+    targets = config.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    unsupported = sorted(t for t in targets if t not in SUPPORTED_TARGET_MODULES)
+    if unsupported:
+        raise ValueError(
+            f"LoRA adapter {name!r}: target module(s) {unsupported} are not supported; "
+            f"supported: {', '.join(SUPPORTED_TARGET_MODULES)}."
+        )
+    for key, why in (
+        ("modules_to_save", "full copies of modules"),
+        ("rank_pattern", "per-module ranks"),
+        ("alpha_pattern", "per-module alphas"),
+        ("use_dora", "DoRA"),
+    ):
+        if config.get(key):
+            raise ValueError(f"LoRA adapter {name!r}: {key} ({why}) is not supported.")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"LoRA adapter {name!r}: bias must be 'none', got {config.get('bias')!r}.")
+    scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    return rank, scaling
+
+
+def load_peft_adapter(lora_request: LoRARequest, cfg: ModelConfig, max_lora_rank: int) -> LoRAModel:
+    """Read and check a PEFT directory for this base model."""
+    name, path = lora_request.lora_name, Path(lora_request.lora_path)
+    config = _read_config(name, path)
+    rank, scaling = _check_config(name, config, max_lora_rank)
+    weights_file = path / "adapter_model.safetensors"
+    try:
+        data = weights_file.read_bytes()
+        tensors = load_safetensors(data)
+    except Exception as e:  # noqa: BLE001 (missing, unreadable or not safetensors: all the same to the caller)
+        raise ValueError(f"LoRA adapter {name!r}: cannot read {weights_file}: {e}") from None
+    shapes = module_shapes(cfg)
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.fullmatch(key)
+        if match is None or match.group(2) not in shapes:
+            raise ValueError(
+                f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA matrix of a supported module "
+                f"({', '.join(SUPPORTED_TARGET_MODULES)})."
+            )
+        layer, module, which = int(match.group(1)), match.group(2), match.group(3)
+        if layer >= cfg.num_hidden_layers:
+            raise ValueError(
+                f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}, but the base model has "
+                f"{cfg.num_hidden_layers} layers: the adapter is for another base model."
+            )
+        fan_in, fan_out = shapes[module]
+        expected = (rank, fan_in) if which == "A" else (fan_out, rank)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"LoRA adapter {name!r}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {expected} "
+                f"(rank {rank}): the adapter is for another base model."
+            )
+        parts.setdefault((layer, module), {})[which] = tensor.float()
+    weights = {}
+    for (layer, module), ab in parts.items():
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer}'s {module} has lora_{list(ab)[0]} alone.")
+        weights[layer, module] = (ab["A"].contiguous(), (ab["B"] * scaling).contiguous())
+    if not weights:
+        raise ValueError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA matrices.")
+    digest = hashlib.sha256(data + repr(scaling).encode()).digest()
+    return LoRAModel(lora_request, rank, scaling, weights, digest)

@@ -1,0 +1,113 @@
+"""Multi-LoRA kernels (Punica's shrink and expand): each token's adapter delta for a whole mixed batch.
+
+One layer's adapters sit in fixed slots: lora_a [slots, R, in] and lora_b [slots, out, R], zero-padded past each
+adapter's rank (a packed layer, q/k/v or gate/up, stacks its slices' A rows and holds B block-diagonally). Token t
+uses slot token_lora_indices[t]; -1 is the base model, which gets no delta.
+
+    shrink: h[t] = x[t] @ lora_a[slot].T          (float32 accumulation)
+    expand: y[t] += h[t] @ lora_b[slot].T          (added into the base layer's output)
+
+Three implementations of the same arithmetic: the torch reference (a gathered bmm), the Triton kernel (the GPU
+path, one gathered matrix-vector product for both; one program per token and output tile, so any mix of adapters is
+one launch), and the CPU path, which runs
+each segment of consecutive tokens sharing an adapter as two plain matmuls (the model runner orders a batch so
+that a slot's tokens are consecutive): on the CPU that reads each adapter's weights once per layer, where the
+gathered bmm copies them once per token.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+# ---- torch reference -------------------------------------------------------------------------------------------
+
+
+def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, token_lora_indices: torch.Tensor) -> torch.Tensor:
+    """h [tokens, R] float32; rows of base-model tokens are zero."""
+    h = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    rows = (token_lora_indices >= 0).nonzero().squeeze(1)
+    a = lora_a[token_lora_indices[rows]].float()  # [rows, R, in]
+    h[rows] = torch.bmm(a, x[rows].float().unsqueeze(2)).squeeze(2)
+    return h
+
+
+def lora_expand_ref(h: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: torch.Tensor, y: torch.Tensor) -> None:
+    """y += h @ B.T per token, in place; base-model rows untouched."""
+    rows = (token_lora_indices >= 0).nonzero().squeeze(1)
+    b = lora_b[token_lora_indices[rows]].float()  # [rows, out, R]
+    y[rows] += torch.bmm(b, h[rows].unsqueeze(2)).squeeze(2).to(y.dtype)
+
+
+# ---- CPU: segments of one adapter --------------------------------------------------------------------------------
+
+
+def lora_segments_cpu(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    segments: list[tuple[int, int, int, int]],
+    out_slices: list[tuple[int, int]],
+) -> None:
+    """y[start:end] += each segment's delta, in place. segments: (slot, start, end, rank) for runs of tokens sharing
+    a slot; out_slices: (offset, size) of each packed slice of the output, whose A rows are the slice's index times
+    rank on. Only the adapter's own rank is read, not the slot's padding."""
+    for slot, start, end, rank in segments:
+        h = x[start:end].float() @ lora_a[slot, : len(out_slices) * rank].T
+        for i, (offset, size) in enumerate(out_slices):
+            b = lora_b[slot, offset : offset + size, i * rank : (i + 1) * rank]
+            y[start:end, offset : offset + size] += h[:, i * rank : (i + 1) * rank] @ b.T
+
+
+# ---- Triton ------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gathered_matvec_kernel(
+    out_ptr, w_ptr, idx_ptr, v_ptr, N, K, stride_ot, stride_ws, stride_wn, stride_vt,
+    ACCUMULATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """out[t, n] (+)= sum_k w[slot(t), n, k] * v[t, k] in float32; tokens of slot -1 are skipped. Shrink is this with
+    w = A (n over R, k over in), expand with w = B (n over out, k over R) and ACCUMULATE."""
+    t = tl.program_id(0)
+    slot = tl.load(idx_ptr + t)
+    if slot < 0:
+        return  # a base-model token: no delta
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(v_ptr + t * stride_vt + k, mask=k < K, other=0.0).to(tl.float32)
+        w = tl.load(
+            w_ptr + slot * stride_ws + n[:, None] * stride_wn + k[None, :],
+            mask=(n[:, None] < N) & (k[None, :] < K),
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.sum(w * v[None, :], axis=1)
+    out_ptrs = out_ptr + t * stride_ot + n
+    if ACCUMULATE:
+        acc += tl.load(out_ptrs, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n < N)
+
+
+def _gathered_matvec(out, w, token_lora_indices, v, accumulate: bool) -> None:
+    assert out.stride(1) == 1 and w.stride(2) == 1 and v.stride(1) == 1
+    num_tokens, (_, n, k) = v.shape[0], w.shape
+    block_n = min(64, triton.next_power_of_2(n))
+    grid = (num_tokens, triton.cdiv(n, block_n))
+    _gathered_matvec_kernel[grid](
+        out, w, token_lora_indices, v, n, k, out.stride(0), w.stride(0), w.stride(1), v.stride(0),
+        ACCUMULATE=accumulate, BLOCK_N=block_n, BLOCK_K=64,
+    )  # fmt: skip
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_lora_indices: torch.Tensor) -> torch.Tensor:
+    """The Triton shrink: h [tokens, R] float32, as lora_shrink_ref."""
+    h = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    _gathered_matvec(h, lora_a, token_lora_indices, x, accumulate=False)
+    return h
+
+
+def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: torch.Tensor, y: torch.Tensor) -> None:
+    """The Triton expand: y += h @ B.T per token, in place, as lora_expand_ref."""
+    _gathered_matvec(y, lora_b, token_lora_indices, h, accumulate=True)

@@ -1,0 +1,366 @@
+"""Multi-LoRA serving: PEFT adapters made here (random A and B at several ranks and alphas) against Hugging Face
+transformers + PEFT with the adapter merged, in float32; mixed batches; slots churning through the LRU; refusals;
+the prefix cache forking by adapter; the shrink/expand kernels against their torch reference."""
+
+import asyncio
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import HFReference, assert_greedy_matches, assert_no_leaks
+from engine import LLM, EngineArgs, LoRARequest, SamplingParams
+from engine.async_llm import AsyncLLM
+from engine.core import EngineCore
+from engine.kv.hashing import extend_block_hashes
+from engine.models.random_model import save_random_smollm2_shaped
+from kernels.lora import lora_expand, lora_expand_ref, lora_segments_cpu, lora_shrink, lora_shrink_ref
+from test_models import COMMON
+
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (rank, lora_alpha, target modules, rsLoRA)
+ADAPTERS = {
+    "all-r8": (8, 16, ALL_MODULES, False),
+    "qv-r1": (1, 4, ["q_proj", "v_proj"], False),
+    "mlp-r16-rs": (16, 8, ["gate_proj", "up_proj", "down_proj"], True),
+    "attn-r4": (4, 32, ["q_proj", "k_proj", "v_proj", "o_proj"], False),
+    "kd-r2": (2, 2, ["k_proj", "down_proj"], False),
+}
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 12, 12, 480, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+MAX_TOKENS = 12
+
+
+def make_adapter(base_dir: Path, path: Path, rank: int, alpha: float, targets, rslora=False, seed=0):
+    """Save a random PEFT adapter for the model in base_dir; the transformers model with it merged (float32)."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False)
+    model = get_peft_model(base, config)
+    model.save_pretrained(path)
+    return model.merge_and_unload().eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama, its adapters, and the merged transformers model of each."""
+    root = tmp_path_factory.mktemp("lora")
+    base = root / "base"
+    base_model = save_random_smollm2_shaped(base, **COMMON)
+    merged = {}
+    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        merged[name] = make_adapter(base, root / name, rank, alpha, targets, rslora, seed)
+    return base, root, base_model, merged
+
+
+def lora(root: Path, name: str) -> LoRARequest:
+    return LoRARequest(name, list(ADAPTERS).index(name) + 1, str(root / name))
+
+
+def make_llm(base: Path, **kwargs) -> LLM:
+    kwargs = {"enable_lora": True, "max_loras": 4, "max_lora_rank": 16, **kwargs}
+    return LLM(str(base), dtype="float32", kv_cache_memory="4MiB", max_num_seqs=16, **kwargs)
+
+
+def greedy(llm: LLM, prompts, loras) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_each_adapter_matches_transformers_peft_merged(tiny):
+    base, root, base_model, merged = tiny
+    llm = make_llm(base)
+    for name in ADAPTERS:
+        ours = greedy(llm, PROMPTS, lora(root, name))
+        for prompt, tokens in zip(PROMPTS, ours):
+            reference, logits = HFReference(merged[name]).greedy(prompt, MAX_TOKENS)
+            assert_greedy_matches(tokens, reference, logits, label=name)
+        # The adapter changes the output: it is really applied.
+        assert ours != greedy(llm, PROMPTS, None), name
+    assert llm.list_loras() == set(range(1, len(ADAPTERS) + 1))
+    assert_no_leaks(llm.engine)
+
+
+def test_mixed_batch_gives_each_request_its_solo_output(tiny):
+    base, root, _, _ = tiny
+    llm = make_llm(base)
+    names = [None, "all-r8", "qv-r1", "mlp-r16-rs"]
+    loras = [None if n is None else lora(root, n) for n in names]
+    solo = [greedy(llm, [PROMPTS[0]], lr)[0] for lr in loras]
+    mixed = greedy(llm, [PROMPTS[0]] * 4, loras)
+    assert mixed == solo
+    assert len({tuple(t) for t in solo}) == 4  # four different models
+    assert_no_leaks(llm.engine)
+
+
+def test_more_adapters_than_slots_all_complete_and_slots_churn(tiny):
+    """Five adapters over two slots: a second wave of requests arrives when the first request ends, so adapters
+    that left their slot must come back; at most three adapters stay in host memory."""
+    base, root, _, merged = tiny
+    llm = make_llm(base, max_loras=2, max_cpu_loras=3)
+    engine = llm.engine
+    for name in ADAPTERS:
+        llm.add_lora(lora(root, name))
+    waves = [list(ADAPTERS), list(ADAPTERS)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts, tokens, most_adapters = {}, {}, 0
+
+    def add_wave(wave: int) -> None:
+        for i, name in enumerate(waves[wave]):
+            request_id = f"{wave}-{name}"
+            prompts[request_id] = (PROMPTS[(i + wave) % len(PROMPTS)], name)
+            tokens[request_id] = []
+            state = llm.output_processor.add_request(request_id, None, prompts[request_id][0], params, 0.0)
+            for request in state.engine_requests:
+                request.lora_request = lora(root, name)
+                engine.add_request(request)
+
+    add_wave(0)
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        for out in outputs:
+            tokens[out.request_id] += out.new_token_ids
+        if any(out.finished for out in outputs) and len(tokens) == len(ADAPTERS):
+            add_wave(1)
+        most_adapters = max(most_adapters, len({r.lora_request.lora_int_id for r in engine.scheduler.running}))
+    assert most_adapters == 2  # never more adapters in a batch than slots
+    manager = engine.worker.lora_manager
+    assert manager.num_slot_loads > len(ADAPTERS)  # adapters left their slots and came back
+    assert len(manager.cpu_loras) == 3
+    for request_id, (prompt, name) in prompts.items():
+        reference, logits = HFReference(merged[name]).greedy(prompt, MAX_TOKENS)
+        assert_greedy_matches(tokens[request_id], reference, logits, label=request_id)
+    llm.output_processor.abort_requests(list(tokens))
+    assert_no_leaks(engine)
+
+
+def write_adapter_config(path: Path, **changes) -> None:
+    config_file = path / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config.update(changes)
+    config_file.write_text(json.dumps(config))
+
+
+def test_bad_adapters_are_refused_and_the_engine_goes_on(tiny, tmp_path):
+    base, root, _, _ = tiny
+    llm = make_llm(base, max_lora_rank=8)
+    good = lora(root, "all-r8")
+    expected = greedy(llm, [PROMPTS[0]], good)
+
+    with pytest.raises(ValueError, match=r"lora_request: unknown LoRA adapter 'nope'; loaded adapters: all-r8"):
+        llm.processor.process_lora(LoRARequest("nope", 9, str(root / "all-r8")))
+    with pytest.raises(ValueError, match=r"rank 16 is above --max-lora-rank 8"):
+        llm.add_lora(lora(root, "mlp-r16-rs"))
+    # An adapter for lm_head, which we do not serve.
+    make_adapter(base, tmp_path / "head", 4, 8, ["lm_head"])
+    with pytest.raises(ValueError, match=r"target module\(s\) \['lm_head'\] are not supported"):
+        llm.add_lora(LoRARequest("head", 20, str(tmp_path / "head")))
+    # An adapter made for another base model: wider layers.
+    other = tmp_path / "other-base"
+    save_random_smollm2_shaped(other, **{**COMMON, "hidden_size": 32})
+    make_adapter(other, tmp_path / "other", 4, 8, ["q_proj"])
+    with pytest.raises(
+        ValueError, match=r"has shape \((4, 32|32, 4)\), expected \((4, 64|64, 4)\) .*another base model"
+    ):
+        llm.add_lora(LoRARequest("other", 21, str(tmp_path / "other")))
+    with pytest.raises(ValueError, match=r"adapter_config.json does not exist"):
+        llm.add_lora(LoRARequest("missing", 22, str(tmp_path / "nowhere")))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"'broken': adapter_config.json is not readable JSON"):
+        llm.add_lora(LoRARequest("broken", 23, str(broken)))
+    with pytest.raises(ValueError, match=r"lora_int_id 1 is taken"):
+        llm.add_lora(LoRARequest("same-id", 1, str(root / "qv-r1")))
+    with pytest.raises(ValueError, match=r"lora_int_id must be an integer >= 1"):
+        LoRARequest("zero", 0, str(root / "qv-r1"))
+
+    # Unloading while a request uses it is refused; after it ends, unloading works.
+    engine = llm.engine
+    state = llm.output_processor.add_request("busy", None, PROMPTS[0], SamplingParams(max_tokens=2), 0.0)
+    state.engine_requests[0].lora_request = good
+    engine.add_request(state.engine_requests[0])
+    with pytest.raises(ValueError, match=r"'all-r8' has 1 request\(s\) in flight"):
+        llm.remove_lora("all-r8")
+    while engine.has_unfinished_requests():
+        engine.step()
+    llm.output_processor.abort_requests(["busy"])
+    assert llm.list_loras() == {1}
+    assert greedy(llm, [PROMPTS[0]], good) == expected  # the engine served on, the adapter intact
+    assert llm.remove_lora("all-r8") and not llm.remove_lora("all-r8")
+    assert llm.list_loras() == set() and llm.lora_registry == {}
+    with pytest.raises(ValueError, match=r"is not loaded"):
+        state = llm.output_processor.add_request("late", None, PROMPTS[0], SamplingParams(max_tokens=2), 0.0)
+        state.engine_requests[0].lora_request = good
+        engine.add_request(state.engine_requests[0])
+    assert_no_leaks(engine)
+
+
+def test_lora_modules_at_start_and_off_without_enable_lora(tiny):
+    base, root, _, merged = tiny
+    llm = make_llm(base, lora_modules=[f"qv={root / 'qv-r1'}", f"kd={root / 'kd-r2'}"])
+    assert llm.lora_registry == {
+        "qv": LoRARequest("qv", 1, str(root / "qv-r1")),
+        "kd": LoRARequest("kd", 2, str(root / "kd-r2")),
+    }
+    tokens = greedy(llm, [PROMPTS[1]], llm.lora_registry["kd"])[0]
+    assert_greedy_matches(tokens, *HFReference(merged["kd-r2"]).greedy(PROMPTS[1], MAX_TOKENS), label="kd")
+    plain = LLM(str(base), dtype="float32", kv_cache_memory="4MiB")
+    with pytest.raises(ValueError, match=r"lora_request: this engine serves no LoRA adapters"):
+        plain.processor.process_lora(lora(root, "qv-r1"))
+    with pytest.raises(ValueError, match=r"need an engine started with --enable-lora"):
+        plain.add_lora(lora(root, "qv-r1"))
+
+
+def test_async_llm_loads_serves_and_unloads_adapters(tiny):
+    """The engine service's path: adapters loaded and unloaded on the engine thread between steps; requests name
+    loaded adapters only; an unload while one runs is refused and the engine serves on."""
+    base, root, _, merged = tiny
+    args = EngineArgs(
+        model=str(base), dtype="float32", kv_cache_memory="4MiB", enable_lora=True, max_loras=2, max_lora_rank=8
+    )
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+    adapter = lora(root, "attn-r4")
+
+    async def drain(stream) -> list[int]:
+        tokens = []
+        async for output in stream:
+            tokens += output.outputs[0].token_ids
+        return tokens
+
+    async def scenario():
+        engine = AsyncLLM(lambda: EngineCore(args))
+        await engine.loaded()
+        try:
+            with pytest.raises(
+                ValueError, match=r"lora_request: unknown LoRA adapter 'attn-r4'; loaded adapters: none"
+            ):
+                engine.add_request("early", PROMPTS[0], params.clone(), lora_request=adapter)
+            assert await engine.add_lora(adapter) and not await engine.add_lora(adapter)
+            with pytest.raises(ValueError, match=r"rank 16 is above --max-lora-rank 8"):
+                await engine.add_lora(lora(root, "mlp-r16-rs"))
+            assert engine.list_loras() == {adapter.lora_int_id} and engine.lora_registry == {"attn-r4": adapter}
+            stream = engine.add_request("a", PROMPTS[0], params.clone(), lora_request=adapter)
+            with pytest.raises(ValueError, match=r"'attn-r4' has 1 request\(s\) in flight"):
+                await engine.remove_lora(adapter.lora_int_id)
+            tokens = await drain(stream)
+            assert await engine.remove_lora("attn-r4") and engine.list_loras() == set()
+            return tokens
+        finally:
+            engine.shutdown()
+
+    tokens = asyncio.run(scenario())
+    assert_greedy_matches(tokens, *HFReference(merged["attn-r4"]).greedy(PROMPTS[0], MAX_TOKENS), label="async")
+
+
+def test_prefix_cache_forks_by_adapter(tiny):
+    base, root, _, _ = tiny
+    llm = make_llm(base, block_size=4)
+    prompt = list(range(10, 30))  # five full blocks
+    manager = llm.engine.kv_cache_manager
+
+    def hits(lora_request) -> int:
+        before = manager.prefix_cache_stats.hits
+        greedy(llm, [prompt], lora_request)
+        return manager.prefix_cache_stats.hits - before
+
+    a, b = lora(root, "all-r8"), lora(root, "qv-r1")
+    assert hits(a) == 0
+    assert hits(a) == 16  # four blocks (the last token always runs)
+    assert hits(b) == 0  # another adapter: a's blocks are not b's
+    assert hits(None) == 0
+    assert hits(None) == 16
+    # Three cache entries for the one prompt; the base model's blocks are named as without LoRA.
+    cached = set(manager.block_pool.cached_block_hash_to_block)
+    names = [
+        extend_block_hashes([], prompt, 4, manager.hash_fn, manager.root_hash, None, key)
+        for key in (None, manager.lora_digests[a.lora_int_id], manager.lora_digests[b.lora_int_id])
+    ]
+    for blocks in names:
+        assert set(blocks) <= cached
+    assert len(set().union(*names)) == 15
+
+
+def test_smollm2_with_an_adapter_matches_transformers_peft_merged(hf_smollm2, tmp_path):
+    """Once on the real model: a rank-8 adapter on every module of SmolLM2-135M (loaded from the GGUF, as ours)."""
+    from peft import LoraConfig, get_peft_model
+
+    hf = copy.deepcopy(hf_smollm2.model)  # PEFT changes the model it wraps; the session's reference stays as it is
+    torch.manual_seed(0)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=ALL_MODULES, init_lora_weights=False)
+    peft_model = get_peft_model(hf, config)
+    with torch.no_grad():  # small deltas, as a trained adapter's: the model still speaks
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.3)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    reference = HFReference(peft_model.merge_and_unload().eval())
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", enable_lora=True, max_lora_rank=8)
+    adapter = LoRARequest("smol", 1, str(tmp_path / "adapter"))
+    prompt = llm.get_tokenizer().encode("The capital of France is")
+    ours = greedy(llm, [prompt], adapter)[0]
+    assert ours != greedy(llm, [prompt], None)[0]
+    assert_greedy_matches(ours, *reference.greedy(prompt, MAX_TOKENS), label="smollm2 + adapter")
+
+
+# ---- kernels: the Triton shrink/expand and the CPU segments against the torch reference --------------------------
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="TRITON_INTERPRET is off")),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+
+
+def random_slots(slots, rank, fan_in, fan_out, dtype, device):
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(slots, rank, fan_in, generator=gen).to(device, dtype)
+    b = torch.randn(slots, fan_out, rank, generator=gen).to(device, dtype)
+    return a, b
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_shrink_expand_match_the_reference(device, dtype):
+    # 11 tokens over 3 slots and the base model, ranks padded (48 = 3 slices of 16), widths not a tile's multiple.
+    indices = torch.tensor([0, 0, -1, 2, 1, 1, 1, -1, 2, 0, 1], device=device)
+    a, b = random_slots(3, 48, 72, 100, dtype, device)
+    x = torch.randn(len(indices), 72, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+    y = torch.randn(len(indices), 100, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+    h = lora_shrink(x, a, indices)
+    torch.testing.assert_close(h, lora_shrink_ref(x, a, indices), rtol=1e-4, atol=1e-3)
+    ours, expected = y.clone(), y.clone()
+    lora_expand(h, b, indices, ours)
+    lora_expand_ref(h, b, indices, expected)
+    tolerance = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-1}
+    torch.testing.assert_close(ours, expected, **tolerance)
+    assert torch.equal(ours[indices < 0], y[indices < 0])  # base-model rows untouched
+
+
+def test_cpu_segments_match_the_reference():
+    """A packed layer (three slices) with adapters of ranks 2 and 5 in slots of 8, over runs of tokens."""
+    slots, max_rank, fan_in, out_sizes = 3, 8, 24, (16, 8, 8)
+    gen = torch.Generator().manual_seed(4)
+    a = torch.zeros(slots, 3 * max_rank, fan_in)
+    b = torch.zeros(slots, sum(out_sizes), 3 * max_rank)
+    for slot, rank in ((0, 2), (2, 5)):  # as LinearWithLoRA.set_slot lays them out
+        a[slot, : 3 * rank] = torch.randn(3 * rank, fan_in, generator=gen)
+        offset = 0
+        for i, size in enumerate(out_sizes):
+            b[slot, offset : offset + size, i * rank : (i + 1) * rank] = torch.randn(size, rank, generator=gen)
+            offset += size
+    indices = torch.tensor([0, 0, 2, -1, -1, 2, 2, 0])
+    segments = [(0, 0, 2, 2), (2, 2, 3, 5), (2, 5, 7, 5), (0, 7, 8, 2)]
+    x = torch.randn(len(indices), fan_in, generator=gen)
+    y = torch.randn(len(indices), sum(out_sizes), generator=gen)
+    ours, expected = y.clone(), y.clone()
+    lora_segments_cpu(x, ours, a, b, segments, [(0, 16), (16, 8), (24, 8)])
+    lora_expand_ref(lora_shrink_ref(x, a, indices), b, indices, expected)
+    torch.testing.assert_close(ours, expected)
+    assert torch.equal(ours[3:5], y[3:5])
