@@ -8,43 +8,48 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <algorithm>
 #include <torch/extension.h>
 #include <torch/library.h>
 
 namespace {
 
+// Up to ROWS input rows against one output's codes: each group's codes are widened to float once and used by
+// every row. out[m] = sum_g scale[g] * (q[g] . x[m, g]) + zero[g] * xsum[m, g].
+template <int GROUP, int ROWS>
+inline void rows_dot(const int8_t* q, const float* x, int64_t k, const float* scales, const float* zeros,
+                     const float* xsum, int64_t groups, float* out, int64_t out_stride) {
 #if defined(__AVX512F__)
-// scale * (q . x) over one group, added to acc; GROUP is 16 or 32.
-template <int GROUP>
-inline __m512 group_fma(const int8_t* q, const float* x, float scale, __m512 acc) {
-  __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q))),
-                             _mm512_loadu_ps(x));
-  if constexpr (GROUP == 32) {
-    __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16))));
-    dot = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 16), dot);
-  }
-  return _mm512_fmadd_ps(dot, _mm512_set1_ps(scale), acc);
-}
-#endif
-
-// One output: sum over groups of scale * (q . x) + zero * sum(x).
-template <int GROUP>
-inline float row_dot(const int8_t* q, const float* x, const float* scales, const float* zeros, const float* xsum,
-                     int64_t groups) {
-  float acc = 0.f;
-#if defined(__AVX512F__)
-  __m512 vacc = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) vacc = group_fma<GROUP>(q + g * GROUP, x + g * GROUP, scales[g], vacc);
-  acc = _mm512_reduce_add_ps(vacc);
-#else
+  __m512 acc[ROWS];
+  for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    float dot = 0.f;
-    for (int k = 0; k < GROUP; ++k) dot += static_cast<float>(q[g * GROUP + k]) * x[g * GROUP + k];
-    acc += scales[g] * dot;
+    const int8_t* qg = q + g * GROUP;
+    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qg)));
+    __m512 w1 = w0;
+    if constexpr (GROUP == 32) w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qg + 16))));
+    const __m512 scale = _mm512_set1_ps(scales[g]);
+    for (int m = 0; m < ROWS; ++m) {
+      const float* xg = x + m * k + g * GROUP;
+      __m512 dot = _mm512_mul_ps(w0, _mm512_loadu_ps(xg));
+      if constexpr (GROUP == 32) dot = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), dot);
+      acc[m] = _mm512_fmadd_ps(dot, scale, acc[m]);
+    }
+  }
+  for (int m = 0; m < ROWS; ++m) out[m * out_stride] = _mm512_reduce_add_ps(acc[m]);
+#else
+  for (int m = 0; m < ROWS; ++m) {
+    float acc = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      float dot = 0.f;
+      for (int i = 0; i < GROUP; ++i) dot += static_cast<float>(q[g * GROUP + i]) * x[m * k + g * GROUP + i];
+      acc += scales[g] * dot;
+    }
+    out[m * out_stride] = acc;
   }
 #endif
-  for (int64_t g = 0; g < groups; ++g) acc += zeros[g] * xsum[g];
-  return acc;
+  for (int m = 0; m < ROWS; ++m)
+    for (int64_t g = 0; g < groups; ++g) out[m * out_stride] += zeros[g] * xsum[m * groups + g];
 }
 
 template <int GROUP>
@@ -52,10 +57,20 @@ void gemv(const int8_t* q, const float* x, const float* scales, const float* zer
           int64_t rows, int64_t n, int64_t k) {
   const int64_t groups = k / GROUP;
   at::parallel_for(0, n, 512, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      for (int64_t m = 0; m < rows; ++m)
-        out[m * n + i] = row_dot<GROUP>(q + i * k, x + m * k, scales + i * groups, zeros + i * groups,
-                                        xsum + m * groups, groups);
+    for (int64_t i = begin; i < end; ++i) {
+      const int8_t* qi = q + i * k;
+      const float *si = scales + i * groups, *zi = zeros + i * groups;
+      for (int64_t m = 0; m < rows; m += 4) {
+        const float *xm = x + m * k, *xs = xsum + m * groups;
+        float* o = out + m * n + i;
+        switch (std::min<int64_t>(rows - m, 4)) {
+          case 1: rows_dot<GROUP, 1>(qi, xm, k, si, zi, xs, groups, o, n); break;
+          case 2: rows_dot<GROUP, 2>(qi, xm, k, si, zi, xs, groups, o, n); break;
+          case 3: rows_dot<GROUP, 3>(qi, xm, k, si, zi, xs, groups, o, n); break;
+          default: rows_dot<GROUP, 4>(qi, xm, k, si, zi, xs, groups, o, n);
+        }
+      }
+    }
   });
 }
 
