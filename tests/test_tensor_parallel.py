@@ -223,6 +223,10 @@ def test_bad_tensor_parallel_flags_are_refused():
     connector = '{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both"}'
     with pytest.raises(ValueError, match="kv_transfer_config is not supported with tensor_parallel_size > 1"):
         EngineArgs(tensor_parallel_size=2, kv_transfer_config=connector)
+    with pytest.raises(ValueError, match="speculative_config is not supported with tensor_parallel_size > 1"):
+        EngineArgs(tensor_parallel_size=2, speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
+    with pytest.raises(ValueError, match="enable_lora is not supported with tensor_parallel_size > 1"):
+        EngineArgs(tensor_parallel_size=2, enable_lora=True)
 
 
 def _rank_processes() -> list[int]:
