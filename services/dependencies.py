@@ -65,6 +65,8 @@ class Dependencies:
         self.detokenizer_stub = detokenizer_pb2_grpc.DetokenizerStub(self.channels[detokenizer])
         self.detokenizer: DetokenizerStream | None = None
         self.model_info: engine_pb2.ModelInfo | None = None  # the smallest max_model_len and vocab of the engines
+        self.enable_lora = False  # whether any engine serves LoRA adapters (its ModelInfo)
+        self.lora_adapters: dict[str, dict[str, engine_pb2.LoraAdapter]] = {}  # engine address -> its adapters by name
         self.ready = asyncio.Event()  # set the first time every dependency answered its health check
 
     async def _healthy(self, address: str) -> bool:
@@ -95,7 +97,23 @@ class Dependencies:
                 return False
         if self.router.policy == "prefix-aware":
             await asyncio.gather(*(self._read_load(address) for address in healthy))
+        if self.enable_lora:
+            await self.read_lora_adapters()
         return all(results[:2]) and bool(self.healthy_engines)
+
+    async def read_lora_adapters(self) -> None:
+        """Which LoRA adapters each healthy engine has (ListLoraAdapters): requests naming one go to those."""
+
+        async def read(address: str) -> None:
+            try:
+                reply = await self.engines[address].ListLoraAdapters(
+                    engine_pb2.ListLoraAdaptersRequest(), timeout=HEALTH_TIMEOUT
+                )
+            except grpc.aio.AioRpcError:
+                return  # its health check says the rest
+            self.lora_adapters[address] = {a.lora_name: a for a in reply.adapters}
+
+        await asyncio.gather(*(read(address) for address in self.healthy_engines))
 
     def set_unhealthy(self, address: str) -> None:
         """No new requests for this engine, and its index entries go: what it held may be gone when it is back."""
@@ -161,6 +179,7 @@ class Dependencies:
             except grpc.aio.AioRpcError as e:
                 raise dependency_error("engine", address, e) from None
         self.model_info = min(infos, key=lambda info: (info.max_model_len, info.vocab_size))
+        self.enable_lora = any(info.enable_lora for info in infos)
         self.router.set_model_info(self.model_info)
         return self.model_info
 
@@ -175,12 +194,23 @@ class Dependencies:
                 return address
         return None
 
-    def route(self, prompt_ids: list[int], cache_salt: str = "", exclude=()) -> Routed:
-        """The engine for this prompt, among the healthy ones not excluded (router.release(...) once it ends)."""
+    def route(self, prompt_ids: list[int], cache_salt: str = "", exclude=(), lora_name: str = "") -> Routed:
+        """The engine for this prompt, among the healthy ones not excluded that have its LoRA adapter, if it names
+        one (router.release(...) once it ends)."""
         candidates = self.healthy_engines.difference(exclude)
+        lora_key = None
+        if lora_name:
+            candidates = {a for a in candidates if lora_name in self.lora_adapters.get(a, {})}
+            if not candidates and not any(lora_name in adapters for adapters in self.lora_adapters.values()):
+                raise RequestError(grpc.StatusCode.NOT_FOUND, f"model {lora_name!r}: no engine has this LoRA adapter")
+            if not candidates:
+                raise unavailable(
+                    f"no healthy engine has the LoRA adapter {lora_name!r} (engines: {', '.join(self.engines)})"
+                )
+            lora_key = self.lora_adapters[next(iter(candidates))][lora_name].digest or None
         if not candidates:
             raise unavailable(f"no engine is healthy (engines: {', '.join(self.engines)})")
-        return self.router.route(candidates, prompt_ids, cache_salt)
+        return self.router.route(candidates, prompt_ids, cache_salt, lora_key)
 
     def detokenizer_stream(self) -> DetokenizerStream:
         if self.detokenizer is None or self.detokenizer.error is not None:

@@ -3,9 +3,11 @@
 import asyncio
 import contextlib
 import json
+import logging
 
 import grpc
 
+from engine import LoRARequest
 from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
 from engine.core import EngineCore
@@ -13,12 +15,14 @@ from engine.kv.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from engine.kv.connector.base import parse_json_object
 from engine.kv.connector.kvstore_connector import KVStoreConnector
 from engine.text.tokenizer import Tokenizer
-from llmmesh.v1 import engine_pb2, engine_pb2_grpc
+from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services import config
 from services.convert import request_output_to_llmmesh, sampling_params_from_llmmesh
 from services.engine_telemetry import EngineTelemetry, serve_request
 from services.server import Server, llmmesh_version
 from services.vllm_engine import VLLM_ENGINE_SERVICE, VllmEngineServicer, vllm_engine_pb2_grpc
+
+logger = logging.getLogger("llmmesh.engine")
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 # vLLM's kv_transfer_params keys this engine reads, and what a kv_producer answers (the kv_consumer finds the blocks
@@ -26,6 +30,23 @@ ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 KV_TRANSFER_KEYS = ("do_remote_decode", "do_remote_prefill")
 MAX_KV_TRANSFER_PARAMS_CHARS = 1024
 REMOTE_PREFILL_PARAMS = json.dumps({"do_remote_prefill": True, "do_remote_decode": False}, separators=(",", ":"))
+MAX_LORA_PATH_CHARS = 4096  # PATH_MAX
+
+
+def resolve_lora(engine: AsyncLLM, lora_name: str) -> LoRARequest | None:
+    """A request's adapter by name (None for the base model); LookupError naming the loaded ones when unknown."""
+    if not lora_name:
+        return None
+    lora = engine.lora_registry.get(lora_name)
+    if lora is not None:
+        return lora
+    if not engine.core.args.enable_lora:
+        raise LookupError(
+            f"lora_name {lora_name[:256]!r}: this engine serves no LoRA adapters (start it with --enable-lora)"
+        )
+    names = sorted(engine.lora_registry)
+    loaded = ", ".join(names[:32]) + (" ..." if len(names) > 32 else "")
+    raise LookupError(f"lora_name {lora_name[:256]!r}: no such LoRA adapter; loaded: {loaded or 'none'}")
 
 
 def parse_kv_transfer_params(text: str, kv_role: str | None) -> dict:
@@ -57,6 +78,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.engine = engine
         self.observer: EngineTelemetry | None = None  # metrics and request spans, when either is on
         self.stopping = asyncio.Event()  # the server's stop_requested: KV event streams end, not hold its drain
+        self.lora_lock = asyncio.Lock()  # one LoadLoraAdapter at a time: a name and an id are taken once
 
     async def ready(self, context) -> AsyncLLM:
         if self.engine is None:
@@ -73,6 +95,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             kv_transfer = parse_kv_transfer_params(request.kv_transfer_params, kv_role)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            lora_request = resolve_lora(engine, request.lora_name)
+        except LookupError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
 
         def add_request(arrival, trace_headers):
             params = sampling_params_from_llmmesh(request.sampling_params)
@@ -86,11 +112,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 arrival_time=arrival,
                 trace_headers=trace_headers,
                 kv_transfer_params=kv_transfer,
+                lora_request=lora_request,
             )
 
         first_tokens = True
         async with contextlib.aclosing(
-            serve_request(engine, self.observer, context, request.request_id, add_request)
+            serve_request(engine, self.observer, context, request.request_id, add_request, request.lora_name)
         ) as outputs:
             async for out in outputs:
                 moved = any(c.token_ids for c in out.outputs)
@@ -120,6 +147,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             prefix_caching_hash_algo=args.prefix_caching_hash_algo,
             prefix_caching_hash_seed=args.prefix_caching_hash_seed or "",
             enable_kv_cache_events=args.enable_kv_cache_events,
+            enable_lora=args.enable_lora,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
         )
 
     async def GetServerInfo(self, request, context):
@@ -167,6 +197,71 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             stopping.cancel()
             batch.cancel()
             engine.unsubscribe_kv_events(queue)
+
+    # ---- LoRA adapters (vLLM's load_lora_adapter / unload_lora_adapter) ----------------------------
+
+    async def _lora_engine(self, context) -> AsyncLLM:
+        engine = await self.ready(context)
+        if not engine.core.args.enable_lora:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "LoRA adapters are off; start the engine with --enable-lora"
+            )
+        return engine
+
+    async def LoadLoraAdapter(self, request: common_pb2.LoadLoraAdapterRequest, context):
+        engine = await self._lora_engine(context)
+        name, path = request.lora_name, request.lora_path
+        try:
+            if not name or not path:
+                raise ValueError("lora_name and lora_path are both required.")
+            engine.limits.check_chars("lora_name", name, "max_id_chars")
+            if len(path) > MAX_LORA_PATH_CHARS:
+                raise ValueError(f"lora_path: at most {MAX_LORA_PATH_CHARS} characters, got {len(path)}.")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        async with self.lora_lock:
+            if name in engine.lora_registry:
+                await context.abort(
+                    grpc.StatusCode.ALREADY_EXISTS, f"lora_name {name!r}: an adapter of that name is loaded"
+                )
+            lora_int_id = max((lora.lora_int_id for lora in engine.lora_registry.values()), default=0) + 1
+            try:
+                await engine.add_lora(LoRARequest(name, lora_int_id, path))
+            except ValueError as e:  # a bad adapter: the message names what is wrong with it
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lora_path {path[:256]!r}: {e}")
+        logger.info("LoRA adapter %s loaded from %s (id %d)", name, path, lora_int_id)
+        return common_pb2.LoadLoraAdapterResponse()
+
+    async def UnloadLoraAdapter(self, request: common_pb2.UnloadLoraAdapterRequest, context):
+        engine = await self._lora_engine(context)
+        try:
+            lora = resolve_lora(engine, request.lora_name)
+            if lora is None:
+                raise ValueError("lora_name is required.")
+        except LookupError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            await engine.remove_lora(lora.lora_name)
+        except ValueError as e:  # requests in flight use it
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"lora_name {lora.lora_name!r}: {e}")
+        logger.info("LoRA adapter %s unloaded", lora.lora_name)
+        return common_pb2.UnloadLoraAdapterResponse()
+
+    async def ListLoraAdapters(self, request, context):
+        engine = await self.ready(context)
+        return engine_pb2.ListLoraAdaptersResponse(
+            adapters=[
+                engine_pb2.LoraAdapter(
+                    lora_name=a.lora_name,
+                    lora_path=a.lora_path,
+                    lora_int_id=a.lora_int_id,
+                    digest=engine.core.lora_digests.get(a.lora_int_id, b""),
+                )
+                for a in engine.lora_registry.values()
+            ]
+        )
 
 
 def kv_events_to_llmmesh(seq: int, timestamp: float, events: list) -> engine_pb2.KvEventBatch:

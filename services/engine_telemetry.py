@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.async_llm import EngineDeadError, EngineRequestError
 from engine.request import FinishReason
-from services.telemetry import CURRENT_SERVER_SPAN, Telemetry, epoch_ns, inject
+from services.telemetry import CURRENT_SERVER_SPAN, Telemetry, epoch_ns, inject, lora_attributes
 
 logger = logging.getLogger("llmmesh.engine")
 
@@ -58,6 +58,7 @@ class SchedulerCollector:
     def __init__(self, owner, model_name: str):
         self.owner = owner  # the EngineServicer: .engine is the AsyncLLM, None while loading
         self.model_name = model_name
+        self.stats_time = time.time()  # when the engine last stepped: vllm:lora_requests_info's value
 
     def describe(self):
         return []
@@ -106,6 +107,20 @@ class SchedulerCollector:
             yield counter
         if stats.spec_decoding_stats is not None:
             yield from spec_decode_metrics(stats.spec_decoding_stats, labels)
+        if engine.core.args.enable_lora:
+            yield self.lora_info(engine.core.args.max_loras, stats)
+
+    def lora_info(self, max_loras: int, stats) -> GaugeMetricFamily:
+        """vLLM's vllm:lora_requests_info: the adapters with requests running and waiting as labels (comma-separated
+        names), the time of the last update as the value."""
+        gauge = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        waiting, running = ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters)
+        gauge.add_metric([str(max_loras), waiting, running], self.stats_time)
+        return gauge
 
 
 def spec_decode_metrics(spec, labels: list[str]):
@@ -164,7 +179,8 @@ class EngineTelemetry:
             def counter(name, doc):
                 return Counter(name, doc, labels, registry=registry).labels(model_name)
 
-            registry.register(SchedulerCollector(owner, model_name))
+            self.scheduler = SchedulerCollector(owner, model_name)
+            registry.register(self.scheduler)
             self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
             self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
             self.request_success = Counter(
@@ -232,6 +248,7 @@ class EngineTelemetry:
         """On the engine thread, after each step."""
         if self.metrics:
             self.iteration_tokens.observe(step.num_tokens)
+            self.scheduler.stats_time = time.time()
         if self.detailed:
             end = time.monotonic()
             span, self.step_span = self.step_span, None
@@ -243,10 +260,10 @@ class EngineTelemetry:
                 if out.new_token_ids and steps is not None:
                     steps.append((step, end, len(out.new_token_ids), context))
 
-    def watch(self, server_span, request_id: str, arrival: float) -> "RequestWatch | None":
+    def watch(self, server_span, request_id: str, arrival: float, lora_name: str = "") -> "RequestWatch | None":
         if not self.active:
             return None
-        return RequestWatch(self, server_span, request_id, arrival)
+        return RequestWatch(self, server_span, request_id, arrival, lora_name)
 
 
 class RequestWatch:
@@ -256,13 +273,15 @@ class RequestWatch:
     Traced, its `llm_request` span starts at its arrival, under the Generate call's server span, and the request
     carries its context (trace_headers) into the engine: the KV store calls made for it are its children."""
 
-    def __init__(self, owner: EngineTelemetry, server_span, request_id: str, arrival: float):
+    def __init__(self, owner: EngineTelemetry, server_span, request_id: str, arrival: float, lora_name: str = ""):
         self.owner = owner
         self.request_id = request_id
         self.state = None  # the request's RequestState, once the engine has admitted it
         self.span = None
         if server_span is not None and server_span.is_recording():
-            self.span = owner.telemetry.start_span("llm_request", server_span, start_s=arrival)
+            attributes = lora_attributes(lora_name)
+            server_span.set_attributes(attributes)
+            self.span = owner.telemetry.start_span("llm_request", server_span, start_s=arrival, attributes=attributes)
         self.trace_headers = inject(self.span)
         self.last_token_time: float | None = None
         self.ended = False
@@ -383,7 +402,9 @@ class RequestWatch:
         )
 
 
-async def serve_request(engine, observer: EngineTelemetry | None, context, request_id: str, add_request):
+async def serve_request(
+    engine, observer: EngineTelemetry | None, context, request_id: str, add_request, lora_name: str = ""
+):
     """One Generate call of either engine protocol: admit the request and yield its outputs, watched.
 
     add_request(arrival, trace_headers) -> RequestStream admits it; its ValueError, NotImplementedError and
@@ -395,7 +416,8 @@ async def serve_request(engine, observer: EngineTelemetry | None, context, reque
     Telemetry goes through engine.call_hook: a hook that raises is counted, and the request goes on.
     """
     arrival = time.monotonic()
-    watch = engine.call_hook(observer.watch, CURRENT_SERVER_SPAN.get(), request_id, arrival) if observer else None
+    server_span = CURRENT_SERVER_SPAN.get()
+    watch = engine.call_hook(observer.watch, server_span, request_id, arrival, lora_name) if observer else None
     stream = None
     try:
         try:

@@ -40,6 +40,7 @@ from services.telemetry import (
     Telemetry,
     genai_request_attributes,
     inject,
+    lora_attributes,
     set_error,
     set_response_attributes,
 )
@@ -50,6 +51,7 @@ logger = logging.getLogger("llmmesh.gateway")
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 DETOKENIZE_TIMEOUT = 10.0  # s to wait for the detokenizer's answer to a step already sent
 ENGINE_END_TIMEOUT = 1.0  # s to wait for the engine's stream to end once its last message is in
+LORA_LOAD_TIMEOUT = 60.0  # s an engine may take to read a LoRA adapter from its directory
 _ENGINE_DONE = object()  # queued by the engine reader after the engine's last message
 # vLLM's kv_transfer_params for disaggregated prefill: to the kv_producer, and to the kv_consumer when the producer
 # answered nothing (it failed: the consumer loads what is in the kvstore and computes the rest).
@@ -103,12 +105,23 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         info = self.deps.model_info
         return self.served_model_name or (info.model if info is not None else "")
 
-    def _check_model(self, model: str) -> None:
-        if model and model != self.model:
-            raise RequestError(
-                grpc.StatusCode.NOT_FOUND,
-                f"model {model[:256]!r} is not served here; the served model is {self.model!r}",
-            )
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters some engine has: name -> path (vLLM lists them as models beside the base model)."""
+        return {name: a.lora_path for adapters in self.deps.lora_adapters.values() for name, a in adapters.items()}
+
+    def _check_model(self, model: str) -> str:
+        """The request's model: the served model ("" returned) or a LoRA adapter's name (returned); else NOT_FOUND
+        naming the models served."""
+        if not model or model == self.model:
+            return ""
+        adapters = self.lora_adapters()
+        if model not in adapters:
+            served = f"the served model is {self.model!r}"
+            if adapters:
+                names = ", ".join(map(repr, sorted(adapters)[:32])) + (" ..." if len(adapters) > 32 else "")
+                served += f", its LoRA adapters {names}"
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"model {model[:256]!r} is not served here; {served}")
+        return model
 
     async def _unary(self, context, call):
         try:
@@ -146,14 +159,18 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 )
             self.num_in_flight += 1
             try:
-                params = await self._admit(request)
+                params, lora_name = await self._admit(request)
+                if span is not None and lora_name:
+                    span.set_attributes(lora_attributes(lora_name))
                 with self.telemetry.client_call("llmmesh.v1.Tokenizer/Tokenize", span) as tokenize_span:
                     prompt_ids = await tokenize(inject(tokenize_span))
                 try:
                     prompt_ids = self.processor.process_prompt(prompt_ids, params)
                 except ValueError as e:  # named as the client's field: its token_ids, or the text they come from
                     raise invalid(prompt_field + str(e).removeprefix("prompt_token_ids")) from None
-                async for response in self._generate(request, context, request_id, params, prompt_ids, arrival, span):
+                async for response in self._generate(
+                    request, context, request_id, params, prompt_ids, arrival, span, lora_name
+                ):
                     yield response
             finally:
                 self.num_in_flight -= 1
@@ -187,11 +204,12 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         CURRENT_SERVER_SPAN.set(span)  # this request's log lines carry its trace id
         return span, span
 
-    async def _admit(self, request) -> SamplingParams:
+    async def _admit(self, request) -> tuple[SamplingParams, str]:
         """The request's model, ids and sampling params, checked before anything is sent anywhere, through the
         engine library's one input processor, built for the engines' model from their ModelInfo (the engine checks
-        what the gateway cannot: --max-logprobs and the bad words' tokens)."""
-        self._check_model(request.model)
+        what the gateway cannot: --max-logprobs and the bad words' tokens). Returns the params and the LoRA adapter
+        the model names ("" for the base model)."""
+        lora_name = self._check_model(request.model)
         if self.processor is None:
             info = await self.deps.get_model_info()
             self.processor = Processor(info.vocab_size, info.max_model_len, info.eos_token_ids, self.limits)
@@ -204,7 +222,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             self.processor.process_params(params)
         except ValueError as e:
             raise invalid(f"sampling_params.{e}") from None
-        return params
+        return params, lora_name
 
     async def _tokenize_prompt(self, request, metadata=()) -> list[int]:
         if request.WhichOneof("prompt") == "token_ids":
@@ -233,9 +251,9 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         return list((await self.deps.tokenize(tokenizer_pb2.TokenizeRequest(chat=chat), metadata)).token_ids)
 
     async def _generate(
-        self, request, context, request_id: str, params, prompt_ids: list[int], arrival: float, span=None
+        self, request, context, request_id: str, params, prompt_ids: list[int], arrival: float, span, lora_name: str
     ):
-        req = GatewayRequest(self, request, request_id, params, prompt_ids, arrival, span)
+        req = GatewayRequest(self, request, request_id, params, prompt_ids, arrival, span, lora_name)
         try:
             req.start(context)
             async for deltas in req.deltas():
@@ -253,11 +271,48 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     async def ListModels(self, request, context):
         async def list_models():
             info = await self.deps.get_model_info()
-            return gateway_pb2.ListModelsResponse(
-                models=[gateway_pb2.ModelCard(id=self.model, max_model_len=info.max_model_len, owned_by="llmmesh")]
+            base = gateway_pb2.ModelCard(
+                id=self.model, max_model_len=info.max_model_len, owned_by="llmmesh", root=info.model
             )
+            adapters = [
+                gateway_pb2.ModelCard(
+                    id=name, max_model_len=info.max_model_len, owned_by="llmmesh", root=path, parent=self.model
+                )
+                for name, path in sorted(self.lora_adapters().items())
+            ]
+            return gateway_pb2.ListModelsResponse(models=[base, *adapters])
 
         return await self._unary(context, list_models)
+
+    async def LoadLoraAdapter(self, request, context):
+        return await self._unary(context, lambda: self._on_every_engine("LoadLoraAdapter", request))
+
+    async def UnloadLoraAdapter(self, request, context):
+        return await self._unary(context, lambda: self._on_every_engine("UnloadLoraAdapter", request))
+
+    async def _on_every_engine(self, method: str, request):
+        """vLLM's load/unload_lora_adapter on every engine (prefill engines too), as each engine answers it: where
+        some already had it (ALREADY_EXISTS) or lacked it (NOT_FOUND) and the others did it, that is done; otherwise
+        the first engine's refusal is the answer, naming it. The adapters' list is read again either way."""
+        stubs = {**self.deps.engines, **self.deps.prefill_engines}
+
+        async def call(address):
+            try:
+                return await getattr(stubs[address], method)(request, timeout=LORA_LOAD_TIMEOUT)
+            except grpc.aio.AioRpcError as e:
+                return e
+
+        replies = dict(zip(stubs, await asyncio.gather(*(call(a) for a in stubs))))
+        await self.deps.read_lora_adapters()
+        errors = {a: r for a, r in replies.items() if isinstance(r, grpc.aio.AioRpcError)}
+        benign = (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND)
+        refusals = {a: e for a, e in errors.items() if e.code() not in benign}
+        if refusals or len(errors) == len(replies):
+            address, e = next(iter((refusals or errors).items()))
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise unavailable(f"the engine at {address} is unavailable: {e.details()}")
+            raise RequestError(e.code(), f"engine {address}: {e.details()}")
+        return next(r for r in replies.values() if not isinstance(r, grpc.aio.AioRpcError))
 
     async def Tokenize(self, request, context):
         async def tokenize():
@@ -287,10 +342,19 @@ class GatewayRequest:
     """
 
     def __init__(
-        self, gateway: Gateway, request, request_id: str, params, prompt_ids: list[int], arrival: float, span=None
+        self,
+        gateway: Gateway,
+        request,
+        request_id: str,
+        params,
+        prompt_ids: list[int],
+        arrival: float,
+        span=None,
+        lora_name: str = "",
     ):
         self.deps, self.telemetry, self.span = gateway.deps, gateway.telemetry, span
         self.request, self.request_id, self.prompt_ids = request, request_id, prompt_ids
+        self.lora_name = lora_name  # the LoRA adapter the request's model names; "" for the base model
         # Unique at the engine even when clients reuse ids, and no longer than the engine takes.
         max_chars = gateway.limits.max_id_chars
         engine_request_id = request_id
@@ -334,7 +398,7 @@ class GatewayRequest:
 
     def _call_engine(self, tried: tuple[str, ...] = ()) -> None:
         """Open the Generate call (and its client span) on the engine the router picks among those not tried."""
-        self.routed = self.deps.route(self.prompt_ids, self.request.cache_salt, exclude=tried)
+        self.routed = self.deps.route(self.prompt_ids, self.request.cache_salt, exclude=tried, lora_name=self.lora_name)
         self.address = self.routed.address
         self.engine_span = self.telemetry.start_span(
             "llmmesh.v1.Engine/Generate", self.span, SpanKind.CLIENT, attributes={"server.address": self.address}
@@ -368,6 +432,7 @@ class GatewayRequest:
             priority=self.request.priority,
             cache_salt=self.request.cache_salt,
             kv_transfer_params=self.kv_transfer_params,
+            lora_name=self.lora_name,
         )
 
     async def _remote_prefill(self) -> None:
@@ -390,6 +455,7 @@ class GatewayRequest:
             sampling_params=params,
             cache_salt=self.request.cache_salt,
             kv_transfer_params=REMOTE_DECODE_PARAMS,
+            lora_name=self.lora_name,
         )
         # A hung prefill engine costs at most --prefill-timeout, a dead one its health check or the failed call.
         timeout = self.deps.prefill_timeout

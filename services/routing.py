@@ -173,10 +173,13 @@ class Router:
         self.root = root_hash(self.hash_fn, info.prefix_caching_hash_seed or None)
         self.block_size = info.block_size
 
-    def block_hashes(self, prompt_ids: list[int], cache_salt: str | None) -> list[bytes]:
+    def block_hashes(self, prompt_ids: list[int], cache_salt: str | None, lora_key: bytes | None = None) -> list[bytes]:
+        """lora_key: the digest of the request's LoRA adapter, which the engines mix into its blocks' hashes."""
         if not self.block_size:
             return []
-        return extend_block_hashes([], prompt_ids, self.block_size, self.hash_fn, self.root, cache_salt or None)
+        return extend_block_hashes(
+            [], prompt_ids, self.block_size, self.hash_fn, self.root, cache_salt or None, lora_key
+        )
 
     def engine_index(self, address: str) -> int:
         return self.engines.index(address)
@@ -190,7 +193,9 @@ class Router:
         self.turn += 1
         return [address for address in order if address in healthy]
 
-    def route(self, healthy, prompt_ids: list[int], cache_salt: str | None = None) -> Routed:
+    def route(
+        self, healthy, prompt_ids: list[int], cache_salt: str | None = None, lora_key: bytes | None = None
+    ) -> Routed:
         """Choose an engine among the healthy ones and count the request there (release() when it ends)."""
         candidates = self._in_turn(healthy)
         if self.policy == "round-robin":
@@ -198,7 +203,7 @@ class Router:
         elif self.policy == "least-loaded":
             chosen, blocks = min(candidates, key=lambda a: self.loads[a].num_in_flight), 0.0
         else:
-            hashes = self.block_hashes(prompt_ids, cache_salt)
+            hashes = self.block_hashes(prompt_ids, cache_salt, lora_key)
             matches = self.index.match(hashes)
             costs = {}
             for address in candidates:

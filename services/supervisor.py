@@ -273,6 +273,8 @@ def engine_flags(engine_args: EngineArgs) -> list[str]:
         value, flag = getattr(engine_args, f.name), "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):  # --lora-modules a=/x b=/y
+            flags += [flag, *value]
         elif value is not None:
             flags += [flag, str(value)]
     return flags

@@ -398,6 +398,12 @@ def genai_request_attributes(operation: str, model: str, params, request_id: str
     return attributes
 
 
+def lora_attributes(lora_name: str) -> dict:
+    """The LoRA adapter a request runs with, as span attributes on its gateway and engine spans (none for the base
+    model)."""
+    return {"llmmesh.lora_name": lora_name} if lora_name else {}
+
+
 def set_response_attributes(span, response_id: str, complete) -> None:
     """Usage, finish reasons and latencies of a finished request (a gateway Complete message) on its root span."""
     if span is None or not span.is_recording():

@@ -1,0 +1,344 @@
+"""LoRA adapters through the services: the gateway's `model` names an adapter, the engines' LoadLoraAdapter /
+UnloadLoraAdapter / ListLoraAdapters, ListModels, vllm:lora_requests_info, refusals. A mesh of two engines (tiny random
+model, small random PEFT adapters made here), served in-process on loopback; outputs are checked against the offline
+LLM with the same adapter."""
+
+import copy
+import random
+import time
+import urllib.request
+
+import grpc
+import pytest
+from test_telemetry import Receiver
+
+from conftest import InProcessService
+from engine import LLM, EngineArgs, LoRARequest, SamplingParams
+from engine.models.random_model import save_random_smollm2_shaped
+from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from services import client
+from services.cli import build_parser
+from services.supervisor import engine_flags
+from test_models import COMMON
+
+KV = "16MiB"
+MAX_TOKENS = 8
+MAX_LORA_RANK = 16
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def save_random_adapter(base, path, rank: int, seed: int) -> str:
+    """A PEFT LoRA adapter of `base` with random A and B (PEFT's own initialisation leaves B at zero)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
+    get_peft_model(copy.deepcopy(base), config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-services")
+    base = save_random_smollm2_shaped(root / "base", **COMMON)
+    adapters = {
+        "sql": save_random_adapter(base, root / "sql", rank=8, seed=1),
+        "late": save_random_adapter(base, root / "late", rank=4, seed=2),
+        "too-big": save_random_adapter(base, root / "too-big", rank=2 * MAX_LORA_RANK, seed=3),
+    }
+    return root / "base", adapters
+
+
+def lora_flags(model_dir, adapters) -> list[str]:
+    return [
+        "--model", str(model_dir), "--kv-cache-memory", KV, "--enable-lora", "--max-loras", "2",
+        "--max-lora-rank", str(MAX_LORA_RANK), "--lora-modules", f"sql={adapters['sql']}", "--enable-kv-cache-events", "--shutdown-timeout", "5",
+    ]  # fmt: skip
+
+
+class LoraMesh:
+    """Two engines with the `sql` adapter (one with metrics), the text services and a gateway (prefix-aware routing
+    over the engines' KV events), in this process; the gateway and the engines trace to `receiver`."""
+
+    def __init__(self, model_dir, adapters, receiver: Receiver):
+        flags = lora_flags(model_dir, adapters)
+        tracing = ["--otlp-traces-endpoint", f"127.0.0.1:{receiver.port}"]
+        self.services = {}
+        try:
+            self.services["engine"] = InProcessService("engine", [*flags, *tracing, "--metrics-port", "0"])
+            self.services["engine-2"] = InProcessService("engine", [*flags, *tracing])
+            for name in ("tokenizer", "detokenizer"):
+                self.services[name] = InProcessService(name, ["--model", str(model_dir), "--shutdown-timeout", "5"])
+            backends = [
+                flag for name, service in self.services.items() for flag in (f"--{service.service}", service.address)
+            ]
+            self.services["gateway"] = InProcessService("gateway", [*backends, *tracing, "--shutdown-timeout", "5"])
+        except BaseException:
+            self.stop()
+            raise
+        self.channels = {name: grpc.insecure_channel(s.address) for name, s in self.services.items()}
+        self.gateway = gateway_pb2_grpc.GatewayStub(self.channels["gateway"])
+        self.engines = {name: engine_pb2_grpc.EngineStub(self.channels[name]) for name in ("engine", "engine-2")}
+
+    def stop(self) -> None:
+        for channel in getattr(self, "channels", {}).values():
+            channel.close()
+        for service in reversed(self.services.values()):
+            service.stop()
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    r = Receiver()
+    yield r
+    r.server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def mesh(model_dir, receiver):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # export spans every 50 ms, not every 5 s
+        m = LoraMesh(*model_dir, receiver)
+    yield m
+    m.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    path, adapters = model_dir
+    llm = LLM(model=str(path), kv_cache_memory=KV, enable_lora=True, max_loras=2, max_lora_rank=MAX_LORA_RANK)
+    ids = {"sql": 1, "late": 2}
+
+    def generate(prompt: list[int], lora_name: str = "", max_tokens: int = MAX_TOKENS) -> list[int]:
+        lora = LoRARequest(lora_name, ids[lora_name], adapters[lora_name]) if lora_name else None
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        out = llm.generate({"prompt_token_ids": prompt}, params, lora_request=lora, use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+    return generate
+
+
+def prompt(seed: int, length: int = 20) -> list[int]:
+    return random.Random(seed).choices(range(3, COMMON["vocab_size"]), k=length)
+
+
+def through_gateway(mesh, tokens: list[int], model: str = "", max_tokens: int = MAX_TOKENS) -> list[int]:
+    responses = client.generate(
+        mesh.services["gateway"].address, tokens, model=model, temperature=0.0, max_tokens=max_tokens, ignore_eos=True
+    )
+    return client.collect(responses).token_ids[0]
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        time.sleep(0.05)
+
+
+def model_cards(mesh) -> dict[str, gateway_pb2.ModelCard]:
+    return {card.id: card for card in mesh.gateway.ListModels(gateway_pb2.ListModelsRequest(), timeout=10).models}
+
+
+def adapter_names(stub) -> list[str]:
+    return [a.lora_name for a in stub.ListLoraAdapters(engine_pb2.ListLoraAdaptersRequest(), timeout=10).adapters]
+
+
+def test_model_names_the_adapter_through_the_mesh(mesh, offline):
+    wait_until(lambda: "sql" in model_cards(mesh))
+    for seed in range(3):
+        tokens = prompt(seed)
+        base, sql = offline(tokens), offline(tokens, "sql")
+        assert base != sql, "the adapter changed nothing: the test could not tell them apart"
+        assert through_gateway(mesh, tokens, model="sql") == sql
+        assert through_gateway(mesh, tokens) == base
+    # Straight to each engine: lora_name on Engine/Generate.
+    tokens = prompt(10)
+    params = client.sampling_params(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    request = engine_pb2.EngineGenerateRequest(prompt_token_ids=tokens, sampling_params=params, lora_name="sql")
+    for stub in mesh.engines.values():
+        assert [t for m in stub.Generate(request, timeout=60) for c in m.outputs for t in c.token_ids] == offline(
+            tokens, "sql"
+        )
+
+
+def test_list_models_lists_adapters_beside_the_base_model(mesh, model_dir):
+    path, adapters = model_dir
+    wait_until(lambda: "sql" in model_cards(mesh))
+    cards = model_cards(mesh)
+    base = cards.pop(str(path))
+    assert (base.root, base.parent) == (str(path), "")
+    assert list(cards) == ["sql"]
+    assert (cards["sql"].root, cards["sql"].parent) == (adapters["sql"], str(path))
+    info = mesh.engines["engine"].GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10)
+    assert (info.enable_lora, info.max_loras, info.max_lora_rank) == (True, 2, MAX_LORA_RANK)
+
+
+def test_load_and_unload_at_run_time_on_every_engine(mesh, model_dir, offline):
+    _, adapters = model_dir
+    load = common_pb2.LoadLoraAdapterRequest(lora_name="late", lora_path=adapters["late"])
+    mesh.gateway.LoadLoraAdapter(load, timeout=60)
+    assert all("late" in adapter_names(stub) for stub in mesh.engines.values())
+    assert model_cards(mesh)["late"].root == adapters["late"]
+    tokens = prompt(20)
+    assert through_gateway(mesh, tokens, model="late") == offline(tokens, "late")
+
+    with pytest.raises(grpc.RpcError) as e:
+        mesh.gateway.LoadLoraAdapter(load, timeout=60)
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "late" in e.value.details()
+
+    mesh.gateway.UnloadLoraAdapter(common_pb2.UnloadLoraAdapterRequest(lora_name="late"), timeout=60)
+    assert not any("late" in adapter_names(stub) for stub in mesh.engines.values())
+    assert "late" not in model_cards(mesh)
+    with pytest.raises(grpc.RpcError) as e:
+        through_gateway(mesh, tokens, model="late")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "'sql'" in e.value.details()
+
+
+@pytest.mark.parametrize(
+    "lora_name, path_of, code, words",
+    [
+        ("big", "too-big", grpc.StatusCode.INVALID_ARGUMENT, ["lora_path", "rank"]),
+        ("gone", None, grpc.StatusCode.INVALID_ARGUMENT, ["lora_path"]),
+        ("", "late", grpc.StatusCode.INVALID_ARGUMENT, ["lora_name"]),
+        ("x" * 300, "late", grpc.StatusCode.INVALID_ARGUMENT, ["lora_name", "--max-id-chars"]),
+        ("nul", "\x00", grpc.StatusCode.INVALID_ARGUMENT, ["lora_path"]),
+    ],
+)
+def test_a_bad_adapter_is_refused_naming_the_field(mesh, model_dir, offline, lora_name, path_of, code, words):
+    _, adapters = model_dir
+    path = adapters.get(path_of, path_of) if path_of else str(model_dir[0] / "no-such-adapter")
+    for stub in (mesh.gateway, mesh.engines["engine"]):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.LoadLoraAdapter(common_pb2.LoadLoraAdapterRequest(lora_name=lora_name, lora_path=path), timeout=60)
+        assert e.value.code() == code, e.value.details()
+        assert all(w in e.value.details() for w in words), e.value.details()
+    assert model_cards(mesh).keys() == {str(model_dir[0]), "sql"}
+    tokens = prompt(30)
+    assert through_gateway(mesh, tokens, model="sql") == offline(tokens, "sql")  # still serving
+
+
+def test_unknown_models_and_adapters_are_not_found(mesh, model_dir):
+    with pytest.raises(grpc.RpcError) as e:
+        through_gateway(mesh, prompt(40), model="nope")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert f"'{model_dir[0]}'" in e.value.details() and "'sql'" in e.value.details()
+    params = client.sampling_params(max_tokens=2)
+    request = engine_pb2.EngineGenerateRequest(prompt_token_ids=prompt(40), sampling_params=params, lora_name="nope")
+    with pytest.raises(grpc.RpcError) as e:
+        list(mesh.engines["engine"].Generate(request, timeout=60))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "loaded: sql" in e.value.details()
+    for stub in (mesh.gateway, mesh.engines["engine"]):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.UnloadLoraAdapter(common_pb2.UnloadLoraAdapterRequest(lora_name="nope"), timeout=60)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in e.value.details()
+    # A huge name is refused as briefly.
+    with pytest.raises(grpc.RpcError) as e:
+        through_gateway(mesh, prompt(40), model="m" * 100_000)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and len(e.value.details()) < 1000
+    request.lora_name = "m" * 100_000
+    with pytest.raises(grpc.RpcError) as e:
+        list(mesh.engines["engine"].Generate(request, timeout=60))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and len(e.value.details()) < 1000
+
+
+def scrape_lora_info(mesh) -> list[tuple[dict, float]]:
+    """vllm:lora_requests_info's samples on the engine's /metrics: (labels, value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = mesh.services["engine"].server.telemetry.metrics_port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return [
+        (s.labels, s.value)
+        for family in text_string_to_metric_families(text)
+        if family.name == "vllm:lora_requests_info"
+        for s in family.samples
+    ]
+
+
+def test_unload_while_in_use_is_refused_and_the_metric_shows_it(mesh, offline):
+    """A long request under `sql` on the engine with metrics: while it runs, the gauge names `sql` running and an
+    unload is refused there; the request ends with its right output, and the adapter can go afterwards."""
+    tokens, max_tokens = prompt(50), 200
+    params = client.sampling_params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    request = engine_pb2.EngineGenerateRequest(prompt_token_ids=tokens, sampling_params=params, lora_name="sql")
+    call = mesh.engines["engine"].Generate(request, timeout=120)
+    received = [t for c in next(call).outputs for t in c.token_ids]
+    samples = scrape_lora_info(mesh)
+    unload = common_pb2.UnloadLoraAdapterRequest(lora_name="sql")
+    with pytest.raises(grpc.RpcError) as e:
+        mesh.engines["engine"].UnloadLoraAdapter(unload, timeout=60)
+    received += [t for m in call for c in m.outputs for t in c.token_ids]
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "sql" in e.value.details()
+    assert received == offline(tokens, "sql", max_tokens)
+
+    assert len(samples) == 1
+    labels, value = samples[0]
+    assert labels == {"max_lora": "2", "running_lora_adapters": "sql", "waiting_lora_adapters": ""}
+    assert abs(value - time.time()) < 60  # the time of the last update, as vLLM's
+    wait_until(lambda: scrape_lora_info(mesh)[0][0]["running_lora_adapters"] == "")
+
+
+def test_the_adapter_is_on_the_request_spans(mesh, receiver):
+    client.collect(
+        client.generate(mesh.services["gateway"].address, prompt(60), model="sql", max_tokens=2, request_id="traced")
+    )
+
+    def spans_of_trace(spans):
+        root = next((s for s in spans if s.attributes.get("gen_ai.request.id") == "traced" and not s.parent_id), None)
+        return [] if root is None else [s for s in spans if s.trace_id == root.trace_id]
+
+    wanted = {("llmmesh-gateway", "text_completion sql"), ("llmmesh-engine", "llm_request")}
+    receiver.wait(lambda spans: wanted <= {(s.service, s.name) for s in spans_of_trace(spans)})
+    for span in spans_of_trace(receiver.spans):
+        if (span.service, span.name) in wanted or span.name == "llmmesh.v1.Engine/Generate" and span.kind == 2:
+            assert span.attributes.get("llmmesh.lora_name") == "sql", span
+
+
+def test_serve_passes_the_lora_flags_to_its_engines(model_dir):
+    _, adapters = model_dir
+    args = EngineArgs(
+        model="m", enable_lora=True, lora_modules=[f"a={adapters['sql']}", f"b={adapters['late']}"], max_loras=3
+    )
+    parsed = build_parser().parse_args(["engine", *engine_flags(args)])
+    assert EngineArgs.from_cli_args(parsed) == args
+
+
+def test_prefix_aware_routing_finds_an_adapters_blocks(mesh):
+    """The gateway names a LoRA request's blocks as the engines do, with the digest of the adapter's weights: the
+    same prompt under the same adapter goes to the engine that holds its blocks (without the digest the two engines
+    would tie, and the tie goes to the other engine in turn)."""
+    digests = {
+        a.digest
+        for stub in mesh.engines.values()
+        for a in stub.ListLoraAdapters(engine_pb2.ListLoraAdaptersRequest(), timeout=10).adapters
+        if a.lora_name == "sql"
+    }
+    assert len(digests) == 1 and len(next(iter(digests))) == 32
+    address, tokens = mesh.services["gateway"].address, prompt(70, length=4 * 16 + 3)
+    first = client.collect(client.generate(address, tokens, model="sql", max_tokens=1))
+    assert first.complete.usage.cached_tokens == 0
+    time.sleep(1.5)  # the engine's KV events reach the gateway's index
+    again = client.collect(client.generate(address, tokens, model="sql", max_tokens=1))
+    assert again.complete.usage.cached_tokens == 4 * 16
+
+
+def test_an_engine_without_lora_refuses_clearly(model_dir):
+    path, adapters = model_dir
+    flags = ["--model", str(path), "--kv-cache-memory", KV, "--shutdown-timeout", "5"]
+    with InProcessService("engine", flags) as engine, grpc.insecure_channel(engine.address) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        load = common_pb2.LoadLoraAdapterRequest(lora_name="sql", lora_path=adapters["sql"])
+        with pytest.raises(grpc.RpcError) as e:
+            stub.LoadLoraAdapter(load, timeout=60)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--enable-lora" in e.value.details()
+        params = client.sampling_params(max_tokens=2)
+        request = engine_pb2.EngineGenerateRequest(prompt_token_ids=prompt(80), sampling_params=params, lora_name="sql")
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request, timeout=60))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "--enable-lora" in e.value.details()
+        assert adapter_names(stub) == []
+        request.lora_name = ""
+        assert len([t for m in stub.Generate(request, timeout=60) for c in m.outputs for t in c.token_ids]) == 2
