@@ -249,12 +249,12 @@ def test_preemption_and_abort_mid_speculation_leak_no_block(models):
     root, _, _ = models
     prompts = [PROMPTS["repetitive"] * 2, PROMPTS["alternating"], PROMPTS["random"], PROMPTS["repetitive"]]
     block_bytes = 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * 16 * 4
-    expected, _ = generate(engine(root / "target"), prompts, greedy(64))
+    expected, _ = generate(engine(root / "target"), prompts, greedy(48))
     for method in ("ngram", "draft_model"):
         spec = specs(root)[method]
         draft_share = 2 if method == "draft_model" else 1  # the draft's KV pays its share of each block
         core = engine(root / "target", json.dumps(spec), kv_cache_memory=str(14 * block_bytes * draft_share))
-        ours, _ = generate(core, prompts, greedy(64))
+        ours, _ = generate(core, prompts, greedy(48))
         assert ours == expected, method
         assert core.scheduler.num_preemptions > 0, method
         for i, prompt in enumerate(prompts):
@@ -339,7 +339,7 @@ def test_sampled_sequences_follow_the_target_distribution(models):
     root, _, small = models
     prompt = [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 2]
     exact = exact_distribution(small, prompt, 3)
-    num_draws = 2000
+    num_draws = 1500
     configs = {
         "none": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1},
