@@ -113,7 +113,8 @@ class GroupQuantLinearMethod(LinearMethodBase):
             gemv = group_gemv_kernel()
             if gemv is not None:
                 q, scales, zeros = q.contiguous(), scales.float().contiguous(), zeros.float().contiguous()
-                layer.kernel = lambda x: gemv(x, q, scales, zeros)
+                # Its time grows with the rows: on the output layer's shape it beat oneDNN at one row only.
+                layer.kernel, layer.kernel_max_rows = (lambda x: gemv(x, q, scales, zeros)), 1
         if layer.kernel is None or layer.kernel_max_rows is not None:
             _register(layer, "weight", dequantize(q, scales, zeros))
             self.dense.process_weights_after_loading(layer, dtype)
