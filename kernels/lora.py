@@ -15,6 +15,8 @@ that a slot's tokens are consecutive): on the CPU that reads each adapter's weig
 gathered bmm copies them once per token.
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -57,6 +59,31 @@ def lora_segments_cpu(
         for i, (offset, size) in enumerate(out_slices):
             b = lora_b[slot, offset : offset + size, i * rank : (i + 1) * rank]
             y[start:end, offset : offset + size] += h[:, i * rank : (i + 1) * rank] @ b.T
+
+
+@dataclass
+class LoRAGroups:
+    """Short runs of tokens (decodes), at most one per slot, batched over the slot range [lo, hi): gather [hi - lo,
+    length] holds each slot's token indices, padded with the index of a zero row (the number of tokens); tokens is
+    the real entries' token indices, in gather's flat order, and flat their positions there; width_rank: the largest
+    adapter rank among them."""
+
+    lo: int
+    hi: int
+    gather: torch.Tensor
+    tokens: torch.Tensor
+    flat: torch.Tensor
+    rank: int
+
+
+def lora_groups_cpu(x, y, lora_a, lora_b, groups: LoRAGroups, num_slices: int) -> None:
+    """y += the delta of every grouped token, as two bmm over the slots (no copy of any adapter's weights): a slot's
+    A rows and B columns past its own rank are zero, so the group's largest rank serves every slot."""
+    width = num_slices * groups.rank
+    xs = torch.cat([x, x.new_zeros(1, x.shape[1])])[groups.gather].float()  # [slots, length, in]
+    h = torch.bmm(xs, lora_a[groups.lo : groups.hi, :width].transpose(1, 2))
+    delta = torch.bmm(h, lora_b[groups.lo : groups.hi, :, :width].transpose(1, 2)).flatten(0, 1)
+    y.index_add_(0, groups.tokens, delta[groups.flat].to(y.dtype))
 
 
 # ---- Triton ------------------------------------------------------------------------------------------------------

@@ -16,8 +16,17 @@ from engine import LLM, EngineArgs, LoRARequest, SamplingParams
 from engine.async_llm import AsyncLLM
 from engine.core import EngineCore
 from engine.kv.hashing import extend_block_hashes
+from engine.lora.layers import LoRAMapping
+from engine.lora.manager import LoRAModelManager
 from engine.models.random_model import save_random_smollm2_shaped
-from kernels.lora import lora_expand, lora_expand_ref, lora_segments_cpu, lora_shrink, lora_shrink_ref
+from kernels.lora import (
+    lora_expand,
+    lora_expand_ref,
+    lora_groups_cpu,
+    lora_segments_cpu,
+    lora_shrink,
+    lora_shrink_ref,
+)
 from test_models import COMMON
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -359,8 +368,20 @@ def test_cpu_segments_match_the_reference():
     segments = [(0, 0, 2, 2), (2, 2, 3, 5), (2, 5, 7, 5), (0, 7, 8, 2)]
     x = torch.randn(len(indices), fan_in, generator=gen)
     y = torch.randn(len(indices), sum(out_sizes), generator=gen)
+    out_slices = [(0, 16), (16, 8), (24, 8)]
     ours, expected = y.clone(), y.clone()
-    lora_segments_cpu(x, ours, a, b, segments, [(0, 16), (16, 8), (24, 8)])
+    lora_segments_cpu(x, ours, a, b, segments, out_slices)
     lora_expand_ref(lora_shrink_ref(x, a, indices), b, indices, expected)
     torch.testing.assert_close(ours, expected)
     assert torch.equal(ours[3:5], y[3:5])
+    # The same runs, the short ones (slot 0's first, slot 2's first) batched over slots 0..2, as a step plans them.
+    manager = LoRAModelManager.__new__(LoRAModelManager)
+    manager.mapping, manager.slot_rank = LoRAMapping(), [2, 0, 5]
+    manager.set_mapping(indices, indices.numpy())
+    mapping = manager.mapping
+    assert mapping.groups.lo == 0 and mapping.groups.hi == 3 and mapping.groups.rank == 5
+    assert mapping.segments == [(2, 5, 7, 5), (0, 7, 8, 2)]
+    grouped = y.clone()
+    lora_groups_cpu(x, grouped, a, b, mapping.groups, len(out_slices))
+    lora_segments_cpu(x, grouped, a, b, mapping.segments, out_slices)
+    torch.testing.assert_close(grouped, expected)

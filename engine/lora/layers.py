@@ -10,16 +10,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels.lora import lora_expand, lora_segments_cpu, lora_shrink
+from kernels.lora import LoRAGroups, lora_expand, lora_groups_cpu, lora_segments_cpu, lora_shrink
 
 
 @dataclass
 class LoRAMapping:
     """One step's adapters: the slot of each token of the flat batch (-1: base model, vLLM's token_lora_mapping) on
-    the device, and the same as runs of consecutive tokens, (slot, start, end, rank), for the CPU path."""
+    the device, and for the CPU path the same as runs of consecutive tokens, (slot, start, end, rank): the short runs
+    (decodes) batched over the slots in `groups`, the others in `segments`. `active`: any adapter in the step."""
 
     token_lora_indices: torch.Tensor | None = None
     segments: list[tuple[int, int, int, int]] = field(default_factory=list)
+    groups: LoRAGroups | None = None
+    active: bool = False
 
 
 class LinearWithLoRA(nn.Module):
@@ -57,9 +60,11 @@ class LinearWithLoRA(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         mapping = self.mapping
-        if not mapping.segments:  # no adapter in this step
+        if not mapping.active:  # no adapter in this step
             return y
         if x.device.type == "cpu":
+            if mapping.groups is not None:
+                lora_groups_cpu(x, y, self.lora_a, self.lora_b, mapping.groups, len(self.out_slices))
             lora_segments_cpu(x, y, self.lora_a, self.lora_b, mapping.segments, self.out_slices)
         else:
             indices = mapping.token_lora_indices

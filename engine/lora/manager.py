@@ -15,6 +15,10 @@ from engine.lora.layers import LinearWithLoRA, LoRAMapping
 from engine.lora.peft import LoRAModel, load_peft_adapter
 from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
+from kernels.lora import LoRAGroups
+
+# Runs of at most this many tokens (decodes) are batched over the slots on the CPU; longer ones (prompts) are not.
+MAX_GROUPED_RUN = 8
 
 # The model's packed layers and the PEFT modules they hold, in output order: (attribute path, modules).
 _WRAPPED = (
@@ -121,8 +125,7 @@ class LoRAModelManager:
 
     def set_mapping(self, token_lora_indices: torch.Tensor, host_indices: np.ndarray) -> None:
         """The step's per-token slots (on the device, and on the host to find the runs of one slot)."""
-        self.mapping.token_lora_indices = token_lora_indices
-        segments = []
+        runs = []
         if len(host_indices):
             bounds = np.flatnonzero(np.diff(host_indices)) + 1
             starts = np.concatenate(([0], bounds))
@@ -130,5 +133,30 @@ class LoRAModelManager:
             for start, end in zip(starts.tolist(), ends.tolist()):
                 slot = int(host_indices[start])
                 if slot >= 0:
-                    segments.append((slot, start, end, self.slot_rank[slot]))
+                    runs.append((slot, start, end, self.slot_rank[slot]))
+        # The first short run of each slot (its decodes: the runner puts them first) goes in the groups.
+        short, segments = {}, []
+        for run in runs:
+            if run[2] - run[1] <= MAX_GROUPED_RUN and run[0] not in short:
+                short[run[0]] = run
+            else:
+                segments.append(run)
+        self.mapping.token_lora_indices = token_lora_indices
         self.mapping.segments = segments
+        self.mapping.groups = self._groups(list(short.values()), len(host_indices)) if len(short) > 1 else None
+        if self.mapping.groups is None:
+            self.mapping.segments = runs
+        self.mapping.active = bool(runs)
+
+    @staticmethod
+    def _groups(runs, num_tokens: int) -> LoRAGroups:
+        lo, hi = min(r[0] for r in runs), max(r[0] for r in runs) + 1
+        length = max(r[2] - r[1] for r in runs)
+        gather = np.full((hi - lo, length), num_tokens, dtype=np.int64)  # num_tokens: the zero row
+        for slot, start, end, _ in runs:
+            gather[slot - lo, : end - start] = np.arange(start, end)
+        flat = np.flatnonzero(gather.ravel() < num_tokens)
+        tokens = gather.ravel()[flat]
+        return LoRAGroups(
+            lo, hi, torch.from_numpy(gather), torch.from_numpy(tokens), torch.from_numpy(flat), max(r[3] for r in runs)
+        )
