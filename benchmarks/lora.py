@@ -1,0 +1,191 @@
+"""Multi-LoRA serving: output tokens/s of one batch spread over 1, 4 and 16 adapters against the base model alone.
+
+    flock /tmp/bench.lock .venv/bin/python benchmarks/lora.py [--rounds 3] [--max-tokens 32] [--output-json PATH]
+
+The model is SmolLM2-135M, its weights dequantized to a dense float32 checkpoint once (so that the base, the merged
+and the LoRA engines run the same kernels), in float32. The batch: 32 requests, prompts of 32 random token ids,
+greedy, exactly --max-tokens output tokens each (ignore_eos), all added at once (LLM.generate).
+
+Systems, each built once before the timing:
+  base         an engine without --enable-lora
+  merged       one adapter (rank 16) merged into the weights (W + B A alpha/r), no --enable-lora: the way to
+               serve a single adapter
+  lora-N-rR    one engine with --enable-lora --max-loras 16 --max-lora-rank 16; the batch's requests cycle over
+               N random adapters (PEFT directories) of rank R on all seven projections
+The systems alternate within every round (the machine is shared and noisy) and each one's median over the
+rounds is printed, with its ratio to the base model's. Last, one layer's delta on a decode batch three ways: the CPU
+path (two bmm over the slots), two matmuls per adapter's run, and the gathered bmm of the torch reference.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine import LLM, LoRARequest, SamplingParams
+from engine.lora.layers import LoRAMapping
+from engine.lora.manager import LoRAModelManager
+from engine.lora.peft import SUPPORTED_TARGET_MODULES, module_shapes
+from engine.models.files import load_config
+from engine.models.loader import DEFAULT_MODEL, load_weights, prepare_model_dir
+from kernels.lora import lora_expand_ref, lora_groups_cpu, lora_segments_cpu, lora_shrink_ref
+
+NUM_REQUESTS = 32
+PROMPT_LEN = 32
+ADAPTER_COUNTS = (1, 4, 16)
+RANKS = (8, 16)
+ALPHA = 16
+
+
+def save_dense_model(out: Path) -> Path:
+    """SmolLM2 dequantized to plain float32 safetensors, with its config and tokenizer."""
+    src = prepare_model_dir(DEFAULT_MODEL)
+    out.mkdir(parents=True)
+    save_file(
+        {name: t.float().contiguous() for name, t in load_weights(src, dequantized=True)}, out / "model.safetensors"
+    )
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config))
+    for name in os.listdir(src):
+        if name.startswith("tokenizer") or name.endswith(".jinja"):
+            shutil.copy(src / name, out / name)
+    return out
+
+
+def save_random_adapter(path: Path, model_dir: Path, rank: int, seed: int) -> dict:
+    """A random PEFT adapter on all seven projections; its tensors, by PEFT key."""
+    cfg = load_config(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for module, (fan_in, fan_out) in module_shapes(cfg).items():
+            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
+    path.mkdir(parents=True)
+    save_file(tensors, path / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": ALPHA, "target_modules": list(SUPPORTED_TARGET_MODULES)}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return tensors
+
+
+def save_merged_model(out: Path, dense: Path, adapter: dict, rank: int) -> Path:
+    """The dense model with the adapter merged into its weights."""
+    shutil.copytree(dense, out)
+    weights = dict(load_weights(dense))
+    for key, a in adapter.items():
+        if key.endswith("lora_A.weight"):
+            name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+            b = adapter[key.replace("lora_A", "lora_B")]
+            weights[name] = weights[name] + (b @ a) * (ALPHA / rank)
+    save_file({k: v.contiguous() for k, v in weights.items()}, out / "model.safetensors")
+    return out
+
+
+def time_cpu_paths(repeats: int = 50) -> dict[str, float]:
+    """Microseconds of one q/k/v layer's delta for a decode batch (32 tokens, 16 adapters of rank 16, two tokens
+    each): the CPU path (batched over the slots), one adapter's run at a time, and the gathered bmm of the torch
+    reference."""
+    cfg = load_config(prepare_model_dir(DEFAULT_MODEL))
+    shapes = module_shapes(cfg)
+    fan_in, out_sizes, rank = cfg.hidden_size, [shapes[m][1] for m in ("q_proj", "k_proj", "v_proj")], 16
+    a = torch.randn(16, 3 * rank, fan_in)
+    b = torch.randn(16, sum(out_sizes), 3 * rank)
+    x, y = torch.randn(NUM_REQUESTS, fan_in), torch.zeros(NUM_REQUESTS, sum(out_sizes))
+    indices = torch.arange(NUM_REQUESTS) // 2
+    segments = [(s, 2 * s, 2 * s + 2, rank) for s in range(16)]
+    offsets = [sum(out_sizes[:i]) for i in range(3)]
+    manager = LoRAModelManager.__new__(LoRAModelManager)  # only its step planning
+    manager.mapping, manager.slot_rank = LoRAMapping(), [rank] * 16
+    manager.set_mapping(indices, indices.numpy())
+    paths = {
+        "grouped": lambda: lora_groups_cpu(x, y, a, b, manager.mapping.groups, 3),
+        "segments": lambda: lora_segments_cpu(x, y, a, b, segments, list(zip(offsets, out_sizes))),
+        "gathered-bmm": lambda: lora_expand_ref(lora_shrink_ref(x, a, indices), b, indices, y),
+    }
+    times = {name: [] for name in paths}
+    for _ in range(repeats):
+        for name, path in paths.items():
+            began = time.perf_counter()
+            path()
+            times[name].append((time.perf_counter() - began) * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def run_batch(llm: LLM, prompts, max_tokens: int, loras) -> float:
+    """Output tokens/s of one batch."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    began = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
+    elapsed = time.perf_counter() - began
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--output-json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count())
+    rng = random.Random(0)
+    prompts = [[rng.randrange(17, 49152) for _ in range(PROMPT_LEN)] for _ in range(NUM_REQUESTS)]
+    common = dict(dtype="float32", kv_cache_memory="512MiB", max_num_seqs=NUM_REQUESTS)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        dense = save_dense_model(tmp / "dense")
+        adapters = {}  # (rank, i) -> LoRARequest
+        first_r16 = None
+        for rank in RANKS:
+            for i in range(max(ADAPTER_COUNTS)):
+                path = tmp / f"r{rank}-{i}"
+                tensors = save_random_adapter(path, dense, rank, seed=rank * 100 + i)
+                if rank == 16 and i == 0:
+                    first_r16 = tensors
+                adapters[rank, i] = LoRARequest(f"r{rank}-{i}", len(adapters) + 1, str(path))
+        merged = save_merged_model(tmp / "merged", dense, first_r16, 16)
+        engines = {
+            "base": LLM(str(dense), **common),
+            "merged": LLM(str(merged), **common),
+            "lora": LLM(str(dense), enable_lora=True, max_loras=16, max_lora_rank=16, **common),
+        }
+        for lora in adapters.values():
+            engines["lora"].add_lora(lora)
+        systems = {"base": ("base", None), "merged": ("merged", None)}
+        for rank in RANKS:
+            for n in ADAPTER_COUNTS:
+                systems[f"lora-{n}-r{rank}"] = ("lora", [adapters[rank, i % n] for i in range(NUM_REQUESTS)])
+        for engine, loras in systems.values():  # warm-up
+            run_batch(engines[engine], prompts[:4], 2, loras[:4] if loras else None)
+        results = {name: [] for name in systems}
+        for round_ in range(args.rounds):
+            for name, (engine, loras) in systems.items():
+                results[name].append(run_batch(engines[engine], prompts, args.max_tokens, loras))
+            print(f"round {round_ + 1}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in results.items()), flush=True)
+    medians = {name: statistics.median(v) for name, v in results.items()}
+    print(f"\n{'system':<14} {'output tok/s':>12} {'x base':>7}")
+    for name, value in medians.items():
+        print(f"{name:<14} {value:>12.1f} {value / medians['base']:>7.2f}")
+    cpu_paths = time_cpu_paths()
+    print(
+        "one q/k/v layer's delta, 32 decode tokens over 16 adapters of rank 16: "
+        + ", ".join(f"{name} {us:.0f} us" for name, us in cpu_paths.items())
+    )
+    print(f"load average: {os.getloadavg()}")
+    if args.output_json:
+        report = {"runs": results, "medians": medians, "cpu_paths_us": cpu_paths}
+        args.output_json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
