@@ -229,6 +229,9 @@ class EngineArgs:
             raise ValueError(f"max_cpu_loras must be at least max_loras ({self.max_loras}), got {self.max_cpu_loras}.")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora).")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            # The adapters live in the driver's worker only: the other ranks would compute without them.
+            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet; pass one or the other.")
         self.get_lora_modules()
 
     def get_lora_modules(self) -> dict[str, str]:

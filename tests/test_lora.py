@@ -220,6 +220,8 @@ def test_lora_modules_at_start_and_off_without_enable_lora(tiny):
     }
     tokens = greedy(llm, [PROMPTS[1]], llm.lora_registry["kd"])[0]
     assert_greedy_matches(tokens, *HFReference(merged["kd-r2"]).greedy(PROMPTS[1], MAX_TOKENS), label="kd")
+    with pytest.raises(ValueError, match=r"enable_lora is not supported with tensor_parallel_size > 1"):
+        EngineArgs(model=str(base), enable_lora=True, tensor_parallel_size=2)
     plain = LLM(str(base), dtype="float32", kv_cache_memory="4MiB")
     with pytest.raises(ValueError, match=r"lora_request: this engine serves no LoRA adapters"):
         plain.processor.process_lora(lora(root, "qv-r1"))
