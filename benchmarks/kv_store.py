@@ -3,7 +3,7 @@ or loaded from the kvstore (after the local cache is reset, and on a second engi
 then a multi-turn workload through the mesh with a KV pool far smaller than the working set, with and without
 the store.
 
-    .venv/bin/python benchmarks/kv_store.py [--lengths 512 2048 8192] [--dtypes float32 bfloat16] [--rounds 3]
+    .venv/bin/python benchmarks/kv_store.py [--lengths 512 2048 8192] [--dtypes float32 bfloat16 float32:fp8] [--rounds 3]
         [--skip-ttft] [--skip-mesh] [--conversations 6] [--turns 4] [--pool-blocks 96]
 
 TTFT part: a real redis-server and a real `llmmesh kvstore` process; two EngineCores in this process (A and B)
@@ -11,7 +11,9 @@ with the KV connector (load_policy auto: the engine's own load-or-recompute choi
 random prefix per length (so nothing is cached anywhere) and runs, in turn: cold on A (recompute; its blocks
 go to the store), local hit on A, reload on A after reset_prefix_cache, second engine B. Each request is the
 prefix plus its own 16-token suffix and asks for one token. Reported: per-round times and the median over
-rounds of each variant and of cold/variant.
+rounds of each variant and of cold/variant. A --dtypes entry is the model's dtype, or DTYPE:KV_CACHE_DTYPE for
+another KV cache dtype (float32:fp8: float32 compute, fp8 blocks in the cache and the store); the same prefixes
+for every entry of one model dtype.
 
 Mesh part: two copies of `llmmesh serve`'s processes (services.supervisor.Mesh) up at once, one with the
 store and one without. Conversations advance turn by turn in lockstep (turn 1 of every conversation, then
@@ -57,9 +59,16 @@ def run_ttft(args) -> dict:
         kvstore = ServiceProcess("kvstore", ["--port", "0", "--redis-url", redis.url])
         address = kvstore.wait_listening(120)
         try:
-            for dtype in args.dtypes:
-                engine_args = dict(dtype=dtype, kv_cache_memory="2GiB", kv_transfer_config=kv_transfer_config(address))
+            for config in args.dtypes:
+                dtype, _, kv_cache_dtype = config.partition(":")
+                engine_args = dict(
+                    dtype=dtype,
+                    kv_cache_dtype=kv_cache_dtype or "auto",
+                    kv_cache_memory="2GiB",
+                    kv_transfer_config=kv_transfer_config(address),
+                )
                 a, b = EngineCore(EngineArgs(**engine_args)), EngineCore(EngineArgs(**engine_args))
+                print(f"{config}: KV blocks of {a.worker.kv_layout.block_bytes} bytes", flush=True)
                 vocab = a.model_config.vocab_size
                 for engine in (a, b):  # first-call costs out of the way
                     ttft(engine, [FIRST_REGULAR_ID] * 64, "warm-up")
@@ -82,13 +91,13 @@ def run_ttft(args) -> dict:
                         row["reload_loaded_tokens"] = after["loaded_tokens"] - before["loaded_tokens"]
                         rows.append(row)
                         print(
-                            f"{dtype} prefix {prefix_len}: round {r}: "
+                            f"{config} prefix {prefix_len}: round {r}: "
                             + ", ".join(
                                 f"{k} {v:.3f} s" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
                             ),
                             flush=True,
                         )
-                    results[f"{dtype}/{prefix_len}"] = summarize(rows)
+                    results[f"{config}/{prefix_len}"] = summarize(rows)
                 for engine in (a, b):
                     engine.shutdown()
                 del a, b
