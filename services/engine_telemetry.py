@@ -101,12 +101,28 @@ class SchedulerCollector:
         for key, value in sorted((stats.kv_connector_stats or {}).items()):
             name, doc = KV_CONNECTOR_METRICS.get(key, (f"llmmesh:kv_connector_{key}", f"KV connector: {key}."))
             counters.append((name, doc, value))
+        # vLLM's speculative-decoding counters (cumulative): acceptance rate = accepted / draft tokens, mean
+        # acceptance length = 1 + accepted / drafts.
+        spec = stats.spec_decoding_stats
+        if spec is not None:
+            counters += [
+                ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens),
+            ]
         for name, doc, value in counters:
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
-        if stats.spec_decoding_stats is not None:
-            yield from spec_decode_metrics(stats.spec_decoding_stats, labels)
+        if spec is not None:
+            per_pos = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                labels=["model_name", "position"],
+            )
+            for position, value in enumerate(spec.num_accepted_tokens_per_pos):
+                per_pos.add_metric([*labels, str(position)], value)
+            yield per_pos
         if engine.core.args.enable_lora:
             yield self.lora_info(engine.core.args.max_loras, stats)
 
@@ -121,27 +137,6 @@ class SchedulerCollector:
         waiting, running = ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters)
         gauge.add_metric([str(max_loras), waiting, running], self.stats_time)
         return gauge
-
-
-def spec_decode_metrics(spec, labels: list[str]):
-    """vLLM's speculative-decoding counters (cumulative SpecDecodingStats); the acceptance rate is accepted / draft
-    tokens, the mean acceptance length 1 + accepted / drafts."""
-    for name, doc, value in (
-        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
-        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
-        ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens),
-    ):
-        counter = CounterMetricFamily(name, doc, labels=["model_name"])
-        counter.add_metric(labels, value)
-        yield counter
-    per_pos = CounterMetricFamily(
-        "vllm:spec_decode_num_accepted_tokens_per_pos",
-        "Accepted tokens per draft position.",
-        labels=["model_name", "position"],
-    )
-    for position, value in enumerate(spec.num_accepted_tokens_per_pos):
-        per_pos.add_metric([*labels, str(position)], value)
-    yield per_pos
 
 
 def step_attributes(step) -> dict:
