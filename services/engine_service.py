@@ -93,6 +93,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         try:
             kv_role = connector.config.kv_role if connector is not None else None
             kv_transfer = parse_kv_transfer_params(request.kv_transfer_params, kv_role)
+            engine.limits.check_chars("lora_name", request.lora_name, "max_id_chars")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:

@@ -61,6 +61,7 @@ HOSTILE_REQUEST = {
     "priority": (lambda r: setattr(r, "priority", -I32_MAX), None),
     "cache_salt": (lambda r: setattr(r, "cache_salt", "s" * 100_000), "cache_salt"),
     "sampling_params": (lambda r: setattr(r.sampling_params, "n", 0), "n"),
+    "lora_name": (lambda r: setattr(r, "lora_name", "x" * 100_000), "lora_name"),
     "kv_transfer_params": (
         lambda r: setattr(r, "kv_transfer_params", '{"do_remote_decode": "yes"}'),
         "kv_transfer_params",
