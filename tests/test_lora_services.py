@@ -237,10 +237,12 @@ def test_unknown_models_and_adapters_are_not_found(mesh, model_dir):
     with pytest.raises(grpc.RpcError) as e:
         through_gateway(mesh, prompt(40), model="m" * 100_000)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and len(e.value.details()) < 1000
+    # On the engine a name over --max-id-chars is bad input, named, as LoadLoraAdapter's.
     request.lora_name = "m" * 100_000
     with pytest.raises(grpc.RpcError) as e:
         list(mesh.engines["engine"].Generate(request, timeout=60))
-    assert e.value.code() == grpc.StatusCode.NOT_FOUND and len(e.value.details()) < 1000
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lora_name" in e.value.details()
+    assert len(e.value.details()) < 1000
 
 
 def scrape_lora_info(mesh) -> list[tuple[dict, float]]:
