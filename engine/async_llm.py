@@ -200,10 +200,11 @@ class AsyncLLM:
             logger.exception("a telemetry hook (%s) raised; ignored", getattr(hook, "__qualname__", hook))
             return None
 
-    def abort(self, request_ids) -> int:
+    def abort(self, request_ids, stop_string: bool = False) -> int:
         """Abort user requests (all their completions) or single engine requests (one child `i_<id>` of an
-        n > 1 request, the others going on); what is aborted ends with finish_reason "abort" on its stream.
-        Returns how many of the ids were running."""
+        n > 1 request, the others going on); what is aborted ends with finish_reason "abort" on its stream, or
+        "stop" when the caller found a stop string (a request whose completions are all finished then ends its
+        stream normally). Returns how many of the ids were running."""
         engine_ids, found = [], 0
         for request_id in request_ids:
             stream = self.streams.get(request_id)
@@ -213,9 +214,29 @@ class AsyncLLM:
             elif request_id in self.output_processor.parent_of:
                 engine_ids.append(request_id)
                 found += 1
+        if stop_string:
+            self._finish_at_stop_string(engine_ids)
         if engine_ids:
             self.inbox.put(("abort", engine_ids))
         return found
+
+    def _finish_at_stop_string(self, engine_ids: list[str]) -> None:
+        """The caller's stop strings ended these engine requests: they finish "stop" here and now, and a request
+        left with nothing unfinished hands out its last output (the engine's late outputs for them are dropped)."""
+        touched = {}
+        for engine_id in engine_ids:
+            state = self.output_processor.parent_of.pop(engine_id, None)
+            if state is not None:
+                state.stop_at_string(state.by_engine_id[engine_id], None, engine_finished=True)
+                touched[state.request_id] = state
+        for state in touched.values():
+            if not state.finished:
+                continue
+            self.output_processor.request_states.pop(state.request_id, None)
+            stream, output = self.streams.pop(state.request_id, None), state.output()
+            if stream is not None and output is not None:
+                stream.finished = True
+                stream.queue.put_nowait(output)
 
     def close_stream(self, stream: RequestStream) -> None:
         """The reader is gone (done, cancelled, deadline, error): forget the request and abort what is unfinished."""

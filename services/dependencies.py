@@ -223,12 +223,15 @@ class Dependencies:
         except grpc.aio.AioRpcError as e:
             raise dependency_error("tokenizer", self.tokenizer_address, e) from None
 
-    async def abort(self, address: str, engine_request_id: str, metadata=()) -> None:
-        request = engine_pb2.AbortRequest(request_ids=[engine_request_id])
+    async def abort(self, address: str, engine_request_id: str, metadata=(), stop_string: bool = False) -> bool:
+        """End one engine request; False when the engine could not be told (it still ends with the call)."""
+        request = engine_pb2.AbortRequest(request_ids=[engine_request_id], stop_string=stop_string)
         try:
             await self.engines[address].Abort(request, timeout=UNARY_TIMEOUT, metadata=metadata)
         except grpc.aio.AioRpcError as e:  # not the request's failure: it still ends when the engine call does
             logger.warning("could not abort %s at the engine %s: %s", engine_request_id, address, e.details())
+            return False
+        return True
 
     async def close(self) -> None:
         for task in self.kv_event_tasks:

@@ -131,7 +131,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def Abort(self, request: engine_pb2.AbortRequest, context):
         engine = await self.ready(context)
-        return engine_pb2.AbortResponse(num_aborted=engine.abort(request.request_ids))
+        return engine_pb2.AbortResponse(num_aborted=engine.abort(request.request_ids, request.stop_string))
 
     async def GetModelInfo(self, request, context):
         core = (await self.ready(context)).core

@@ -372,6 +372,7 @@ class GatewayRequest:
         self.engine_done = False
         self.queue_time: float | None = None  # the engine's, sent with the first tokens
         self.engine_final = None  # the engine's last message: usage, and its own prefill and decode times
+        self.stop_aborts: list[asyncio.Task] = []  # the engine told of each stop string, as they are found
         self.prompt_logprobs: list[common_pb2.PositionLogprobs] = []
         self.address = self.routed = self.detokenizer = self.detokenize_start = self.call = self.reader = None
         self.context = None
@@ -633,28 +634,25 @@ class GatewayRequest:
                     "llmmesh.engine_aborted": abort is not None,
                 },
             )
-        if abort is not None and not self.state.finished:
-            # End this completion's engine request alone (its blocks are free next step); the others go on.
-            asyncio.get_running_loop().create_task(self._abort_engine(abort))
-        elif abort is not None and span is not None:
-            # The last completion: the engine call is cancelled, which aborts the engine request.
-            self.telemetry.start_span(
-                "stop_string_abort", span, attributes={"llmmesh.engine_request_id": abort, "llmmesh.stop_str": stop_str}
-            ).end()
+        if abort is not None:
+            # End this completion's engine request alone (its blocks are free next step; the others go on), as
+            # finished by a stop: the engine counts it "stop", and ends its stream itself if it was the last.
+            self.stop_aborts.append(asyncio.get_running_loop().create_task(self._abort_engine(abort, stop_str)))
 
-    async def _abort_engine(self, engine_request_id: str) -> None:
-        """Abort one completion's engine request that a stop string ended (a child span of the request's)."""
-        with self.telemetry.client_call(
-            "stop_string_abort", self.span, {"llmmesh.engine_request_id": engine_request_id}
-        ) as s:
-            await self.deps.abort(self.address, engine_request_id, inject(s))
+    async def _abort_engine(self, engine_request_id: str, stop_str: str) -> bool:
+        """Tell the engine a stop string ended one completion's engine request (a child span of the request's)."""
+        attributes = {"llmmesh.engine_request_id": engine_request_id, "llmmesh.stop_str": stop_str}
+        with self.telemetry.client_call("stop_string_abort", self.span, attributes) as s:
+            return await self.deps.abort(self.address, engine_request_id, inject(s), stop_string=True)
 
     async def end(self) -> None:
         """Every completion is finished, or the engine's stream ended (what it left unfinished is aborted)."""
-        # Once the engine sent its last message (usage), its stream is ending by itself. Let it end rather than
-        # cancel the call, which would end the engine's side of a normal request CANCELLED.
+        # Once the engine sent its last message (usage), or was told that a stop string ended the request, its
+        # stream is ending by itself. Let it end rather than cancel the call, which would end the engine's side of
+        # a normal request CANCELLED.
+        told = self.state.finished and bool(self.stop_aborts) and all(await asyncio.gather(*self.stop_aborts))
         with contextlib.suppress(TimeoutError):
-            while not self.engine_done and self.engine_final is not None:
+            while not self.engine_done and (self.engine_final is not None or told):
                 item = await asyncio.wait_for(self.results.get(), ENGINE_END_TIMEOUT)
                 self.engine_done = item is _ENGINE_DONE or isinstance(item, Exception)
         for c in self.state.completions:

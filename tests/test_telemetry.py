@@ -276,9 +276,10 @@ def test_an_invalid_request_has_an_error_span_with_its_code(gateway, traces):
     assert root.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
-def test_a_stop_string_abort_shows(gateway, traces):
+def test_a_stop_string_abort_shows(mesh, gateway, traces):
     text = collect(generate(gateway, PROMPT, temperature=0.0, max_tokens=16, ignore_eos=True)).text()
     stop = text.split()[2]
+    before = scrape(mesh, "engine")
     result = collect(
         generate(gateway, PROMPT, request_id="stopped", temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop])
     )
@@ -291,11 +292,14 @@ def test_a_stop_string_abort_shows(gateway, traces):
     wanted = {("llmmesh-gateway", "stop_string_abort"), ("llmmesh-engine", "llmmesh.v1.Engine/Generate")}
     traces.receiver.wait(lambda _: wanted <= set(by_key(traces.receiver.trace(root.trace_id))))
     assert root.attributes["gen_ai.response.finish_reasons"] == ["stop"]
-    # The gateway cancelled the engine call to end the request there: the engine's span says so, and no span of
-    # this normal request is marked failed.
+    # The gateway told the engine that a stop string ended the request: the engine's call ends by itself (OK, not
+    # cancelled), the engine counts the request as finished by a stop, and no span of it is marked failed.
     engine = by_key(traces.receiver.trace(root.trace_id))[("llmmesh-engine", "llmmesh.v1.Engine/Generate")]
-    assert engine.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert engine.attributes["rpc.grpc.status_code"] == grpc.StatusCode.OK.value[0]
     assert not [s for s in traces.receiver.trace(root.trace_id) if s.status.code == trace_pb2.Status.STATUS_CODE_ERROR]
+    after = scrape(mesh, "engine")
+    assert delta(before, after, "vllm:request_success_total", finished_reason="stop") == 1
+    assert delta(before, after, "vllm:request_success_total", finished_reason="abort") == 0
 
 
 def test_a_preempted_request_shows_its_preemption(gateway, traces):
