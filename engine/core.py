@@ -4,6 +4,7 @@ this process, or one per tensor-parallel rank)."""
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 from engine.config import EngineArgs
 from engine.executor import make_executor
@@ -142,7 +143,9 @@ class EngineCore:
         began = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         started = time.perf_counter()
-        runner_output = self.executor.execute_model(scheduler_output)
+        # Async scheduling: the next step's blocks are allocated while this step's tokens are being sampled.
+        ahead = partial(self.scheduler.schedule_ahead, scheduler_output) if self.args.async_scheduling else None
+        runner_output = self.executor.execute_model(scheduler_output, ahead)
         ran = time.perf_counter()
         if self.connector is not None:
             self.connector.record_step_time(scheduler_output, ran - started)  # for its own estimates

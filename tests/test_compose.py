@@ -98,6 +98,24 @@ def test_the_engine_samples_on_the_sampler_service(compose):
     assert services["engine"]["depends_on"]["sampler"]["condition"] == "service_healthy"
 
 
+def docker_bytes(size: str) -> int:
+    """Compose's byte values: '1gb', '512m', '64k', '100b' (units of 1024)."""
+    number, unit = re.fullmatch(r"(\d+)([bkmg])b?", size.lower()).groups()
+    return int(number) * 1024 ** "bkmg".index(unit)
+
+
+def test_the_engine_and_the_sampler_share_memory(compose):
+    """The engine joins the sampler's IPC namespace, so its logits' segment under /dev/shm is the sampler's to map;
+    the sampler's /dev/shm holds the engine's two slots at its --max-num-seqs (SmolLM2's vocabulary, float32)."""
+    services = compose["services"]
+    assert services["sampler"]["ipc"] == "shareable"
+    assert services["engine"]["ipc"] == "service:sampler"
+    max_num_seqs = int(substitute_defaults(services["engine"]["environment"]["LLMMESH_MAX_NUM_SEQS"]))
+    slots = 2 * max_num_seqs * 49152 * 4
+    size = services["sampler"]["shm_size"]
+    assert docker_bytes(size) >= slots + 2**20, f"shm_size {size} is less than two slots ({slots} bytes)"
+
+
 def test_environment_names_real_flags(compose, monkeypatch):
     """A variable is read only if it is LLMMESH_<DEST> of one of the command's flags: a renamed flag (the gateway's
     --model became --served-model-name) would otherwise be ignored without a word."""

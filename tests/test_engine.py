@@ -223,7 +223,7 @@ def test_fail_running_requests_frees_everything_and_emits_nothing(llm, monkeypat
     engine.add_request(Request("c", list(range(900, 970)), greedy(4)))  # admitted in the failing step
     engine.add_request(Request("d", list(range(1000, 1070)), greedy(4)))  # waits: 2 + 5 + 5 > 8
 
-    def boom(scheduler_output):
+    def boom(scheduler_output, while_sampling=None):
         raise RuntimeError("kernel fault")
 
     monkeypatch.setattr(engine.worker, "execute_model", boom)

@@ -506,11 +506,11 @@ def test_engine_thread_survives_failing_requests(llm, monkeypatch):
             raise RuntimeError("poisoned add")
         real_add(request)
 
-    def execute(scheduler_output):
+    def execute(scheduler_output, while_sampling=None):
         step_threads.add(threading.get_ident())
         if any(r.request_id == "explode" for r in scheduler_output.scheduled_requests):
             raise RuntimeError("exploding step")
-        return real_execute(scheduler_output)
+        return real_execute(scheduler_output, while_sampling)
 
     monkeypatch.setattr(core, "add_request", add)
     monkeypatch.setattr(core.worker, "execute_model", execute)

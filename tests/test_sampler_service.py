@@ -27,6 +27,7 @@ from engine.sample.wire import tensor_to_proto
 from llmmesh.v1 import common_pb2, engine_pb2_grpc, sampler_pb2, sampler_pb2_grpc
 from services.client import collect, generate
 from services.supervisor import Mesh, ServiceProcess
+from test_models import COMMON
 
 POEM = "Write a short poem about the sea, the wind, the gulls, the fishing boats coming home at dusk, " * 2
 PROMPTS = [
@@ -109,6 +110,23 @@ def test_remote_sampling_equals_in_process_under_preemption_and_chunked_prefill(
     assert len(local[0][0]) > 32 and local[3][0] is not None  # prompt logprobs over two 32-token chunks
     assert all(200 <= t < 2000 for t in local[4][1][0][0])
     assert len(local[5][1][0][0]) >= 20
+
+
+def test_a_slot_holds_a_speculative_step_of_every_request(sampler, tiny_llama_dir):
+    """With drafts a request samples 1 + num_speculative_tokens rows: the engine's slots hold max_num_seqs times
+    that, so the largest verified step goes through shared memory too."""
+    k, seqs, vocab = 3, 4, COMMON["vocab_size"]
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(str(tiny_llama_dir), kv_cache_memory="4MiB", max_num_seqs=seqs, sampler_address=sampler.address,
+              speculative_config=ngram)  # fmt: skip
+    try:
+        llm.generate("<5> <6> <7> <5> <6>", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        slots = llm.engine.worker.model_runner.sampler.slots
+        assert slots is not None  # the service took the offer
+        assert slots.write(torch.zeros(seqs * (1 + k), vocab)) is not None
+        assert slots.write(torch.zeros(seqs * (1 + k) + 1, vocab)) is None  # one row more would go as bytes
+    finally:
+        llm.engine.shutdown()
 
 
 def test_prompt_logprobs_split_over_several_messages(sampler, monkeypatch):

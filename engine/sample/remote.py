@@ -107,16 +107,16 @@ class RemoteSampler(BatchSampler):
                 self._seeded.discard(request_id)
                 self._finished.append(request_id)
 
-    def sample(self, requests, logits, prompt_chunks, grammar=None, drafts=None):
+    def sample(self, requests, logits, prompt_chunks, grammar=None, drafts=None, while_waiting=None):
         try:
-            return self._sample(requests, logits, prompt_chunks, grammar, drafts)
+            return self._sample(requests, logits, prompt_chunks, grammar, drafts, while_waiting)
         except SamplerUnavailableError as e:
             if self.fallback is None:
                 raise
             logger.warning("%s; sampling this step in process", e)
             return self.fallback.sample(requests, logits, prompt_chunks, grammar, drafts)
 
-    def _sample(self, requests, logits, prompt_chunks, grammar, drafts):
+    def _sample(self, requests, logits, prompt_chunks, grammar, drafts, while_waiting):
         try:
             if self._stream is None:
                 self._stream = _Stream(self.channel)
@@ -129,7 +129,9 @@ class RemoteSampler(BatchSampler):
             grammar_bitmask_to_proto(last, grammar)
             drafts_to_proto(last, drafts)
             shared = self._write_slot(last, logits) if requests else None
-            replies.append(self._exchange(last, prompt_logits, logits if requests and shared is None else None))
+            replies.append(
+                self._exchange(last, prompt_logits, logits if requests and shared is None else None, while_waiting)
+            )
             if shared is not None and not self.slots.released(*shared):
                 raise SamplerUnavailableError(f"the sampler at {self.address} answered before releasing slot {shared}")
             results = [logprobs_tensors_from_proto(lp, "prompt_logprobs") for r in replies for lp in r.prompt_logprobs]
@@ -237,9 +239,13 @@ class RemoteSampler(BatchSampler):
             msg.num_new_tokens.append(len(new))
             msg.new_token_ids.extend(new)
 
-    def _exchange(self, msg: sampler_pb2.SampleStep, prompt_logits, logits) -> sampler_pb2.SampleResult:
+    def _exchange(
+        self, msg: sampler_pb2.SampleStep, prompt_logits, logits, while_waiting=None
+    ) -> sampler_pb2.SampleResult:
         stream = self._stream
         stream.outbox.put((msg, logits, prompt_logits))
+        if while_waiting is not None:
+            while_waiting()
         try:
             reply = stream.replies.get(timeout=self.timeout)
         except queue.Empty:

@@ -9,6 +9,7 @@ can pick a token the grammar forbids, and logprobs are those of the masked logit
 here reads a tensor back to the host: the metadata decided every branch already.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -179,10 +180,14 @@ class BatchSampler:
         prompt_chunks: list[PromptChunk],
         grammar: GrammarBitmask | None = None,
         drafts: DraftTokens | None = None,
+        while_waiting: Callable[[], None] | None = None,
     ) -> tuple[SamplerOutput | None, list[LogprobsTensors]]:
         """Row i of logits samples for requests[i], within its grammar's mask if it has one; also each prompt
         chunk's logprobs. None without rows. With drafts, the rows are the requests' verified positions (and
-        grammar's rows are positions too), and the rejection sampler decides (Sampler.__call__)."""
+        grammar's rows are positions too), and the rejection sampler decides (Sampler.__call__).
+
+        while_waiting (async scheduling) is called once the step is handed over and before its tokens are
+        awaited: while the service samples, or, in process, while the device does (on a CPU: after)."""
         raise NotImplementedError
 
     def forget(self, request_ids) -> None:
@@ -203,10 +208,14 @@ class LocalSampler(BatchSampler):
         for request_id in request_ids:
             self.generators.pop(request_id, None)
 
-    def sample(self, requests, logits, prompt_chunks, grammar=None, drafts=None):
+    def sample(self, requests, logits, prompt_chunks, grammar=None, drafts=None, while_waiting=None):
         prompt_logprobs = [gather_logprobs(compute_logprobs(lg), k, targets) for lg, k, targets in prompt_chunks]
-        if logits is None:
-            return None, prompt_logprobs
+        output = None if logits is None else self._sample_rows(requests, logits, grammar, drafts)
+        if while_waiting is not None:
+            while_waiting()
+        return output, prompt_logprobs
+
+    def _sample_rows(self, requests, logits, grammar, drafts) -> SamplerOutput:
         rows = requests if drafts is None else expand_positions(requests, drafts)
         generators = {}
         for row, request in enumerate(rows):
@@ -216,4 +225,4 @@ class LocalSampler(BatchSampler):
                     self.generators[request.request_id] = torch.Generator(self.device).manual_seed(params.seed)
                 generators[row] = self.generators[request.request_id]
         metadata = SamplingMetadata.from_requests(rows, generators, logits.shape[-1], self.device, grammar)
-        return self.sampler(logits, metadata, drafts), prompt_logprobs
+        return self.sampler(logits, metadata, drafts)

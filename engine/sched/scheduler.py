@@ -57,6 +57,8 @@ class Scheduler:
         self.num_lookahead_tokens = num_lookahead_tokens
         # Adapters one step may run at most (the device's LoRA slots); 0: LoRA is off.
         self.max_loras = max_loras
+        # Async scheduling: request id -> the new tokens its blocks were allocated for by schedule_ahead.
+        self.allocated_ahead: dict[str, int] = {}
 
     # ---- requests in and out -------------------------------------------------
 
@@ -151,6 +153,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         token_budget = self.max_num_batched_tokens
+        allocated_ahead, self.allocated_ahead = self.allocated_ahead, {}
         scheduled: list[Request] = []
         num_scheduled_tokens: dict[str, int] = {}
         scheduled_spec_decode_tokens: dict[str, list[int]] = {}
@@ -165,6 +168,11 @@ class Scheduler:
                 req_index += 1
                 continue
             while True:
+                if allocated_ahead.get(request.request_id) == num_new_tokens:  # done while the last step sampled
+                    # Only the block its newest token completed is left to register in the prefix cache.
+                    self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens + num_new_tokens)
+                    new_blocks = []
+                    break
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request, num_new_tokens + self._num_lookahead(request.num_computed_tokens + num_new_tokens)
                 )
@@ -282,6 +290,29 @@ class Scheduler:
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
+
+    def schedule_ahead(self, in_flight: SchedulerOutput) -> None:
+        """While in_flight's tokens are being sampled, allocate the running requests' blocks for the next step
+        (vLLM's async scheduling): each request that samples in in_flight counts one more token, its output
+        placeholder. The next schedule() keeps what it decides the same, so outputs do not change; it alone
+        preempts (this stops at the first request that does not fit) and admits waiting requests. Not with
+        speculative decoding: a step's drafts are known only from its output."""
+        if self.spec_decoding_stats is not None:
+            return
+        token_budget = self.max_num_batched_tokens
+        for request in self.running:
+            if token_budget <= 0:
+                break
+            num_pending = in_flight.num_scheduled_tokens.get(request.request_id, 0)
+            num_computed = request.num_computed_tokens + num_pending
+            num_placeholders = int(num_pending > 0 and num_computed >= request.num_tokens)
+            num_new_tokens = self._num_new_tokens(request, num_computed - num_placeholders, token_budget)
+            if num_new_tokens == 0:
+                continue
+            if self.kv_cache_manager.allocate_slots(request, num_pending + num_new_tokens) is None:
+                return
+            self.allocated_ahead[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
 
     # ---- structured output ---------------------------------------------------------------------------
 

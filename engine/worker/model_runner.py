@@ -91,13 +91,14 @@ class ModelRunner:
         return [-1 if r.lora_request is None else slot_of[r.lora_request.lora_int_id] for r in requests]
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput, while_sampling=None) -> ModelRunnerOutput:
         """Sampled tokens (and any logprobs) per scheduled request, in so.scheduled_requests order.
 
         Rows that are mid-prefill get []: they are not sampled, so a seeded request's
         generator advances only when it really emits a token. With speculative decoding a request's drafts are
         verified in this one forward pass (logits at each of its drafts and after them), the rejection sampler
-        keeps what the target model agrees with, and the drafter proposes the next drafts.
+        keeps what the target model agrees with, and the drafter proposes the next drafts. while_sampling is
+        called while the step's tokens are being sampled (BatchSampler.sample's while_waiting).
         """
         for request_id in so.finished_req_ids:
             self.prompt_logprobs_in_progress.pop(request_id, None)
@@ -129,6 +130,7 @@ class ModelRunner:
             [c for _, c in prompt_chunks],
             grammar_rows(so, sampled_requests, drafts),
             drafts,
+            while_sampling,
         )
         output.sample_s = time.perf_counter() - sample_started
         for (chunks, _), result in zip(prompt_chunks, prompt_logprobs):

@@ -270,12 +270,14 @@ class Worker:
             return local
         from engine.sample.remote import RemoteSampler
 
+        num_spec = spec.num_speculative_tokens if (spec := self.args.get_speculative_config()) else 0
         return RemoteSampler(
             self.args.sampler_address,
             self.args.sampler_timeout,
             fallback=local if self.args.sampler_fallback else None,
-            # A step's logits at most, float32 (the widest logits dtype): the size of a shared-memory slot.
-            slot_bytes=self.args.max_num_seqs * self.model_config.vocab_size * 4,
+            # A step's logits at most, float32 (the widest logits dtype): the size of a shared-memory slot. With
+            # speculative decoding a request has a row for each draft and one after them.
+            slot_bytes=self.args.max_num_seqs * (1 + num_spec) * self.model_config.vocab_size * 4,
             device=self.device,
         )
 
@@ -347,11 +349,11 @@ class Worker:
         connector.register_kv_caches(self.kv_caches)
         return connector
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput, while_sampling=None) -> ModelRunnerOutput:
         meta = scheduler_output.kv_connector_metadata
         if self.connector is not None:
             self.connector.start_load_kv(meta)
-        output = self.model_runner.execute_model(scheduler_output)
+        output = self.model_runner.execute_model(scheduler_output, while_sampling)
         if self.connector is not None:
             self.connector.wait_for_save(meta)
             # With nothing to run, wait briefly for a transfer to end instead of spinning.
