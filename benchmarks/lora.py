@@ -1,9 +1,10 @@
 """Multi-LoRA serving: output tokens/s of one batch spread over 1, 4 and 16 adapters against the base model alone.
 
-    flock /tmp/bench.lock .venv/bin/python benchmarks/lora.py [--rounds 3] [--max-tokens 32] [--output-json PATH]
+    .venv/bin/python benchmarks/lora.py [--rounds 3] [--max-tokens 32] [--dtype float32] [--output-json PATH]
 
 The model is SmolLM2-135M, its weights dequantized to a dense float32 checkpoint once (so that the base, the merged
-and the LoRA engines run the same kernels), in float32. The batch: 32 requests, prompts of 32 random token ids,
+and the LoRA engines run the same kernels), run in --dtype (float32, or bfloat16: what the engine picks by default
+on a CPU with AMX or AVX512-BF16). The batch: 32 requests, prompts of 32 random token ids,
 greedy, exactly --max-tokens output tokens each (ignore_eos), all added at once (LLM.generate).
 
 Systems, each built once before the timing:
@@ -13,8 +14,8 @@ Systems, each built once before the timing:
   lora-N-rR    one engine with --enable-lora --max-loras 16 --max-lora-rank 16; the batch's requests cycle over
                N random adapters (PEFT directories) of rank R on all seven projections
 The systems alternate within every round (the machine is shared and noisy) and each one's median over the
-rounds is printed, with its ratio to the base model's. Last, one layer's delta on a decode batch three ways: the CPU
-path (two bmm over the slots), two matmuls per adapter's run, and the gathered bmm of the torch reference.
+rounds is printed, with its ratio to the base model's. Last, one layer's delta on a decode batch two ways: the CPU
+kernel and the gathered bmm of the torch reference.
 """
 
 import argparse
@@ -31,12 +32,10 @@ import torch
 from safetensors.torch import save_file
 
 from engine import LLM, LoRARequest, SamplingParams
-from engine.lora.layers import LoRAMapping
-from engine.lora.manager import LoRAModelManager
 from engine.lora.peft import SUPPORTED_TARGET_MODULES, module_shapes
 from engine.models.files import load_config
 from engine.models.loader import DEFAULT_MODEL, load_weights, prepare_model_dir
-from kernels.lora import lora_expand_ref, lora_groups_cpu, lora_segments_cpu, lora_shrink_ref
+from kernels.lora import lora_cpu_kernel, lora_expand_ref, lora_shrink_ref
 
 NUM_REQUESTS = 32
 PROMPT_LEN = 32
@@ -92,25 +91,19 @@ def save_merged_model(out: Path, dense: Path, adapter: dict, rank: int) -> Path:
     return out
 
 
-def time_cpu_paths(repeats: int = 50) -> dict[str, float]:
+def time_cpu_paths(dtype: torch.dtype, repeats: int = 50) -> dict[str, float]:
     """Microseconds of one q/k/v layer's delta for a decode batch (32 tokens, 16 adapters of rank 16, two tokens
-    each): the CPU path (batched over the slots), one adapter's run at a time, and the gathered bmm of the torch
-    reference."""
+    each): the CPU kernel (one call) and the gathered bmm of the torch reference."""
     cfg = load_config(prepare_model_dir(DEFAULT_MODEL))
     shapes = module_shapes(cfg)
     fan_in, out_sizes, rank = cfg.hidden_size, [shapes[m][1] for m in ("q_proj", "k_proj", "v_proj")], 16
     a = torch.randn(16, 3 * rank, fan_in)
     b = torch.randn(16, sum(out_sizes), 3 * rank)
-    x, y = torch.randn(NUM_REQUESTS, fan_in), torch.zeros(NUM_REQUESTS, sum(out_sizes))
-    indices = torch.arange(NUM_REQUESTS) // 2
-    segments = [(s, 2 * s, 2 * s + 2, rank) for s in range(16)]
-    offsets = [sum(out_sizes[:i]) for i in range(3)]
-    manager = LoRAModelManager.__new__(LoRAModelManager)  # only its step planning
-    manager.mapping, manager.slot_rank = LoRAMapping(), [rank] * 16
-    manager.set_mapping(indices, indices.numpy())
+    x, y = torch.randn(NUM_REQUESTS, fan_in, dtype=dtype), torch.zeros(NUM_REQUESTS, sum(out_sizes), dtype=dtype)
+    indices, ranks = torch.arange(NUM_REQUESTS) // 2, torch.full((16,), rank)
+    kernel = lora_cpu_kernel()
     paths = {
-        "grouped": lambda: lora_groups_cpu(x, y, a, b, manager.mapping.groups, 3),
-        "segments": lambda: lora_segments_cpu(x, y, a, b, segments, list(zip(offsets, out_sizes))),
+        "kernel": lambda: kernel(x, y, a, b, indices, ranks, out_sizes),
         "gathered-bmm": lambda: lora_expand_ref(lora_shrink_ref(x, a, indices), b, indices, y),
     }
     times = {name: [] for name in paths}
@@ -135,12 +128,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--dtype", default="float32", help="the engines' dtype (float32 or bfloat16)")
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count())
     rng = random.Random(0)
     prompts = [[rng.randrange(17, 49152) for _ in range(PROMPT_LEN)] for _ in range(NUM_REQUESTS)]
-    common = dict(dtype="float32", kv_cache_memory="512MiB", max_num_seqs=NUM_REQUESTS)
+    common = dict(dtype=args.dtype, kv_cache_memory="512MiB", max_num_seqs=NUM_REQUESTS)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         dense = save_dense_model(tmp / "dense")
@@ -176,14 +170,14 @@ def main():
     print(f"\n{'system':<14} {'output tok/s':>12} {'x base':>7}")
     for name, value in medians.items():
         print(f"{name:<14} {value:>12.1f} {value / medians['base']:>7.2f}")
-    cpu_paths = time_cpu_paths()
+    cpu_paths = time_cpu_paths(getattr(torch, args.dtype))
     print(
         "one q/k/v layer's delta, 32 decode tokens over 16 adapters of rank 16: "
         + ", ".join(f"{name} {us:.0f} us" for name, us in cpu_paths.items())
     )
-    print(f"load average: {os.getloadavg()}")
+    print(f"dtype {args.dtype}, load average: {os.getloadavg()}")
     if args.output_json:
-        report = {"runs": results, "medians": medians, "cpu_paths_us": cpu_paths}
+        report = {"dtype": args.dtype, "runs": results, "medians": medians, "cpu_paths_us": cpu_paths}
         args.output_json.write_text(json.dumps(report, indent=1))
 
 

@@ -9,13 +9,11 @@ uses slot token_lora_indices[t]; -1 is the base model, which gets no delta.
 
 Three implementations of the same arithmetic: the torch reference (a gathered bmm), the Triton kernel (the GPU
 path, one gathered matrix-vector product for both; one program per token and output tile, so any mix of adapters is
-one launch), and the CPU path, which runs
-each segment of consecutive tokens sharing an adapter as two plain matmuls (the model runner orders a batch so
-that a slot's tokens are consecutive): on the CPU that reads each adapter's weights once per layer, where the
-gathered bmm copies them once per token.
+one launch), and the CPU path, a C++ kernel (kernels/cpu/lora.cpp) doing both for a whole layer in one call, packed
+slices included: a layer's few small torch calls per adapter cost more than their arithmetic on the CPU. It reads
+a slot's rows once for each run of up to 8 consecutive tokens that share it (the model runner orders a batch by
+slot).
 """
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,50 +38,18 @@ def lora_expand_ref(h: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: t
     y[rows] += torch.bmm(b, h[rows].unsqueeze(2)).squeeze(2).to(y.dtype)
 
 
-# ---- CPU: segments of one adapter --------------------------------------------------------------------------------
+# ---- CPU: one C++ call per layer ---------------------------------------------------------------------------------
 
 
-def lora_segments_cpu(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    segments: list[tuple[int, int, int, int]],
-    out_slices: list[tuple[int, int]],
-) -> None:
-    """y[start:end] += each segment's delta, in place. segments: (slot, start, end, rank) for runs of tokens sharing
-    a slot; out_slices: (offset, size) of each packed slice of the output, whose A rows are the slice's index times
-    rank on. Only the adapter's own rank is read, not the slot's padding."""
-    for slot, start, end, rank in segments:
-        h = x[start:end].float() @ lora_a[slot, : len(out_slices) * rank].T
-        for i, (offset, size) in enumerate(out_slices):
-            b = lora_b[slot, offset : offset + size, i * rank : (i + 1) * rank]
-            y[start:end, offset : offset + size] += h[:, i * rank : (i + 1) * rank] @ b.T
+def lora_cpu_kernel():
+    """The CPU path (kernels/cpu/lora.cpp): lora_apply(x, y, lora_a, lora_b, token_lora_indices, slot_ranks,
+    slice_sizes) adds a layer's whole delta into y in place, reading only each slot's own rank (slot_ranks: int64
+    [slots]); slice_sizes are the packed slices' output sizes, whose A rows and B columns are the slice's index times
+    the slot's rank on."""
+    from kernels.cpu_ops import load
 
-
-@dataclass
-class LoRAGroups:
-    """Short runs of tokens (decodes), at most one per slot, batched over the slot range [lo, hi): gather [hi - lo,
-    length] holds each slot's token indices, padded with the index of a zero row (the number of tokens); tokens is
-    the real entries' token indices, in gather's flat order, and flat their positions there; width_rank: the largest
-    adapter rank among them."""
-
-    lo: int
-    hi: int
-    gather: torch.Tensor
-    tokens: torch.Tensor
-    flat: torch.Tensor
-    rank: int
-
-
-def lora_groups_cpu(x, y, lora_a, lora_b, groups: LoRAGroups, num_slices: int) -> None:
-    """y += the delta of every grouped token, as two bmm over the slots (no copy of any adapter's weights): a slot's
-    A rows and B columns past its own rank are zero, so the group's largest rank serves every slot."""
-    width = num_slices * groups.rank
-    xs = torch.cat([x, x.new_zeros(1, x.shape[1])])[groups.gather].float()  # [slots, length, in]
-    h = torch.bmm(xs, lora_a[groups.lo : groups.hi, :width].transpose(1, 2))
-    delta = torch.bmm(h, lora_b[groups.lo : groups.hi, :, :width].transpose(1, 2)).flatten(0, 1)
-    y.index_add_(0, groups.tokens, delta[groups.flat].to(y.dtype))
+    load()  # registers torch.ops.llmmesh_lora
+    return torch.ops.llmmesh_lora.lora_apply
 
 
 # ---- Triton ------------------------------------------------------------------------------------------------------

@@ -5,23 +5,22 @@ reads the step's LoRAMapping, which every wrapped layer shares: the base layer r
 one expand add the delta of each token's adapter into its output.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from kernels.lora import LoRAGroups, lora_expand, lora_groups_cpu, lora_segments_cpu, lora_shrink
+from kernels.lora import lora_cpu_kernel, lora_expand, lora_shrink
 
 
 @dataclass
 class LoRAMapping:
-    """One step's adapters: the slot of each token of the flat batch (-1: base model, vLLM's token_lora_mapping) on
-    the device, and for the CPU path the same as runs of consecutive tokens, (slot, start, end, rank): the short runs
-    (decodes) batched over the slots in `groups`, the others in `segments`. `active`: any adapter in the step."""
+    """One step's adapters: the slot of each token of the flat batch (-1: base model, vLLM's token_lora_indices) on
+    the device, each slot's adapter rank (int64, on the host: the CPU kernel reads no padding), and whether any
+    token has an adapter."""
 
     token_lora_indices: torch.Tensor | None = None
-    segments: list[tuple[int, int, int, int]] = field(default_factory=list)
-    groups: LoRAGroups | None = None
+    slot_ranks: torch.Tensor | None = None
     active: bool = False
 
 
@@ -46,6 +45,8 @@ class LinearWithLoRA(nn.Module):
         self.lora_a = torch.zeros(max_loras, len(modules) * max_lora_rank, base.input_size, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, base.output_size, len(modules) * max_lora_rank, dtype=dtype, device=device)
         self.mapping = mapping
+        self.slice_sizes = list(out_sizes)
+        self.cpu_kernel = lora_cpu_kernel() if device.type == "cpu" else None
 
     def set_slot(self, slot: int, rank: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy an adapter's A and B (scaled) for this layer's modules into a slot; modules it lacks stay zero."""
@@ -62,11 +63,9 @@ class LinearWithLoRA(nn.Module):
         mapping = self.mapping
         if not mapping.active:  # no adapter in this step
             return y
-        if x.device.type == "cpu":
-            if mapping.groups is not None:
-                lora_groups_cpu(x, y, self.lora_a, self.lora_b, mapping.groups, len(self.out_slices))
-            lora_segments_cpu(x, y, self.lora_a, self.lora_b, mapping.segments, self.out_slices)
+        indices = mapping.token_lora_indices
+        if self.cpu_kernel is not None:
+            self.cpu_kernel(x, y, self.lora_a, self.lora_b, indices, mapping.slot_ranks, self.slice_sizes)
         else:
-            indices = mapping.token_lora_indices
             lora_expand(lora_shrink(x, self.lora_a, indices), self.lora_b, indices, y)
         return y

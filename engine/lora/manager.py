@@ -15,10 +15,6 @@ from engine.lora.layers import LinearWithLoRA, LoRAMapping
 from engine.lora.peft import LoRAModel, load_peft_adapter
 from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
-from kernels.lora import LoRAGroups
-
-# Runs of at most this many tokens (decodes) are batched over the slots on the CPU; longer ones (prompts) are not.
-MAX_GROUPED_RUN = 8
 
 # The model's packed layers and the PEFT modules they hold, in output order: (attribute path, modules).
 _WRAPPED = (
@@ -33,7 +29,8 @@ class LoRAModelManager:
     def __init__(self, model, cfg: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int):
         self.cfg = cfg
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
-        self.mapping = LoRAMapping()
+        # Each slot's adapter rank (0: empty), read by the CPU kernel so that it skips the slots' padding.
+        self.mapping = LoRAMapping(slot_ranks=torch.zeros(max_loras, dtype=torch.int64))
         # Slots in float32 on the CPU (its path computes in float32), in the model's dtype on a GPU (its kernels
         # accumulate in float32).
         device = model.norm.weight.device
@@ -63,7 +60,6 @@ class LoRAModelManager:
         self.registered: dict[int, LoRARequest] = {}  # every adapter added, to read again after an eviction
         self.cpu_loras: OrderedDict[int, LoRAModel] = OrderedDict()  # LRU, most recent last
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapters in slots, LRU, most recent last
-        self.slot_rank = [0] * max_loras
         self.num_slot_loads = 0  # adapters copied into a slot, ever (the slots' churn)
 
     # ---- adapters in host memory -----------------------------------------------------------------
@@ -80,7 +76,7 @@ class LoRAModelManager:
         self.cpu_loras.pop(lora_int_id, None)
         slot = self.slot_of.pop(lora_int_id, None)
         if slot is not None:
-            self.slot_rank[slot] = 0
+            self.mapping.slot_ranks[slot] = 0
 
     def _cache(self, lora: LoRAModel) -> None:
         self.cpu_loras[lora.lora_request.lora_int_id] = lora
@@ -119,44 +115,11 @@ class LoRAModelManager:
                     }
                     wrapper.set_slot(slot, lora.rank, weights)
             self.slot_of[lora_int_id] = slot
-            self.slot_rank[slot] = lora.rank
+            self.mapping.slot_ranks[slot] = lora.rank
             self.num_slot_loads += 1
         return {i: self.slot_of[i] for i in lora_int_ids}
 
     def set_mapping(self, token_lora_indices: torch.Tensor, host_indices: np.ndarray) -> None:
-        """The step's per-token slots (on the device, and on the host to find the runs of one slot)."""
-        runs = []
-        if len(host_indices):
-            bounds = np.flatnonzero(np.diff(host_indices)) + 1
-            starts = np.concatenate(([0], bounds))
-            ends = np.concatenate((bounds, [len(host_indices)]))
-            for start, end in zip(starts.tolist(), ends.tolist()):
-                slot = int(host_indices[start])
-                if slot >= 0:
-                    runs.append((slot, start, end, self.slot_rank[slot]))
-        # The first short run of each slot (its decodes: the runner puts them first) goes in the groups.
-        short, segments = {}, []
-        for run in runs:
-            if run[2] - run[1] <= MAX_GROUPED_RUN and run[0] not in short:
-                short[run[0]] = run
-            else:
-                segments.append(run)
+        """The step's per-token slots (on the device, and the host array they came from)."""
         self.mapping.token_lora_indices = token_lora_indices
-        self.mapping.segments = segments
-        self.mapping.groups = self._groups(list(short.values()), len(host_indices)) if len(short) > 1 else None
-        if self.mapping.groups is None:
-            self.mapping.segments = runs
-        self.mapping.active = bool(runs)
-
-    @staticmethod
-    def _groups(runs, num_tokens: int) -> LoRAGroups:
-        lo, hi = min(r[0] for r in runs), max(r[0] for r in runs) + 1
-        length = max(r[2] - r[1] for r in runs)
-        gather = np.full((hi - lo, length), num_tokens, dtype=np.int64)  # num_tokens: the zero row
-        for slot, start, end, _ in runs:
-            gather[slot - lo, : end - start] = np.arange(start, end)
-        flat = np.flatnonzero(gather.ravel() < num_tokens)
-        tokens = gather.ravel()[flat]
-        return LoRAGroups(
-            lo, hi, torch.from_numpy(gather), torch.from_numpy(tokens), torch.from_numpy(flat), max(r[3] for r in runs)
-        )
+        self.mapping.active = bool((host_indices >= 0).any())
