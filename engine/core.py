@@ -50,6 +50,15 @@ class EngineCore:
             )
 
         self.executor = make_executor(args, cfg, self.model_dir, self.max_model_len)
+        try:
+            self._start(args)
+        except BaseException:
+            self.executor.shutdown()  # its tensor-parallel ranks end with it
+            raise
+
+    def _start(self, args: EngineArgs) -> None:
+        """The KV cache, the scheduler and what they need, over the started executor."""
+        cfg = self.model_config
         self.device, self.dtype = self.worker.device, self.worker.dtype
         self.num_blocks = self.executor.determine_num_available_blocks()
         self.executor.initialize_kv_cache(self.num_blocks)

@@ -17,15 +17,18 @@ from engine.attention.selector import get_attn_backend
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.distributed import parallel_state
-from engine.executor.messages import decode, encode
-from engine.executor.multiproc import free_port_pair
+from engine.executor.messages import decode, encode, scheduler_output_from_wire, scheduler_output_to_wire
+from engine.executor.multiproc import KVOutputAggregator, free_port_pair
 from engine.executor.uniproc import ExecutorDeadError
+from engine.kv.connector.base import KVConnectorOutput
+from engine.lora.request import LoRARequest
 from engine.models.files import load_config
 from engine.models.linear import RowParallelLinear
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_weights
 from engine.models.random_model import save_random_smollm2_shaped
 from engine.request import Request, SamplingParams
+from engine.sched.output import SchedulerOutput
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
 from services import client
 from test_models import COMMON
@@ -127,6 +130,51 @@ def test_tensors_cross_to_the_ranks_exactly_and_aligned():
     assert decoded["rows"] == [0, 2] and decoded["none"] is None and decoded["empty"].shape == (0, 4)
     with pytest.raises(TypeError, match="cannot send a object to the other ranks"):
         encode({"op": "forward", "plan": object()})
+    data = bytearray(encode({"t": torch.zeros(4)}))
+    data[data.index(b"[4]") + 1] = ord("9")  # the header claims 9 elements, the body holds 4
+    with pytest.raises(ValueError, match=r"tensor of shape \[9\] is larger than the bytes received"):
+        decode(bytes(data), torch.device("cpu"))
+
+
+def test_scheduler_output_crosses_as_new_then_cached_requests():
+    """A request's prompt crosses once; later steps carry only its new tokens. The grammar bitmask, drafts and
+    adapter cross too, and the rank rebuilds the same SchedulerOutput over its own request states."""
+    lora = LoRARequest("sql", 1, "/adapters/sql")
+    a = Request("a", [1, 2, 3, 4], SamplingParams(prompt_logprobs=2), lora_request=lora)
+    b = Request("b", [5, 6], SamplingParams())
+    sent, states = {}, {}
+
+    def cross(so: SchedulerOutput) -> tuple[dict, SchedulerOutput]:
+        wire = decode(encode({"so": scheduler_output_to_wire(so, sent)}), torch.device("cpu"))["so"]
+        return wire, scheduler_output_from_wire(wire, states)
+
+    bitmask = torch.tensor([[-1, 5]], dtype=torch.int32)
+    first = SchedulerOutput([a, b], {"a": 4, "b": 2}, 6, {"a": [7], "b": [3]}, grammar_bitmask=bitmask)
+    first.structured_output_request_ids = {"b": 0}
+    wire, rebuilt = cross(first)
+    assert [r["req_id"] for r in wire["scheduled_new_reqs"]] == ["a", "b"] and not wire["scheduled_cached_reqs"]
+    assert [r.all_token_ids for r in rebuilt.scheduled_requests] == [[1, 2, 3, 4], [5, 6]]
+    assert rebuilt.scheduled_requests[0].lora_request == lora
+    assert rebuilt.scheduled_requests[0].sampling_params.prompt_logprobs == 2
+    assert torch.equal(rebuilt.grammar_bitmask, bitmask) and rebuilt.structured_output_request_ids == {"b": 0}
+    assert rebuilt.block_ids == {"a": [7], "b": [3]} and rebuilt.num_scheduled_tokens == {"a": 4, "b": 2}
+
+    for request, token in ((a, 9), (b, 8)):  # both sampled a token; a also gets two drafts to verify
+        request.num_computed_tokens = request.num_tokens
+        request.append_output_token_ids(token)
+    second = SchedulerOutput([b, a], {"a": 3, "b": 1}, 4, {"a": [7], "b": [3]}, preempted_req_ids={"c"})
+    second.scheduled_spec_decode_tokens = {"a": [11, 12]}
+    wire, rebuilt = cross(second)
+    assert not wire["scheduled_new_reqs"] and wire["scheduled_cached_reqs"] == [["b", [8], 2], ["a", [9], 4]]
+    assert [(r.request_id, r.all_token_ids, r.num_computed_tokens) for r in rebuilt.scheduled_requests] == [
+        ("b", [5, 6, 8], 2),
+        ("a", [1, 2, 3, 4, 9], 4),
+    ]
+    assert rebuilt.scheduled_requests[1].num_output_tokens == 1  # its prompt logprobs are not asked again
+    assert rebuilt.scheduled_spec_decode_tokens == {"a": [11, 12]} and rebuilt.preempted_req_ids == {"c"}
+
+    third = SchedulerOutput([], {}, 0, {}, finished_req_ids={"a"})
+    assert cross(third)[1].is_empty and set(states) == set(sent) == {"b"}  # a's state is gone on both sides
 
 
 def test_a_rank_started_by_hand_as_on_another_host_joins_through_master_addr(tiny_model, monkeypatch):
@@ -275,3 +323,55 @@ def test_a_rank_killed_while_idle_makes_health_not_serving(tiny_model):
         (rank1,) = _rank_processes()
         os.kill(rank1, signal.SIGKILL)
         wait_for_health(service.address, NOT_SERVING, timeout=30, service="llmmesh.v1.Engine")
+
+
+def test_collective_rpc_runs_on_every_rank_and_an_error_leaves_them_in_step(tiny_model):
+    engine = make_engine(tiny_model, 2)
+    try:
+        whole = engine.worker.get_cache_block_size_bytes() * 2  # rank 0's is half the heads
+        assert engine.executor.collective_rpc("get_cache_block_size_bytes") == [whole // 2, whole // 2]
+        # Every rank fails (no adapters without --enable-lora); each answers, so the next step finds them in step.
+        with pytest.raises(AttributeError):
+            engine.executor.collective_rpc("add_lora", (LoRARequest("sql", 1, "/adapters/sql"),))
+        tp2 = run_greedy(engine, prompts(), 4)
+    finally:
+        engine.shutdown()
+    engine = make_engine(tiny_model, 1)
+    try:
+        assert tp2 == run_greedy(engine, prompts(), 4)
+    finally:
+        engine.shutdown()
+
+
+def test_a_start_that_fails_after_the_ranks_started_ends_them(tiny_model):
+    before = _rank_processes()
+    with pytest.raises(ValueError, match="holds no block"):
+        make_engine(tiny_model, 2, kv_cache_memory="1KiB")  # refused once every rank has sized its cache
+    assert _rank_processes() == before
+
+
+def test_ranks_share_the_cores(tiny_model, monkeypatch):
+    """Each of the two ranks on this host runs on half its cores (at least one), unless $OMP_NUM_THREADS says."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    engine = make_engine(tiny_model, 2)
+    try:
+        assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
+        (rank1,) = _rank_processes()
+        environ = dict(e.split("=", 1) for e in open(f"/proc/{rank1}/environ").read().split("\0") if "=" in e)
+        assert environ["LOCAL_WORLD_SIZE"] == "2"
+    finally:
+        engine.shutdown()
+    assert torch.get_num_threads() == threads
+
+
+def test_a_transfer_ends_once_every_rank_reported_it_with_what_all_of_them_moved():
+    aggregator = KVOutputAggregator(2)
+    rank0 = KVConnectorOutput(finished_recving={"a": 32, "b": 48}, finished_sending={1: True, 2: True})
+    rank1 = KVConnectorOutput(finished_recving={"a": 16}, finished_sending={1: False})
+    done = aggregator.aggregate([rank0, rank1])
+    # a: rank 1 brought one block of two, so one is recomputed on both; store 1 failed on rank 1
+    assert done.finished_recving == {"a": 16} and done.finished_sending == {1: False}
+    later = aggregator.aggregate([KVConnectorOutput(), KVConnectorOutput({"b": 48}, {2: True})])
+    assert later.finished_recving == {"b": 48} and later.finished_sending == {2: True}
+    assert not aggregator.recving and not aggregator.sending

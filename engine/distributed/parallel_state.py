@@ -7,6 +7,7 @@ rank 0 of 1; a layer built then never calls a collective, so a model runs unchan
 """
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,13 @@ def init_distributed(rank: int, world_size: int, device: torch.device, master_ad
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
     _tp_rank, _tp_size = rank, world_size
+
+
+def set_cpu_threads(local_world_size: int) -> None:
+    """Share this host's cores among its ranks: torch's default of one thread per core in each of N ranks would
+    run N threads on every core. $OMP_NUM_THREADS, when set, is each rank's count instead."""
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size))
 
 
 def destroy_distributed() -> None:

@@ -1,16 +1,17 @@
-"""The multiprocess executor: one worker per tensor-parallel rank.
+"""The multiprocess executor: one worker per tensor-parallel rank (vLLM's MultiprocExecutor).
 
-Rank 0's worker runs in the engine core's process and does everything a lone worker does (the KV cache's
-sizing, the batch, sampling); ranks 1..N-1 are processes of their own (`python -m engine.executor.multiproc
---rank R`), started here or by hand on another host. Rank 0 drives them through its model: before each call of
-the model (a forward pass, or logits of some hidden rows) it sends the call's inputs to every other rank, which
-makes the same call on its shard, so the ranks meet in the same collectives in the same order. Only rank 0's
-sampled tokens exist; the scheduler runs once, in the engine core.
+Rank 0's worker runs in the engine core's process and does everything a lone worker does (sizing the KV cache
+with the others, sampling); ranks 1..N-1 are processes of their own (`python -m engine.executor.multiproc
+--rank R`), started here or by hand on another host. The scheduler runs once, in the engine core: every rank
+gets each step's SchedulerOutput and runs its own Worker and ModelRunner on it, over its own input buffers,
+block tables and request states, so the ranks meet in the same collectives in the same order. Rank 0 alone
+samples and returns the ModelRunnerOutput. collective_rpc runs a Worker method on every rank (adapters, the KV
+cache's sizing) and returns each rank's result.
 
-The calls cross a TCP connection from each rank to rank 0 (at MASTER_PORT + 1) as engine.executor.messages
+Messages cross a TCP connection from each rank to rank 0 (at MASTER_PORT + 1) as engine.executor.messages
 encodes them, never pickled. A connection that closes is a rank gone: the engine ends with an error naming it
 (ExecutorDeadError), and a step blocked in a collective with a rank that stopped fails after the group's
-timeout instead of hanging.
+timeout instead of hanging. A rank whose connection to rank 0 closes exits.
 """
 
 import argparse
@@ -19,8 +20,8 @@ import hmac
 import json
 import logging
 import os
+import queue
 import secrets
-import select
 import socket
 import struct
 import subprocess
@@ -32,12 +33,21 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineArgs
-from engine.distributed.parallel_state import destroy_distributed, init_distributed
-from engine.executor.messages import decode, encode
+from engine.distributed.parallel_state import destroy_distributed, init_distributed, set_cpu_threads
+from engine.executor.messages import (
+    MAX_MESSAGE_BYTES,
+    decode,
+    encode,
+    scheduler_output_from_wire,
+    scheduler_output_to_wire,
+)
 from engine.executor.uniproc import ExecutorDeadError, UniProcExecutor
+from engine.kv.connector.base import KVConnectorOutput
 from engine.models.config import ModelConfig
 from engine.models.files import load_config
 from engine.models.llama import check_tensor_parallel_size
+from engine.request import Request
+from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import Worker, resolve_device
 
 logger = logging.getLogger("llmmesh.engine")
@@ -48,17 +58,25 @@ CONNECT_TIMEOUT_S = 300.0
 # started by hand (see docs/deployment.md) with the same $LLMMESH_TP_TOKEN.
 LOCAL_RANKS_ENV = "LLMMESH_TP_LOCAL_RANKS"
 TOKEN_ENV = "LLMMESH_TP_TOKEN"
+# torchrun's name: how many ranks share this host's cores (the executor sets it for the ranks it starts).
+LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
 _LENGTH = struct.Struct("<Q")
+_HELLO_BYTES = 4096  # a rank's first message, read before its token is checked
 
 
 def send_message(sock: socket.socket, data: bytes) -> None:
     sock.sendall(_LENGTH.pack(len(data)) + data)
 
 
-def recv_message(sock: socket.socket) -> bytes | None:
-    """One message, or None once the other end has closed."""
+def recv_message(sock: socket.socket, limit: int = MAX_MESSAGE_BYTES) -> bytes | None:
+    """One message, or None once the other end has closed; ValueError for one over limit bytes."""
     head = _recv_exactly(sock, _LENGTH.size)
-    return None if head is None else _recv_exactly(sock, _LENGTH.unpack(head)[0])
+    if head is None:
+        return None
+    (n,) = _LENGTH.unpack(head)
+    if n > limit:
+        raise ValueError(f"a message of {n} bytes is over the limit of {limit}")
+    return _recv_exactly(sock, n)
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
@@ -87,22 +105,32 @@ def free_port_pair(host: str = "127.0.0.1") -> int:
     raise RuntimeError(f"found no two consecutive free ports on {host}")
 
 
-class BroadcastModel:
-    """Rank 0's model: every call is first sent to the other ranks, which make it on their shard."""
+class KVOutputAggregator:
+    """The ranks' KV connector reports as one (vLLM's KVOutputAggregator). Each rank moves its own heads of every
+    block, so a transfer has finished once every rank has reported it; a load brought the blocks every rank
+    brought (a rank that missed its shard of a block makes the scheduler recompute from there on all ranks), and a
+    store reached the store only if every rank's did. The worker side's counters are rank 0's."""
 
-    def __init__(self, model, executor: "MultiprocExecutor"):
-        self.model, self.executor = model, executor
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.recving: dict[str, list[int]] = {}  # request id -> tokens each rank that reported has loaded
+        self.sending: dict[int, list[bool]] = {}  # store job id -> whether each rank that reported stored
 
-    def __call__(self, input_ids, positions, metadata, kv_caches, **kwargs):
-        message = {"op": "forward", "args": [input_ids, positions, metadata], "kwargs": kwargs}
-        return self.executor.run(message, lambda: self.model(input_ids, positions, metadata, kv_caches, **kwargs))
+    def aggregate(self, outputs: list[KVConnectorOutput]) -> KVConnectorOutput:
+        done = KVConnectorOutput(load_timings=outputs[0].load_timings, kv_connector_stats=outputs[0].kv_connector_stats)
+        for output in outputs:
+            for request_id, num_tokens in output.finished_recving.items():
+                if self._report(self.recving, request_id, num_tokens):
+                    done.finished_recving[request_id] = min(self.recving.pop(request_id))
+            for job_id, stored in output.finished_sending.items():
+                if self._report(self.sending, job_id, stored):
+                    done.finished_sending[job_id] = all(self.sending.pop(job_id))
+        return done
 
-    def compute_logits(self, hidden_states):
-        message = {"op": "logits", "hidden_states": hidden_states}
-        return self.executor.run(message, lambda: self.model.compute_logits(hidden_states))
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
+    def _report(self, reports: dict, key, value) -> bool:
+        """Count one rank's report; whether every rank has now reported key."""
+        reports.setdefault(key, []).append(value)
+        return len(reports[key]) == self.world_size
 
 
 class MultiprocExecutor(UniProcExecutor):
@@ -112,24 +140,34 @@ class MultiprocExecutor(UniProcExecutor):
         self.world_size = size
         self.dead: str | None = None
         self.closing = False
+        self.on_failure = None
         self.procs: dict[int, subprocess.Popen] = {}
         self.conns: dict[int, socket.socket] = {}
+        self.replies: dict[int, queue.SimpleQueue] = {}
+        # Request id -> how many of its tokens the other ranks hold (each step sends them only the rest).
+        self.sent_tokens: dict[str, int] = {}
+        self.threads_before = torch.get_num_threads()
+        self.kv_outputs = KVOutputAggregator(size)
         self.master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         self.master_port = int(os.environ.get("MASTER_PORT") or free_port_pair(self.master_addr))
         try:
-            self._start_ranks(args, model_dir, max_model_len)
+            local_ranks = self._start_ranks(args, model_dir, max_model_len)
+            for rank, conn in self.conns.items():
+                self.replies[rank] = queue.SimpleQueue()
+                threading.Thread(target=self._read, args=(rank, conn), name=f"tp-rank-{rank}", daemon=True).start()
             device = resolve_device(args.device, 0, size)
+            if device.type == "cpu":
+                set_cpu_threads(1 + len(local_ranks))
             init_distributed(0, size, device, self.master_addr, self.master_port)
             super().__init__(args, model_config, model_dir, max_model_len)
         except BaseException:
             self.shutdown()
             raise
-        self.driver_worker.model = BroadcastModel(self.driver_worker.model, self)
-        threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True).start()
         logger.info("Tensor parallel: %d ranks, meeting at %s:%d", size, self.master_addr, self.master_port)
 
-    def _start_ranks(self, args: EngineArgs, model_dir: Path, max_model_len: int) -> None:
-        """Start this host's ranks, wait until every rank has connected, and send each what to load."""
+    def _start_ranks(self, args: EngineArgs, model_dir: Path, max_model_len: int) -> list[int]:
+        """Start this host's ranks, wait until every rank has connected, and send each what to load; the ranks
+        started here."""
         local = os.environ.get(LOCAL_RANKS_ENV)
         if local is None:
             local_ranks = list(range(1, self.world_size))
@@ -145,6 +183,7 @@ class MultiprocExecutor(UniProcExecutor):
         listener = socket.create_server((self.master_addr, self.master_port + 1))
         listener.settimeout(1.0)
         env = {**os.environ, "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port), TOKEN_ENV: token}
+        env[LOCAL_WORLD_SIZE_ENV] = str(1 + len(local_ranks))
         with listener:
             for rank in local_ranks:
                 command = [sys.executable, "-m", "engine.executor.multiproc", "--rank", str(rank)]
@@ -162,16 +201,17 @@ class MultiprocExecutor(UniProcExecutor):
                 except TimeoutError:
                     continue
                 self._admit(conn, token)
-        # The other ranks load what this one loads: the same resolved model directory, no sampler, no connector.
+        # The other ranks load what this one loads: the same resolved model directory; they sample nowhere.
         worker_args = dataclasses.replace(args, sampler_address=None)
         init = {"engine_args": dataclasses.asdict(worker_args), "model_dir": str(model_dir), "max_len": max_model_len}
         for conn in self.conns.values():
             send_message(conn, json.dumps(init).encode())
+        return local_ranks
 
     def _admit(self, conn: socket.socket, token: str) -> None:
         conn.settimeout(10.0)
         try:
-            hello = json.loads(recv_message(conn) or b"null")
+            hello = json.loads(recv_message(conn, _HELLO_BYTES) or b"null")
             rank = int(hello["rank"])
             if not hmac.compare_digest(str(hello["token"]), token) or not 0 < rank < self.world_size:
                 raise ValueError("a wrong token or rank")
@@ -185,25 +225,20 @@ class MultiprocExecutor(UniProcExecutor):
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.conns[rank] = conn
 
-    def _watch(self) -> None:
-        """A rank's connection that closes (the rank exited, or its host went away) ends the engine."""
-        conns = {conn: rank for rank, conn in self.conns.items()}
-        while not self.closing and self.dead is None:
+    def _read(self, rank: int, conn: socket.socket) -> None:
+        """Rank `rank`'s replies, into its queue. A connection that closes (the rank exited, or its host went away)
+        ends the engine."""
+        while True:
             try:
-                readable, _, _ = select.select(list(conns), [], [], 0.5)
-            except (OSError, ValueError):  # shutdown() closed them
-                return
-            for conn in readable:
-                if self.closing:
-                    return
-                rank = conns[conn]
-                try:
-                    closed = conn.recv(1, socket.MSG_PEEK) == b""
-                except OSError:
-                    closed = True
-                if closed:
+                data = recv_message(conn)
+                reply = None if data is None else decode(data, torch.device("cpu"))
+            except (OSError, ValueError):
+                reply = None
+            if reply is None:
+                if not self.closing:
                     self._fail(f"tensor-parallel rank {rank} is gone ({self._exit_status(rank)})")
-                    return
+                return
+            self.replies[rank].put(reply)
 
     def _exit_status(self, rank: int) -> str:
         proc = self.procs.get(rank)
@@ -221,29 +256,75 @@ class MultiprocExecutor(UniProcExecutor):
             if self.on_failure is not None:
                 self.on_failure(reason)
 
-    def run(self, message: dict, call):
-        """Send a model call to the other ranks, then make it here; a failure of either ends the engine."""
+    def _send(self, message: dict) -> None:
+        data = encode(message)
+        for conn in self.conns.values():
+            send_message(conn, data)
+
+    def execute_model(self, scheduler_output: SchedulerOutput, *args) -> ModelRunnerOutput:
+        """Every rank runs the step; rank 0's output (args: as UniProcExecutor's). A failure of any rank ends the
+        engine."""
         if self.dead is not None:
             raise ExecutorDeadError(self.dead)
         try:
-            data = encode(message)
-            for conn in self.conns.values():
-                send_message(conn, data)
-            return call()
+            self._send(
+                {
+                    "op": "execute_model",
+                    "scheduler_output": scheduler_output_to_wire(scheduler_output, self.sent_tokens),
+                }
+            )
+            output = super().execute_model(scheduler_output, *args)
+            if output.kv_connector_output is not None:  # each other rank reports its own transfers
+                reports = [self._reply(rank)["kv_connector_output"] for rank in sorted(self.conns)]
+                output.kv_connector_output = self.kv_outputs.aggregate([output.kv_connector_output, *reports])
+            return output
         except Exception as e:
-            # A collective fails as soon as a peer's connection drops; give the watcher a moment to name the rank.
+            # A collective fails as soon as a peer's connection drops; give the reader a moment to name the rank.
             deadline = time.monotonic() + 3.0
             while self.dead is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             self._fail(f"a tensor-parallel step failed ({type(e).__name__}: {e})")
             raise ExecutorDeadError(self.dead) from e
 
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Worker.<method>(*args, **kwargs) on every rank at once (rank 0 here); the results in rank order.
+
+        Every rank answers before an error is raised, so the ranks stay in step: a ValueError on any rank is
+        raised as a ValueError naming the rank (a bad adapter, say), anything else as a RuntimeError."""
+        if self.dead is not None:
+            raise ExecutorDeadError(self.dead)
+        kwargs = kwargs or {}
+        self._send({"op": "rpc", "method": method, "args": list(args), "kwargs": kwargs})
+        results, errors = [None] * self.world_size, []
+        try:
+            results[0] = getattr(self.driver_worker, method)(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 (raised once every rank has answered)
+            errors.append(e)
+        for rank in sorted(self.conns):
+            reply = self._reply(rank)
+            if "error" in reply:
+                kind = ValueError if reply["type"] == "ValueError" else RuntimeError
+                errors.append(kind(f"tensor-parallel rank {rank}: {reply['error']}"))
+            else:
+                results[rank] = reply["result"]
+        if errors:
+            raise errors[0]
+        return results
+
+    def _reply(self, rank: int) -> dict:
+        while True:
+            try:
+                return self.replies[rank].get(timeout=0.5)
+            except queue.Empty:
+                if self.dead is not None:
+                    raise ExecutorDeadError(self.dead) from None
+
+    def determine_num_available_blocks(self) -> int:
+        """The fewest blocks any rank has room for: every rank's KV cache has that many, each of its own heads."""
+        return min(self.collective_rpc("determine_num_available_blocks"))
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Every rank's KV cache has the same number of blocks (rank 0's sizing), each of its own heads."""
-        data = encode({"op": "initialize_kv_cache", "num_blocks": num_blocks})
-        for conn in self.conns.values():
-            send_message(conn, data)
-        super().initialize_kv_cache(num_blocks)
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
     def shutdown(self) -> None:
         self.closing = True
@@ -263,13 +344,14 @@ class MultiprocExecutor(UniProcExecutor):
         if hasattr(self, "driver_worker"):
             self.driver_worker.shutdown()
         destroy_distributed()
+        torch.set_num_threads(self.threads_before)
 
 
 # ---- ranks 1..N-1 ------------------------------------------------------------------
 
 
 def run_worker(rank: int) -> None:
-    """Connect to rank 0, load this rank's shard, and make each call rank 0 sends until it says to stop."""
+    """Connect to rank 0, load this rank's shard, and run what rank 0 sends (steps, calls) until it says to stop."""
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     sock = _connect((addr, port + 1))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -280,26 +362,33 @@ def run_worker(rank: int) -> None:
     args = EngineArgs(**init["engine_args"])
     model_dir = Path(init["model_dir"])
     device = resolve_device(args.device, rank, args.tensor_parallel_size)
+    if device.type == "cpu":
+        set_cpu_threads(int(os.environ.get(LOCAL_WORLD_SIZE_ENV) or 1))
     init_distributed(rank, args.tensor_parallel_size, device, addr, port)
     worker = Worker(args, load_config(model_dir), model_dir, init["max_len"])
     worker.load_model()
-    with torch.inference_mode():
-        while (data := recv_message(sock)) is not None:
-            message = decode(data, worker.device)
-            op = message["op"]
-            if op == "forward":
-                input_ids, positions, metadata = message["args"]
-                caches = worker.kv_caches or _scratch_kv_caches(worker, metadata)
-                worker.model(input_ids, positions, metadata, caches, **message["kwargs"])
-            elif op == "logits":
-                worker.model.compute_logits(message["hidden_states"])
-            elif op == "initialize_kv_cache":
-                worker.initialize_kv_cache(message["num_blocks"])
-            elif op == "shutdown":
-                break
-            else:
-                raise ValueError(f"rank {rank}: unknown call {op!r} from rank 0")
+    states: dict[str, Request] = {}  # this rank's request states, kept up to date by each step's SchedulerOutput
+    while (data := recv_message(sock)) is not None:
+        message = decode(data, torch.device("cpu"))
+        op = message["op"]
+        if op == "execute_model":
+            output = worker.execute_model(scheduler_output_from_wire(message["scheduler_output"], states))
+            if output.kv_connector_output is not None:
+                send_message(sock, encode({"kv_connector_output": output.kv_connector_output}))
+        elif op == "rpc":
+            send_message(sock, encode(_call(worker, message)))
+        elif op == "shutdown":
+            break
+        else:
+            raise ValueError(f"rank {rank}: unknown message {op!r} from rank 0")
     worker.shutdown()
+
+
+def _call(worker: Worker, message: dict) -> dict:
+    try:
+        return {"result": getattr(worker, message["method"])(*message["args"], **message["kwargs"])}
+    except Exception as e:  # noqa: BLE001 (rank 0 raises it)
+        return {"error": str(e), "type": type(e).__name__}
 
 
 def _connect(address: tuple[str, int]) -> socket.socket:
@@ -314,14 +403,6 @@ def _connect(address: tuple[str, int]) -> socket.socket:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
-
-
-def _scratch_kv_caches(worker: Worker, metadata) -> list:
-    """Caches for a forward pass before the KV cache exists (rank 0 profiling memory on a GPU)."""
-    cfg, bs = worker.model_config, worker.args.block_size
-    num_blocks = int(metadata.block_table.max()) + 1
-    shape = worker.attn_backend.get_kv_cache_shape(num_blocks, bs, worker.num_kv_heads, cfg.head_dim)
-    return [(torch.zeros(shape, dtype=worker.dtype, device=worker.device),) * 2 for _ in range(cfg.num_hidden_layers)]
 
 
 def main() -> None:

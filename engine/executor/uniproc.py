@@ -33,5 +33,9 @@ class UniProcExecutor:
         """while_sampling: called while the step's tokens are being sampled (async scheduling)."""
         return self.driver_worker.execute_model(scheduler_output, while_sampling)
 
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Worker.<method>(*args, **kwargs) on every rank (here the one); the results in rank order."""
+        return [getattr(self.driver_worker, method)(*args, **(kwargs or {}))]
+
     def shutdown(self) -> None:
         self.driver_worker.shutdown()

@@ -7,7 +7,6 @@ and those cost one verified position each.
 """
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.sample.rejection_sampler import DraftTokens
 from engine.spec_decode.config import SpeculativeConfig
@@ -42,15 +41,17 @@ class NgramProposer:
 
     def lookup(self, token_ids: list[int]) -> list[int]:
         """Up to k drafts to follow token_ids."""
-        k = self.k
         if len(token_ids) <= self.min_n:
             return []
-        tokens = np.asarray(token_ids, dtype=np.int64)
+        # As bytes, four a token, so that each suffix is found by one bytes.find (memmem) over the history.
+        tokens = np.asarray(token_ids, dtype=np.int32)
+        history = tokens[:-1].tobytes()
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            # Every window that starts before the suffix itself, compared with the suffix at once.
-            windows = sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if len(hits):
-                start = hits[0] + n
-                return tokens[start : start + k].tolist()
+            suffix = tokens[-n:].tobytes()
+            at = history.find(suffix)
+            while at % 4 and at != -1:  # a match must start on a token
+                at = history.find(suffix, at + 1)
+            if at != -1:
+                start = at // 4 + n
+                return tokens[start : start + self.k].tolist()
         return []

@@ -33,6 +33,7 @@ class ModelRunner:
         max_model_len: int,
         sampler: BatchSampler | None = None,
         lora_manager=None,
+        is_driver: bool = True,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -49,6 +50,8 @@ class ModelRunner:
         self.drafter = None
         # engine.lora.manager.LoRAModelManager with --enable-lora: puts a step's adapters in slots.
         self.lora_manager = lora_manager
+        # False on tensor-parallel ranks 1..N-1: they run each step's collectives with rank 0, which alone samples.
+        self.is_driver = is_driver
 
     def capture_cudagraphs(self, sizes: list[int]) -> None:
         """CUDA graphs of the model's forward for decode batches of these sizes (after the KV cache exists)."""
@@ -123,6 +126,8 @@ class ModelRunner:
             spec = so.scheduled_spec_decode_tokens
             drafts = self.drafter.draft_tokens([spec.get(r.request_id, []) for r in sampled_requests], sampled_requests)
         logits = self.model.compute_logits(hidden[logits_indices]) if rows else None
+        if not self.is_driver:
+            return output
         sample_started = time.perf_counter()
         sampler_output, prompt_logprobs = self.sampler.sample(
             sampled_requests,

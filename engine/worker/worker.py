@@ -102,7 +102,7 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.lora_manager: LoRAModelManager | None = None  # with --enable-lora, once the model is loaded
         self.connector: KVConnectorBase | None = None  # the worker's half of the KV connector, with the KV cache
-        # The other ranks replay no graphs of their own: with tensor parallelism every step runs eagerly.
+        # With tensor parallelism every rank runs every step eagerly (no collectives are captured in graphs).
         self.use_cudagraphs = self.world_size == 1 and use_cudagraphs(args, self.device, self.attn_backend)
         if self.device.type == "cuda" and args.kv_cache_memory is None:
             self._snapshot_gpu_memory()
@@ -307,6 +307,7 @@ class Worker:
             self.max_model_len,
             sampler,
             self.lora_manager,
+            is_driver=self.rank == 0,
         )
         if self.use_cudagraphs:
             began, sizes = time.perf_counter(), a.get_cudagraph_capture_sizes()
