@@ -480,18 +480,30 @@ SCHEMA = {
 }
 
 
-def test_structured_output_with_speculation_equals_structured_output_alone(smollm2_dir):
+@pytest.fixture(scope="module")
+def tiny_with_smollm2_tokenizer(tmp_path_factory, smollm2_dir):
+    """A tiny random model over SmolLM2's vocabulary and tokenizer: grammars need real token strings."""
+    path = tmp_path_factory.mktemp("tiny-smollm2-vocab")
+    save_random_smollm2_shaped(path, **{**TINY, "vocab_size": 49152})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_bytes((smollm2_dir / name).read_bytes())
+    return path
+
+
+def test_structured_output_with_speculation_equals_structured_output_alone(tiny_with_smollm2_tokenizer):
     """The grammar masks every verified position; drafts it rejects are cut; the matcher ends on exactly the
     accepted tokens. Greedy outputs equal those without speculation, sampled ones follow their grammar."""
     import jsonschema
 
     from engine import LLM, StructuredOutputsParams
 
+    model = str(tiny_with_smollm2_tokenizer)
+
     def constrained(temperature=0.0, **constraint):
         return SamplingParams(
             temperature=temperature,
             seed=3,
-            max_tokens=40,
+            max_tokens=64,
             structured_outputs=StructuredOutputsParams(**constraint, disable_any_whitespace=True),
         )
 
@@ -504,9 +516,9 @@ def test_structured_output_with_speculation_equals_structured_output_alone(smoll
     # The target as its own draft: long runs of accepted drafts through the grammar, and drafts it cuts.
     for name, spec in [
         ("none", None),
-        ("self_draft", {"method": "draft_model", "model": str(smollm2_dir), "num_speculative_tokens": 3}),
+        ("self_draft", {"method": "draft_model", "model": model, "num_speculative_tokens": 3}),
     ]:
-        llm = LLM(kv_cache_memory="64MiB", speculative_config=spec)
+        llm = LLM(model=model, dtype="float32", kv_cache_memory="16MiB", speculative_config=spec)
         results = llm.generate([p for p, _ in batch], [sp for _, sp in batch], use_tqdm=False)
         outputs[name] = [r.outputs[0] for r in results]
         person, phone, sampled = (o.text for o in outputs[name])
