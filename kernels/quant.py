@@ -8,7 +8,10 @@ Kernels: PyTorch's packed ones. 4-bit codes run on its int4 matmul (CPU: `_weigh
 `_weight_int4pack_mm`), int8 codes with one scale per row on `_weight_int8pack_mm`. On CPU both are fast for
 a decode step's few rows in bfloat16 and slow in float32 or for many rows, where oneDNN's matmul on the
 dequantized weight wins (docs/benchmarks.md); engine/models/quantization.py chooses between them. Codes in groups
-that neither takes (GGUF's Q8_0, Q6_K) run on our CPU kernel for few rows, `group_gemv` (kernels/cpu/quant.cpp).
+that neither takes (GGUF's Q6_K) run on our CPU kernel for few rows, `group_gemv` (kernels/cpu/quant.cpp).
+Where the CPU has AVX512-VNNI, bfloat16 steps of up to 16 rows run codes in groups of 32 (GGUF's Q4_0, Q4_1,
+Q8_0; int4) on `int8_dot_linear` instead: the activations rounded to int8 per block of 32, as llama.cpp does,
+and integer dot products, about 4x PyTorch's int4 kernel at one row.
 """
 
 import torch
@@ -99,3 +102,60 @@ def group_gemv_kernel():
     except Exception:  # noqa: BLE001 (a machine that cannot build them runs the dequantized weight instead)
         return None
     return torch.ops.llmmesh_quant.group_gemv
+
+
+# int8_dot_linear (kernels/cpu/quant.cpp): codes in groups of 32 against activations quantized to int8 per block
+# of 32, integer dot products (AVX512-VNNI), the weight read once for all of a step's rows. Output columns go in
+# tiles of 16, one int32 lane a column.
+INT8_DOT_GROUP, INT8_DOT_TILE = 32, 16
+
+
+def quantize_rows_int8(x: torch.Tensor) -> torch.Tensor:
+    """x as int8_dot_linear sees it: each block of 32 rounded to int8 codes times absmax / 127 (llama.cpp's q8)."""
+    blocks = x.float().reshape(x.shape[0], -1, INT8_DOT_GROUP)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse).clamp(-127, 127) * (amax / 127)).reshape(x.shape)
+
+
+def int8_dot_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """int8_dot_linear's reference: the dequantized weight against the int8-rounded activations, in float32."""
+    return F.linear(quantize_rows_int8(x), dequantize(q, scales, zeros)).to(x.dtype)
+
+
+def int8_dot_takes(q: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether int8_dot_linear can run these codes: groups of 32 (any int8 codes: 4-bit ones in [0, 15] pack
+    two a byte)."""
+    return q.shape[1] // scales.shape[1] == INT8_DOT_GROUP
+
+
+def pack_int8_dot(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
+    """(codes, scales, zeros, n) in int8_dot_linear's layout (kernels/cpu/quant.cpp): 4-bit codes [0, 15] two a
+    byte, other int8 codes plus 128 with the zero moved by -128 scales; columns padded to whole tiles."""
+    n, k = q.shape
+    groups, tiles = k // INT8_DOT_GROUP, -(-n // INT8_DOT_TILE)
+    four_bit = bool(q.min() >= 0) and bool(q.max() <= 15)
+    u = q.to(torch.int16) if four_bit else q.to(torch.int16) + 128
+    scales, zeros = scales.float(), zeros.float() if four_bit else zeros.float() - 128 * scales.float()
+    pad = tiles * INT8_DOT_TILE - n
+    u, scales, zeros = (F.pad(t, (0, 0, 0, pad)) for t in (u, scales, zeros))
+    if four_bit:  # chunk c of a group, byte 4j + i: column j's k = 8c + i (low nibble) and 8c + 4 + i (high)
+        u = u.reshape(tiles, INT8_DOT_TILE, groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        u = u[..., 0] | u[..., 1] << 4
+    else:  # chunk c of a group, byte 4j + i: column j's k = 4c + i
+        u = u.reshape(tiles, INT8_DOT_TILE, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    codes = u.to(torch.uint8).reshape(tiles, groups, -1).contiguous()
+
+    def per_tile(t):
+        return t.reshape(tiles, INT8_DOT_TILE, groups).transpose(1, 2).contiguous()
+
+    return codes, per_tile(scales), per_tile(zeros), n
+
+
+def int8_dot_kernel():
+    """int8_dot_linear (x, codes, scales, zeros, n) -> x @ w.T, or None where the CPU kernels cannot be built or
+    the CPU has no AVX512-VNNI."""
+    gemv = group_gemv_kernel()
+    if gemv is None or not torch.ops.llmmesh_quant.int8_dot_supported():
+        return None
+    return torch.ops.llmmesh_quant.int8_dot_linear

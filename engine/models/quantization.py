@@ -12,7 +12,9 @@ Methods (--quantization):
 - gguf: a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K tensors as stored (group-wise codes, kernels/quant.py's format);
   its other tensor types arrive dequantized to float32. A GGUF model gets it by default.
 
-On CPU the int8 and int4 kernels (and ours for GGUF's Q8_0 and Q6_K groups, kernels.quant.group_gemv) compute
+On CPU with AVX512-VNNI, bfloat16 codes in groups of 32 (int4, GGUF's Q4_0, Q4_1 and Q8_0) run on
+kernels.quant's int8_dot_linear, activations rounded to int8 per block of 32. Otherwise the int8 and int4
+kernels (and ours for GGUF's Q8_0 and Q6_K groups, kernels.quant.group_gemv) compute
 in bfloat16 or float16 and pay off for a decode step's few rows; oneDNN on the dequantized weight is faster for
 more rows (docs/benchmarks.md), so a quantized layer keeps that too. A GGUF model in float32 runs the dequantized weights alone: the same values the file's
 dequantizer gives, on float32's fastest kernel.
@@ -28,10 +30,13 @@ from kernels.quant import (
     group_gemv_kernel,
     int4_linear,
     int4_scales_and_zeros,
+    int8_dot_kernel,
+    int8_dot_takes,
     int8_linear,
     is_int4,
     is_int8_per_row,
     pack_int4,
+    pack_int8_dot,
     quantize_int4,
     quantize_int8,
 )
@@ -39,6 +44,9 @@ from kernels.quant import (
 INT4_GROUP_SIZE = 32
 # Most rows a CPU step runs on the int4/int8 kernels; above it oneDNN on the dequantized weight is faster.
 CPU_KERNEL_MAX_ROWS = 4
+# The same for int8_dot_linear, by its packed group's bytes: 4-bit codes (256) or 8-bit (512). One thread,
+# bfloat16, this model's shapes (docs/benchmarks.md): 4-bit ties oneDNN at about 16 rows, 8-bit at about 6.
+INT8_DOT_MAX_ROWS = {256: 16, 512: 6}
 _QUANTIZED_ACT_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -102,7 +110,12 @@ class GroupQuantLinearMethod(LinearMethodBase):
 
     def process_codes(self, layer, q, scales, zeros, dtype) -> None:
         layer.kernel, layer.kernel_max_rows = None, CPU_KERNEL_MAX_ROWS if q.device.type == "cpu" else None
-        if dtype in _QUANTIZED_ACT_DTYPES and is_int4(q, scales):
+        dot = int8_dot_kernel() if dtype == torch.bfloat16 and q.device.type == "cpu" else None
+        if dot is not None and int8_dot_takes(q, scales):
+            packed = pack_int8_dot(q, scales, zeros)
+            layer.kernel = lambda x: dot(x, *packed)
+            layer.kernel_max_rows = INT8_DOT_MAX_ROWS[packed[0].shape[2]]
+        elif dtype in _QUANTIZED_ACT_DTYPES and is_int4(q, scales):
             group_size = q.shape[1] // scales.shape[1]
             packed, sz = pack_int4(q, q.device), int4_scales_and_zeros(scales, zeros, dtype)
             layer.kernel = lambda x: int4_linear(x, packed, group_size, sz)
