@@ -1,14 +1,15 @@
 """Speculative decoding's speed-up: output tokens/s with n-gram drafts and with a draft model against no speculation.
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/spec_decode.py [--concurrency 1,16] [--rounds 2]
-        [--max-tokens 48] [--num-speculative-tokens 4] [--draft-layers 6] [--sequential-prompts 2]
+        [--max-tokens 96] [--num-speculative-tokens 3] [--draft-layers 6] [--sequential-prompts 4]
         [--output-json PATH]
 
 Target: SmolLM2-135M-Instruct (the embedded model), greedy (so every engine produces the same tokens). Two
 workloads of chat prompts: copying (code edits, quotes and summaries whose answer repeats the prompt's text) and
 non-copying (open questions, stories). At concurrency 1 the first --sequential-prompts prompts run one after the
-other; at concurrency c > 1, c requests run at once (the prompts repeated); output tokens/s is their output tokens
-over the wall time.
+other (each prompt's own figures are printed too: the small model copies some prompts and not others); at
+concurrency c > 1, c requests run at once (the prompts repeated); output tokens/s is their output tokens over the
+wall time.
 
 Engines, in one process and the same rounds: no speculation, n-gram ({"method": "ngram"}, prompt_lookup 2..4) and a
 draft model. SmolLM2-135M is the smallest model with its tokenizer, so the draft is its own first --draft-layers
@@ -85,32 +86,45 @@ def write_early_exit_draft(model_dir: Path, num_layers: int, out: Path) -> Path:
     return out
 
 
-def run(engine: EngineCore, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[float, int, tuple]:
-    """Seconds and output tokens for the prompts at this concurrency, and the drafts (proposed, accepted, steps)."""
+def run(engine: EngineCore, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[tuple]:
+    """(seconds, output tokens, drafts (proposed, accepted, steps)) of each batch: at concurrency 1 each prompt
+    alone, one after the other; else one batch of `concurrency` requests (the prompts repeated)."""
+    if concurrency == 1:
+        return [run_batch(engine, [p], max_tokens) for p in prompts]
+    return [run_batch(engine, [prompts[i % len(prompts)] for i in range(concurrency)], max_tokens)]
+
+
+def run_batch(engine: EngineCore, batch: list[list[int]], max_tokens: int) -> tuple[float, int, tuple]:
+    """Seconds and output tokens for these prompts run at once, and the drafts (proposed, accepted, steps)."""
     stats = engine.get_stats().spec_decoding_stats
     before = (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_drafts) if stats else (0, 0, 0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    batches = [[p] for p in prompts] if concurrency == 1 else [[prompts[i % len(prompts)] for i in range(concurrency)]]
     tokens, started = 0, time.perf_counter()
-    for batch in batches:
-        for i, prompt in enumerate(batch):
-            engine.add_request(Request(f"{time.perf_counter_ns()}-{i}", prompt, params))
-        while engine.has_unfinished_requests():
-            tokens += sum(len(out.new_token_ids) for out in engine.step())
+    for i, prompt in enumerate(batch):
+        engine.add_request(Request(f"{time.perf_counter_ns()}-{i}", prompt, params))
+    while engine.has_unfinished_requests():
+        tokens += sum(len(out.new_token_ids) for out in engine.step())
     elapsed = time.perf_counter() - started
     stats = engine.get_stats().spec_decoding_stats
     after = (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_drafts) if stats else (0, 0, 0)
     return elapsed, tokens, tuple(a - b for a, b in zip(after, before))
 
 
+def record(results: dict, key: tuple, batches: list[tuple]) -> None:
+    """One round's output tokens/s, output tokens and drafts over these batches, under key."""
+    elapsed, tokens = sum(b[0] for b in batches), sum(b[1] for b in batches)
+    drafts = tuple(sum(b[2][i] for b in batches) for i in range(3))
+    results.setdefault(key, []).append((tokens / elapsed, tokens, drafts))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--concurrency", type=parse_int_list, default=[1, 16])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--draft-layers", type=int, default=6)
-    parser.add_argument("--sequential-prompts", type=int, default=2)
+    parser.add_argument("--sequential-prompts", type=int, default=4)
     parser.add_argument("--output-json")
     args = parser.parse_args()
 
@@ -141,15 +155,18 @@ def main() -> None:
             for concurrency in args.concurrency:
                 for name, engine in engines.items():
                     chosen = prompts[: args.sequential_prompts] if concurrency == 1 else prompts
-                    elapsed, tokens, drafts = run(engine, chosen, concurrency, args.max_tokens)
-                    results.setdefault((workload, concurrency, name), []).append((tokens / elapsed, tokens, drafts))
+                    batches = run(engine, chosen, concurrency, args.max_tokens)
+                    record(results, (workload, str(concurrency), name), batches)
+                    if concurrency == 1 and len(batches) > 1:
+                        for i, batch in enumerate(batches):
+                            record(results, (workload, f"1, prompt {i + 1}", name), [batch])
         print(f"round {round_index + 1}/{args.rounds} done, load average {os.getloadavg()}", flush=True)
 
     print(f"\n{cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()}; k = {k}")
     print("| workload | concurrency | engine | output tok/s | vs none | acceptance | tokens / drafting step |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     report = []
-    for (workload, concurrency, name), runs in results.items():
+    for (workload, concurrency, name), runs in sorted(results.items(), key=lambda item: item[0][:2]):
         speed = statistics.median(r[0] for r in runs)
         base = statistics.median(r[0] for r in results[(workload, concurrency, "none")])
         proposed, accepted, steps = (sum(r[2][i] for r in runs) for i in range(3))
