@@ -190,7 +190,7 @@ class EngineArgs:
             raise ValueError(
                 f"tensor_parallel_size must be in [1, {MAX_TENSOR_PARALLEL_SIZE}], got {self.tensor_parallel_size}."
             )
-        for name in ("kv_transfer_config", "speculative_config", "enable_lora"):
+        for name in ("speculative_config", "enable_lora"):
             if self.tensor_parallel_size > 1 and getattr(self, name) not in (None, False):
                 raise ValueError(f"{name} is not supported with tensor_parallel_size > 1 yet; pass one or the other.")
         if self.scheduling_policy not in ("fcfs", "priority"):

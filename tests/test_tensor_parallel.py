@@ -1,5 +1,5 @@
 """Tensor parallelism: two ranks, each a process, over gloo on loopback, on a tiny random Llama whose heads (4),
-KV heads (2) and MLP width divide by 2."""
+KV heads (2) and MLP width divide by 2; with the KV store, a real redis-server behind a real kvstore service."""
 
 import os
 import random
@@ -10,6 +10,7 @@ import time
 
 import grpc
 import pytest
+import redis
 import torch
 
 from conftest import NOT_SERVING, InProcessService, assert_no_leaks, run_greedy, wait_for_health
@@ -31,6 +32,7 @@ from engine.request import Request, SamplingParams
 from engine.sched.output import SchedulerOutput
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
 from services import client
+from services.supervisor import kv_transfer_config
 from test_models import COMMON
 
 BLOCK = 16
@@ -268,9 +270,6 @@ def test_bad_tensor_parallel_flags_are_refused():
         EngineArgs(tensor_parallel_size=0)
     with pytest.raises(ValueError, match=r"tensor_parallel_size must be in \[1, 64\], got 100000"):
         EngineArgs(tensor_parallel_size=100000)
-    connector = '{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both"}'
-    with pytest.raises(ValueError, match="kv_transfer_config is not supported with tensor_parallel_size > 1"):
-        EngineArgs(tensor_parallel_size=2, kv_transfer_config=connector)
     with pytest.raises(ValueError, match="speculative_config is not supported with tensor_parallel_size > 1"):
         EngineArgs(tensor_parallel_size=2, speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
     with pytest.raises(ValueError, match="enable_lora is not supported with tensor_parallel_size > 1"):
@@ -375,3 +374,50 @@ def test_a_transfer_ends_once_every_rank_reported_it_with_what_all_of_them_moved
     later = aggregator.aggregate([KVConnectorOutput(), KVConnectorOutput({"b": 48}, {2: True})])
     assert later.finished_recving == {"b": 48} and later.finished_sending == {2: True}
     assert not aggregator.recving and not aggregator.sending
+
+
+def settle(engine: EngineCore) -> None:
+    """Step until every KV transfer has ended."""
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_tp2_stores_each_ranks_shard_and_reloads_it_equal_to_tp1(tiny_model, redis_server):
+    """Every rank stores its heads of each block under its own fingerprint; after the local prefix cache is reset
+    the blocks come back from the store, and greedy output equals TP=1's. With rank 1's shards gone, the blocks no
+    longer count as stored (rank 0's alone are not a block): they are recomputed on both ranks, with the same output."""
+    engine = make_engine(tiny_model, 1)
+    try:
+        expected = run_greedy(engine, prompts(), 8)
+    finally:
+        engine.shutdown()
+    full_blocks = sum((len(p) - 1) // BLOCK for p in prompts())  # the block with the last prompt token always runs
+    store = redis.Redis.from_url(redis_server.url)
+    with InProcessService("kvstore", ["--redis-url", redis_server.url]) as kvstore:
+        config = kv_transfer_config(kvstore.address, load_policy="always")
+        engine = make_engine(tiny_model, 2, kv_transfer_config=config)
+        try:
+            assert run_greedy(engine, prompts(), 8) == expected
+            settle(engine)
+            rank0 = engine.worker.kv_layout.fingerprint
+            keys = [k.decode() for k in store.keys("kv:*")]
+            by_rank = {fingerprint: sum(k.split(":")[1] == fingerprint for k in keys) for fingerprint in {
+                k.split(":")[1] for k in keys}}  # fmt: skip
+            assert len(by_rank) == 2 and by_rank[rank0] == len(keys) // 2 >= full_blocks
+
+            assert engine.reset_prefix_cache()
+            assert run_greedy(engine, prompts(), 8) == expected
+            stats = engine.get_stats().kv_connector_stats
+            assert stats["loaded_tokens"] == full_blocks * BLOCK and stats["load_failed_tokens"] == 0
+
+            settle(engine)
+            assert engine.reset_prefix_cache()
+            store.delete(*[k for k in keys if k.split(":")[1] != rank0])
+            assert run_greedy(engine, prompts(), 8) == expected
+            after = engine.get_stats().kv_connector_stats
+            assert after["lookups"] > stats["lookups"] and after["lookup_hit_tokens"] == stats["lookup_hit_tokens"]
+            assert after["loaded_tokens"] == full_blocks * BLOCK and after["load_failed_tokens"] == 0
+            settle(engine)
+            assert_no_leaks(engine)
+        finally:
+            engine.shutdown()

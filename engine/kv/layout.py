@@ -17,6 +17,14 @@ class KVLayout:
     fingerprint: str
     dtype: str
     shape: tuple[int, ...]
+    # With tensor parallelism each rank holds its own heads of a block: every rank's fingerprint, in rank order (a
+    # block is in a store only if each rank's shard is). Empty on one rank.
+    shard_fingerprints: tuple[str, ...] = ()
+
+    @property
+    def all_fingerprints(self) -> tuple[str, ...]:
+        """The fingerprints a whole block is stored under: every rank's shard, or the one."""
+        return self.shard_fingerprints or (self.fingerprint,)
 
     @property
     def num_layers(self) -> int:

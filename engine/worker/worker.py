@@ -330,16 +330,13 @@ class Worker:
         # The same checkpoint quantized another way, or computing in another dtype, computes other K and V values.
         compute = str(self.dtype).removeprefix("torch.")
         weights = f"{weights_digest(self.model_dir)}/{self.quantization or 'unquantized'}/{compute}"
-        fingerprint = model_fingerprint(
-            weights,
-            dtype,
-            self.attn_backend.name,
-            shape,
-            self.args.prefix_caching_hash_algo,
-            self.rank,
-            self.world_size,
+        shards = tuple(
+            model_fingerprint(
+                weights, dtype, self.attn_backend.name, shape, self.args.prefix_caching_hash_algo, rank, self.world_size
+            )
+            for rank in range(self.world_size)
         )
-        return KVLayout(fingerprint, dtype, shape)
+        return KVLayout(shards[self.rank], dtype, shape, shards if self.world_size > 1 else ())
 
     def _make_kv_connector(self) -> KVConnectorBase | None:
         """The worker's half of the connector --kv-transfer-config names, over this worker's KV cache."""

@@ -34,8 +34,10 @@ class KVStoreClient:
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = kvstore_pb2_grpc.KVStoreStub(self.channel)
 
-    def lookup(self, block_hashes: list[bytes], timeout: float, metadata=()) -> int:
-        request = kvstore_pb2.LookupRequest(fingerprint=self.layout.fingerprint, block_hashes=block_hashes)
+    def lookup(self, block_hashes: list[bytes], timeout: float, metadata=(), fingerprint: str | None = None) -> int:
+        """How many of the blocks (a leading run) the store holds, under the layout's fingerprint or this one."""
+        fingerprint = fingerprint or self.layout.fingerprint
+        request = kvstore_pb2.LookupRequest(fingerprint=fingerprint, block_hashes=block_hashes)
         return min(self.stub.Lookup(request, timeout=timeout, metadata=metadata).num_present, len(block_hashes))
 
     def get(self, block_hashes: list[bytes], timeout: float, metadata=()):

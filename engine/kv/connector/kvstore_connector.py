@@ -238,7 +238,12 @@ class KVStoreConnector(KVConnectorBase):
         """On a lookup thread: how many of the blocks the store holds (leading run), and how long asking took."""
         started = time.perf_counter()
         try:
-            num_present = self.client.lookup(block_hashes, self.options["lookup_timeout_s"], trace_headers)
+            timeout = self.options["lookup_timeout_s"]
+            # With tensor parallelism a block counts only if every rank's shard of it is there.
+            num_present = min(
+                self.client.lookup(block_hashes, timeout, trace_headers, fingerprint)
+                for fingerprint in self.layout.all_fingerprints
+            )
         except Exception as e:  # noqa: BLE001 (any failure of the store means: recompute)
             self._mark_down("lookup", e)
             return None

@@ -76,6 +76,10 @@ class SharedStorageConnector(KVConnectorBase):
     def _path(self, block_hash: bytes) -> Path:
         return self.directory / block_hash.hex()
 
+    def _stored(self, block_hash: bytes) -> bool:
+        """Whether the block is on disk: with tensor parallelism, every rank's shard of it."""
+        return all((self.directory.parent / f / block_hash.hex()).exists() for f in self.layout.all_fingerprints)
+
     # ---- scheduler side -----------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -88,7 +92,7 @@ class SharedStorageConnector(KVConnectorBase):
             if not self.config.is_kv_consumer or last <= first:
                 return 0, False
             end = first
-            while end < last and self._path(request.block_hashes[end]).exists():
+            while end < last and self._stored(request.block_hashes[end]):
                 end += 1
             match = self.matches[request.request_id] = (first, end)
             self.stats["lookups"] += 1
