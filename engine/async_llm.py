@@ -37,6 +37,7 @@ logger = logging.getLogger("llmmesh.engine")
 _STOP = object()
 # KV event batches a subscriber may fall behind by; past it the oldest are dropped (and counted).
 KV_EVENT_QUEUE_SIZE = 1024
+SNAPSHOT_BLOCKS_PER_EVENT = 16384  # block hashes in one event of a new KV event subscriber's snapshot (512 KiB)
 
 
 class EngineRequestError(Exception):
@@ -187,6 +188,25 @@ class AsyncLLM:
         queue_ = asyncio.Queue(maxsize=KV_EVENT_QUEUE_SIZE)
         self.kv_event_subscribers.add(queue_)
         return queue_
+
+    async def subscribe_kv_events_from_snapshot(self) -> asyncio.Queue:
+        """subscribe_kv_events, starting with the blocks cached before the first event (batches numbered 0:
+        AllBlocksCleared, then BlockStored of their hashes). The engine thread takes the snapshot and starts the
+        queue in one go, so the stream misses no block and repeats none."""
+        queue_ = asyncio.Queue(maxsize=KV_EVENT_QUEUE_SIZE)
+
+        def snapshot(core: EngineCore) -> None:
+            events = core.kv_cache_manager.snapshot_events(SNAPSHOT_BLOCKS_PER_EVENT)
+            self._call_soon(self._start_subscriber, queue_, [(0, time.time(), [event]) for event in events])
+
+        await self._on_engine_thread(snapshot)
+        return queue_
+
+    def _start_subscriber(self, queue_: asyncio.Queue, batches: list) -> None:
+        """On the loop, before any batch the engine thread sends after the snapshot: the queue starts with it."""
+        for batch in batches[: queue_.maxsize]:
+            queue_.put_nowait(batch)
+        self.kv_event_subscribers.add(queue_)
 
     def unsubscribe_kv_events(self, queue_: asyncio.Queue) -> None:
         self.kv_event_subscribers.discard(queue_)

@@ -184,7 +184,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "KV cache events are off; start the engine with --enable-kv-cache-events",
             )
-        queue = engine.subscribe_kv_events()  # bounded: a subscriber that falls behind loses the oldest batches
+        # The blocks cached already come first, so the subscriber's index is right from the start (or a reconnect).
+        queue = await engine.subscribe_kv_events_from_snapshot()  # bounded: one that falls behind loses the oldest
         await context.send_initial_metadata(())  # the stream is open before the first event
         stopping = batch = asyncio.ensure_future(self.stopping.wait())
         try:

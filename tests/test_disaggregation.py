@@ -2,6 +2,7 @@
 stores its blocks, the kv_consumer engine loads them and decodes. Outputs equal one engine's, greedy and seeded,
 with and without faults: a prefill engine that is gone, a store that lost blocks, a load that fails."""
 
+import json
 import random
 import signal
 from types import SimpleNamespace
@@ -48,7 +49,10 @@ def single(tiny_model):
 def mesh(tiny_model):
     args = EngineArgs(model=str(tiny_model), kv_cache_memory="16MiB", max_num_seqs=8)
     gateway_args = ["--prefill-timeout", str(PREFILL_TIMEOUT)]
-    with Mesh(args, kv_store=True, prefill_engines=1, num_engines=1, gateway_args=gateway_args) as m:
+    options = {"retry_interval_s": 0.5}  # not the default: every engine's connector must be given it
+    with Mesh(
+        args, kv_store=True, prefill_engines=1, num_engines=1, gateway_args=gateway_args, kv_connector_options=options
+    ) as m:
         yield m
 
 
@@ -94,6 +98,19 @@ def decode(
     with grpc.insecure_channel(mesh.services["engine"].address) as channel:
         messages = list(engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=60))
     return [t for msg in messages for c in msg.outputs for t in c.token_ids], messages[-1].usage.cached_tokens
+
+
+def test_mesh_gives_every_engine_its_connector_options(mesh):
+    """Mesh's kv_connector_options reach the --kv-transfer-config of the prefill and the decode engine, beside the
+    kvstore's address and each one's kv_role."""
+    for name, role in (("prefill", "kv_producer"), ("engine", "kv_consumer")):
+        args = mesh.services[name].args
+        config = json.loads(args[args.index("--kv-transfer-config") + 1])
+        assert config["kv_role"] == role
+        assert config["kv_connector_extra_config"] == {
+            "kvstore_address": mesh.services["kvstore"].address,
+            "retry_interval_s": 0.5,
+        }
 
 
 @pytest.mark.parametrize("load_policy", ["auto", "never"])

@@ -4,8 +4,10 @@ that share a system prompt: where each turn lands, the hit rate against least-lo
 mid-run."""
 
 import asyncio
+import os
 import random
 import threading
+import time
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,6 +30,7 @@ from test_models import COMMON
 TINY = {**COMMON, "max_position_embeddings": 2048}  # a tiny Llama for conversations of a few hundred tokens
 BLOCK = 16
 MAX_TOKENS = 8
+LONG_TOKENS = 1500  # a generation still decoding when an engine is killed
 # Conversations: a shared system prompt, then per conversation its own document, then short follow-ups.
 SYSTEM_TOKENS, DOCUMENT_TOKENS, FOLLOW_UP_TOKENS = 48, 160, 16
 NUM_CONVERSATIONS, NUM_TURNS = 3, 4  # an odd number: least-loaded's turns do not line up with them
@@ -186,6 +189,36 @@ def read_stored(events, hashes: list, count: int) -> None:
             return
 
 
+def test_a_new_subscriber_starts_from_the_engines_cached_blocks(tiny_model):
+    """A KV event stream opened after the engine cached a prompt (as when the gateway starts, or reconnects) begins
+    with a snapshot, its batches numbered 0: AllBlocksCleared, then the cached blocks. Later events follow it."""
+    path, _ = tiny_model
+    flags = ["--model", path, "--kv-cache-memory", "8MiB", "--enable-kv-cache-events"]
+    rng = random.Random(7)
+    first, second = rng.choices(range(3, 512), k=5 * BLOCK + 3), rng.choices(range(3, 512), k=2 * BLOCK + 3)
+    params = client.sampling_params(temperature=0.0, max_tokens=1)
+    with InProcessService("engine", flags) as engine, grpc.insecure_channel(engine.address) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        router = Router([engine.address])
+        router.set_model_info(stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=30))
+        list(
+            stub.Generate(engine_pb2.EngineGenerateRequest(prompt_token_ids=first, sampling_params=params), timeout=60)
+        )
+        events = stub.SubscribeKvEvents(engine_pb2.SubscribeKvEventsRequest(), timeout=60)
+        snapshot = next(events)
+        assert snapshot.sequence_number == 0 and [e.WhichOneof("event") for e in snapshot.events] == ["cleared"]
+        snapshot = next(events)
+        assert snapshot.sequence_number == 0
+        assert list(snapshot.events[0].stored.block_hashes) == router.block_hashes(first, None)
+        list(
+            stub.Generate(engine_pb2.EngineGenerateRequest(prompt_token_ids=second, sampling_params=params), timeout=60)
+        )
+        later = []
+        read_stored(events, later, 2)
+        events.cancel()
+    assert later == router.block_hashes(second, None)
+
+
 @pytest.fixture(scope="module")
 def mesh(tiny_model):
     path, _ = tiny_model
@@ -249,6 +282,21 @@ def assert_replies_match(records, reference: HFReference) -> None:
             assert_greedy_matches(reply, tokens, logits, f"conversation {c} turn {t}")
 
 
+def test_engines_split_the_cores(mesh):
+    """Two engine processes on one machine each get half its cores as their OpenMP threads (unless the caller set
+    OMP_NUM_THREADS); the other services get no such setting."""
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, len(os.sched_getaffinity(0)) // 2))
+
+    def omp(name: str) -> str | None:
+        with open(f"/proc/{mesh.services[name].popen.pid}/environ", "rb") as f:
+            variables = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        value = variables.get(b"OMP_NUM_THREADS")
+        return None if value is None else value.decode()
+
+    assert omp("engine") == omp("engine-2") == threads
+    assert omp("gateway") == os.environ.get("OMP_NUM_THREADS")
+
+
 def test_prefix_aware_sends_each_turn_where_its_prefix_is(mesh, tiny_model):
     """Concurrent conversations through the mesh's own gateway (prefix-aware, its default with two engines)."""
     records = run_conversations(mesh.address, seed=1)
@@ -287,6 +335,51 @@ def test_engine_restarted_mid_run_loses_no_request(mesh, tiny_model):
     assert restarted.is_set() and mesh.services["engine-2"].alive()
     assert all(len(record) == NUM_TURNS for record in records)
     assert_replies_match(records, tiny_model[1])
+
+
+def test_engine_killed_mid_decode_fails_its_request_alone(mesh, tiny_model):
+    """Two long greedy generations, one on each engine (cold prompts spread); the second engine is killed (SIGKILL)
+    once both are decoding. Its request fails UNAVAILABLE naming that engine; the other completes with the right
+    output, and new requests are served meanwhile by the engine left."""
+    rng = random.Random(8)
+    for _ in range(20):  # an engine restarted just before may not be healthy in the gateway's eyes yet: try again
+        prompts = [rng.choices(range(3, 512), k=40) for _ in range(2)]
+        streams = [
+            client.generate(mesh.address, p, max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True, timeout=120)
+            for p in prompts
+        ]
+        first = []
+        for stream in streams:  # both past their first tokens
+            chunk = next(r.chunk for r in stream if r.HasField("chunk") and any(c.token_ids for c in r.chunk.choices))
+            first.append(sum(len(c.token_ids) for c in chunk.choices))
+        if all(num_running(mesh.services[name].address) == 1 for name in ("engine", "engine-2")):
+            break
+        for stream in streams:
+            stream.cancel()
+        time.sleep(0.5)
+    gone = mesh.services["engine-2"].address
+    mesh.services["engine-2"].kill()
+    try:
+        outcomes = []
+        for stream in streams:
+            try:
+                outcomes.append(client.collect(stream))
+            except grpc.RpcError as e:
+                outcomes.append(e)
+        errors = [o for o in outcomes if isinstance(o, grpc.RpcError)]
+        assert len(errors) == 1, outcomes
+        assert errors[0].code() == grpc.StatusCode.UNAVAILABLE and gone in errors[0].details(), errors[0].details()
+        (done,) = [(n, o) for n, o in zip(first, outcomes) if not isinstance(o, grpc.RpcError)]
+        assert done[0] + len(done[1].token_ids[0]) == LONG_TOKENS
+        reply, _ = ask(mesh.address, prompts[0])
+        assert_greedy_matches(reply, *tiny_model[1].greedy(prompts[0], MAX_TOKENS), "after the kill")
+    finally:
+        mesh.restart("engine-2")
+
+
+def num_running(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return engine_pb2_grpc.EngineStub(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=30).num_running
 
 
 def test_serve_starts_engine_replicas_that_share_one_kvstore(tiny_model):

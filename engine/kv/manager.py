@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from engine.kv.block import KVCacheBlock
-from engine.kv.block_pool import BlockPool, KVCacheEvent
+from engine.kv.block_pool import AllBlocksCleared, BlockPool, BlockStored, KVCacheEvent
 from engine.kv.hashing import get_hash_fn, root_hash, update_block_hashes
 from engine.request import Request
 
@@ -154,3 +154,13 @@ class KVCacheManager:
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()
+
+    def snapshot_events(self, max_blocks_per_event: int) -> list[KVCacheEvent]:
+        """The prefix cache as events, for a new subscriber to start from: AllBlocksCleared, then BlockStored of the
+        cached blocks' hashes (their token ids are not kept), at most max_blocks_per_event to an event."""
+        hashes = list(self.block_pool.cached_block_hash_to_block)
+        stored = [
+            BlockStored(hashes[i : i + max_blocks_per_event], None, [], self.block_size)
+            for i in range(0, len(hashes), max_blocks_per_event)
+        ]
+        return [AllBlocksCleared(), *stored]
