@@ -98,7 +98,7 @@ def time_cpu_paths(dtype: torch.dtype, repeats: int = 50) -> dict[str, float]:
     shapes = module_shapes(cfg)
     fan_in, out_sizes, rank = cfg.hidden_size, [shapes[m][1] for m in ("q_proj", "k_proj", "v_proj")], 16
     a = torch.randn(16, 3 * rank, fan_in)
-    b = torch.randn(16, sum(out_sizes), 3 * rank)
+    b = torch.randn(16, 3 * rank, sum(out_sizes))
     x, y = torch.randn(NUM_REQUESTS, fan_in, dtype=dtype), torch.zeros(NUM_REQUESTS, sum(out_sizes), dtype=dtype)
     indices, ranks = torch.arange(NUM_REQUESTS) // 2, torch.full((16,), rank)
     kernel = lora_cpu_kernel()

@@ -184,6 +184,9 @@ class EngineCore:
         so.scheduled_requests = [so.scheduled_requests[i] for i in keep]
         runner_output.sampled_token_ids = [runner_output.sampled_token_ids[i] for i in keep]
         outputs = []
+        # Their blocks leave the prefix cache: a request whose adapter could not be loaded ran as the base model.
+        for request_id in runner_output.failed:
+            self.scheduler.kv_cache_manager.evict_cached_blocks(self.scheduler.requests[request_id])
         for request in self.scheduler.finish_requests(list(runner_output.failed), RequestStatus.FINISHED_ERROR):
             failure = runner_output.failed[request.request_id]
             logger.warning("%s", failure.message)

@@ -1,18 +1,19 @@
 """Multi-LoRA kernels (Punica's shrink and expand): each token's adapter delta for a whole mixed batch.
 
-One layer's adapters sit in fixed slots: lora_a [slots, R, in] and lora_b [slots, out, R], zero-padded past each
-adapter's rank (a packed layer, q/k/v or gate/up, stacks its slices' A rows and holds B block-diagonally). Token t
-uses slot token_lora_indices[t]; -1 is the base model, which gets no delta.
+One layer's adapters sit in fixed slots: lora_a [slots, R, in] and lora_b [slots, R, out] (B transposed, so that
+the CPU's expand streams its rows), zero-padded past each adapter's rank (a packed layer, q/k/v or gate/up, stacks
+its slices' rows in both, B block-diagonally). Token t uses slot token_lora_indices[t]; -1 is the base model, which
+gets no delta.
 
     shrink: h[t] = x[t] @ lora_a[slot].T          (float32 accumulation)
-    expand: y[t] += h[t] @ lora_b[slot].T          (added into the base layer's output)
+    expand: y[t] += h[t] @ lora_b[slot]            (added into the base layer's output)
 
 Three implementations of the same arithmetic: the torch reference (a gathered bmm), the Triton kernel (the GPU
 path, one gathered matrix-vector product for both; one program per token and output tile, so any mix of adapters is
 one launch), and the CPU path, a C++ kernel (kernels/cpu/lora.cpp) doing both for a whole layer in one call, packed
 slices included: a layer's few small torch calls per adapter cost more than their arithmetic on the CPU. It reads
 a slot's rows once for each run of up to 8 consecutive tokens that share it (the model runner orders a batch by
-slot).
+slot), with its accumulators in registers.
 """
 
 import torch
@@ -32,10 +33,10 @@ def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, token_lora_indices: t
 
 
 def lora_expand_ref(h: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: torch.Tensor, y: torch.Tensor) -> None:
-    """y += h @ B.T per token, in place; base-model rows untouched."""
+    """y += h @ B per token, in place; base-model rows untouched."""
     rows = (token_lora_indices >= 0).nonzero().squeeze(1)
-    b = lora_b[token_lora_indices[rows]].float()  # [rows, out, R]
-    y[rows] += torch.bmm(b, h[rows].unsqueeze(2)).squeeze(2).to(y.dtype)
+    b = lora_b[token_lora_indices[rows]].float()  # [rows, R, out]
+    y[rows] += torch.bmm(h[rows].unsqueeze(1), b).squeeze(1).to(y.dtype)
 
 
 # ---- CPU: one C++ call per layer ---------------------------------------------------------------------------------
@@ -57,11 +58,11 @@ def lora_cpu_kernel():
 
 @triton.jit
 def _gathered_matvec_kernel(
-    out_ptr, w_ptr, idx_ptr, v_ptr, N, K, stride_ot, stride_ws, stride_wn, stride_vt,
+    out_ptr, w_ptr, idx_ptr, v_ptr, N, K, stride_ot, stride_ws, stride_wn, stride_wk, stride_vt,
     ACCUMULATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out[t, n] (+)= sum_k w[slot(t), n, k] * v[t, k] in float32; tokens of slot -1 are skipped. Shrink is this with
-    w = A (n over R, k over in), expand with w = B (n over out, k over R) and ACCUMULATE."""
+    w = A (n over R, k over in), expand with w = B transposed back (n over out, k over R) and ACCUMULATE."""
     t = tl.program_id(0)
     slot = tl.load(idx_ptr + t)
     if slot < 0:
@@ -72,7 +73,7 @@ def _gathered_matvec_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(v_ptr + t * stride_vt + k, mask=k < K, other=0.0).to(tl.float32)
         w = tl.load(
-            w_ptr + slot * stride_ws + n[:, None] * stride_wn + k[None, :],
+            w_ptr + slot * stride_ws + n[:, None] * stride_wn + k[None, :] * stride_wk,
             mask=(n[:, None] < N) & (k[None, :] < K),
             other=0.0,
         ).to(tl.float32)
@@ -84,12 +85,12 @@ def _gathered_matvec_kernel(
 
 
 def _gathered_matvec(out, w, token_lora_indices, v, accumulate: bool) -> None:
-    assert out.stride(1) == 1 and w.stride(2) == 1 and v.stride(1) == 1
+    assert out.stride(1) == 1 and v.stride(1) == 1
     num_tokens, (_, n, k) = v.shape[0], w.shape
     block_n = min(64, triton.next_power_of_2(n))
     grid = (num_tokens, triton.cdiv(n, block_n))
     _gathered_matvec_kernel[grid](
-        out, w, token_lora_indices, v, n, k, out.stride(0), w.stride(0), w.stride(1), v.stride(0),
+        out, w, token_lora_indices, v, n, k, out.stride(0), w.stride(0), w.stride(1), w.stride(2), v.stride(0),
         ACCUMULATE=accumulate, BLOCK_N=block_n, BLOCK_K=64,
     )  # fmt: skip
 
@@ -102,5 +103,5 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_lora_indices: torch
 
 
 def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: torch.Tensor, y: torch.Tensor) -> None:
-    """The Triton expand: y += h @ B.T per token, in place, as lora_expand_ref."""
-    _gathered_matvec(y, lora_b, token_lora_indices, h, accumulate=True)
+    """The Triton expand: y += h @ B per token, in place, as lora_expand_ref."""
+    _gathered_matvec(y, lora_b.transpose(1, 2), token_lora_indices, h, accumulate=True)

@@ -6,6 +6,7 @@ import asyncio
 import copy
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,34 @@ def test_more_adapters_than_slots_all_complete_and_slots_churn(tiny):
         assert_greedy_matches(tokens[request_id], reference, logits, label=request_id)
     llm.output_processor.abort_requests(list(tokens))
     assert_no_leaks(engine)
+
+
+def test_an_adapter_that_cannot_be_read_again_fails_only_its_requests(tiny, tmp_path):
+    """One slot and one adapter in host memory: loading b evicts a, whose directory then goes. a's request ends
+    with an error naming its adapter; the base model's and b's requests in the same steps get their solo output, and
+    a's blocks (computed as the base model) never serve a later hit."""
+    base, root, _, _ = tiny
+    shutil.copytree(root / "qv-r1", tmp_path / "gone")
+    llm = make_llm(base, max_loras=1, max_cpu_loras=1, block_size=4)
+    gone, kept = LoRARequest("gone", 1, str(tmp_path / "gone")), lora(root, "attn-r4")
+    llm.add_lora(gone)
+    llm.add_lora(kept)  # evicts gone from host memory
+    shutil.rmtree(tmp_path / "gone")
+    solo = [greedy(llm, [PROMPTS[0]], r)[0] for r in (None, kept)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(
+        [{"prompt_token_ids": PROMPTS[0]}] * 3, params, use_tqdm=False, lora_request=[None, gone, kept]
+    )
+    assert [list(o.outputs[0].token_ids) for o in (outputs[0], outputs[2])] == solo
+    failed = outputs[1]
+    assert failed.outputs[0].finish_reason == "error" and failed.outputs[0].token_ids == []
+    assert "loading its LoRA adapter failed" in failed.error.message and "'gone'" in failed.error.message
+    digest = llm.engine.lora_digests[gone.lora_int_id]
+    cached = set(llm.engine.kv_cache_manager.block_pool.cached_block_hash_to_block)
+    manager = llm.engine.kv_cache_manager
+    blocks = extend_block_hashes([], PROMPTS[0], manager.block_size, manager.hash_fn, manager.root_hash, None, digest)
+    assert blocks and not set(blocks) & cached
+    assert_no_leaks(llm.engine)
 
 
 def write_adapter_config(path: Path, **changes) -> None:
@@ -323,7 +352,7 @@ DEVICES = [
 def random_slots(slots, rank, fan_in, fan_out, dtype, device):
     gen = torch.Generator().manual_seed(1)
     a = torch.randn(slots, rank, fan_in, generator=gen).to(device, dtype)
-    b = torch.randn(slots, fan_out, rank, generator=gen).to(device, dtype)
+    b = torch.randn(slots, rank, fan_out, generator=gen).to(device, dtype)
     return a, b
 
 
@@ -352,12 +381,12 @@ def test_cpu_kernel_matches_the_reference(dtype):
     slots, max_rank, fan_in, out_sizes = 3, 8, 24, (16, 8, 8)
     gen = torch.Generator().manual_seed(4)
     a = torch.zeros(slots, 3 * max_rank, fan_in)
-    b = torch.zeros(slots, sum(out_sizes), 3 * max_rank)
+    b = torch.zeros(slots, 3 * max_rank, sum(out_sizes))
     for slot, rank in ((0, 2), (2, 5)):  # as LinearWithLoRA.set_slot lays them out
         a[slot, : 3 * rank] = torch.randn(3 * rank, fan_in, generator=gen)
         offset = 0
         for i, size in enumerate(out_sizes):
-            b[slot, offset : offset + size, i * rank : (i + 1) * rank] = torch.randn(size, rank, generator=gen)
+            b[slot, i * rank : (i + 1) * rank, offset : offset + size] = torch.randn(rank, size, generator=gen)
             offset += size
     indices = torch.tensor([0, 0, 2, -1, -1] + [2] * 11 + [0, -1, 0])
     x = torch.randn(len(indices), fan_in + 5, generator=gen).to(dtype)[:, 5:]

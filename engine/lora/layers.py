@@ -1,6 +1,6 @@
 """LinearWithLoRA: a loaded Linear plus each token's adapter delta (vLLM's BaseLayerWithLoRA).
 
-The wrapper owns its layer's adapter slots (lora_a [slots, R, in], lora_b [slots, out, R], allocated once) and
+The wrapper owns its layer's adapter slots (lora_a [slots, R, in], lora_b [slots, R, out], allocated once) and
 reads the step's LoRAMapping, which every wrapped layer shares: the base layer runs as before, then one shrink and
 one expand add the delta of each token's adapter into its output.
 """
@@ -41,9 +41,9 @@ class LinearWithLoRA(nn.Module):
         self.modules_ = modules  # the PEFT module names of the slices, in output order (q, k, v)
         offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         self.out_slices = list(zip(offsets, out_sizes))
-        # A slice's A rows are [i * rank, (i + 1) * rank) of its adapter's rank; B is block-diagonal to match.
+        # A slice's rows of A and B are [i * rank, (i + 1) * rank) by its adapter's rank; B is block-diagonal.
         self.lora_a = torch.zeros(max_loras, len(modules) * max_lora_rank, base.input_size, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(max_loras, base.output_size, len(modules) * max_lora_rank, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(max_loras, len(modules) * max_lora_rank, base.output_size, dtype=dtype, device=device)
         self.mapping = mapping
         self.slice_sizes = list(out_sizes)
         self.cpu_kernel = lora_cpu_kernel() if device.type == "cpu" else None
@@ -56,7 +56,7 @@ class LinearWithLoRA(nn.Module):
             if module in weights:
                 a, b = weights[module]
                 self.lora_a[slot, i * rank : (i + 1) * rank] = a
-                self.lora_b[slot, offset : offset + size, i * rank : (i + 1) * rank] = b
+                self.lora_b[slot, i * rank : (i + 1) * rank, offset : offset + size] = b.T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)

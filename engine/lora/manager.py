@@ -93,12 +93,19 @@ class LoRAModelManager:
 
     # ---- slots ----------------------------------------------------------------------------------
 
-    def activate(self, lora_int_ids: set[int]) -> dict[int, int]:
-        """Put these adapters (at most max_loras) in slots; adapter id -> slot."""
+    def activate(self, lora_int_ids: set[int]) -> tuple[dict[int, int], dict[int, ValueError]]:
+        """Put these adapters (at most max_loras) in slots: adapter id -> slot, and adapter id -> why it cannot be
+        (evicted from host memory, its directory no longer reads): only that adapter's requests fail."""
         assert len(lora_int_ids) <= self.max_loras, "the scheduler let more adapters than slots into one step"
+        failures = {}
         for lora_int_id in lora_int_ids:
             if lora_int_id in self.slot_of:
                 self.slot_of.move_to_end(lora_int_id)
+                continue
+            try:
+                lora = self._get(lora_int_id)
+            except ValueError as e:
+                failures[lora_int_id] = e
                 continue
             used = set(self.slot_of.values())
             free = [s for s in range(self.max_loras) if s not in used]
@@ -107,7 +114,6 @@ class LoRAModelManager:
             else:  # the least recently used slot whose adapter this step does not need
                 victim = next(i for i in self.slot_of if i not in lora_int_ids)
                 slot = self.slot_of.pop(victim)
-            lora = self._get(lora_int_id)
             for layer_index, wrapped in enumerate(self.layers):
                 for wrapper in wrapped.values():
                     weights = {
@@ -117,7 +123,7 @@ class LoRAModelManager:
             self.slot_of[lora_int_id] = slot
             self.mapping.slot_ranks[slot] = lora.rank
             self.num_slot_loads += 1
-        return {i: self.slot_of[i] for i in lora_int_ids}
+        return {i: self.slot_of[i] for i in lora_int_ids if i not in failures}, failures
 
     def set_mapping(self, token_lora_indices: torch.Tensor, host_indices: np.ndarray) -> None:
         """The step's per-token slots (on the device, and the host array they came from)."""

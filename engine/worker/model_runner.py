@@ -14,6 +14,7 @@ import time
 import torch
 
 from engine.kv.manager import cdiv
+from engine.request import RequestFailure
 from engine.sample.metadata import GrammarBitmask
 from engine.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, DraftTokens
 from engine.sample.sampler import BatchSampler, LocalSampler, LogprobsTensors
@@ -50,6 +51,8 @@ class ModelRunner:
         self.drafter = None
         # engine.lora.manager.LoRAModelManager with --enable-lora: puts a step's adapters in slots.
         self.lora_manager = lora_manager
+        # This step's requests whose adapter could not be put in a slot: they fail alone, computed as the base model.
+        self.lora_failures: dict[str, RequestFailure] = {}
         # False on tensor-parallel ranks 1..N-1: they run each step's collectives with rank 0, which alone samples.
         self.is_driver = is_driver
 
@@ -90,8 +93,13 @@ class ModelRunner:
         """Each request's LoRA slot (-1: the base model), its adapter put in a slot if it was not."""
         if self.lora_manager is None:
             return [-1] * len(requests)
-        slot_of = self.lora_manager.activate({r.lora_request.lora_int_id for r in requests if r.lora_request})
-        return [-1 if r.lora_request is None else slot_of[r.lora_request.lora_int_id] for r in requests]
+        slot_of, failures = self.lora_manager.activate({r.lora_request.lora_int_id for r in requests if r.lora_request})
+        self.lora_failures = {
+            r.request_id: RequestFailure.from_exception(r.request_id, "loading its LoRA adapter", failures[lora_id])
+            for r in requests
+            if r.lora_request and (lora_id := r.lora_request.lora_int_id) in failures
+        }
+        return [slot_of.get(r.lora_request.lora_int_id, -1) if r.lora_request else -1 for r in requests]
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput, while_sampling=None) -> ModelRunnerOutput:
@@ -118,7 +126,7 @@ class ModelRunner:
             hidden = self.cudagraphs.replay(size)
         if self.drafter is not None:
             self.drafter.run_batch(input_ids, positions, metadata)
-        output = ModelRunnerOutput([[] for _ in order])
+        output = ModelRunnerOutput([[] for _ in order], failed=dict(self.lora_failures))
         prompt_chunks, prompts_done = self._prompt_logprob_chunks(requests, metadata, hidden)
         sampled_requests = [requests[i] for i in rows]
         drafts = None
