@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import re
 
 from engine.config import DEFAULT_MODEL  # noqa: F401 (the one name of the default model, for every service)
 from engine.limits import FLAG_HELP as LIMIT_HELP
@@ -43,6 +44,8 @@ def _from_env(action: argparse.Action, value: str):
     convert = action.type or str
     if isinstance(action, argparse._AppendAction):  # a list: comma-separated
         return [convert(v) for v in value.split(",") if v]
+    if action.nargs in ("+", "*"):  # a list given as --flag a b: commas or spaces between its values
+        return [convert(v) for v in re.split(r"[,\s]+", value) if v]
     return convert(value)
 
 

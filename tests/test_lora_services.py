@@ -308,6 +308,15 @@ def test_serve_passes_the_lora_flags_to_its_engines(model_dir):
     assert EngineArgs.from_cli_args(parsed) == args
 
 
+def test_lora_modules_from_the_environment_split_as_the_flag(monkeypatch):
+    """LLMMESH_LORA_MODULES takes the flag's list with commas or spaces between the entries."""
+    for value in ("a=/x,b=/y", "a=/x b=/y", " a=/x , b=/y ", "a=/x,\tb=/y"):
+        monkeypatch.setenv("LLMMESH_LORA_MODULES", value)
+        parsed = build_parser().parse_args(["engine", "--enable-lora"])
+        assert EngineArgs.from_cli_args(parsed).get_lora_modules() == {"a": "/x", "b": "/y"}, value
+    assert build_parser().parse_args(["engine", "--lora-modules", "c=/z"]).lora_modules == ["c=/z"]  # the flag wins
+
+
 def test_prefix_aware_routing_finds_an_adapters_blocks(mesh):
     """The gateway names a LoRA request's blocks as the engines do, with the digest of the adapter's weights: the
     same prompt under the same adapter goes to the engine that holds its blocks (without the digest the two engines
