@@ -18,6 +18,8 @@ FLAG_HELP = {
     "max_bad_word_chars": "characters in one of the bad_words",
     "max_logit_bias": "logit_bias entries per request",
     "max_allowed_token_ids": "allowed_token_ids per request",
+    "max_structured_output_chars": "characters in a structured-output constraint (a JSON schema, regex, grammar or "
+    "structural tag; a choice list's strings together): grammars compile from them",
     "max_messages": "chat messages per request",
     "max_prompt_chars": "characters of a prompt's text, or of all chat messages' content together",
     "max_id_chars": "characters in a request id or a cache salt",
@@ -36,6 +38,7 @@ class RequestLimits:
     max_bad_word_chars: int = 1024
     max_logit_bias: int = 1024
     max_allowed_token_ids: int = 65536
+    max_structured_output_chars: int = 1 << 16
     max_messages: int = 1024
     max_prompt_chars: int = 1 << 20
     max_id_chars: int = 256
@@ -71,6 +74,11 @@ class RequestLimits:
             self.check_chars(f"bad_words[{i}]", word, "max_bad_word_chars")
         self.check_count("logit_bias", len(params.logit_bias or ()), "max_logit_bias")
         self.check_count("allowed_token_ids", len(params.allowed_token_ids or ()), "max_allowed_token_ids")
+        constraint = params.structured_outputs
+        if constraint is not None and constraint.kind != "json_object":
+            value = getattr(constraint, constraint.kind)
+            text = "".join(value) if constraint.kind == "choice" else value
+            self.check_chars(f"structured_outputs.{constraint.kind}", text, "max_structured_output_chars")
 
     def check_id(self, field: str, value: str) -> None:
         self.check_chars(field, value, "max_id_chars")

@@ -189,6 +189,10 @@ def sampling_mutations(vocab: int, max_model_len: int, max_logprobs: int, vllm: 
         add("structured_outputs regex '(['", _structured(regex="(["), bad("regex"))
         add("structured_outputs choice []", _structured(choice=common_pb2.Choices()), bad("choice"))
         add("structured_outputs json '{}'", _structured(json="{}"), OK)
+        past = LIMITS.max_structured_output_chars + 1
+        add("structured_outputs regex past its limit", _structured(regex="a" * past), bad("regex"))
+        choices = common_pb2.Choices(choices=["c" * 1000] * (past // 1000 + 1))
+        add("structured_outputs choices past their limit", _structured(choice=choices), bad("choice"))
 
     bias_keys = [-1, vocab, I32_MAX, I32_MIN]
     for key in bias_keys:
@@ -679,6 +683,7 @@ def vllm_cases(rng: random.Random, info: Info, count: int) -> list[Case]:
     add("regex '(['", constraint("regex", "(["), bad("regex"))
     add("grammar ''", constraint("grammar", ""), bad("grammar"))
     add("choice []", lambda req: req.sampling_params.choice.SetInParent(), bad("choice"))
+    add("regex past its limit", constraint("regex", "a" * (LIMITS.max_structured_output_chars + 1)), bad("regex"))
     return _each_then_random(rng, info, sp_muts, m, count, _vllm_case)
 
 

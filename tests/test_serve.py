@@ -47,6 +47,7 @@ LIMITS = dict(
     max_bad_word_chars=8,
     max_logit_bias=2,
     max_allowed_token_ids=4,
+    max_structured_output_chars=8,
     max_messages=2,
     max_prompt_chars=64,
     max_id_chars=40,
@@ -268,6 +269,9 @@ SAMPLING_PAST = {
     "max_bad_word_chars": dict(bad_words=["w" * over("max_bad_word_chars")]),
     "max_logit_bias": dict(logit_bias={i: 1.0 for i in range(over("max_logit_bias"))}),
     "max_allowed_token_ids": dict(allowed_token_ids=list(range(over("max_allowed_token_ids")))),
+    "max_structured_output_chars": dict(
+        structured_outputs=common_pb2.StructuredOutputsParams(regex="a" * over("max_structured_output_chars"))
+    ),
 }
 VLLM_SAMPLING = {f.name for f in vllm_engine_pb2.SamplingParams.DESCRIPTOR.fields}
 
@@ -302,6 +306,12 @@ def test_each_limit_flag_is_in_force_at_the_gateway_engine_and_text_services(ser
         if set(sampling) <= VLLM_SAMPLING:
             vllm_params = vllm_engine_pb2.SamplingParams(**sampling)
             refused(limit, vllm.Generate, vllm_engine_pb2.GenerateRequest(**vllm_ids, sampling_params=vllm_params))
+    vllm_params = vllm_engine_pb2.SamplingParams(regex="a" * over("max_structured_output_chars"))
+    refused(
+        "max_structured_output_chars",
+        vllm.Generate,
+        vllm_engine_pb2.GenerateRequest(**vllm_ids, sampling_params=vllm_params),
+    )
     long_id = "i" * over("max_id_chars")
     for field in ("request_id", "cache_salt"):
         refused("max_id_chars", gateway.Generate, gateway_pb2.GenerateRequest(text=PROMPT, **{field: long_id}))
