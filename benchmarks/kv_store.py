@@ -4,7 +4,7 @@ then a multi-turn workload through the mesh with a KV pool far smaller than the 
 the store.
 
     .venv/bin/python benchmarks/kv_store.py [--lengths 512 2048 8192] [--dtypes float32 bfloat16 float32:fp8] [--rounds 3]
-        [--skip-ttft] [--skip-mesh] [--conversations 6] [--turns 4] [--pool-blocks 96]
+        [--skip-ttft] [--skip-mesh] [--skip-reload] [--conversations 6] [--turns 4] [--pool-blocks 96]
 
 TTFT part: a real redis-server and a real `llmmesh kvstore` process; two EngineCores in this process (A and B)
 with the KV connector (load_policy auto: the engine's own load-or-recompute choice). Each round draws a fresh
@@ -14,6 +14,15 @@ prefix plus its own 16-token suffix and asks for one token. Reported: per-round 
 rounds of each variant and of cold/variant. A --dtypes entry is the model's dtype, or DTYPE:KV_CACHE_DTYPE for
 another KV cache dtype (float32:fp8: float32 compute, fp8 blocks in the cache and the store); the same prefixes
 for every entry of one model dtype.
+
+Reload part: the same reload through `llmmesh serve`'s processes (services.supervisor.Mesh with the KV store), one
+mesh per --dtypes entry, its engine's pool just large enough for one prompt. Each round, through the gateway and
+with token ids: cold (prefix + suffix: recompute; its blocks go to the store); another prompt of the same length,
+which evicts the prefix from the pool; reload while storing (the prefix + another suffix, loaded from the store
+while the other prompt's blocks are still being stored); a third prompt, which evicts it again; a wait until the
+kvstore has stored them all; reload (the prefix + a third suffix, the store otherwise idle); local hit. Then, in the same round, the prefix's blocks read
+straight from Redis with one synchronous MGET (the bytes alone) and through the kvstore's Get. Reported: per-round
+times and medians, cold/reload, and reload over the bytes alone.
 
 Mesh part: two copies of `llmmesh serve`'s processes (services.supervisor.Mesh) up at once, one with the
 store and one without. Conversations advance turn by turn in lockstep (turn 1 of every conversation, then
@@ -33,8 +42,11 @@ import time
 
 from engine.config import EngineArgs
 from engine.core import EngineCore
+from engine.kv.connector.kvstore_client import KVStoreClient
 from engine.request import Request, SamplingParams
+from llmmesh.v1 import kvstore_pb2
 from services import client
+from services.kvstore_service import DTYPES
 from services.supervisor import Mesh, RedisServer, ServiceProcess, kv_transfer_config
 
 FIRST_REGULAR_ID = 17  # SmolLM2's special tokens are ids 0..16
@@ -141,6 +153,97 @@ def store_throughput(address: str, num_blocks: int = 256) -> dict:
     }
 
 
+KV_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp8": "float8_e4m3fn"}
+
+
+def first_token_s(address: str, prompt: list[int]) -> float:
+    """Time to the first token of a one-token greedy generation through the gateway."""
+    sent = time.perf_counter()
+    for response in client.generate(address, prompt, max_tokens=1, temperature=0.0, ignore_eos=True):
+        if response.HasField("chunk") and any(d.token_ids for d in response.chunk.choices):
+            seconds = time.perf_counter() - sent
+    return seconds
+
+
+def wait_stored(kvstore, target: int, timeout: float = 120.0) -> None:
+    """Until the kvstore has stored target blocks since it started (the engine's stores run after the answers)."""
+    deadline = time.monotonic() + timeout
+    while kvstore.Stats(kvstore_pb2.StatsRequest()).blocks_stored < target and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def run_reload(args) -> dict:
+    """Reload after eviction through the mesh, against recompute and the bytes alone (module docstring)."""
+    import grpc
+    import redis
+
+    from engine.kv.layout import KVLayout
+    from llmmesh.v1 import engine_pb2, engine_pb2_grpc, kvstore_pb2_grpc
+    from services.routing import Router
+
+    results = {}
+    for config in args.dtypes:
+        dtype, _, kv_cache_dtype = config.partition(":")
+        cache_dtype = KV_DTYPE_NAMES[kv_cache_dtype or dtype]
+        block_bytes = 30 * 2 * 3 * 16 * 64 * DTYPES[cache_dtype][1]  # SmolLM2's block
+        for length in args.lengths:
+            prompt_blocks = -(-(length + SUFFIX + 1) // 16)
+            engine_args = EngineArgs(
+                dtype=dtype,
+                kv_cache_dtype=kv_cache_dtype or "auto",
+                kv_cache_memory=str((prompt_blocks + 2) * block_bytes),  # one prompt: the next evicts it
+            )
+            with Mesh(engine_args, kv_store=True, redis_maxmemory="8gb") as mesh:
+                engine = engine_pb2_grpc.EngineStub(grpc.insecure_channel(mesh.services["engine"].address))
+                kvstore = kvstore_pb2_grpc.KVStoreStub(grpc.insecure_channel(mesh.services["kvstore"].address))
+                router = Router(["engine"])
+                router.set_model_info(engine.GetModelInfo(engine_pb2.GetModelInfoRequest()))
+                vocab = 49152  # SmolLM2's
+                redis_client = redis.Redis.from_url(mesh.redis.url)
+                first_token_s(mesh.address, [FIRST_REGULAR_ID] * 64)  # first-call costs out of the way
+                rows = []
+                for r in range(args.rounds):
+                    rng = random.Random(f"reload-{config}-{length}-{r}")
+                    prefix, *others = ([rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(length)] for _ in "abc")
+                    suffixes = [[rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(SUFFIX)] for _ in range(5)]
+                    stored = kvstore.Stats(kvstore_pb2.StatsRequest()).blocks_stored
+                    row = {"cold": first_token_s(mesh.address, prefix + suffixes[0])}
+                    row["evict"] = first_token_s(mesh.address, others[0] + suffixes[1])
+                    row["reload_while_storing"] = first_token_s(mesh.address, prefix + suffixes[2])
+                    first_token_s(mesh.address, others[1] + suffixes[1])
+                    wait_stored(kvstore, stored + 3 * ((length + SUFFIX) // 16))
+                    row["reload"] = first_token_s(mesh.address, prefix + suffixes[3])
+                    row["local"] = first_token_s(mesh.address, prefix + suffixes[4])
+                    hashes = router.block_hashes(prefix, None)
+                    fingerprint = next(redis_client.scan_iter("kv:*", count=1000)).decode().split(":")[1]
+                    keys = [f"kv:{fingerprint}:{h.hex()}" for h in hashes]
+                    started = time.perf_counter()
+                    values = redis_client.mget(keys)
+                    row["redis_mget"] = time.perf_counter() - started
+                    row["megabytes"] = round(sum(len(v) for v in values if v is not None) / 1e6, 1)
+                    layout = KVLayout(fingerprint, cache_dtype, (30, 2, 3, 16, 64))
+                    store = KVStoreClient(mesh.services["kvstore"].address, layout)
+                    started = time.perf_counter()
+                    row["kvstore_blocks"] = sum(1 for _ in store.get(hashes, timeout=60))
+                    row["kvstore_get"] = time.perf_counter() - started
+                    store.close()
+                    rows.append(row)
+                    print(
+                        f"reload {config} {length}: round {r}: "
+                        + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+                        flush=True,
+                    )
+            med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+            results[f"{config}/{length}"] = {
+                "median": med,
+                "median_cold_over_reload": statistics.median(row["cold"] / row["reload"] for row in rows),
+                "median_reload_over_redis_mget": statistics.median(row["reload"] / row["redis_mget"] for row in rows),
+                "rounds": rows,
+            }
+            print(json.dumps({config: results[f"{config}/{length}"]["median"]}), flush=True)
+    return results
+
+
 def one_turn(address: str, prompt: str, args) -> tuple[float, str]:
     """TTFT and text of one greedy generation through the gateway."""
     sent, first, pieces = time.perf_counter(), None, []
@@ -203,6 +306,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--skip-mesh", action="store_true")
+    parser.add_argument("--skip-reload", action="store_true")
     parser.add_argument("--conversations", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--user-words", type=int, default=120)
@@ -216,6 +320,8 @@ def main() -> None:
     }
     if not args.skip_ttft:
         report["ttft"] = run_ttft(args)
+    if not args.skip_reload:
+        report["reload"] = run_reload(args)
     if not args.skip_mesh:
         report["mesh"] = run_mesh(args)
     text = json.dumps(report, indent=2)

@@ -28,7 +28,8 @@ starts the whole mesh (`llmmesh serve`'s processes) on loopback first.
 --launch --engines N (N > 1) compares routing instead: --conversations multi-turn conversations at once, each
 turn's prompt the whole history (a prefix of --shared-prefix-len tokens shared by all, then each one's own first
 message and later messages), through a gateway for each of --routing (prefix-aware, least-loaded, and one-engine:
-a gateway in front of the first engine alone), each on new prompts, in one run. Reported per run: the table above
+a gateway in front of the first engine alone), each on new prompts, in one run; with --think-time, each turn waits
+a seeded random time after the last reply, so conversations fall out of step. Reported per run: the table above
 and the prefix cache hit rate (cached / prompt tokens); then prefix-aware's TTFT p50 over least-loaded's.
 """
 
@@ -302,6 +303,13 @@ def add_routing_args(ap: argparse.ArgumentParser) -> None:
     group.add_argument("--first-turn-len", type=int, default=256, help="tokens of each conversation's first message")
     group.add_argument("--turn-len", type=int, default=32, help="tokens of each later message")
     group.add_argument("--reply-len", type=int, default=16, help="tokens of each reply")
+    group.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        help="mean seconds between a reply and its conversation's next turn (exponential, seeded); 0: none, the "
+        "conversations move in step",
+    )
 
 
 def conversation_turns(args, vocab_size: int, seed: int) -> list[list[list[int]]]:
@@ -319,16 +327,20 @@ def conversation_turns(args, vocab_size: int, seed: int) -> list[list[list[int]]
     ]
 
 
-async def run_conversations(address: str, conversations, reply_len: int, model: str):
+async def run_conversations(address: str, conversations, reply_len: int, model: str, think_time: float, seed: int):
     """All conversations at once, each turn after turn: each prompt is the whole history so far (greedy replies of
-    reply_len tokens). The results of every turn, and the seconds it all took."""
+    reply_len tokens), sent think_time seconds on average after the last reply. The results of every turn, and the
+    seconds it all took."""
+    rng = random.Random(seed)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         await one_request(stub, BenchRequest("Hello", 2, 2), model, None)  # warm-up, untimed
 
         async def converse(turns) -> list[RequestResult]:
             history, results = [], []
-            for new in turns:
+            for t, new in enumerate(turns):
+                if t and think_time > 0:
+                    await asyncio.sleep(rng.expovariate(1 / think_time))
                 prompt = history + new
                 result = await one_request(stub, BenchRequest("", len(prompt), reply_len, prompt), model, None)
                 results.append(result)
@@ -368,7 +380,9 @@ def run_routing(args, engine_args: EngineArgs, tokenizer: Tokenizer) -> None:
             try:
                 conversations = conversation_turns(args, tokenizer.vocab_size, args.seed + i)
                 results, elapsed = asyncio.run(
-                    run_conversations(gateway.address, conversations, args.reply_len, engine_args.model)
+                    run_conversations(
+                        gateway.address, conversations, args.reply_len, engine_args.model, args.think_time, args.seed
+                    )
                 )
             finally:
                 gateway.stop()

@@ -46,9 +46,10 @@ class KVStoreClient:
         expected = iter(block_hashes)
         for response in self.stub.Get(request, timeout=timeout, metadata=metadata):
             for block in response.blocks:
-                if block.block_hash != next(expected, None) or len(block.data) != self.layout.block_bytes:
+                data = block.data  # each access copies the bytes
+                if block.block_hash != next(expected, None) or len(data) != self.layout.block_bytes:
                     raise ValueError("the kvstore answered a block out of order or of the wrong size")
-                yield block.block_hash, block.data
+                yield block.block_hash, data
 
     def put(self, blocks, timeout: float, metadata=()) -> int:
         """Store (hash, data) pairs, several per message; the number stored (present ones are skipped)."""
