@@ -190,9 +190,10 @@ class EngineArgs:
             raise ValueError(
                 f"tensor_parallel_size must be in [1, {MAX_TENSOR_PARALLEL_SIZE}], got {self.tensor_parallel_size}."
             )
-        for name in ("speculative_config", "enable_lora"):
-            if self.tensor_parallel_size > 1 and getattr(self, name) not in (None, False):
-                raise ValueError(f"{name} is not supported with tensor_parallel_size > 1 yet; pass one or the other.")
+        if self.tensor_parallel_size > 1 and self.speculative_config is not None:
+            raise ValueError(
+                "speculative_config is not supported with tensor_parallel_size > 1 yet; pass one or the other."
+            )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         if self.max_logprobs < -1:
@@ -233,9 +234,6 @@ class EngineArgs:
             raise ValueError(f"max_cpu_loras must be at least max_loras ({self.max_loras}), got {self.max_cpu_loras}.")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora).")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            # The adapters live in the driver's worker only: the other ranks would compute without them.
-            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet; pass one or the other.")
         self.get_lora_modules()
 
     def get_lora_modules(self) -> dict[str, str]:

@@ -211,7 +211,11 @@ class EngineCore:
             raise ValueError(f"lora_request: an adapter named {name!r} is loaded already (id {loaded.lora_int_id}).")
         if lora_int_id in self.lora_digests:
             raise ValueError(f"lora_request: lora_int_id {lora_int_id} is taken by another adapter.")
-        self.lora_digests[lora_int_id] = self.worker.add_lora(lora_request)
+        try:  # on every tensor-parallel rank; one that refuses it leaves it on none
+            self.lora_digests[lora_int_id] = self.executor.collective_rpc("add_lora", (lora_request,))[0]
+        except ValueError:
+            self.executor.collective_rpc("remove_lora", (lora_int_id,))
+            raise
         self.lora_registry[name] = lora_request
         return True
 
@@ -227,7 +231,7 @@ class EngineCore:
             raise ValueError(
                 f"LoRA adapter {lora.lora_name!r} has {in_flight} request(s) in flight; unload it once they end."
             )
-        self.worker.remove_lora(lora.lora_int_id)
+        self.executor.collective_rpc("remove_lora", (lora.lora_int_id,))
         del self.lora_registry[lora.lora_name], self.lora_digests[lora.lora_int_id]
         return True
 

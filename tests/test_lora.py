@@ -18,6 +18,7 @@ from engine.async_llm import AsyncLLM
 from engine.core import EngineCore
 from engine.kv.hashing import extend_block_hashes
 from engine.models.random_model import save_random_smollm2_shaped
+from engine.request import Request
 from kernels.lora import lora_cpu_kernel, lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
 from test_models import COMMON
 
@@ -240,13 +241,45 @@ def test_lora_modules_at_start_and_off_without_enable_lora(tiny):
     }
     tokens = greedy(llm, [PROMPTS[1]], llm.lora_registry["kd"])[0]
     assert_greedy_matches(tokens, *HFReference(merged["kd-r2"]).greedy(PROMPTS[1], MAX_TOKENS), label="kd")
-    with pytest.raises(ValueError, match=r"enable_lora is not supported with tensor_parallel_size > 1"):
-        EngineArgs(model=str(base), enable_lora=True, tensor_parallel_size=2)
     plain = LLM(str(base), dtype="float32", kv_cache_memory="4MiB")
     with pytest.raises(ValueError, match=r"lora_request: this engine serves no LoRA adapters"):
         plain.processor.process_lora(lora(root, "qv-r1"))
     with pytest.raises(ValueError, match=r"need an engine started with --enable-lora"):
         plain.add_lora(lora(root, "qv-r1"))
+
+
+def test_tensor_parallel_adapters_give_the_single_device_output(tiny):
+    """Two ranks, each with its part of every adapter (B by output rows in the column-parallel q/k/v and gate/up,
+    A by input columns in the row-parallel o and down): a batch mixing the base model and two adapters is greedy
+    token-identical to one device. Adapters load and unload on every rank, and a refused one on none."""
+    base, root, _, _ = tiny
+    names = [None, "all-r8", "mlp-r16-rs", "all-r8"]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = {}
+    for size in (1, 2):
+        args = EngineArgs(
+            model=str(base), dtype="float32", kv_cache_memory="4MiB", enable_lora=True, max_loras=2,
+            max_lora_rank=16, tensor_parallel_size=size,
+        )  # fmt: skip
+        engine = EngineCore(args)
+        try:
+            for name in ("all-r8", "mlp-r16-rs", "attn-r4"):
+                engine.add_lora(lora(root, name))
+            assert engine.remove_lora("attn-r4")
+            with pytest.raises(ValueError, match="does not exist"):
+                engine.add_lora(LoRARequest("gone", 9, str(root / "no-such-adapter")))
+            assert engine.list_loras() == {1, 3}
+            for i, (prompt, name) in enumerate(zip(PROMPTS + PROMPTS[:1], names)):
+                engine.add_request(Request(str(i), prompt, params.clone(), lora_request=name and lora(root, name)))
+            tokens = {str(i): [] for i in range(len(names))}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens[out.request_id] += out.new_token_ids
+            outputs[size] = tokens
+        finally:
+            engine.shutdown()
+    assert outputs[2] == outputs[1]
+    assert len({tuple(t) for t in outputs[1].values()}) == 4  # the adapters are applied
 
 
 def test_async_llm_loads_serves_and_unloads_adapters(tiny):

@@ -272,8 +272,6 @@ def test_bad_tensor_parallel_flags_are_refused():
         EngineArgs(tensor_parallel_size=100000)
     with pytest.raises(ValueError, match="speculative_config is not supported with tensor_parallel_size > 1"):
         EngineArgs(tensor_parallel_size=2, speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
-    with pytest.raises(ValueError, match="enable_lora is not supported with tensor_parallel_size > 1"):
-        EngineArgs(tensor_parallel_size=2, enable_lora=True)
 
 
 def _rank_processes() -> list[int]:

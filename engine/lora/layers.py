@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.distributed.parallel_state import all_reduce
+from engine.models.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from kernels.lora import lora_cpu_kernel, lora_expand, lora_shrink
 
 
@@ -27,9 +29,8 @@ class LoRAMapping:
 class LinearWithLoRA(nn.Module):
     def __init__(
         self,
-        base: nn.Module,
+        base: Linear,
         modules: tuple[str, ...],
-        out_sizes: tuple[int, ...],
         max_loras: int,
         max_lora_rank: int,
         mapping: LoRAMapping,
@@ -39,6 +40,8 @@ class LinearWithLoRA(nn.Module):
         super().__init__()
         self.base = base
         self.modules_ = modules  # the PEFT module names of the slices, in output order (q, k, v)
+        # This rank's part of each slice (a column-parallel layer's output is split slice by slice).
+        out_sizes = getattr(base, "output_sizes", [base.output_size])
         offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         self.out_slices = list(zip(offsets, out_sizes))
         # A slice's rows of A and B are [i * rank, (i + 1) * rank) by its adapter's rank; B is block-diagonal.
@@ -46,26 +49,34 @@ class LinearWithLoRA(nn.Module):
         self.lora_b = torch.zeros(max_loras, len(modules) * max_lora_rank, base.output_size, dtype=dtype, device=device)
         self.mapping = mapping
         self.slice_sizes = list(out_sizes)
+        # With tensor parallelism a row-parallel layer's ranks each hold part of the input: A is cut the same way,
+        # and each rank's partial delta joins its partial output before the one all-reduce sums them.
+        self.reduce = isinstance(base, RowParallelLinear) and base.tp_size > 1
         self.cpu_kernel = lora_cpu_kernel() if device.type == "cpu" else None
 
     def set_slot(self, slot: int, rank: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy an adapter's A and B (scaled) for this layer's modules into a slot; modules it lacks stay zero."""
+        """Copy an adapter's A and B (scaled) for this layer's modules into a slot, this rank's part of them (B by
+        output rows in a column-parallel layer, A by input columns in a row-parallel one); modules it lacks stay
+        zero."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         for i, (module, (offset, size)) in enumerate(zip(self.modules_, self.out_slices)):
             if module in weights:
                 a, b = weights[module]
+                if isinstance(self.base, ColumnParallelLinear):
+                    b = self.base.shard(b, f"LoRA B of {module}")
+                if isinstance(self.base, RowParallelLinear):
+                    a = self.base.shard(a, f"LoRA A of {module}")
                 self.lora_a[slot, i * rank : (i + 1) * rank] = a
                 self.lora_b[slot, i * rank : (i + 1) * rank, offset : offset + size] = b.T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        y = self.base.quant_method.apply(self.base, x)  # before a row-parallel layer's all-reduce
         mapping = self.mapping
-        if not mapping.active:  # no adapter in this step
-            return y
-        indices = mapping.token_lora_indices
-        if self.cpu_kernel is not None:
-            self.cpu_kernel(x, y, self.lora_a, self.lora_b, indices, mapping.slot_ranks, self.slice_sizes)
-        else:
-            lora_expand(lora_shrink(x, self.lora_a, indices), self.lora_b, indices, y)
-        return y
+        if mapping.active:  # any adapter in this step
+            indices = mapping.token_lora_indices
+            if self.cpu_kernel is not None:
+                self.cpu_kernel(x, y, self.lora_a, self.lora_b, indices, mapping.slot_ranks, self.slice_sizes)
+            else:
+                lora_expand(lora_shrink(x, self.lora_a, indices), self.lora_b, indices, y)
+        return all_reduce(y) if self.reduce else y

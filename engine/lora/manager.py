@@ -36,9 +36,6 @@ class LoRAModelManager:
         device = model.norm.weight.device
         dtype = torch.float32 if device.type == "cpu" else model.norm.weight.dtype
         self.layers: list[dict[str, LinearWithLoRA]] = []  # per decoder layer: attribute path -> wrapper
-        sizes = {"q_proj": cfg.num_attention_heads * cfg.head_dim, "gate_proj": cfg.intermediate_size}
-        sizes["k_proj"] = sizes["v_proj"] = cfg.num_key_value_heads * cfg.head_dim
-        sizes["up_proj"], sizes["o_proj"], sizes["down_proj"] = cfg.intermediate_size, cfg.hidden_size, cfg.hidden_size
         for layer in model.layers:
             wrapped = {}
             for path, modules in _WRAPPED:
@@ -47,7 +44,6 @@ class LoRAModelManager:
                 wrapper = LinearWithLoRA(
                     getattr(parent, name),
                     modules,
-                    tuple(sizes[m] for m in modules),
                     max_loras,
                     max_lora_rank,
                     self.mapping,
