@@ -114,7 +114,8 @@ def sampler_hop(text: str) -> None:
             label: [first(r[column]) for r in rows]
             for column, label in (
                 ("decode step (ms)", "the whole decode step"),
-                ("over TCP loopback (ms)", "sampling on the sampler service"),
+                ("over TCP loopback (ms)", "on the sampler service, logits as bytes"),
+                ("in shared memory (ms)", "on the sampler service, logits in shared memory"),
                 ("in-process sample (ms)", "sampling in the engine"),
             )
         },

@@ -14,8 +14,8 @@ Hop: RemoteSampler.sample against the in-process Sampler on the same random floa
 (the same per-row settings as above), at each --hop-batches size: bytes on the wire per step, and ms per
 step (median over --hop-iters after warm-up; each iteration times every form in turn), with the logits as bytes
 over TCP loopback and over a Unix domain socket, and in shared memory (the message over TCP loopback); plus the
-engine's own decode step at that batch (in-process sampling) and its scheduling and update parts, for the
-break-even.
+engine's own decode step at that batch (in-process sampling) and its scheduling, input-building and update
+parts, for the break-even, and the next step's allocation that async scheduling does while the sampler samples.
 
 Serve (--serve-concurrency): two meshes as `llmmesh serve --no-kv-store` starts them, one with the sampler
 service and one with --no-sampler-service, both up at once; at each concurrency, `rounds` rounds alternate which
@@ -178,12 +178,13 @@ def hop(addresses: dict[str, str], batches, iters, vocab, warmup: int = 3) -> li
 
 def decode_step_ms(llm, batch: int, vocab: int) -> dict:
     """The engine's median step while `batch` requests decode (in-process sampling), and the medians of its
-    scheduling, input-building and output-update parts: the host work an overlap with sampling could hide."""
+    scheduling, input-building and output-update parts, and of the allocation for the next step that async
+    scheduling moves into the sampler's time (schedule_ahead)."""
     rng = random.Random(batch)
     prompts = [{"prompt_token_ids": [rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(16)]} for _ in range(batch)]
     core, runner, times, parts = llm.engine, llm.engine.worker.model_runner, [], []
-    step, prepare_inputs = core.step, runner.prepare_inputs
-    prepared = []
+    step, prepare_inputs, schedule_ahead = core.step, runner.prepare_inputs, core.scheduler.schedule_ahead
+    prepared, ahead = [], []
 
     def timed_prepare(so):
         start = time.perf_counter()
@@ -191,26 +192,31 @@ def decode_step_ms(llm, batch: int, vocab: int) -> dict:
         prepared.append((time.perf_counter() - start) * 1e3)
         return out
 
+    def timed_ahead(so):
+        start = time.perf_counter()
+        schedule_ahead(so)
+        ahead.append((time.perf_counter() - start) * 1e3)
+
     def timed_step():
         start = time.perf_counter()
         out = step()
         if all(r.num_output_tokens > 0 for r in core.scheduler.running) and len(core.scheduler.running) == batch:
             times.append((time.perf_counter() - start) * 1e3)
-            parts.append((core.last_step.schedule_s * 1e3, prepared[-1], core.last_step.update_s * 1e3))
+            parts.append((core.last_step.schedule_s * 1e3, prepared[-1], core.last_step.update_s * 1e3, ahead[-1]))
         return out
 
-    core.step, runner.prepare_inputs = timed_step, timed_prepare
+    core.step, runner.prepare_inputs, core.scheduler.schedule_ahead = timed_step, timed_prepare, timed_ahead
     try:
         llm.generate(prompts, [params(i, 12) for i in range(batch)], use_tqdm=False)
     finally:
-        del core.step, runner.prepare_inputs
+        del core.step, runner.prepare_inputs, core.scheduler.schedule_ahead
     if not times:
         return {"decode_step_ms": float("nan")}
     return {
         "decode_step_ms": statistics.median(times),
         **{
             f"{name}_ms": statistics.median(p[i] for p in parts)
-            for i, name in enumerate(("schedule", "prepare", "update"))
+            for i, name in enumerate(("schedule", "prepare", "update", "schedule_ahead"))
         },
     }
 
