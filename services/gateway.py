@@ -291,22 +291,42 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         return await self._unary(context, lambda: self._on_every_engine("UnloadLoraAdapter", request))
 
     async def _on_every_engine(self, method: str, request):
-        """vLLM's load/unload_lora_adapter on every engine (prefill engines too), as each engine answers it: where
-        some already had it (ALREADY_EXISTS) or lacked it (NOT_FOUND) and the others did it, that is done; otherwise
-        the first engine's refusal is the answer, naming it. The adapters' list is read again either way."""
+        """vLLM's load/unload_lora_adapter on every engine (prefill engines too), all or nothing: where some already
+        had it (ALREADY_EXISTS) or lacked it (NOT_FOUND) and the others did it, that is done; where an engine refuses
+        (an unload while the adapter runs there, say), the engines that did it are undone (the adapter loaded again
+        from the path each had, or unloaded) and the first refusal is the answer, naming its engine. The adapters'
+        list is read again either way."""
         stubs = {**self.deps.engines, **self.deps.prefill_engines}
 
-        async def call(address):
+        async def call(address, method, request):
             try:
                 return await getattr(stubs[address], method)(request, timeout=LORA_LOAD_TIMEOUT)
             except grpc.aio.AioRpcError as e:
                 return e
 
-        replies = dict(zip(stubs, await asyncio.gather(*(call(a) for a in stubs))))
-        await self.deps.read_lora_adapters()
+        def undo(address) -> tuple[str, object]:
+            if method == "LoadLoraAdapter":
+                return "UnloadLoraAdapter", common_pb2.UnloadLoraAdapterRequest(lora_name=request.lora_name)
+            load = common_pb2.LoadLoraAdapterRequest(lora_name=request.lora_name, lora_path=paths[address])
+            return "LoadLoraAdapter", load
+
+        paths = {}  # an unload's adapter path on each engine, to load it again there if another engine refuses
+        if method == "UnloadLoraAdapter":
+            listed = await asyncio.gather(
+                *(call(a, "ListLoraAdapters", engine_pb2.ListLoraAdaptersRequest()) for a in stubs)
+            )
+            for address, reply in zip(stubs, listed):
+                for adapter in [] if isinstance(reply, grpc.aio.AioRpcError) else reply.adapters:
+                    if adapter.lora_name == request.lora_name:
+                        paths[address] = adapter.lora_path
+        replies = dict(zip(stubs, await asyncio.gather(*(call(a, method, request) for a in stubs))))
         errors = {a: r for a, r in replies.items() if isinstance(r, grpc.aio.AioRpcError)}
         benign = (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND)
         refusals = {a: e for a, e in errors.items() if e.code() not in benign}
+        if refusals:
+            done = [a for a in replies if a not in errors and (method == "LoadLoraAdapter" or a in paths)]
+            await asyncio.gather(*(call(a, *undo(a)) for a in done))
+        await self.deps.read_lora_adapters()
         if refusals or len(errors) == len(replies):
             address, e = next(iter((refusals or errors).items()))
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

@@ -283,6 +283,31 @@ def test_unload_while_in_use_is_refused_and_the_metric_shows_it(mesh, offline):
     wait_until(lambda: scrape_lora_info(mesh)[0][0]["running_lora_adapters"] == "")
 
 
+def test_an_unload_one_engine_refuses_leaves_every_engine_with_the_adapter(mesh, offline):
+    """`sql` runs a long request on one engine: the gateway's unload is refused there, naming that engine, and the
+    other engine, which had unloaded it, has loaded it again: both list it and serve it with the same output."""
+    tokens, max_tokens = prompt(55), 200
+    params = client.sampling_params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    request = engine_pb2.EngineGenerateRequest(prompt_token_ids=tokens, sampling_params=params, lora_name="sql")
+    call = mesh.engines["engine"].Generate(request, timeout=120)
+    received = [t for c in next(call).outputs for t in c.token_ids]
+    with pytest.raises(grpc.RpcError) as e:
+        mesh.gateway.UnloadLoraAdapter(common_pb2.UnloadLoraAdapterRequest(lora_name="sql"), timeout=60)
+    received += [t for m in call for c in m.outputs for t in c.token_ids]
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert mesh.services["engine"].address in e.value.details() and "sql" in e.value.details()
+    assert received == offline(tokens, "sql", max_tokens)
+    assert all(adapter_names(stub) == ["sql"] for stub in mesh.engines.values())
+    assert "sql" in model_cards(mesh)
+    short = prompt(56)
+    params = client.sampling_params(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    request = engine_pb2.EngineGenerateRequest(prompt_token_ids=short, sampling_params=params, lora_name="sql")
+    for stub in mesh.engines.values():
+        assert [t for m in stub.Generate(request, timeout=60) for c in m.outputs for t in c.token_ids] == offline(
+            short, "sql"
+        )
+
+
 def test_the_adapter_is_on_the_request_spans(mesh, receiver):
     client.collect(
         client.generate(mesh.services["gateway"].address, prompt(60), model="sql", max_tokens=2, request_id="traced")
