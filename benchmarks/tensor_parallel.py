@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.models.random_model import save_random_smollm2_shaped
@@ -74,26 +76,30 @@ def main() -> None:
             model, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=args.layers,
             max_position_embeddings=2048,
         )  # fmt: skip
-        engines = {}
+        engines, threads = {}, {}
         for size in (1, 2):
             engine_args = EngineArgs(
                 model=str(model), dtype="float32", kv_cache_memory="256MiB", tensor_parallel_size=size,
                 enable_prefix_caching=False,
             )  # fmt: skip
             engines[size] = EngineCore(engine_args)
+            # Threads are the process's: TP=2's rank 0 takes half the cores (the other rank the rest), TP=1 all.
+            threads[size] = torch.get_num_threads()
         try:
-            for engine in engines.values():  # warm-up: oneDNN's first calls, the allocator
+            for size, engine in engines.items():  # warm-up: oneDNN's first calls, the allocator
+                torch.set_num_threads(threads[size])
                 for run in SCENARIOS.values():
                     run(engine, 2)
             times = {(name, size): [] for name in SCENARIOS for size in engines}
             for _ in range(args.rounds):
                 for name, run in SCENARIOS.items():
                     for size, engine in engines.items():
+                        torch.set_num_threads(threads[size])
                         times[name, size].append(run(engine, args.steps))
         finally:
             for engine in engines.values():
                 engine.shutdown()
-    result = {"load_average": os.getloadavg(), "cores": os.cpu_count(), "layers": args.layers}
+    result = {"load_average": os.getloadavg(), "cores": os.cpu_count(), "layers": args.layers, "threads": threads}
     for name in SCENARIOS:
         tp1, tp2 = (statistics.median(times[name, size]) for size in (1, 2))
         result[name] = {
