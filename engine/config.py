@@ -190,9 +190,12 @@ class EngineArgs:
             raise ValueError(
                 f"tensor_parallel_size must be in [1, {MAX_TENSOR_PARALLEL_SIZE}], got {self.tensor_parallel_size}."
             )
-        if self.tensor_parallel_size > 1 and self.speculative_config is not None:
+        spec = self.get_speculative_config()
+        if self.tensor_parallel_size > 1 and spec is not None and spec.method != "ngram":
+            # N-gram drafts reach every rank in the SchedulerOutput; a draft model is not sharded.
             raise ValueError(
-                "speculative_config is not supported with tensor_parallel_size > 1 yet; pass one or the other."
+                "speculative_config.method draft_model is not supported with tensor_parallel_size > 1 yet; "
+                "method ngram is."
             )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
@@ -217,7 +220,6 @@ class EngineArgs:
         if self.cudagraph_capture_sizes is not None and not all(s >= 1 for s in self.cudagraph_capture_sizes):
             raise ValueError(f"cudagraph_capture_sizes must all be >= 1, got {self.cudagraph_capture_sizes}.")
         self._check_lora()
-        self.get_speculative_config()
         if self.kv_transfer_config is not None:
             self.get_kv_transfer_config()
             if not self.enable_prefix_caching:

@@ -210,6 +210,25 @@ def test_greedy_equals_no_speculation_and_transformers(models, method):
         assert stats.num_accepted_tokens > 0
 
 
+def test_tp2_with_ngram_drafts_equals_tp1_without(models):
+    """N-gram drafts reach every rank in the SchedulerOutput and rank 0 verifies them: two ranks with drafts give
+    one rank's greedy output without them, and leak no block."""
+    root, _, _ = models
+    prompts = list(PROMPTS.values())
+    outputs = {}
+    for size, spec in ((1, None), (2, json.dumps(NGRAM))):
+        core = engine(root / "target", spec, tensor_parallel_size=size, max_num_batched_tokens=32)
+        try:
+            outputs[size], _ = generate(core, prompts, greedy(32))
+            if spec is not None:
+                stats = core.get_stats().spec_decoding_stats
+                assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # drafts kept and drafts cut
+            assert_no_leaks(core)
+        finally:
+            core.shutdown()
+    assert outputs[2] == outputs[1] and all(len(tokens) == 32 for tokens in outputs[1])
+
+
 def test_stop_tokens_and_max_tokens_among_accepted_drafts(models):
     """A stop token among a step's accepted tokens ends the request there, max_tokens is honoured exactly, and
     logprobs come for exactly the tokens sent, equal to those without speculation."""

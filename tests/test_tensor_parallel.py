@@ -270,8 +270,9 @@ def test_bad_tensor_parallel_flags_are_refused():
         EngineArgs(tensor_parallel_size=0)
     with pytest.raises(ValueError, match=r"tensor_parallel_size must be in \[1, 64\], got 100000"):
         EngineArgs(tensor_parallel_size=100000)
-    with pytest.raises(ValueError, match="speculative_config is not supported with tensor_parallel_size > 1"):
-        EngineArgs(tensor_parallel_size=2, speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
+    draft = '{"method": "draft_model", "model": "draft", "num_speculative_tokens": 2}'
+    with pytest.raises(ValueError, match="method draft_model is not supported with tensor_parallel_size > 1"):
+        EngineArgs(tensor_parallel_size=2, speculative_config=draft)
 
 
 def _rank_processes() -> list[int]:
