@@ -872,6 +872,36 @@ def abort_requests() -> list[engine_pb2.AbortRequest]:
     ]
 
 
+def lora_cases() -> list[Case]:
+    """Load/UnloadLoraAdapter with empty, huge and bad fields, on the gateway (every engine) and on the engine (which
+    must run with --enable-lora): each refused naming the field, and nothing loaded."""
+    load, unload = common_pb2.LoadLoraAdapterRequest, common_pb2.UnloadLoraAdapterRequest
+    loads = [
+        ("empty fields", load(), bad("lora_name", "lora_path")),
+        ("no path", load(lora_name="a"), bad("lora_path")),
+        ("no name", load(lora_path="/nonexistent"), bad("lora_name")),
+        ("huge name", load(lora_name="n" * LONG, lora_path="/nonexistent"), bad("lora_name")),
+        ("huge path", load(lora_name="a", lora_path="/" + "p" * LONG), bad("lora_path")),
+        ("NUL in the path", load(lora_name="a", lora_path="/tmp/\x00x"), bad("lora_path")),
+        ("no such directory", load(lora_name="a", lora_path="/nonexistent/adapter"), bad("lora_path")),
+        ("not a PEFT directory", load(lora_name="a", lora_path="/"), bad("lora_path")),
+        ("a file, not a directory", load(lora_name="a", lora_path="/etc/hostname"), bad("lora_path")),
+        ("odd name", load(lora_name="\x00🙂 ../..", lora_path="/nonexistent"), bad("lora_name", "lora_path")),
+    ]
+    unloads = [
+        ("empty name", unload(), bad("lora_name")),
+        ("unknown name", unload(lora_name="nope"), bad("lora_name", code="NOT_FOUND")),
+        ("huge name", unload(lora_name="n" * LONG), bad("lora_name", code="NOT_FOUND")),
+        ("NUL name", unload(lora_name="\x00"), bad("lora_name", code="NOT_FOUND")),
+    ]
+    return [
+        Case(label, f"{service}.{rpc}", request, outcomes(expected), timeout=60)
+        for service in ("gateway", "engine")
+        for rpc, items in (("LoadLoraAdapter", loads), ("UnloadLoraAdapter", unloads))
+        for label, request, expected in items
+    ]
+
+
 # ---- bytes on the wire ---------------------------------------------------------------------------------
 
 # (service, method path, request class, streaming kind) for every RPC a client can reach.
@@ -882,11 +912,16 @@ METHODS = {
         ("/llmmesh.v1.Gateway/Tokenize", tokenizer_pb2.TokenizeRequest, "unary_unary"),
         ("/llmmesh.v1.Gateway/Detokenize", tokenizer_pb2.DetokenizeTextRequest, "unary_unary"),
         ("/llmmesh.v1.Gateway/ListModels", gateway_pb2.ListModelsRequest, "unary_unary"),
+        ("/llmmesh.v1.Gateway/LoadLoraAdapter", common_pb2.LoadLoraAdapterRequest, "unary_unary"),
+        ("/llmmesh.v1.Gateway/UnloadLoraAdapter", common_pb2.UnloadLoraAdapterRequest, "unary_unary"),
     ],
     "engine": [
         ("/llmmesh.v1.Engine/Generate", engine_pb2.EngineGenerateRequest, "unary_stream"),
         ("/llmmesh.v1.Engine/Abort", engine_pb2.AbortRequest, "unary_unary"),
         ("/llmmesh.v1.Engine/GetLoad", engine_pb2.GetLoadRequest, "unary_unary"),
+        ("/llmmesh.v1.Engine/LoadLoraAdapter", common_pb2.LoadLoraAdapterRequest, "unary_unary"),
+        ("/llmmesh.v1.Engine/UnloadLoraAdapter", common_pb2.UnloadLoraAdapterRequest, "unary_unary"),
+        ("/llmmesh.v1.Engine/ListLoraAdapters", engine_pb2.ListLoraAdaptersRequest, "unary_unary"),
         ("/vllm.grpc.engine.VllmEngine/Generate", vllm_engine_pb2.GenerateRequest, "unary_stream"),
         ("/vllm.grpc.engine.VllmEngine/Abort", vllm_engine_pb2.AbortRequest, "unary_unary"),
     ],

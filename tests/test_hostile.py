@@ -41,6 +41,7 @@ from hostile_cases import (
     garbage,
     gateway_cases,
     int64_in_int32_fields,
+    lora_cases,
     outcomes,
     text_cases,
     vllm_cases,
@@ -123,7 +124,7 @@ class Ctx:
 
 @pytest.fixture(scope="module")
 def mesh():
-    m = Mesh(EngineArgs(kv_cache_memory="256MiB"))
+    m = Mesh(EngineArgs(kv_cache_memory="256MiB", enable_lora=True))  # the adapter RPCs past their first check
     m.start()
     try:
         yield m
@@ -404,6 +405,14 @@ def test_services_directly(ctx):
     failures += duplicate_ids_at_the_engine(ctx)
     assert_no_failures(failures, "hostile requests to the services")
     assert_mesh_healthy(ctx, "hostile requests to the services")
+
+
+def test_lora_adapter_rpcs(ctx):
+    """Load/UnloadLoraAdapter with empty, huge and bad fields at the gateway and the engine: each refused naming the
+    field, nothing loaded, and the mesh serves on."""
+    assert_no_failures(run_cases(ctx, lora_cases() * 3), "hostile LoRA adapter requests")
+    assert not ctx.stubs["engine"].ListLoraAdapters(engine_pb2.ListLoraAdaptersRequest(), timeout=10).adapters
+    assert_mesh_healthy(ctx, "hostile LoRA adapter requests")
 
 
 def duplicate_ids_at_the_engine(ctx: Ctx) -> list[str]:

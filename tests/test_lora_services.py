@@ -130,6 +130,14 @@ def through_gateway(mesh, tokens: list[int], model: str = "", max_tokens: int = 
     return client.collect(responses).token_ids[0]
 
 
+def assert_each_engine_serves_sql(mesh, offline, tokens: list[int]) -> None:
+    params = client.sampling_params(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    request = engine_pb2.EngineGenerateRequest(prompt_token_ids=tokens, sampling_params=params, lora_name="sql")
+    for stub in mesh.engines.values():
+        received = [t for m in stub.Generate(request, timeout=60) for c in m.outputs for t in c.token_ids]
+        assert received == offline(tokens, "sql")
+
+
 def wait_until(condition, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -153,14 +161,7 @@ def test_model_names_the_adapter_through_the_mesh(mesh, offline):
         assert base != sql, "the adapter changed nothing: the test could not tell them apart"
         assert through_gateway(mesh, tokens, model="sql") == sql
         assert through_gateway(mesh, tokens) == base
-    # Straight to each engine: lora_name on Engine/Generate.
-    tokens = prompt(10)
-    params = client.sampling_params(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    request = engine_pb2.EngineGenerateRequest(prompt_token_ids=tokens, sampling_params=params, lora_name="sql")
-    for stub in mesh.engines.values():
-        assert [t for m in stub.Generate(request, timeout=60) for c in m.outputs for t in c.token_ids] == offline(
-            tokens, "sql"
-        )
+    assert_each_engine_serves_sql(mesh, offline, prompt(10))  # straight to each engine: lora_name on Engine/Generate
 
 
 def test_list_models_lists_adapters_beside_the_base_model(mesh, model_dir):
@@ -299,13 +300,7 @@ def test_an_unload_one_engine_refuses_leaves_every_engine_with_the_adapter(mesh,
     assert received == offline(tokens, "sql", max_tokens)
     assert all(adapter_names(stub) == ["sql"] for stub in mesh.engines.values())
     assert "sql" in model_cards(mesh)
-    short = prompt(56)
-    params = client.sampling_params(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    request = engine_pb2.EngineGenerateRequest(prompt_token_ids=short, sampling_params=params, lora_name="sql")
-    for stub in mesh.engines.values():
-        assert [t for m in stub.Generate(request, timeout=60) for c in m.outputs for t in c.token_ids] == offline(
-            short, "sql"
-        )
+    assert_each_engine_serves_sql(mesh, offline, prompt(56))
 
 
 def test_the_adapter_is_on_the_request_spans(mesh, receiver):
