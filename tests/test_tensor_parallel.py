@@ -1,12 +1,16 @@
 """Tensor parallelism: two ranks, each a process, over gloo on loopback, on a tiny random Llama whose heads (4),
-KV heads (2) and MLP width divide by 2; with the KV store, a real redis-server behind a real kvstore service."""
+KV heads (2) and MLP width divide by 2; with a KV connector, a real redis-server behind a real kvstore service, or a
+directory."""
 
+import json
 import os
 import random
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -381,7 +385,43 @@ def settle(engine: EngineCore) -> None:
         engine.step()
 
 
-def test_tp2_stores_each_ranks_shard_and_reloads_it_equal_to_tp1(tiny_model, redis_server):
+@dataclass
+class ShardStore:
+    """A connector's --kv-transfer-config, the (fingerprint, block hash) of every shard stored, and a way to drop
+    every shard stored under one fingerprint."""
+
+    config: str
+    shards: Callable[[], list[tuple[str, str]]]
+    drop: Callable[[str], None]
+
+
+@pytest.fixture(params=["KVStoreConnector", "SharedStorageConnector"])
+def shard_store(request, tmp_path):
+    """The kvstore on a fresh redis-server, or a fresh directory."""
+    if request.param == "SharedStorageConnector":
+        extra = {"shared_storage_path": str(tmp_path)}
+        config = {"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": extra}
+
+        def files(pattern: str) -> list:  # whole block files (one being written is a dot file)
+            return [f for f in tmp_path.glob(pattern) if not f.name.startswith(".")]
+
+        yield ShardStore(
+            json.dumps(config),
+            lambda: [(f.parent.name, f.name) for f in files("*/*")],
+            lambda fingerprint: [f.unlink() for f in files(f"{fingerprint}/*")],
+        )
+        return
+    redis_url = request.getfixturevalue("redis_server").url
+    store = redis.Redis.from_url(redis_url)
+    with InProcessService("kvstore", ["--redis-url", redis_url]) as kvstore:
+        yield ShardStore(
+            kv_transfer_config(kvstore.address, load_policy="always"),
+            lambda: [tuple(k.decode().split(":")[1:]) for k in store.keys("kv:*")],
+            lambda fingerprint: store.delete(*store.keys(f"kv:{fingerprint}:*")),
+        )
+
+
+def test_tp2_stores_each_ranks_shard_and_reloads_it_equal_to_tp1(tiny_model, shard_store):
     """Every rank stores its heads of each block under its own fingerprint; after the local prefix cache is reset
     the blocks come back from the store, and greedy output equals TP=1's. With rank 1's shards gone, the blocks no
     longer count as stored (rank 0's alone are not a block): they are recomputed on both ranks, with the same output."""
@@ -391,32 +431,29 @@ def test_tp2_stores_each_ranks_shard_and_reloads_it_equal_to_tp1(tiny_model, red
     finally:
         engine.shutdown()
     full_blocks = sum((len(p) - 1) // BLOCK for p in prompts())  # the block with the last prompt token always runs
-    store = redis.Redis.from_url(redis_server.url)
-    with InProcessService("kvstore", ["--redis-url", redis_server.url]) as kvstore:
-        config = kv_transfer_config(kvstore.address, load_policy="always")
-        engine = make_engine(tiny_model, 2, kv_transfer_config=config)
-        try:
-            assert run_greedy(engine, prompts(), 8) == expected
-            settle(engine)
-            rank0 = engine.worker.kv_layout.fingerprint
-            keys = [k.decode() for k in store.keys("kv:*")]
-            by_rank = {fingerprint: sum(k.split(":")[1] == fingerprint for k in keys) for fingerprint in {
-                k.split(":")[1] for k in keys}}  # fmt: skip
-            assert len(by_rank) == 2 and by_rank[rank0] == len(keys) // 2 >= full_blocks
+    engine = make_engine(tiny_model, 2, kv_transfer_config=shard_store.config)
+    try:
+        assert run_greedy(engine, prompts(), 8) == expected
+        settle(engine)
+        rank0, rank1 = engine.worker.kv_layout.shard_fingerprints
+        shards = shard_store.shards()
+        on_rank0 = {block for fingerprint, block in shards if fingerprint == rank0}
+        on_rank1 = {block for fingerprint, block in shards if fingerprint == rank1}
+        assert len(shards) == len(on_rank0) + len(on_rank1) and on_rank0 == on_rank1 and len(on_rank0) >= full_blocks
 
-            assert engine.reset_prefix_cache()
-            assert run_greedy(engine, prompts(), 8) == expected
-            stats = engine.get_stats().kv_connector_stats
-            assert stats["loaded_tokens"] == full_blocks * BLOCK and stats["load_failed_tokens"] == 0
+        assert engine.reset_prefix_cache()
+        assert run_greedy(engine, prompts(), 8) == expected
+        stats = engine.get_stats().kv_connector_stats
+        assert stats["loaded_tokens"] == full_blocks * BLOCK and stats["load_failed_tokens"] == 0
 
-            settle(engine)
-            assert engine.reset_prefix_cache()
-            store.delete(*[k for k in keys if k.split(":")[1] != rank0])
-            assert run_greedy(engine, prompts(), 8) == expected
-            after = engine.get_stats().kv_connector_stats
-            assert after["lookups"] > stats["lookups"] and after["lookup_hit_tokens"] == stats["lookup_hit_tokens"]
-            assert after["loaded_tokens"] == full_blocks * BLOCK and after["load_failed_tokens"] == 0
-            settle(engine)
-            assert_no_leaks(engine)
-        finally:
-            engine.shutdown()
+        settle(engine)
+        assert engine.reset_prefix_cache()
+        shard_store.drop(rank1)
+        assert run_greedy(engine, prompts(), 8) == expected
+        after = engine.get_stats().kv_connector_stats
+        assert after["lookups"] > stats["lookups"] and after["lookup_hit_tokens"] == stats["lookup_hit_tokens"]
+        assert after["loaded_tokens"] == full_blocks * BLOCK and after["load_failed_tokens"] == 0
+        settle(engine)
+        assert_no_leaks(engine)
+    finally:
+        engine.shutdown()
