@@ -49,10 +49,11 @@ def quantize_int8(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit codes in [0, 15]: each group's minimum is its zero, (max - min) / 15 its scale."""
+    """Asymmetric 4-bit codes in [0, 15]: each group's minimum is its zero, (max - min) / 15 its scale, both
+    rounded to float16 values (as GGUF's 4-bit blocks hold them, which int8_dot_linear reads)."""
     g = _groups(w, group_size)
-    low, high = g.amin(-1), g.amax(-1)
-    scales = (high - low) / 15
+    low, high = g.amin(-1).half().float(), g.amax(-1)
+    scales = ((high - low) / 15).half().float()
     scales = torch.where(scales == 0, torch.ones_like(scales), scales)
     q = torch.round((g - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int8).reshape(w.shape)
     return q, scales, low
@@ -129,14 +130,18 @@ def int8_dot_takes(q: torch.Tensor, scales: torch.Tensor) -> bool:
     return q.shape[1] // scales.shape[1] == INT8_DOT_GROUP
 
 
-def pack_int8_dot(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
-    """(codes, scales, zeros, n) in int8_dot_linear's layout (kernels/cpu/quant.cpp): 4-bit codes [0, 15] two a
-    byte, other int8 codes plus 128 with the zero moved by -128 scales; columns padded to whole tiles."""
+def pack_int8_dot(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """(packed, n): the weight in int8_dot_linear's layout (kernels/cpu/quant.cpp), one uint8 tensor [tiles,
+    groups, bytes] of each tile's groups in order, a group its codes, then its 16 scales and 16 zeros (float16).
+    4-bit codes [0, 15] go two a byte; other int8 codes plus 128, their zero moved by -128 scales. Columns are
+    padded to whole tiles. None where a scale or zero is no float16 value (GGUF's are; int4's are made so)."""
     n, k = q.shape
     groups, tiles = k // INT8_DOT_GROUP, -(-n // INT8_DOT_TILE)
     four_bit = bool(q.min() >= 0) and bool(q.max() <= 15)
     u = q.to(torch.int16) if four_bit else q.to(torch.int16) + 128
     scales, zeros = scales.float(), zeros.float() if four_bit else zeros.float() - 128 * scales.float()
+    if not all(torch.equal(t.half().float(), t) for t in (scales, zeros)):
+        return None
     pad = tiles * INT8_DOT_TILE - n
     u, scales, zeros = (F.pad(t, (0, 0, 0, pad)) for t in (u, scales, zeros))
     if four_bit:  # chunk c of a group, byte 4j + i: column j's k = 8c + i (low nibble) and 8c + 4 + i (high)
@@ -144,16 +149,16 @@ def pack_int8_dot(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
         u = u[..., 0] | u[..., 1] << 4
     else:  # chunk c of a group, byte 4j + i: column j's k = 4c + i
         u = u.reshape(tiles, INT8_DOT_TILE, groups, 8, 4).permute(0, 2, 3, 1, 4)
-    codes = u.to(torch.uint8).reshape(tiles, groups, -1).contiguous()
+    codes = u.to(torch.uint8).reshape(tiles, groups, -1)
 
-    def per_tile(t):
-        return t.reshape(tiles, INT8_DOT_TILE, groups).transpose(1, 2).contiguous()
+    def per_group(t):  # [tiles, groups, 16 float16] as bytes
+        return t.half().reshape(tiles, INT8_DOT_TILE, groups).transpose(1, 2).contiguous().view(torch.uint8)
 
-    return codes, per_tile(scales), per_tile(zeros), n
+    return torch.cat([codes, per_group(scales), per_group(zeros)], dim=-1).contiguous(), n
 
 
 def int8_dot_kernel():
-    """int8_dot_linear (x, codes, scales, zeros, n) -> x @ w.T, or None where the CPU kernels cannot be built or
+    """int8_dot_linear (x, packed, n) -> x @ w.T, or None where the CPU kernels cannot be built or
     the CPU has no AVX512-VNNI."""
     gemv = group_gemv_kernel()
     if gemv is None or not torch.ops.llmmesh_quant.int8_dot_supported():

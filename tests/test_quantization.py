@@ -151,12 +151,19 @@ def test_int8_dot_linear_matches_its_reference(bits, rows, dtype):
     if kernel is None:
         pytest.skip("int8_dot_linear needs AVX512-VNNI")
     w = torch.randn(100, 256, generator=torch.Generator().manual_seed(0))
-    codes = quantize_int4(w, 32) if bits == 4 else quantize_int8(w, 32)
+    codes = quantize_int4(w, 32) if bits == 4 else gguf_blocks("Q8_0", shape=(100, 256))[0]
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
     got, want = kernel(x, *pack_int8_dot(*codes)), int8_dot_linear_ref(x.float(), *codes)
     assert got.dtype == dtype and got.shape == (rows, 100)
     error = ((got.float() - want).abs().max() / want.abs().max()).item()
     assert error < (BF16_REL_TOL if dtype == torch.bfloat16 else 1e-5), f"relative error {error:.2e}"
+
+
+def test_int8_dot_linear_takes_float16_scales_only():
+    """It reads float16 scales and zeros: codes whose scales are not float16 values stay on the other kernels."""
+    q, scales, zeros = quantize_int8(torch.randn(16, 64, generator=torch.Generator().manual_seed(0)), 32)
+    assert not torch.equal(scales.half().float(), scales) and pack_int8_dot(q, scales, zeros) is None
+    assert pack_int8_dot(q, scales.half().float(), zeros) is not None
 
 
 @pytest.mark.parametrize("method", ["gguf-q4_1", "gguf-q8_0"])

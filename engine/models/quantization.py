@@ -44,9 +44,9 @@ from kernels.quant import (
 INT4_GROUP_SIZE = 32
 # Most rows a CPU step runs on the int4/int8 kernels; above it oneDNN on the dequantized weight is faster.
 CPU_KERNEL_MAX_ROWS = 4
-# The same for int8_dot_linear, by its packed group's bytes: 4-bit codes (256) or 8-bit (512). One thread,
+# The same for int8_dot_linear, by its packed group's bytes: 4-bit codes (320) or 8-bit (576). One thread,
 # bfloat16, this model's shapes (docs/benchmarks.md): 4-bit ties oneDNN at about 16 rows, 8-bit at about 6.
-INT8_DOT_MAX_ROWS = {256: 16, 512: 6}
+INT8_DOT_MAX_ROWS = {320: 16, 576: 6}
 _QUANTIZED_ACT_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -111,8 +111,8 @@ class GroupQuantLinearMethod(LinearMethodBase):
     def process_codes(self, layer, q, scales, zeros, dtype) -> None:
         layer.kernel, layer.kernel_max_rows = None, CPU_KERNEL_MAX_ROWS if q.device.type == "cpu" else None
         dot = int8_dot_kernel() if dtype == torch.bfloat16 and q.device.type == "cpu" else None
-        if dot is not None and int8_dot_takes(q, scales):
-            packed = pack_int8_dot(q, scales, zeros)
+        packed = pack_int8_dot(q, scales, zeros) if dot is not None and int8_dot_takes(q, scales) else None
+        if packed is not None:
             layer.kernel = lambda x: dot(x, *packed)
             layer.kernel_max_rows = INT8_DOT_MAX_ROWS[packed[0].shape[2]]
         elif dtype in _QUANTIZED_ACT_DTYPES and is_int4(q, scales):

@@ -105,18 +105,19 @@ at::Tensor group_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor
 // xq = round(x / xd), xs = xd * sum(xq). A weight w = u * d + m (u the unsigned code) then gives, per block,
 //   w . x^ = d * xd * (u . xq) + m * xs,
 // with u . xq an exact integer dot product (AVX512-VNNI's vpdpbusd: unsigned bytes times signed bytes).
-// Packed layout (kernels/quant.py's pack_int8_dot), output columns in tiles of 16, one int32 lane a column:
-// 4-bit: [tiles, groups, 4 chunks of 64 bytes]; in chunk c, byte 4 * j + i holds column j's codes k = 8c + i
-//        (low nibble) and 8c + 4 + i (high nibble);
-// 8-bit: [tiles, groups, 8 chunks of 64 bytes]; in chunk c, byte 4 * j + i holds column j's code k = 4c + i,
-//        stored + 128 (so int8 codes become unsigned; the zero moves by -128 d);
-// scales and zeros: float32 [tiles, groups, 16].
-// Every packed byte is read once for up to 8 input rows; more rows run again over the tile, still in L1.
+// Packed layout (kernels/quant.py's pack_int8_dot): output columns in tiles of 16, one int32 lane a column, each
+// tile's groups one after another, so a layer is one sequential stream; a group of a tile is
+//   4-bit: 4 chunks of 64 bytes; in chunk c, byte 4 * j + i holds column j's codes k = 8c + i (low nibble) and
+//          8c + 4 + i (high nibble);
+//   8-bit: 8 chunks of 64 bytes; in chunk c, byte 4 * j + i holds column j's code k = 4c + i plus 128 (unsigned;
+//          the zero moves by -128 d);
+// then the 16 columns' scales d and zeros m, float16 (GGUF's own; 20 bytes a 4-bit block, as Q4_1's).
 
 namespace {
 
 constexpr int64_t BLOCK = 32;
 constexpr int64_t TILE = 16;
+constexpr int64_t PREFETCH_BYTES = 2048;  // ahead of the group being read: a single stream, prefetched early
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
@@ -158,90 +159,78 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// ROWS input rows against TILES adjacent tiles of 16 columns. Two integer accumulators per row and tile (even and
-// odd chunks) keep vpdpbusd's dependent chains short; the float sums take each block's scale.
-template <int BITS, int ROWS, int TILES, typename T>
-inline void tile_rows(const uint8_t* codes, const float* scales, const float* zeros, int64_t groups,
-                      const int8_t* xq, const float* xd, const float* xs, int64_t k, T* out, int64_t n,
-                      int64_t col) {
-  constexpr int CHUNKS = BITS == 4 ? 4 : 8;
-  const int64_t code_stride = groups * CHUNKS * 64, scale_stride = groups * TILE;
+// ROWS input rows against one tile of 16 columns. One or two rows keep four integer accumulators each (even and
+// odd chunks, low and high nibbles) and two float ones (even and odd groups), so vpdpbusd's and the multiply-adds'
+// dependent chains stay short; more rows overlap their own.
+template <int BITS, int ROWS, typename T>
+inline void tile_rows(const uint8_t* tile, int64_t groups, const int8_t* xq, const float* xd, const float* xs,
+                      int64_t k, T* out, int64_t n, int64_t col) {
+  constexpr int CHUNKS = BITS == 4 ? 4 : 8, SPLIT = ROWS <= 2 ? 2 : 1;
+  constexpr int64_t GROUP_BYTES = CHUNKS * 64 + 2 * TILE * 2;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  __m512 acc[TILES][ROWS];
-  for (int t = 0; t < TILES; ++t)
-    for (int r = 0; r < ROWS; ++r) acc[t][r] = _mm512_setzero_ps();
+  __m512 acc[ROWS][SPLIT];
+  for (int r = 0; r < ROWS; ++r)
+    for (int s = 0; s < SPLIT; ++s) acc[r][s] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i dot[TILES][ROWS][2];
-    for (int t = 0; t < TILES; ++t)
-      for (int r = 0; r < ROWS; ++r) dot[t][r][0] = dot[t][r][1] = _mm512_setzero_si512();
+    const uint8_t* group = tile + g * GROUP_BYTES;
+    for (int64_t line = 0; line < GROUP_BYTES; line += 64) _mm_prefetch(group + PREFETCH_BYTES + line, _MM_HINT_T0);
+    __m512i dot[ROWS][2 * SPLIT];
+    for (int r = 0; r < ROWS; ++r)
+      for (int s = 0; s < 2 * SPLIT; ++s) dot[r][s] = _mm512_setzero_si512();
     const int8_t* xg = xq + g * BLOCK;
     for (int c = 0; c < CHUNKS; ++c) {
-      for (int t = 0; t < TILES; ++t) {
-        const __m512i raw = _mm512_loadu_si512(codes + t * code_stride + (g * CHUNKS + c) * 64);
-        if constexpr (BITS == 4) {
-          const __m512i low = _mm512_and_si512(raw, nibble);
-          const __m512i high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-          for (int r = 0; r < ROWS; ++r) {
-            dot[t][r][0] = _mm512_dpbusd_epi32(dot[t][r][0], low, broadcast4(xg + r * k + 8 * c));
-            dot[t][r][1] = _mm512_dpbusd_epi32(dot[t][r][1], high, broadcast4(xg + r * k + 8 * c + 4));
-          }
-        } else {
-          for (int r = 0; r < ROWS; ++r)
-            dot[t][r][c & 1] = _mm512_dpbusd_epi32(dot[t][r][c & 1], raw, broadcast4(xg + r * k + 4 * c));
+      const __m512i raw = _mm512_loadu_si512(group + c * 64);
+      if constexpr (BITS == 4) {
+        const __m512i low = _mm512_and_si512(raw, nibble);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        const int s = 2 * (c % SPLIT);
+        for (int r = 0; r < ROWS; ++r) {
+          dot[r][s] = _mm512_dpbusd_epi32(dot[r][s], low, broadcast4(xg + r * k + 8 * c));
+          dot[r][s + 1] = _mm512_dpbusd_epi32(dot[r][s + 1], high, broadcast4(xg + r * k + 8 * c + 4));
         }
+      } else {
+        const int s = c % (2 * SPLIT);
+        for (int r = 0; r < ROWS; ++r) dot[r][s] = _mm512_dpbusd_epi32(dot[r][s], raw, broadcast4(xg + r * k + 4 * c));
       }
     }
-    for (int t = 0; t < TILES; ++t) {
-      const __m512 d = _mm512_loadu_ps(scales + t * scale_stride + g * TILE);
-      const __m512 m = _mm512_loadu_ps(zeros + t * scale_stride + g * TILE);
-      for (int r = 0; r < ROWS; ++r) {
-        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[t][r][0], dot[t][r][1]));
-        acc[t][r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, _mm512_set1_ps(xd[r * groups + g])), acc[t][r]);
-        acc[t][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * groups + g]), acc[t][r]);
-      }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(group + CHUNKS * 64)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(group + CHUNKS * 64 + 2 * TILE)));
+    for (int r = 0; r < ROWS; ++r) {
+      __m512i total = _mm512_add_epi32(dot[r][0], dot[r][1]);
+      if constexpr (SPLIT == 2) total = _mm512_add_epi32(total, _mm512_add_epi32(dot[r][2], dot[r][3]));
+      __m512& a = acc[r][g % SPLIT];
+      a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * groups + g])), a);
+      a = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * groups + g]), a);
     }
   }
-  for (int t = 0; t < TILES; ++t) {
-    const int64_t first = col + t * TILE;
-    const __mmask16 mask = first + TILE <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - first)) - 1);
-    for (int r = 0; r < ROWS; ++r) store_floats(out + r * n + first, acc[t][r], mask);
+  const __mmask16 mask = col + TILE <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
+  for (int r = 0; r < ROWS; ++r) {
+    const __m512 sum = SPLIT == 2 ? _mm512_add_ps(acc[r][0], acc[r][SPLIT - 1]) : acc[r][0];
+    store_floats(out + r * n + col, sum, mask);
   }
 }
 
-// Rows [0, ROWS) against tiles [tile, tile + count): side by side where there are few rows, whose own chains are
-// too few to hide vpdpbusd's latency.
-template <int BITS, int ROWS, typename T>
-void tiles_rows(const uint8_t* codes, const float* scales, const float* zeros, int64_t tile, int64_t count,
-                int64_t groups, const int8_t* xq, const float* xd, const float* xs, int64_t k, T* out, int64_t n) {
-  constexpr int TILES = ROWS == 1 ? 4 : ROWS <= 4 ? 2 : 1;
-  const int64_t code_stride = groups * (BITS == 4 ? 256 : 512), scale_stride = groups * TILE;
-  int64_t t = tile;
-  for (; t + TILES <= tile + count; t += TILES)
-    tile_rows<BITS, ROWS, TILES>(codes + t * code_stride, scales + t * scale_stride, zeros + t * scale_stride,
-                                 groups, xq, xd, xs, k, out, n, t * TILE);
-  for (; t < tile + count; ++t)
-    tile_rows<BITS, ROWS, 1>(codes + t * code_stride, scales + t * scale_stride, zeros + t * scale_stride, groups,
-                             xq, xd, xs, k, out, n, t * TILE);
-}
-
-// Each thread takes a range of tiles and runs every row over it, eight rows at a time: the second eight read the
-// tiles' codes from cache, not memory.
+// Each task takes four tiles (a few KB) and runs every row over them, eight rows at a time: the second eight read
+// the tiles from L1, not memory.
 template <int BITS, typename T>
-void int8_dot(const uint8_t* codes, const float* scales, const float* zeros, int64_t tiles, int64_t groups,
-              const int8_t* xq, const float* xd, const float* xs, int64_t rows, int64_t k, T* out, int64_t n) {
-  constexpr int64_t TILES_A_TASK = 4;  // 64 columns: a few KB of codes, held in L1 across the row chunks
+void int8_dot(const uint8_t* packed, int64_t tiles, int64_t groups, const int8_t* xq, const float* xd,
+              const float* xs, int64_t rows, int64_t k, T* out, int64_t n) {
+  constexpr int64_t TILES_A_TASK = 4;
+  const int64_t tile_bytes = groups * ((BITS == 4 ? 4 : 8) * 64 + 2 * TILE * 2);
   at::parallel_for(0, (tiles + TILES_A_TASK - 1) / TILES_A_TASK, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t first = task * TILES_A_TASK, count = std::min(first + TILES_A_TASK, tiles) - first;
+    for (int64_t t = begin * TILES_A_TASK; t < std::min(end * TILES_A_TASK, tiles); t += TILES_A_TASK) {
       for (int64_t m = 0; m < rows; m += 8) {
-        const int8_t* xm = xq + m * k;
-        const float *dm = xd + m * groups, *sm = xs + m * groups;
-        T* o = out + m * n;
-        switch (std::min<int64_t>(rows - m, 8)) {
+        for (int64_t i = t; i < std::min(t + TILES_A_TASK, tiles); ++i) {
+          const uint8_t* tile = packed + i * tile_bytes;
+          const int8_t* xm = xq + m * k;
+          const float *dm = xd + m * groups, *sm = xs + m * groups;
+          T* o = out + m * n;
+          switch (std::min<int64_t>(rows - m, 8)) {
 #define ROWS_CASE(R) \
-  case R: tiles_rows<BITS, R>(codes, scales, zeros, first, count, groups, xm, dm, sm, k, o, n); break;
-          ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+  case R: tile_rows<BITS, R>(tile, groups, xm, dm, sm, k, o, n, i * TILE); break;
+            ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
 #undef ROWS_CASE
+          }
         }
       }
     }
@@ -249,15 +238,14 @@ void int8_dot(const uint8_t* codes, const float* scales, const float* zeros, int
 }
 
 template <typename T>
-void int8_dot_linear_typed(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                           const at::Tensor& zeros, at::Tensor& out, int bits) {
-  const int64_t rows = x.size(0), k = x.size(1), n = out.size(1), tiles = codes.size(0), groups = codes.size(1);
+void int8_dot_linear_typed(const at::Tensor& x, const at::Tensor& packed, at::Tensor& out, int bits) {
+  const int64_t rows = x.size(0), k = x.size(1), n = out.size(1), tiles = packed.size(0), groups = packed.size(1);
   at::Tensor xq = at::empty({rows, k}, x.options().dtype(at::kChar));
   at::Tensor xd = at::empty({rows, groups}, x.options().dtype(at::kFloat)), xs = at::empty_like(xd);
   quantize_rows(x.data_ptr<T>(), rows, k, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
   auto run = bits == 4 ? int8_dot<4, T> : int8_dot<8, T>;
-  run(codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), tiles, groups,
-      xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(), rows, k, out.data_ptr<T>(), n);
+  run(packed.data_ptr<uint8_t>(), tiles, groups, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(),
+      rows, k, out.data_ptr<T>(), n);
 }
 
 #endif
@@ -272,29 +260,24 @@ bool int8_dot_supported() {
 #endif
 }
 
-// x [M, K] float32 or bfloat16, the packed codes [tiles, K / 32, 256 (4-bit) or 512 (8-bit)], scales and zeros
-// [tiles, K / 32, 16]; n of the tiles' columns are real. Returns x @ w.T [M, n] in x's dtype.
-at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                           const at::Tensor& zeros, int64_t n) {
+// x [M, K] float32 or bfloat16, the packed weight [tiles, K / 32, 320 (4-bit) or 576 (8-bit) bytes], of which n
+// columns are real. Returns x @ w.T [M, n] in x's dtype.
+at::Tensor int8_dot_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(int8_dot_supported(), "int8_dot_linear needs AVX512-VNNI");
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  (codes.size(2) == 256 || codes.size(2) == 512),
-              "codes must be packed by kernels/quant.py's pack_int8_dot");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && zeros.sizes() == scales.sizes() &&
-                  zeros.scalar_type() == at::kFloat && zeros.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({codes.size(0), codes.size(1), TILE}),
-              "scales and zeros must be contiguous float32 [tiles, groups, 16]");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == codes.size(1) * BLOCK, "x must be [M, 32 * groups]");
-  TORCH_CHECK(n > (codes.size(0) - 1) * TILE && n <= codes.size(0) * TILE, "n must fall in the last tile");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  (packed.size(2) == 320 || packed.size(2) == 576),
+              "the weight must be packed by kernels/quant.py's pack_int8_dot");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1) * BLOCK, "x must be [M, 32 * groups]");
+  TORCH_CHECK(n > (packed.size(0) - 1) * TILE && n <= packed.size(0) * TILE, "n must fall in the last tile");
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({x.size(0), n}, x.options());
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  const int bits = codes.size(2) == 256 ? 4 : 8;
+  const int bits = packed.size(2) == 320 ? 4 : 8;
   if (x.scalar_type() == at::kBFloat16) {
-    int8_dot_linear_typed<at::BFloat16>(xc, codes, scales, zeros, out, bits);
+    int8_dot_linear_typed<at::BFloat16>(xc, packed, out, bits);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32 or bfloat16");
-    int8_dot_linear_typed<float>(xc, codes, scales, zeros, out, bits);
+    int8_dot_linear_typed<float>(xc, packed, out, bits);
   }
 #endif
   return out;
@@ -305,4 +288,3 @@ TORCH_LIBRARY(llmmesh_quant, m) {
   m.def("int8_dot_supported", &int8_dot_supported);
   m.def("int8_dot_linear", &int8_dot_linear);
 }
-
