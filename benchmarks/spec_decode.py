@@ -1,6 +1,6 @@
 """Speculative decoding's speed-up: output tokens/s with n-gram drafts and with a draft model against no speculation.
 
-    flock /tmp/bench.lock .venv/bin/python benchmarks/spec_decode.py [--concurrency 1,16] [--rounds 2]
+    .venv/bin/python benchmarks/spec_decode.py [--concurrency 1,16] [--rounds 2]
         [--max-tokens 96] [--num-speculative-tokens 3] [--draft-layers 6] [--sequential-prompts 4]
         [--output-json PATH]
 

@@ -1,6 +1,6 @@
 """Tensor parallelism: per-step time with --tensor-parallel-size 2 against 1, same model, same steps.
 
-    flock /tmp/bench.lock .venv/bin/python benchmarks/tensor_parallel.py [--rounds 5] [--layers 30]
+    .venv/bin/python benchmarks/tensor_parallel.py [--rounds 5] [--layers 30]
 
 The model is random, SmolLM2-135M's shape but with 8 heads and 4 KV heads (head_dim 72), so that both divide
 by 2 (SmolLM2's own 9 and 3 divide by 3 only). float32, on CPU over gloo. Scenarios, each a step the engine
