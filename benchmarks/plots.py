@@ -195,19 +195,21 @@ def ttft_distribution(text: str) -> None:
 
 
 def latency_against_llama_cpp(text: str) -> None:
-    rows = table(text, "| parallel sequences | llama.cpp decode tok/s |")
-    x = [first(r["parallel sequences"]) for r in rows]
-    engines = ("llama.cpp", "llmmesh GGUF bfloat16", "llmmesh float32")
+    rows = table(text, "| parallel sequences | threads | llama.cpp decode tok/s |")
     fig, axes = plt.subplots(1, 2, figsize=(8.8, 3.4))
     for ax, phase in zip(axes, ("decode", "prefill")):
-        for engine in engines:
-            ax.plot(x, [first(r[f"{engine} {phase} tok/s"]) for r in rows], marker="o", label=engine)
+        for engine in ("llama.cpp", "llmmesh GGUF bfloat16"):
+            for threads in sorted({r["threads"] for r in rows}):
+                mine = [r for r in rows if r["threads"] == threads]
+                x = [first(r["parallel sequences"]) for r in mine]
+                y = [first(r[f"{engine} {phase} tok/s"]) for r in mine]
+                ax.plot(x, y, marker="o", label=f"{engine}, {threads} thread{'s' if threads != '1' else ''}")
         ax.set_xscale("log", base=2)
         ax.set_xticks(x, [f"{v:g}" for v in x])
         ax.set(xlabel="parallel sequences (batch size)", ylabel=f"{phase} tokens/s", title=phase)
         ax.set_ylim(bottom=0)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M Q4_1 GGUF, 256-token prompts, 128 output tokens, one thread", fontsize=10)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("SmolLM2-135M Q4_1 GGUF, 256-token prompts, 128 output tokens", fontsize=10)
     save(fig, "latency-vs-llama-cpp.png")
 
 
