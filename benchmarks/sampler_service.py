@@ -44,6 +44,7 @@ from engine.sample.metadata import SamplingMetadata
 from engine.sample.remote import RemoteSampler
 from engine.sample.sampler import Sampler
 from engine.sample.wire import serialize_with_tensors
+from services.sampler_service import SAMPLER_ENV
 from services.supervisor import Mesh, ServiceProcess
 
 FIRST_REGULAR_ID = 17
@@ -326,7 +327,7 @@ def main():
     llm = LLM(kv_cache_memory="2GiB", max_num_seqs=256, seed=args.seed)
     vocab = llm.engine.model_config.vocab_size
     if not args.skip_throughput:
-        sampler = ServiceProcess("sampler", ["--port", "0"])
+        sampler = ServiceProcess("sampler", ["--port", "0"], env=SAMPLER_ENV)
         try:
             address = sampler.wait_listening(120)
             report["throughput"] = throughput(
@@ -337,7 +338,9 @@ def main():
     if not args.skip_hop:
         workdir = tempfile.mkdtemp(prefix="llmmesh-sampler-bench-")
         port_file, uds = os.path.join(workdir, "port"), os.path.join(workdir, "sampler.sock")
-        server = subprocess.Popen([sys.executable, __file__, "--serve-both", port_file, uds])
+        server = subprocess.Popen(
+            [sys.executable, __file__, "--serve-both", port_file, uds], env={**os.environ, **SAMPLER_ENV}
+        )
         try:
             while not os.path.exists(port_file) or not open(port_file).read():
                 if server.poll() is not None:
