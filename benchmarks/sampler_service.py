@@ -44,7 +44,6 @@ from engine.sample.metadata import SamplingMetadata
 from engine.sample.remote import RemoteSampler
 from engine.sample.sampler import Sampler
 from engine.sample.wire import serialize_with_tensors
-from services.sampler_service import SAMPLER_ENV
 from services.supervisor import Mesh, ServiceProcess
 
 FIRST_REGULAR_ID = 17
@@ -327,7 +326,7 @@ def main():
     llm = LLM(kv_cache_memory="2GiB", max_num_seqs=256, seed=args.seed)
     vocab = llm.engine.model_config.vocab_size
     if not args.skip_throughput:
-        sampler = ServiceProcess("sampler", ["--port", "0"], env=SAMPLER_ENV)
+        sampler = ServiceProcess("sampler", ["--port", "0"])
         try:
             address = sampler.wait_listening(120)
             report["throughput"] = throughput(
@@ -339,7 +338,8 @@ def main():
         workdir = tempfile.mkdtemp(prefix="llmmesh-sampler-bench-")
         port_file, uds = os.path.join(workdir, "port"), os.path.join(workdir, "sampler.sock")
         server = subprocess.Popen(
-            [sys.executable, __file__, "--serve-both", port_file, uds], env={**os.environ, **SAMPLER_ENV}
+            [sys.executable, __file__, "--serve-both", port_file, uds],
+            env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},  # as `llmmesh sampler` runs
         )
         try:
             while not os.path.exists(port_file) or not open(port_file).read():

@@ -10,9 +10,9 @@ the event loop (a hand-off to a thread and back would cost more than it); larger
 loop goes on parsing and answering other streams. A message that cannot be used ends its stream with
 INVALID_ARGUMENT naming the field; other streams and the service go on.
 
-The process should run with OMP_WAIT_POLICY=PASSIVE (SAMPLER_ENV, which `llmmesh serve` sets; the variable is
-read when torch loads): it shares the host's cores with the engine, and OpenMP threads that spin after a step
-would take them from the engine's next forward pass (at one request, a 5.4 ms forward pass became 8.7 ms).
+`llmmesh sampler` runs with OMP_WAIT_POLICY=PASSIVE unless it is set (services/cli.py): the service shares the
+host's cores with the engine, and OpenMP threads that spin after a step would take them from the engine's next
+forward pass.
 """
 
 import asyncio
@@ -49,10 +49,9 @@ logger = logging.getLogger("llmmesh.sampler")
 _FAILED_ROW = SamplingParams(temperature=0.0)  # what a refused request's row samples with (its token is dropped)
 # Steps of at most this many rows are sampled on the event loop (well under a millisecond each).
 INLINE_ROWS = 8
+
+
 # The sampler's environment: its OpenMP threads sleep between steps instead of spinning on the engine's cores.
-SAMPLER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
 @dataclass
 class SamplingState:
     """What SamplingMetadata.from_requests reads of a request, kept across steps."""

@@ -28,7 +28,6 @@ from engine.limits import RequestLimits
 from services import client, config, kvstore_service
 from services.gateway import add_gateway_args
 from services.prometheus import scrape_config
-from services.sampler_service import SAMPLER_ENV
 
 LISTENING = re.compile(r"llmmesh (\w+) listening on (\S+)")
 METRICS = re.compile(r"llmmesh (\w+) metrics on (\S+)")  # with --metrics-port (services.telemetry)
@@ -400,8 +399,6 @@ class Mesh:
         env = self.env
         if service == "engine":
             env = {**self.engine_threads(), **(self.env or {})}
-        elif service == "sampler":
-            env = {**SAMPLER_ENV, **(self.env or {})}
         self.services[name] = ServiceProcess(service, args, self.echo, env or None)
         return self.services[name]
 

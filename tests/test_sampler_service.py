@@ -8,6 +8,8 @@ ends have it; bad messages get INVALID_ARGUMENT naming the field."""
 import os
 import signal
 import stat
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -581,3 +583,37 @@ def test_sampler_that_stops_answering_costs_a_deadline(mesh, engine):
         os.kill(sampler.popen.pid, signal.SIGCONT)
     assert until_served(mesh, PROMPTS[0], GREEDY).text()
     wait_idle(engine)
+
+
+# What OMP_WAIT_POLICY holds when torch is first imported, in a process started as `llmmesh <argv>`.
+POLICY_AT_TORCH_IMPORT = """
+import builtins, os, sys
+sys.argv = ["llmmesh", *sys.argv[1:]]
+seen, real_import = [], builtins.__import__
+def spy(name, *args, **kwargs):
+    if name == "torch" and not seen:
+        seen.append(os.environ.get("OMP_WAIT_POLICY", "unset"))
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = spy
+import services.cli
+print(seen[0])
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "policy"),
+    [("sampler", {}, "PASSIVE"), ("sampler", {"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"), ("engine", {}, "unset")],
+)
+def test_the_sampler_sleeps_between_steps_from_its_start(argv, env, policy):
+    """`llmmesh sampler` (as compose, serve and a hand start run it) has OpenMP's passive wait policy in force when
+    torch loads, so its threads leave the cores to the engine between steps; a policy the user set wins, and the
+    engine keeps OpenMP's default."""
+    base = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    run = subprocess.run(
+        [sys.executable, "-c", POLICY_AT_TORCH_IMPORT, argv],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert run.stdout.split() == [policy]
