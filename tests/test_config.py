@@ -113,6 +113,8 @@ def env_value(action: argparse.Action) -> tuple[str, object]:
         return str(choice), choice
     if isinstance(action, argparse._AppendAction):
         return "x:1,y:2", ["x:1", "y:2"]
+    if action.nargs in ("+", "*"):  # given as --flag a b
+        return "a=1, b=2", ["a=1", "b=2"]
     if action.type is int:
         value = 7 if action.default != 7 else 8
         return str(value), value
