@@ -58,14 +58,17 @@ MAX_TENSOR_PARALLEL_SIZE = 64
 # CUDA graphs are captured for decode batches of 1, 2, 4, then every multiple of 8 up to this (vLLM's default).
 MAX_CUDAGRAPH_CAPTURE_SIZE = 512
 
+# --lora-dtype's values (vLLM's): auto is the model's dtype.
+LORA_DTYPES = ("auto", "bfloat16", "float16")
+
 
 # Each flag's --help text (docs/flags.md shows them too); every field of EngineArgs has one.
 FLAG_HELP = {
     "model": "the model: the embedded default's name, a Hugging Face model directory or a .gguf file",
     "dtype": "weights' and activations' dtype: float32, bfloat16 or float16; auto: bfloat16 on a CPU (AMX or "
     "AVX512-BF16) or GPU that computes it natively, else float32 on CPU and float16 on a GPU",
-    "quantization": "weight quantization: int8 (per output row) or int4 (groups of 32), weight-only and quantized at "
-    "load, computed in bfloat16 or float16; gguf: a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors as stored; unset: "
+    "quantization": "weight quantization: int8 (per output row) or int4 (groups of 32), weight-only, quantized at the "
+    "first start and cached, computed in bfloat16 or float16; gguf: a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors as stored; unset: "
     "the checkpoint's own (gguf for a .gguf file)",
     "device": "cpu or cuda; auto: cuda when there is one, else cpu",
     "tensor_parallel_size": "ranks the model is split across (Megatron-style: heads, MLP and vocabulary), one "
@@ -114,6 +117,8 @@ FLAG_HELP = {
     "max_loras": "adapters in one batch at most: the device slots, each of --max-lora-rank, allocated at start",
     "max_lora_rank": "highest adapter rank served (the slots' size); an adapter of a higher rank is refused",
     "max_cpu_loras": "adapters kept in host memory (one evicted is read again from its directory); unset: --max-loras",
+    "lora_dtype": "dtype of the adapter slots (A and B): auto (the model's), bfloat16 or float16; the delta is "
+    "accumulated in float32 whatever it is",
 }
 
 
@@ -172,6 +177,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -234,6 +240,8 @@ class EngineArgs:
             raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}.")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras must be at least max_loras ({self.max_loras}), got {self.max_cpu_loras}.")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}.")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora).")
         self.get_lora_modules()

@@ -11,9 +11,10 @@ gets no delta.
 Three implementations of the same arithmetic: the torch reference (a gathered bmm), the Triton kernel (the GPU
 path, one gathered matrix-vector product for both; one program per token and output tile, so any mix of adapters is
 one launch), and the CPU path, a C++ kernel (kernels/cpu/lora.cpp) doing both for a whole layer in one call, packed
-slices included: a layer's few small torch calls per adapter cost more than their arithmetic on the CPU. It reads
-a slot's rows once for each run of up to 8 consecutive tokens that share it (the model runner orders a batch by
-slot), with its accumulators in registers.
+slices included: a layer's few small torch calls per adapter cost more than their arithmetic on the CPU. It takes
+the step's tokens grouped by slot (lora_kernel_meta, once per step, vLLM's LoRAKernelMeta) and reads a slot's rows
+once for each block of up to 8 of its tokens, with its accumulators in registers. Slots may be float32, bfloat16 or
+float16 (--lora-dtype); every path widens them to float32 as it reads them.
 """
 
 import torch
@@ -42,11 +43,24 @@ def lora_expand_ref(h: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: t
 # ---- CPU: one C++ call per layer ---------------------------------------------------------------------------------
 
 
+def lora_kernel_meta(token_lora_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's tokens grouped by slot, for the CPU kernel (host tensors, int64): token_indices_sorted_by_lora_ids
+    (base-model tokens left out), active_lora_ids (each group's slot) and lora_token_start_loc (where each group
+    starts in the sorted tokens, and the end)."""
+    sorted_slots, order = torch.sort(token_lora_indices, stable=True)
+    adapted = sorted_slots >= 0
+    active_lora_ids, counts = torch.unique_consecutive(sorted_slots[adapted], return_counts=True)
+    start_loc = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=start_loc[1:])
+    return order[adapted], active_lora_ids, start_loc
+
+
 def lora_cpu_kernel():
-    """The CPU path (kernels/cpu/lora.cpp): lora_apply(x, y, lora_a, lora_b, token_lora_indices, slot_ranks,
-    slice_sizes) adds a layer's whole delta into y in place, reading only each slot's own rank (slot_ranks: int64
-    [slots]); slice_sizes are the packed slices' output sizes, whose A rows and B columns are the slice's index times
-    the slot's rank on."""
+    """The CPU path (kernels/cpu/lora.cpp): lora_apply(x, y, lora_a, lora_b, token_indices_sorted_by_lora_ids,
+    active_lora_ids, lora_token_start_loc, slot_ranks, slice_sizes) adds a layer's whole delta into y in place, the
+    tokens grouped as lora_kernel_meta gives them, reading only each slot's own rank (slot_ranks: int64 [slots]);
+    slice_sizes are the packed slices' output sizes, whose A rows and B columns are the slice's index times the
+    slot's rank on."""
     from kernels.cpu_ops import load
 
     load()  # registers torch.ops.llmmesh_lora

@@ -19,7 +19,14 @@ from engine.core import EngineCore
 from engine.kv.hashing import extend_block_hashes
 from engine.models.random_model import save_random_smollm2_shaped
 from engine.request import Request
-from kernels.lora import lora_cpu_kernel, lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
+from kernels.lora import (
+    lora_cpu_kernel,
+    lora_expand,
+    lora_expand_ref,
+    lora_kernel_meta,
+    lora_shrink,
+    lora_shrink_ref,
+)
 from test_models import COMMON
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -99,6 +106,42 @@ def test_mixed_batch_gives_each_request_its_solo_output(tiny):
     assert mixed == solo
     assert len({tuple(t) for t in solo}) == 4  # four different models
     assert_no_leaks(llm.engine)
+
+
+def merged_in_dtype(base_dir: Path, adapter_dir: Path, dtype: torch.dtype):
+    """The transformers model (float32) with the adapter merged after rounding its A and B to dtype: what slots in
+    that dtype compute (the adapters here scale by powers of two, so rounding before or after scaling agrees)."""
+    import transformers
+    from peft import PeftModel
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter_dir)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                weight.copy_(weight.to(dtype).float())
+    return model.merge_and_unload().eval()
+
+
+def test_lora_dtype_holds_the_slots_in_bfloat16(tiny):
+    """--lora-dtype bfloat16 on a float32 model: the slots are bfloat16, each adapter agrees with transformers +
+    PEFT merged in float32 from its A and B rounded to bfloat16, and a mixed batch gives each request its solo
+    output; auto takes the model's dtype; another value is refused naming the flag."""
+    base, root, _, _ = tiny
+    llm = make_llm(base, lora_dtype="bfloat16")
+    names = [None, "all-r8", "mlp-r16-rs", "attn-r4"]
+    loras = [None if n is None else lora(root, n) for n in names]
+    solo = [greedy(llm, [PROMPTS[2]], lr)[0] for lr in loras]
+    for name, tokens in zip(names[1:], solo[1:]):
+        reference = HFReference(merged_in_dtype(base, root / name, torch.bfloat16))
+        assert_greedy_matches(tokens, *reference.greedy(PROMPTS[2], MAX_TOKENS), label=name)
+    assert greedy(llm, [PROMPTS[2]] * 4, loras) == solo
+    slots = {w.lora_a.dtype for layer in llm.engine.worker.lora_manager.layers for w in layer.values()}
+    assert slots == {torch.bfloat16}
+    auto = LLM(str(base), dtype="bfloat16", kv_cache_memory="4MiB", enable_lora=True, max_loras=1)
+    assert auto.engine.worker.lora_manager.layers[0]["self_attn.qkv_proj"].lora_b.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"lora_dtype must be one of auto, bfloat16, float16, got 'float32'"):
+        EngineArgs(enable_lora=True, lora_dtype="float32")
 
 
 def test_more_adapters_than_slots_all_complete_and_slots_churn(tiny):
@@ -390,11 +433,13 @@ def random_slots(slots, rank, fan_in, fan_out, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slot_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_shrink_expand_match_the_reference(device, dtype):
-    # 11 tokens over 3 slots and the base model, ranks padded (48 = 3 slices of 16), widths not a tile's multiple.
+def test_triton_shrink_expand_match_the_reference(device, dtype, slot_dtype):
+    # 11 tokens over 3 slots and the base model, ranks padded (48 = 3 slices of 16), widths not a tile's multiple;
+    # the slots in each --lora-dtype.
     indices = torch.tensor([0, 0, -1, 2, 1, 1, 1, -1, 2, 0, 1], device=device)
-    a, b = random_slots(3, 48, 72, 100, dtype, device)
+    a, b = random_slots(3, 48, 72, 100, slot_dtype, device)
     x = torch.randn(len(indices), 72, generator=torch.Generator().manual_seed(2)).to(device, dtype)
     y = torch.randn(len(indices), 100, generator=torch.Generator().manual_seed(3)).to(device, dtype)
     h = lora_shrink(x, a, indices)
@@ -407,10 +452,18 @@ def test_triton_shrink_expand_match_the_reference(device, dtype):
     assert torch.equal(ours[indices < 0], y[indices < 0])  # base-model rows untouched
 
 
+def test_kernel_meta_groups_tokens_by_slot_in_batch_order():
+    order, active, start_loc = lora_kernel_meta(torch.tensor([3, 0, -1, 3, 0, 1, -1, 3]))
+    assert active.tolist() == [0, 1, 3] and start_loc.tolist() == [0, 2, 3, 6]
+    assert order.tolist() == [1, 4, 5, 0, 3, 7]  # each slot's tokens once, base-model tokens in no group
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cpu_kernel_matches_the_reference(dtype):
-    """A packed layer (three slices) with adapters of ranks 2 and 5 in slots of 8, over runs of tokens longer and
-    shorter than the kernel's blocks, with base-model tokens between; x a strided view, widths no vector's multiple."""
+def test_cpu_kernel_matches_the_reference(dtype, slot_dtype):
+    """A packed layer (three slices) with adapters of ranks 2 and 5 in slots of 8, the slots in each --lora-dtype,
+    over groups of tokens longer and shorter than the kernel's blocks, interleaved with each other and with
+    base-model tokens; x a strided view, widths no vector's multiple."""
     slots, max_rank, fan_in, out_sizes = 3, 8, 24, (16, 8, 8)
     gen = torch.Generator().manual_seed(4)
     a = torch.zeros(slots, 3 * max_rank, fan_in)
@@ -421,13 +474,15 @@ def test_cpu_kernel_matches_the_reference(dtype):
         for i, size in enumerate(out_sizes):
             b[slot, i * rank : (i + 1) * rank, offset : offset + size] = torch.randn(rank, size, generator=gen)
             offset += size
-    indices = torch.tensor([0, 0, 2, -1, -1] + [2] * 11 + [0, -1, 0])
+    a, b = a.to(slot_dtype), b.to(slot_dtype)
+    indices = torch.tensor([0, 0, 2, -1, -1] + [2] * 11 + [0, -1, 0] + [2, 0] * 5)
     x = torch.randn(len(indices), fan_in + 5, generator=gen).to(dtype)[:, 5:]
     y = torch.randn(len(indices), sum(out_sizes), generator=gen).to(dtype)
     ours, expected = y.clone(), y.clone()
-    lora_cpu_kernel()(x, ours, a, b, indices, torch.tensor([2, 0, 5]), list(out_sizes))
+    lora_cpu_kernel()(x, ours, a, b, *lora_kernel_meta(indices), torch.tensor([2, 0, 5]), list(out_sizes))
     lora_expand_ref(lora_shrink_ref(x, a, indices), b, indices, expected)
-    tolerance = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-1}
+    exact = dtype == torch.float32 and slot_dtype == torch.float32
+    tolerance = {"rtol": 1e-5, "atol": 1e-4} if exact else {"rtol": 2e-2, "atol": 1e-1}
     torch.testing.assert_close(ours, expected, **tolerance)
     assert not torch.equal(ours[indices >= 0], y[indices >= 0])
     assert torch.equal(ours[indices < 0], y[indices < 0])  # base-model rows untouched
@@ -436,5 +491,5 @@ def test_cpu_kernel_matches_the_reference(dtype):
 def test_cpu_kernel_refuses_a_slot_out_of_range():
     x, y = torch.randn(2, 8), torch.zeros(2, 4)
     a, b = torch.zeros(2, 4, 8), torch.zeros(2, 4, 4)
-    with pytest.raises(RuntimeError, match="token slot out of range"):
-        lora_cpu_kernel()(x, y, a, b, torch.tensor([0, 2]), torch.tensor([4, 4]), [4])
+    with pytest.raises(RuntimeError, match="active LoRA slot out of range"):
+        lora_cpu_kernel()(x, y, a, b, *lora_kernel_meta(torch.tensor([0, 2])), torch.tensor([4, 4]), [4])

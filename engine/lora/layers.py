@@ -18,12 +18,14 @@ from kernels.lora import lora_cpu_kernel, lora_expand, lora_shrink
 @dataclass
 class LoRAMapping:
     """One step's adapters: the slot of each token of the flat batch (-1: base model, vLLM's token_lora_indices) on
-    the device, each slot's adapter rank (int64, on the host: the CPU kernel reads no padding), and whether any
-    token has an adapter."""
+    the device, each slot's adapter rank (int64, on the host: the CPU kernel reads no padding), whether any token
+    has an adapter, and for the CPU kernel the tokens grouped by slot (kernels.lora.lora_kernel_meta), once a step
+    for every layer."""
 
     token_lora_indices: torch.Tensor | None = None
     slot_ranks: torch.Tensor | None = None
     active: bool = False
+    kernel_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class LinearWithLoRA(nn.Module):
@@ -74,9 +76,11 @@ class LinearWithLoRA(nn.Module):
         y = self.base.quant_method.apply(self.base, x)  # before a row-parallel layer's all-reduce
         mapping = self.mapping
         if mapping.active:  # any adapter in this step
-            indices = mapping.token_lora_indices
             if self.cpu_kernel is not None:
-                self.cpu_kernel(x, y, self.lora_a, self.lora_b, indices, mapping.slot_ranks, self.slice_sizes)
+                self.cpu_kernel(
+                    x, y, self.lora_a, self.lora_b, *mapping.kernel_meta, mapping.slot_ranks, self.slice_sizes
+                )
             else:
+                indices = mapping.token_lora_indices
                 lora_expand(lora_shrink(x, self.lora_a, indices), self.lora_b, indices, y)
         return all_reduce(y) if self.reduce else y

@@ -15,6 +15,7 @@ from engine.lora.layers import LinearWithLoRA, LoRAMapping
 from engine.lora.peft import LoRAModel, load_peft_adapter
 from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
+from kernels.lora import lora_kernel_meta
 
 # The model's packed layers and the PEFT modules they hold, in output order: (attribute path, modules).
 _WRAPPED = (
@@ -26,15 +27,18 @@ _WRAPPED = (
 
 
 class LoRAModelManager:
-    def __init__(self, model, cfg: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int):
+    def __init__(
+        self, model, cfg: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int, lora_dtype: str
+    ):
         self.cfg = cfg
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         # Each slot's adapter rank (0: empty), read by the CPU kernel so that it skips the slots' padding.
         self.mapping = LoRAMapping(slot_ranks=torch.zeros(max_loras, dtype=torch.int64))
-        # Slots in float32 on the CPU (its path computes in float32), in the model's dtype on a GPU (its kernels
-        # accumulate in float32).
+        # Slots in --lora-dtype (auto: the model's); every kernel widens them to float32 as it reads them. A step
+        # reads each active adapter's slots whole, so bfloat16 halves its bytes against float32.
         device = model.norm.weight.device
-        dtype = torch.float32 if device.type == "cpu" else model.norm.weight.dtype
+        dtype = model.norm.weight.dtype if lora_dtype == "auto" else getattr(torch, lora_dtype)
+        self.device = device
         self.layers: list[dict[str, LinearWithLoRA]] = []  # per decoder layer: attribute path -> wrapper
         for layer in model.layers:
             wrapped = {}
@@ -125,3 +129,5 @@ class LoRAModelManager:
         """The step's per-token slots (on the device, and the host array they came from)."""
         self.mapping.token_lora_indices = token_lora_indices
         self.mapping.active = bool((host_indices >= 0).any())
+        if self.device.type == "cpu" and self.mapping.active:
+            self.mapping.kernel_meta = lora_kernel_meta(torch.from_numpy(host_indices))

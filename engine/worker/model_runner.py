@@ -67,10 +67,10 @@ class ModelRunner:
         Also the rows to sample (those whose prompt is complete after this step), and the CUDA graph size the
         batch runs as (None: eagerly)."""
         lora_slots = self._activate_loras(so.scheduled_requests)
-        # Decodes first; with adapters, each adapter's requests together, so its tokens are one segment.
+        # Decodes first (the LoRA kernels group tokens by adapter themselves, whatever the order).
         order = sorted(
             range(len(so.scheduled_requests)),
-            key=lambda i: (so.num_scheduled_tokens[so.scheduled_requests[i].request_id] != 1, lora_slots[i]),
+            key=lambda i: so.num_scheduled_tokens[so.scheduled_requests[i].request_id] != 1,
         )
         requests = [so.scheduled_requests[i] for i in order]
         num_scheduled = [so.num_scheduled_tokens[r.request_id] for r in requests]

@@ -142,7 +142,12 @@ class Worker:
         a = self.args
         if a.enable_lora:  # wraps the loaded layers
             self.lora_manager = LoRAModelManager(
-                self.model, self.model_config, a.max_loras, a.max_lora_rank, a.max_cpu_loras or a.max_loras
+                self.model,
+                self.model_config,
+                a.max_loras,
+                a.max_lora_rank,
+                a.max_cpu_loras or a.max_loras,
+                a.lora_dtype,
             )
 
     def add_lora(self, lora_request: LoRARequest) -> bytes:
