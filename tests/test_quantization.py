@@ -2,9 +2,12 @@
 dequantizer, each quantized layer against its dequantized float32 reference, greedy output against Hugging
 Face on the same dequantized weights, and the start-up errors of combinations that cannot run."""
 
+import logging
+
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import assert_no_leaks, run_greedy
 from engine.config import EngineArgs
@@ -99,6 +102,7 @@ def _layer(method: str, seed=0):
     layer.bias.data.normal_(generator=gen)
     if method == "int8" or method == "int4":
         w = torch.randn(96, 256, generator=gen)
+        layer.weight.materialize(w.shape, dtype=w.dtype)
         layer.weight.data.copy_(w)
         codes = quantize_int8(w, 256) if method == "int8" else quantize_int4(w, 32)
     else:
@@ -211,13 +215,52 @@ def test_greedy_agrees_with_hf_on_the_dequantized_weights(tmp_path, method):
     """The engine quantizing at load (bfloat16; decode steps of <= 4 rows on the quantized kernels)."""
     path, hf_model = save_random_model(tmp_path, "llama3-rope-untied")
     _dequantize_hf_weights(hf_model, method)
-    args = EngineArgs(model=str(path), dtype="bfloat16", quantization=method, kv_cache_memory="8MiB", block_size=8)
+    args = EngineArgs(
+        model=str(path), dtype="bfloat16", quantization=method, kv_cache_memory="8MiB", block_size=8,
+        download_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
     engine = EngineCore(args)
     assert engine.worker.model.layers[0].mlp.down_proj.kernel is not None
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 17, 40)]
     assert_agrees_with(hf_model, prompts, run_greedy(engine, prompts, 16), method)
     assert_no_leaks(engine)
+
+
+def test_weights_quantized_at_load_are_cached_on_disk(tmp_path, caplog):
+    """The first start quantizes the float checkpoint's linear layers into the cache; the next loads those codes
+    without quantizing again and gives the same tokens."""
+    path, _ = save_random_model(tmp_path, "llama3-rope-untied")
+    cache = tmp_path / "cache"
+    prompts = [[5, 9, 200, 31, 7], list(range(3, 40))]
+    outputs = []
+    for start in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="llmmesh.loader"):
+            engine = EngineCore(
+                EngineArgs(
+                    model=str(path),
+                    dtype="bfloat16",
+                    quantization="int4",
+                    kv_cache_memory="8MiB",
+                    download_dir=str(cache),
+                )
+            )
+        assert sum("quantizing" in r.getMessage() for r in caplog.records) == (1 if start == 0 else 0)
+        outputs.append(run_greedy(engine, prompts, 8))
+        assert_no_leaks(engine)
+    assert outputs[0] == outputs[1]
+    (cached,) = cache.glob(f"{path.name}-int4-*")
+    stored = {}
+    for f in cached.glob("*.safetensors"):
+        stored.update(load_file(f))
+    original = load_file(path / "model.safetensors")
+    assert not [n for n in stored if n.endswith("_proj.weight") or n == "lm_head.weight"]
+    for layer in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "lm_head"):
+        want = quantize_int4(original[f"{layer}.weight"].float(), 32)
+        for kind, tensor in zip(("qweight", "scales", "zeros"), want):
+            assert torch.equal(stored[f"{layer}.{kind}"], tensor), (layer, kind)
+    assert torch.equal(stored["model.embed_tokens.weight"], original["model.embed_tokens.weight"])
 
 
 # The shipped SmolLM2 GGUF, native (its Q4_1 layers and Q8_0 output layer on int8_dot_linear, the activations
@@ -267,7 +310,9 @@ def test_kv_blocks_of_differently_quantized_engines_never_mix(tmp_path):
     path, _ = save_random_model(tmp_path, "mistral")
     fingerprints = {
         EngineCore(
-            EngineArgs(model=str(path), dtype="bfloat16", quantization=q, kv_cache_memory="8MiB")
+            EngineArgs(
+                model=str(path), dtype="bfloat16", quantization=q, kv_cache_memory="8MiB", download_dir=str(tmp_path)
+            )
         ).worker.kv_layout.fingerprint
         for q in (None, "int8", "int4")
     }

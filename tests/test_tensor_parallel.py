@@ -109,12 +109,12 @@ def greedy_with_top2(engine: EngineCore) -> list[list[tuple[int, float]]]:
     return [steps[str(i)] for i in range(len(prompts()))]
 
 
-def test_int8_weights_shard_and_greedy_output_follows_tp1(tiny_model):
-    """Each rank quantizes its shard at load: a row-parallel shard gets scales of its half of each row, finer than
-    one device's, and bfloat16 sums in another order; so greedy tokens equal TP=1's up to a near-tie."""
+def test_int8_weights_shard_and_greedy_output_follows_tp1(tiny_model, tmp_path):
+    """Each rank takes its part of the cached codes (a row-parallel shard keeps each row's one scale), and bfloat16
+    sums in another order; so greedy tokens equal TP=1's up to a near-tie."""
     outputs = {}
     for size in (1, 2):
-        engine = make_engine(tiny_model, size, quantization="int8", dtype="bfloat16")
+        engine = make_engine(tiny_model, size, quantization="int8", dtype="bfloat16", download_dir=str(tmp_path))
         try:
             outputs[size] = greedy_with_top2(engine)
         finally:

@@ -67,13 +67,24 @@ def _default_model_gguf() -> Path:
 # ---------------------------------------------------------------------------------------------- the cache
 
 
+def _cached(name: str, files: list[Path], what: str, cache_dir: str | Path | None) -> Path:
+    root = Path(cache_dir or os.environ.get("LLMMESH_CACHE_DIR") or Path.home() / ".cache" / "llmmesh").expanduser()
+    # The key changes when a source file is replaced or touched, so an edited model is converted again.
+    stamps = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    key = hashlib.sha256(f"{stamps}|{what}|{_CONVERTER_VERSION}".encode()).hexdigest()
+    return root / f"{name}-{key[:16]}"
+
+
 def converted_dir(gguf_path: Path, cache_dir: str | Path | None = None) -> Path:
     """Where the engine's full conversion of a GGUF file lives; complete once it holds config.json."""
-    root = Path(cache_dir or os.environ.get("LLMMESH_CACHE_DIR") or Path.home() / ".cache" / "llmmesh").expanduser()
-    st = gguf_path.stat()
-    # The key changes when the file is replaced or touched, so an edited GGUF is converted again.
-    key = hashlib.sha256(f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}|{_CONVERTER_VERSION}".encode()).hexdigest()
-    return root / f"{gguf_path.stem}-{key[:16]}"
+    return _cached(gguf_path.stem, [gguf_path], "", cache_dir)
+
+
+def quantized_dir(model_dir: Path, quantization: str, cache_dir: str | Path | None = None) -> Path:
+    """Where a model's weights quantized by --quantization (int8, int4) are kept; complete once it holds
+    config.json."""
+    files = sorted(model_dir.resolve().glob("*.safetensors"))
+    return _cached(f"{model_dir.name}-{quantization}", files, quantization, cache_dir)
 
 
 def build_dir(out: Path, convert: Callable[[Path], None]) -> Path:

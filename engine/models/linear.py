@@ -21,7 +21,7 @@ from engine.models.quantization import (
 
 def _narrow(tensor: torch.Tensor, dim: int, rank: int, size: int, what: str) -> torch.Tensor:
     """Rank `rank`'s equal part of tensor along dim."""
-    if size == 1 or tensor.dim() <= dim:
+    if size == 1 or tensor.dim() <= dim or tensor.shape[dim] == 1:  # a per-row scale spans every rank's part
         return tensor
     if tensor.shape[dim] % size:
         raise ValueError(

@@ -26,10 +26,12 @@ from engine.models.files import (  # noqa: F401 (DEFAULT_MODEL and load_config r
     gguf_config,
     load_config,
     open_gguf,
+    quantized_dir,
     read_json,
     resolve_model,
     write_text_files,
 )
+from engine.models.quantization import get_linear_method
 from kernels.quant import dequantize
 
 logger = logging.getLogger("llmmesh.loader")
@@ -45,6 +47,43 @@ def prepare_model_dir(model: str, cache_dir: str | Path | None = None) -> Path:
         read_json(path / "config.json")  # fail early and clearly on a broken config
         return path
     return build_dir(converted_dir(path, cache_dir), lambda tmp: _convert_gguf(path, tmp))
+
+
+def prepare_quantized_weights(model_dir: Path, quantization: str, config: ModelConfig, cache_dir=None) -> Path:
+    """A directory of `model_dir`'s weights with every linear layer's quantized by `quantization` (int8,
+    int4), built once into the cache, so later starts load the codes instead of quantizing again."""
+    return build_dir(
+        quantized_dir(model_dir, quantization, cache_dir),
+        lambda tmp: _quantize_weights(model_dir, quantization, config, tmp),
+    )
+
+
+def _quantize_weights(model_dir: Path, quantization: str, config: ModelConfig, out: Path) -> None:
+    logger.info("quantizing %s's linear layers to %s in %s", model_dir, quantization, out)
+    method = get_linear_method(quantization)
+    shards, size = [{}], 0
+    for name, tensor in load_weights(model_dir, dequantized=True):
+        layer = name.removesuffix(".weight")
+        # The projections and an untied output layer are linear layers; a tied output layer reads the embedding.
+        linear = name.endswith("_proj.weight") or name == "lm_head.weight"
+        tied = config.tie_word_embeddings and name.endswith("embed_tokens.weight")
+        named = {name: tensor} if not linear else {}
+        for target in [layer] * linear + ["lm_head"] * tied:
+            codes = method.quantize(tensor.float())
+            named.update({f"{target}.{kind}": t for kind, t in zip(("qweight", "scales", "zeros"), codes)})
+        for key, t in named.items():
+            if shards[-1] and size + t.nbytes > _SHARD_BYTES:  # bounds the memory held while writing
+                shards.append({})
+                size = 0
+            shards[-1][key] = t.contiguous()
+            size += t.nbytes
+    weight_map = {}
+    for i, tensors in enumerate(shards):
+        file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(out / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file_name))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}, indent=2))
+    (out / "config.json").write_bytes((model_dir / "config.json").read_bytes())  # marks the directory complete
 
 
 # ---------------------------------------------------------------------------------------------- HF directory

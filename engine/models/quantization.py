@@ -7,8 +7,8 @@ fills (create_weights), turns them into what its kernel reads once they are load
 
 Methods (--quantization):
 - unset: the checkpoint's float weights (UnquantizedLinearMethod).
-- int8: weight-only, symmetric int8 codes with one scale per output row, quantized at load.
-- int4: weight-only, asymmetric 4-bit codes in groups of 32 along the input, quantized at load.
+- int8: weight-only, symmetric int8 codes with one scale per output row, quantized at the first load and cached.
+- int4: weight-only, asymmetric 4-bit codes in groups of 32 along the input, quantized at the first load and cached.
 - gguf: a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K tensors as stored (group-wise codes, kernels/quant.py's format);
   its other tensor types arrive dequantized to float32. A GGUF model gets it by default.
 
@@ -139,19 +139,40 @@ class GroupQuantLinearMethod(LinearMethodBase):
         return self.dense.apply(layer, x)
 
 
+def _create_codes_or_weight(layer) -> None:
+    # A tensor arrives as codes, scales and zeros (a GGUF type held natively, or codes the loader cached), or as a
+    # float weight; the shapes come with it (vLLM's GGUF method materializes its parameters on load the same way).
+    for name in ("weight", "qweight", "scales", "zeros"):
+        layer.register_parameter(name, UninitializedParameter(requires_grad=False))
+
+
+def _take_codes_or_weight(layer) -> tuple[tuple | None, torch.Tensor | None]:
+    """(codes, scales, zeros) if the file held the tensor as codes, else its float weight; the parameters
+    themselves are dropped from the layer."""
+    names = ("weight", "qweight", "scales", "zeros")
+    loaded = {n: getattr(layer, n).detach() for n in names if not isinstance(getattr(layer, n), UninitializedParameter)}
+    for name in names:
+        _register(layer, name, None)
+    if "qweight" in loaded:
+        return (loaded["qweight"], loaded["scales"], loaded["zeros"]), None
+    if "weight" not in loaded:
+        raise ValueError(f"no weight was loaded for a {type(layer).__name__}")
+    return None, loaded["weight"]
+
+
 class _QuantizeAtLoad(GroupQuantLinearMethod):
-    """Float weights from the checkpoint, quantized once they are loaded."""
+    """Codes the loader quantized from the checkpoint's float weights and cached (loader.prepare_quantized_weights),
+    or a float weight, quantized here once it is loaded."""
 
     def create_weights(self, layer, input_size, output_size):
-        _register(layer, "weight", torch.empty(output_size, input_size))
+        _create_codes_or_weight(layer)
 
     def quantize(self, w: torch.Tensor):
         raise NotImplementedError
 
     def process_weights_after_loading(self, layer, dtype):
-        q, scales, zeros = self.quantize(layer.weight.detach())
-        layer.weight = None
-        self.process_codes(layer, q, scales, zeros, dtype)
+        codes, weight = _take_codes_or_weight(layer)
+        self.process_codes(layer, *(codes or self.quantize(weight.float())), dtype)
 
 
 class Int8LinearMethod(_QuantizeAtLoad):
@@ -164,33 +185,12 @@ class Int4LinearMethod(_QuantizeAtLoad):
         return quantize_int4(w, INT4_GROUP_SIZE)
 
 
-def _create_gguf_weights(layer) -> None:
-    # A GGUF tensor arrives as codes, scales and zeros, or (a type not held natively) as a float weight; the
-    # shapes come with it (vLLM's GGUF method materializes its parameters on load the same way).
-    for name in ("weight", "qweight", "scales", "zeros"):
-        layer.register_parameter(name, UninitializedParameter(requires_grad=False))
-
-
-def _take_gguf_weights(layer) -> tuple[tuple | None, torch.Tensor | None]:
-    """(codes, scales, zeros) if the file held the tensor natively, else its float weight; the parameters
-    themselves are dropped from the layer."""
-    names = ("weight", "qweight", "scales", "zeros")
-    loaded = {n: getattr(layer, n).detach() for n in names if not isinstance(getattr(layer, n), UninitializedParameter)}
-    for name in names:
-        _register(layer, name, None)
-    if "qweight" in loaded:
-        return (loaded["qweight"], loaded["scales"], loaded["zeros"]), None
-    if "weight" not in loaded:
-        raise ValueError(f"no weight was loaded for a {type(layer).__name__} of the GGUF model")
-    return None, loaded["weight"]
-
-
 class GGUFLinearMethod(GroupQuantLinearMethod):
     def create_weights(self, layer, input_size, output_size):
-        _create_gguf_weights(layer)
+        _create_codes_or_weight(layer)
 
     def process_weights_after_loading(self, layer, dtype):
-        codes, weight = _take_gguf_weights(layer)
+        codes, weight = _take_codes_or_weight(layer)
         if codes is not None:
             self.process_codes(layer, *codes, dtype)
         else:
@@ -214,10 +214,10 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
     """A GGUF embedding table kept as stored: each step dequantizes only the rows it looks up."""
 
     def create_weights(self, layer, input_size, output_size):
-        _create_gguf_weights(layer)
+        _create_codes_or_weight(layer)
 
     def process_weights_after_loading(self, layer, dtype):
-        layer.codes, weight = _take_gguf_weights(layer)
+        layer.codes, weight = _take_codes_or_weight(layer)
         layer.dtype = dtype
         if weight is not None:
             _register(layer, "weight", weight.to(dtype))
@@ -229,6 +229,8 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
         return dequantize(q[ids], scales[ids], zeros[ids]).to(layer.dtype)
 
 
+# Methods whose codes are made from a float checkpoint: the loader quantizes it once and caches the codes.
+QUANTIZED_AT_LOAD = ("int8", "int4")
 _LINEAR_METHODS = {
     None: UnquantizedLinearMethod,
     "int8": Int8LinearMethod,

@@ -27,8 +27,8 @@ from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
 from engine.models.linear import process_weights_after_loading
 from engine.models.llama import LlamaForCausalLM
-from engine.models.loader import check_dtype, dtype_reason, load_weights
-from engine.models.quantization import check_quantization, resolve_quantization
+from engine.models.loader import check_dtype, dtype_reason, load_weights, prepare_quantized_weights
+from engine.models.quantization import QUANTIZED_AT_LOAD, check_quantization, resolve_quantization
 from engine.request import Request, SamplingParams
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import BatchSampler, LocalSampler, Sampler
@@ -127,8 +127,13 @@ class Worker:
     def load_model(self) -> None:
         with torch.device(self.device):
             model = LlamaForCausalLM(self.model_config, self.attn_backend, self.quantization)
-        dequantized = self.quantization != self.model_config.quantization  # a GGUF quantized again
-        model.load_weights(load_weights(self.model_dir, dequantized=dequantized))
+        weights_dir, dequantized = self.model_dir, self.quantization != self.model_config.quantization
+        if self.quantization in QUANTIZED_AT_LOAD:  # quantized once (a GGUF's dequantized tensors too), then cached
+            weights_dir = prepare_quantized_weights(
+                self.model_dir, self.quantization, self.model_config, self.args.download_dir
+            )
+            dequantized = False
+        model.load_weights(load_weights(weights_dir, dequantized=dequantized))
         process_weights_after_loading(model, self.dtype)
         self.model = model.eval()
         self.drafter = self._make_drafter()  # speculative decoding's proposer: a draft model loads here
