@@ -15,7 +15,8 @@ Hop: RemoteSampler.sample against the in-process Sampler on the same random floa
 step (median over --hop-iters after warm-up; each iteration times every form in turn), with the logits as bytes
 over TCP loopback and over a Unix domain socket, and in shared memory (the message over TCP loopback); plus the
 engine's own decode step at that batch (in-process sampling) and its scheduling, input-building and update
-parts, for the break-even, and the next step's allocation that async scheduling does while the sampler samples.
+parts, for the break-even, and the next step's allocation and input building that async scheduling does while
+the sampler samples.
 
 Serve (--serve-concurrency): two meshes as `llmmesh serve --no-kv-store` starts them, one with the sampler
 service and one with --no-sampler-service, both up at once; at each concurrency, `rounds` rounds alternate which
@@ -178,13 +179,15 @@ def hop(addresses: dict[str, str], batches, iters, vocab, warmup: int = 3) -> li
 
 def decode_step_ms(llm, batch: int, vocab: int) -> dict:
     """The engine's median step while `batch` requests decode (in-process sampling), and the medians of its
-    scheduling, input-building and output-update parts, and of the allocation for the next step that async
-    scheduling moves into the sampler's time (schedule_ahead)."""
+    scheduling, input-building (with async scheduling: writing the sampled tokens into the batch prepared ahead)
+    and output-update parts, and of the work for the next step that async scheduling moves into the sampler's
+    time (schedule_ahead: its blocks; prepare_ahead: its inputs)."""
     rng = random.Random(batch)
     prompts = [{"prompt_token_ids": [rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(16)]} for _ in range(batch)]
     core, runner, times, parts = llm.engine, llm.engine.worker.model_runner, [], []
     step, prepare_inputs, schedule_ahead = core.step, runner.prepare_inputs, core.scheduler.schedule_ahead
-    prepared, ahead = [], []
+    prepare_ahead = runner.prepare_ahead
+    prepared, ahead, inputs_ahead = [], [], []
 
     def timed_prepare(so):
         start = time.perf_counter()
@@ -194,29 +197,37 @@ def decode_step_ms(llm, batch: int, vocab: int) -> dict:
 
     def timed_ahead(so):
         start = time.perf_counter()
-        schedule_ahead(so)
+        next_step = schedule_ahead(so)
         ahead.append((time.perf_counter() - start) * 1e3)
+        return next_step
+
+    def timed_prepare_ahead(so, next_step):
+        start = time.perf_counter()
+        prepare_ahead(so, next_step)
+        inputs_ahead.append((time.perf_counter() - start) * 1e3)
 
     def timed_step():
         start = time.perf_counter()
         out = step()
         if all(r.num_output_tokens > 0 for r in core.scheduler.running) and len(core.scheduler.running) == batch:
             times.append((time.perf_counter() - start) * 1e3)
-            parts.append((core.last_step.schedule_s * 1e3, prepared[-1], core.last_step.update_s * 1e3, ahead[-1]))
+            last = core.last_step
+            parts.append((last.schedule_s * 1e3, prepared[-1], last.update_s * 1e3, ahead[-1], inputs_ahead[-1]))
         return out
 
     core.step, runner.prepare_inputs, core.scheduler.schedule_ahead = timed_step, timed_prepare, timed_ahead
+    runner.prepare_ahead = timed_prepare_ahead
     try:
         llm.generate(prompts, [params(i, 12) for i in range(batch)], use_tqdm=False)
     finally:
-        del core.step, runner.prepare_inputs, core.scheduler.schedule_ahead
+        del core.step, runner.prepare_inputs, core.scheduler.schedule_ahead, runner.prepare_ahead
     if not times:
         return {"decode_step_ms": float("nan")}
     return {
         "decode_step_ms": statistics.median(times),
         **{
             f"{name}_ms": statistics.median(p[i] for p in parts)
-            for i, name in enumerate(("schedule", "prepare", "update", "schedule_ahead"))
+            for i, name in enumerate(("schedule", "prepare", "update", "schedule_ahead", "prepare_ahead"))
         },
     }
 

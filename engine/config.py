@@ -104,8 +104,8 @@ FLAG_HELP = {
     "sampler_timeout": "seconds a step waits for the sampler service; past it, or when the service is down, the "
     "step's requests end with UNAVAILABLE and the engine goes on",
     "sampler_fallback": "sample in process a step the sampler service cannot serve, instead of failing its requests",
-    "async_scheduling": "allocate the next step's KV blocks while this step's tokens are being sampled (on the "
-    "sampler service, or on the device); outputs are the same either way",
+    "async_scheduling": "allocate the next step's KV blocks, and build a step of decodes' inputs, while this step's "
+    "tokens are being sampled (on the sampler service, or on the device); outputs are the same either way",
     "enforce_eager": "never capture or run CUDA graphs",
     "cudagraph_capture_sizes": "decode batch sizes captured as CUDA graphs at start-up (a batch runs as the next "
     "size up), capped at --max-num-seqs; unset: 1, 2, 4, then every multiple of 8 up to 512",

@@ -152,7 +152,8 @@ class EngineCore:
         began = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         started = time.perf_counter()
-        # Async scheduling: the next step's blocks are allocated while this step's tokens are being sampled.
+        # Async scheduling: the next step's blocks are allocated (and a step of decodes has its inputs built) while
+        # this step's tokens are being sampled.
         ahead = partial(self.scheduler.schedule_ahead, scheduler_output) if self.args.async_scheduling else None
         runner_output = self.executor.execute_model(scheduler_output, ahead)
         ran = time.perf_counter()

@@ -1,5 +1,6 @@
-"""Async scheduling (--async-scheduling): the next step's blocks are allocated while a step's tokens are being
-sampled on the sampler service, and the outputs are token for token those of an engine that waits for them:
+"""Async scheduling (--async-scheduling): the next step's blocks are allocated, and a step of decodes has its
+inputs prepared, while a step's tokens are being sampled (on the sampler service, or in process), and the
+outputs are token for token those of an engine that waits for them:
 greedy and seeded requests, logprobs, under preemption and chunked prefill, with aborts, stop tokens, min_tokens
 and max_tokens, and through the mesh with the detokenizer's stop strings."""
 
@@ -36,9 +37,10 @@ def sampler():
         yield service
 
 
-def run(tiny_llama_dir, sampler, async_scheduling: bool, abort_at_step: int | None = None):
-    """Twelve requests on a 16-block KV cache in 32-token steps, sampled on the service (shared memory): each
-    request's tokens, logprobs and ending, the preemptions, and the steps whose blocks were allocated ahead."""
+def run(tiny_llama_dir, sampler, async_scheduling: bool, abort_at_step: int | None = None, remote: bool = True):
+    """Twelve requests on a 16-block KV cache in 32-token steps, sampled on the service (shared memory) or in
+    process: each request's tokens, logprobs and ending, the preemptions, the steps whose blocks were allocated
+    ahead, and those that ran on inputs prepared ahead."""
     args = EngineArgs(
         model=str(tiny_llama_dir),
         kv_cache_memory=str(16 * BLOCK_BYTES),
@@ -47,7 +49,8 @@ def run(tiny_llama_dir, sampler, async_scheduling: bool, abort_at_step: int | No
     )
     core = EngineCore(args)
     runner = core.worker.model_runner
-    runner.sampler = RemoteSampler(sampler.address, slot_bytes=args.max_num_seqs * COMMON["vocab_size"] * 4)
+    if remote:
+        runner.sampler = RemoteSampler(sampler.address, slot_bytes=args.max_num_seqs * COMMON["vocab_size"] * 4)
     rng = random.Random(0)
     for i in range(12):
         prompt = rng.choices(range(3, COMMON["vocab_size"]), k=rng.randint(8, 60))
@@ -68,9 +71,9 @@ def run(tiny_llama_dir, sampler, async_scheduling: bool, abort_at_step: int | No
             steps_ahead += bool(core.scheduler.allocated_ahead)
             if core.num_steps == abort_at_step:  # one running request, one that waits, one not yet seen
                 core.abort_requests([r.request_id for r in core.scheduler.running[:1]] + ["11", "no-such"])
-        assert runner.sampler.slots is not None  # the logits went through shared memory
+        assert not remote or runner.sampler.slots is not None  # the logits went through shared memory
         assert_no_leaks(core)
-        return results, core.get_stats().num_preemptions, steps_ahead
+        return results, core.get_stats().num_preemptions, (steps_ahead, runner.num_prepared_ahead)
     finally:
         runner.sampler.close()
         core.shutdown()
@@ -79,10 +82,13 @@ def run(tiny_llama_dir, sampler, async_scheduling: bool, abort_at_step: int | No
 @pytest.mark.parametrize("abort_at_step", [None, 9])
 def test_outputs_equal_without_async_scheduling(tiny_llama_dir, sampler, abort_at_step):
     want, want_preemptions, none_ahead = run(tiny_llama_dir, sampler, False, abort_at_step)
-    got, preemptions, steps_ahead = run(tiny_llama_dir, sampler, True, abort_at_step)
+    got, preemptions, (steps_ahead, prepared_ahead) = run(tiny_llama_dir, sampler, True, abort_at_step)
     assert got == want
     assert preemptions == want_preemptions > 0
-    assert none_ahead == 0 and steps_ahead > 10
+    assert none_ahead == (0, 0) and steps_ahead > 10 and prepared_ahead > 5
+    # In process too (the sampler's while_waiting runs after its sampling there).
+    got, preemptions, (_, prepared_ahead) = run(tiny_llama_dir, sampler, True, abort_at_step, remote=False)
+    assert got == want and preemptions == want_preemptions and prepared_ahead > 5
     # The run exercised what it claims to.
     ends = Counter(reason for _, _, [(reason, _)] in want.values())
     assert ends[FinishReason.STOP] > 0 and ends[FinishReason.LENGTH] > 0

@@ -291,15 +291,19 @@ class Scheduler:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
 
-    def schedule_ahead(self, in_flight: SchedulerOutput) -> None:
+    def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
         """While in_flight's tokens are being sampled, allocate the running requests' blocks for the next step
         (vLLM's async scheduling): each request that samples in in_flight counts one more token, its output
         placeholder. The next schedule() keeps what it decides the same, so outputs do not change; it alone
         preempts (this stops at the first request that does not fit) and admits waiting requests. Not with
-        speculative decoding: a step's drafts are known only from its output."""
+        speculative decoding: a step's drafts are known only from its output.
+
+        Returns the next step as it will be if every running request decodes on, one token each (for the model
+        runner to prepare its inputs ahead), or None when it will not be a step of decodes alone."""
         if self.spec_decoding_stats is not None:
-            return
+            return None
         token_budget = self.max_num_batched_tokens
+        decodes: list[Request] = []
         for request in self.running:
             if token_budget <= 0:
                 break
@@ -310,9 +314,19 @@ class Scheduler:
             if num_new_tokens == 0:
                 continue
             if self.kv_cache_manager.allocate_slots(request, num_pending + num_new_tokens) is None:
-                return
+                return None
             self.allocated_ahead[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            if num_new_tokens == num_placeholders == 1:
+                decodes.append(request)
+        if not decodes or len(decodes) < len(self.running):
+            return None
+        return SchedulerOutput(
+            scheduled_requests=decodes,
+            num_scheduled_tokens=dict.fromkeys(self.allocated_ahead, 1),
+            total_num_scheduled_tokens=len(decodes),
+            block_ids={r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r in decodes},
+        )
 
     # ---- structured output ---------------------------------------------------------------------------
 

@@ -77,6 +77,7 @@ class InputBuffers:
         sampled_rows: list[int],
         pad_to: int | None = None,
         spec_token_ids: list[list[int]] | None = None,
+        num_computed: list[int] | None = None,
     ):
         """Fill the buffers with these requests' scheduled tokens, in order, and start the copies to the device.
 
@@ -86,6 +87,9 @@ class InputBuffers:
 
         spec_token_ids: each request's drafts (speculative decoding), the last of its scheduled tokens; the
         logits of a sampled row are then its last 1 + len(drafts) positions, each verifying the next.
+
+        num_computed: where each request's scheduled tokens start, when not yet its num_computed_tokens (a batch
+        prepared while the step before it samples); its tokens not yet sampled are left for write_input_ids.
         """
         if self.copied is not None:
             self.copied.synchronize()  # the last step's copies are done reading the host side (normally long since)
@@ -94,7 +98,7 @@ class InputBuffers:
         n = np.ones(num_rows, dtype=np.int64)
         n[:num_reqs] = num_scheduled
         starts = np.zeros(num_rows, dtype=np.int64)
-        starts[:num_reqs] = [r.num_computed_tokens for r in requests]
+        starts[:num_reqs] = num_computed if num_computed is not None else [r.num_computed_tokens for r in requests]
         qsl = self.query_start_loc.np[: num_rows + 1]
         qsl[0] = 0
         np.cumsum(n, out=qsl[1:])
@@ -108,7 +112,8 @@ class InputBuffers:
             table[row, : len(ids)] = ids
             drafts = spec_token_ids[row] if spec_token_ids else ()
             end = qsl[row + 1] - len(drafts)
-            input_ids[qsl[row] : end] = request.all_token_ids[starts[row] : starts[row] + n[row] - len(drafts)]
+            ids = request.all_token_ids[starts[row] : starts[row] + n[row] - len(drafts)]
+            input_ids[qsl[row] : qsl[row] + len(ids)] = ids
             input_ids[end : qsl[row + 1]] = drafts
         input_ids[num_real:total] = 0
         rows = np.repeat(np.arange(num_rows), n)
@@ -141,6 +146,17 @@ class InputBuffers:
         if self.copied is not None:
             self.copied.record()
         return input_ids, positions, metadata, logits_indices
+
+    def write_input_ids(self, flat_positions: list[int], token_ids: list[int], total: int) -> torch.Tensor:
+        """Tokens into their places in the prepared batch of `total` tokens (those that were being sampled while
+        it was prepared); its input ids on the device."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        self.input_ids.np[flat_positions] = token_ids
+        input_ids = self.input_ids.copy_to_gpu(total)
+        if self.copied is not None:
+            self.copied.record()
+        return input_ids
 
     def prepare_lora(self, lora_slots: list[int], num_scheduled: list[int]) -> tuple[torch.Tensor, np.ndarray]:
         """Each scheduled token's LoRA slot, from its request's (after prepare(), in the same order): on the device,

@@ -10,6 +10,7 @@ CUDA graphs captured replays one instead of launching the model's kernels one by
 """
 
 import time
+from functools import partial
 
 import torch
 
@@ -55,6 +56,10 @@ class ModelRunner:
         self.lora_failures: dict[str, RequestFailure] = {}
         # False on tensor-parallel ranks 1..N-1: they run each step's collectives with rank 0, which alone samples.
         self.is_driver = is_driver
+        # Async scheduling: the next step's batch, prepared while this step's tokens were sampled (its key, its
+        # inputs); steps that used it.
+        self.prepared_ahead: tuple[tuple, tuple] | None = None
+        self.num_prepared_ahead = 0
 
     def capture_cudagraphs(self, sizes: list[int]) -> None:
         """CUDA graphs of the model's forward for decode batches of these sizes (after the KV cache exists)."""
@@ -65,7 +70,33 @@ class ModelRunner:
         """The flat super-sequence: every scheduled token of every request, decodes first.
 
         Also the rows to sample (those whose prompt is complete after this step), and the CUDA graph size the
-        batch runs as (None: eagerly)."""
+        batch runs as (None: eagerly). A batch prepared ahead (prepare_ahead) is used when this is that batch:
+        only the tokens sampled since are written into it."""
+        prepared, self.prepared_ahead = self.prepared_ahead, None
+        if prepared is not None and prepared[0] == _batch_key(
+            so, [r.num_computed_tokens for r in so.scheduled_requests]
+        ):
+            requests, order, rows, size, _, positions, metadata, logits_indices = prepared[1]
+            qsl = metadata.query_start_loc_cpu
+            tokens = [r.all_token_ids[-1] for r in requests]  # each a decode of its newest token
+            input_ids = self.buffers.write_input_ids(qsl[: len(requests)], tokens, metadata.num_actual_tokens)
+            self.num_prepared_ahead += 1
+            return requests, order, rows, size, input_ids, positions, metadata, logits_indices
+        return self._prepare(so)
+
+    def prepare_ahead(self, in_flight: SchedulerOutput, next_step: SchedulerOutput) -> None:
+        """While in_flight's tokens are sampled, the inputs of next_step, a step of decodes whose tokens are the
+        ones being sampled (Scheduler.schedule_ahead's guess): everything but those tokens. Not with LoRA (a
+        step's adapters are put in slots as it is prepared)."""
+        if self.lora_manager is not None:
+            return
+        num_computed = [
+            r.num_computed_tokens + in_flight.num_scheduled_tokens.get(r.request_id, 0)
+            for r in next_step.scheduled_requests
+        ]
+        self.prepared_ahead = (_batch_key(next_step, num_computed), self._prepare(next_step, num_computed))
+
+    def _prepare(self, so: SchedulerOutput, num_computed: list[int] | None = None):
         lora_slots = self._activate_loras(so.scheduled_requests)
         # Decodes first (the LoRA kernels group tokens by adapter themselves, whatever the order).
         order = sorted(
@@ -74,7 +105,10 @@ class ModelRunner:
         )
         requests = [so.scheduled_requests[i] for i in order]
         num_scheduled = [so.num_scheduled_tokens[r.request_id] for r in requests]
-        rows = [i for i, (r, n) in enumerate(zip(requests, num_scheduled)) if r.num_computed_tokens + n >= r.num_tokens]
+        if num_computed is None:
+            num_computed = [r.num_computed_tokens for r in so.scheduled_requests]
+        starts = [num_computed[i] for i in order]
+        rows = [i for i, (r, start, n) in enumerate(zip(requests, starts, num_scheduled)) if start + n >= r.num_tokens]
         size = self.cudagraphs.padded_size(num_scheduled) if self.cudagraphs is not None else None
         spec = so.scheduled_spec_decode_tokens
         inputs = self.buffers.prepare(
@@ -84,6 +118,7 @@ class ModelRunner:
             rows,
             size,
             [spec.get(r.request_id, []) for r in requests] if spec else None,
+            starts,
         )
         if self.lora_manager is not None:
             self.lora_manager.set_mapping(*self.buffers.prepare_lora([lora_slots[i] for i in order], num_scheduled))
@@ -119,6 +154,8 @@ class ModelRunner:
         self.device_wait_s = 0.0
         if so.is_empty:
             return ModelRunnerOutput([])
+        if while_sampling is not None:
+            while_sampling = partial(self._while_sampling, so, while_sampling)
         requests, order, rows, size, input_ids, positions, metadata, logits_indices = self.prepare_inputs(so)
         if size is None:
             hidden = self.model(input_ids, positions, metadata, self.kv_caches)
@@ -168,6 +205,12 @@ class ModelRunner:
                 [sampled_requests[row] for row in proposing], [new_token_ids[row] for row in proposing], so
             )
         return output
+
+    def _while_sampling(self, so: SchedulerOutput, schedule_ahead) -> None:
+        """The engine's work for the next step while this one's tokens are sampled: its blocks, then its inputs."""
+        next_step = schedule_ahead()
+        if next_step is not None:
+            self.prepare_ahead(so, next_step)
 
     @staticmethod
     def _gather_logprobs(sampler_output, sampled_requests, new_token_ids, drafts, vocab: int, output) -> None:
@@ -220,6 +263,14 @@ class ModelRunner:
                 output.prompt_logprobs[request_id] = LogprobsTensors(
                     *(torch.cat(parts) for parts in zip(*((c.token_ids, c.logprobs, c.ranks) for c in chunks)))
                 )
+
+
+def _batch_key(so: SchedulerOutput, num_computed: list[int]) -> tuple:
+    """What a step's prepared inputs depend on: its requests in order, where each starts, its tokens, its blocks."""
+    return tuple(
+        (r.request_id, start, so.num_scheduled_tokens[r.request_id], tuple(so.block_ids[r.request_id]))
+        for r, start in zip(so.scheduled_requests, num_computed)
+    )
 
 
 def grammar_rows(so: SchedulerOutput, sampled_requests, drafts: DraftTokens | None = None) -> GrammarBitmask | None:
