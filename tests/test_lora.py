@@ -464,7 +464,7 @@ def test_cpu_kernel_matches_the_reference(dtype, slot_dtype):
     """A packed layer (three slices) with adapters of ranks 2 and 5 in slots of 8, the slots in each --lora-dtype,
     over groups of tokens longer and shorter than the kernel's blocks, interleaved with each other and with
     base-model tokens; x a strided view, widths no vector's multiple."""
-    slots, max_rank, fan_in, out_sizes = 3, 8, 24, (16, 8, 8)
+    slots, max_rank, fan_in, out_sizes = 3, 8, 152, (144, 8, 40)
     gen = torch.Generator().manual_seed(4)
     a = torch.zeros(slots, 3 * max_rank, fan_in)
     b = torch.zeros(slots, 3 * max_rank, sum(out_sizes))

@@ -28,6 +28,7 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t BLOCK = 8;
 constexpr int64_t V = Vec::size();
+constexpr int64_t PREFETCH_A = 1024;  // elements of A ahead of the shrink's reads
 
 // n (<= V) weights from p, widened to float32 (a bfloat16 is the top half of a float32: a shift).
 template <typename w_t>
@@ -47,47 +48,68 @@ inline Vec load_w(const w_t* p, int64_t n) {
   }
 }
 
-// h[t, j] = a[j] . x[t] for the block's NB tokens (xf: their rows in float32, `in` apart), rows j of a.
+// h[t, j] = a[j] . x[t] for the block's NB tokens (xf: their rows in float32, `in` apart), rows j of a. U vectors of
+// a row at a time, each token with U accumulators: enough independent sums that the FMAs' latency hides.
 template <int NB, typename w_t>
 void shrink(const w_t* a, const float* xf, int64_t in, int64_t rows, float* h) {
+  constexpr int U = NB == 1 ? 8 : NB == 2 ? 4 : NB <= 4 ? 2 : 1;
   for (int64_t j = 0; j < rows; ++j) {
     const w_t* aj = a + j * in;
-    Vec acc[NB];
-    for (int t = 0; t < NB; ++t) acc[t] = Vec(0.f);
-    for (int64_t k = 0; k < in; k += V) {  // the tail loads fill the rest with zeros
+    Vec acc[NB][U];
+    for (int t = 0; t < NB; ++t)
+      for (int u = 0; u < U; ++u) acc[t][u] = Vec(0.f);
+    int64_t k = 0;
+    for (; k + U * V <= in; k += U * V) {
+      for (int64_t c = 0; c < U * V * static_cast<int64_t>(sizeof(w_t)); c += 64)  // a few rows ahead
+        __builtin_prefetch(reinterpret_cast<const char*>(aj + k + PREFETCH_A) + c);
+      for (int u = 0; u < U; ++u) {
+        const Vec w = load_w(aj + k + u * V, V);
+        for (int t = 0; t < NB; ++t) acc[t][u] = at::vec::fmadd(w, Vec::loadu(xf + t * in + k + u * V), acc[t][u]);
+      }
+    }
+    for (; k < in; k += V) {  // the rest; a tail load fills the lanes past `in` with zeros
       const int64_t len = std::min<int64_t>(V, in - k);
       const Vec w = load_w(aj + k, len);
-      for (int t = 0; t < NB; ++t) acc[t] = at::vec::fmadd(w, Vec::loadu(xf + t * in + k, len), acc[t]);
+      for (int t = 0; t < NB; ++t) acc[t][0] = at::vec::fmadd(w, Vec::loadu(xf + t * in + k, len), acc[t][0]);
     }
-    for (int t = 0; t < NB; ++t)
-      h[t * rows + j] = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, acc[t]);
+    for (int t = 0; t < NB; ++t) {
+      for (int u = 1; u < U; ++u) acc[t][0] = acc[t][0] + acc[t][u];
+      h[t * rows + j] = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, acc[t][0]);
+    }
   }
 }
 
-// y[tok[t], n0:n1] += sum_j h[t, j] bt[j, n0:n1] over rows j0..j1 of bt, for the block's NB tokens; two vectors of
-// outputs at a time, so each load of B serves every token.
+// y[tok[t], n0:n1] += sum_j h[t, j] bt[j, n0:n1] over rows j0..j1 of bt, for the block's NB tokens; T vectors of
+// outputs at a time (about 16 accumulators in registers), so each load of B serves every token and a row of B is
+// read T vectors at a stretch.
 template <int NB, typename scalar_t, typename w_t>
 void expand(const w_t* bt, int64_t out, const float* h, int64_t rows, int64_t j0, int64_t j1, int64_t n0, int64_t n1,
             scalar_t* y, int64_t y_stride, const int64_t* tok) {
-  for (int64_t n = n0; n < n1; n += 2 * V) {
-    const int64_t len = std::min<int64_t>(2 * V, n1 - n), len0 = std::min<int64_t>(V, len), len1 = len - len0;
-    Vec acc[NB][2];
-    for (int t = 0; t < NB; ++t) acc[t][0] = acc[t][1] = Vec(0.f);
+  constexpr int T = NB <= 2 ? 8 : NB <= 4 ? 4 : 2;
+  for (int64_t n = n0; n < n1; n += T * V) {
+    int64_t len[T];
+    for (int v = 0; v < T; ++v) len[v] = std::clamp<int64_t>(n1 - n - v * V, 0, V);
+    Vec acc[NB][T];
+    for (int t = 0; t < NB; ++t)
+      for (int v = 0; v < T; ++v) acc[t][v] = Vec(0.f);
     for (int64_t j = j0; j < j1; ++j) {
       const w_t* bj = bt + j * out + n;
-      const Vec b0 = load_w(bj, len0), b1 = len1 > 0 ? load_w(bj + V, len1) : Vec(0.f);
+      // The row's next tile, read on the next pass over the rows: far enough ahead to be in cache by then.
+      for (int64_t c = 0; c < T * V * static_cast<int64_t>(sizeof(w_t)); c += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(bj + T * V) + c);
+      Vec b[T];
+      for (int v = 0; v < T; ++v) b[v] = len[v] > 0 ? load_w(bj + v * V, len[v]) : Vec(0.f);
       for (int t = 0; t < NB; ++t) {
         const Vec ht(h[t * rows + j]);
-        acc[t][0] = at::vec::fmadd(ht, b0, acc[t][0]);
-        acc[t][1] = at::vec::fmadd(ht, b1, acc[t][1]);
+        for (int v = 0; v < T; ++v) acc[t][v] = at::vec::fmadd(ht, b[v], acc[t][v]);
       }
     }
-    float delta[2 * V];
+    float delta[T * V];
+    const int64_t width = std::min<int64_t>(T * V, n1 - n);
     for (int t = 0; t < NB; ++t) {
-      acc[t][0].store(delta);
-      acc[t][1].store(delta + V);
+      for (int v = 0; v < T; ++v) acc[t][v].store(delta + v * V);
       scalar_t* yt = y + tok[t] * y_stride + n;
-      for (int64_t i = 0; i < len; ++i) yt[i] = static_cast<scalar_t>(static_cast<float>(yt[i]) + delta[i]);
+      for (int64_t i = 0; i < width; ++i) yt[i] = static_cast<scalar_t>(static_cast<float>(yt[i]) + delta[i]);
     }
   }
 }
