@@ -110,7 +110,7 @@ def time_cpu_paths(dtype: torch.dtype, lora_dtype: torch.dtype, repeats: int = 3
     def layer(modules):  # one wrapped layer's slots and batch
         fan_in, out_sizes = shapes[modules[0]][0], [shapes[m][1] for m in modules]
         a = torch.randn(16, len(modules) * rank, fan_in).to(lora_dtype)
-        b = torch.randn(16, len(modules) * rank, sum(out_sizes)).to(lora_dtype)
+        b = torch.randn(16, rank, sum(out_sizes)).to(lora_dtype)
         x, y = torch.randn(NUM_REQUESTS, fan_in, dtype=dtype), torch.zeros(NUM_REQUESTS, sum(out_sizes), dtype=dtype)
         return x, y, a, b, out_sizes
 
@@ -126,7 +126,7 @@ def time_cpu_paths(dtype: torch.dtype, lora_dtype: torch.dtype, repeats: int = 3
     paths = {
         "qkv-kernel-sorted": lambda: kernel(x, y, a, b, *meta["sorted"], ranks, out_sizes),
         "qkv-kernel-interleaved": lambda: kernel(x, y, a, b, *meta["interleaved"], ranks, out_sizes),
-        "qkv-gathered-bmm": lambda: lora_expand_ref(lora_shrink_ref(x, a, interleaved), b, interleaved, y),
+        "qkv-gathered-bmm": lambda: lora_expand_ref(lora_shrink_ref(x, a, interleaved), b, interleaved, y, out_sizes),
         "decode-step-120-layers": decode_step,
     }
     times = {name: [] for name in paths}

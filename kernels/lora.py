@@ -1,12 +1,13 @@
 """Multi-LoRA kernels (Punica's shrink and expand): each token's adapter delta for a whole mixed batch.
 
-One layer's adapters sit in fixed slots: lora_a [slots, R, in] and lora_b [slots, R, out] (B transposed, so that
-the CPU's expand streams its rows), zero-padded past each adapter's rank (a packed layer, q/k/v or gate/up, stacks
-its slices' rows in both, B block-diagonally). Token t uses slot token_lora_indices[t]; -1 is the base model, which
-gets no delta.
+One layer's adapters sit in fixed slots: lora_a [slots, L * R, in] and lora_b [slots, R, out] (B transposed, so
+that the CPU's expand streams its rows), zero-padded past each adapter's rank. A packed layer, q/k/v or gate/up, has
+L slices: slice i owns rows [i * R, (i + 1) * R) of A, and its output columns (slice_sizes[i] of them, in order) of
+B, which so holds every slice's R rows side by side, without zeros between them. Token t uses slot
+token_lora_indices[t]; -1 is the base model, which gets no delta.
 
-    shrink: h[t] = x[t] @ lora_a[slot].T          (float32 accumulation)
-    expand: y[t] += h[t] @ lora_b[slot]            (added into the base layer's output)
+    shrink: h[t] = x[t] @ lora_a[slot].T                                  (float32 accumulation)
+    expand: y[t, slice i] += h[t, i * R : (i + 1) * R] @ lora_b[slot][:, slice i]   (added into the base output)
 
 Three implementations of the same arithmetic: the torch reference (a gathered bmm), the Triton kernel (the GPU
 path, one gathered matrix-vector product for both; one program per token and output tile, so any mix of adapters is
@@ -33,11 +34,17 @@ def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, token_lora_indices: t
     return h
 
 
-def lora_expand_ref(h: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: torch.Tensor, y: torch.Tensor) -> None:
-    """y += h @ B per token, in place; base-model rows untouched."""
+def lora_expand_ref(
+    h: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: torch.Tensor, y: torch.Tensor, slice_sizes: list[int]
+) -> None:
+    """y += h @ B per token and slice, in place; base-model rows untouched."""
     rows = (token_lora_indices >= 0).nonzero().squeeze(1)
     b = lora_b[token_lora_indices[rows]].float()  # [rows, R, out]
-    y[rows] += torch.bmm(h[rows].unsqueeze(1), b).squeeze(1).to(y.dtype)
+    rank, offset = lora_b.shape[1], 0
+    for i, size in enumerate(slice_sizes):
+        hi = h[rows, i * rank : (i + 1) * rank].unsqueeze(1)
+        y[rows, offset : offset + size] += torch.bmm(hi, b[:, :, offset : offset + size]).squeeze(1).to(y.dtype)
+        offset += size
 
 
 # ---- CPU: one C++ call per layer ---------------------------------------------------------------------------------
@@ -116,6 +123,12 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_lora_indices: torch
     return h
 
 
-def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: torch.Tensor, y: torch.Tensor) -> None:
-    """The Triton expand: y += h @ B per token, in place, as lora_expand_ref."""
-    _gathered_matvec(y, lora_b.transpose(1, 2), token_lora_indices, h, accumulate=True)
+def lora_expand(
+    h: torch.Tensor, lora_b: torch.Tensor, token_lora_indices: torch.Tensor, y: torch.Tensor, slice_sizes: list[int]
+) -> None:
+    """The Triton expand: y += h @ B per token and slice, in place, as lora_expand_ref (one launch a slice)."""
+    rank, offset = lora_b.shape[1], 0
+    for i, size in enumerate(slice_sizes):
+        b = lora_b[:, :, offset : offset + size].transpose(1, 2)
+        _gathered_matvec(y[:, offset : offset + size], b, token_lora_indices, h[:, i * rank : (i + 1) * rank], True)
+        offset += size

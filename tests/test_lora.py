@@ -425,10 +425,12 @@ DEVICES = [
 ]
 
 
-def random_slots(slots, rank, fan_in, fan_out, dtype, device):
+def random_slots(slots, rank, fan_in, slice_sizes, dtype, device):
+    """Slots of a layer with len(slice_sizes) slices of rank `rank`: A [slots, slices * rank, in], B [slots, rank,
+    out]."""
     gen = torch.Generator().manual_seed(1)
-    a = torch.randn(slots, rank, fan_in, generator=gen).to(device, dtype)
-    b = torch.randn(slots, rank, fan_out, generator=gen).to(device, dtype)
+    a = torch.randn(slots, len(slice_sizes) * rank, fan_in, generator=gen).to(device, dtype)
+    b = torch.randn(slots, rank, sum(slice_sizes), generator=gen).to(device, dtype)
     return a, b
 
 
@@ -436,17 +438,18 @@ def random_slots(slots, rank, fan_in, fan_out, dtype, device):
 @pytest.mark.parametrize("slot_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_shrink_expand_match_the_reference(device, dtype, slot_dtype):
-    # 11 tokens over 3 slots and the base model, ranks padded (48 = 3 slices of 16), widths not a tile's multiple;
-    # the slots in each --lora-dtype.
+    # 11 tokens over 3 slots and the base model, 3 slices of rank 16, widths not a tile's multiple; the slots in
+    # each --lora-dtype.
     indices = torch.tensor([0, 0, -1, 2, 1, 1, 1, -1, 2, 0, 1], device=device)
-    a, b = random_slots(3, 48, 72, 100, slot_dtype, device)
+    slice_sizes = [40, 36, 24]
+    a, b = random_slots(3, 16, 72, slice_sizes, slot_dtype, device)
     x = torch.randn(len(indices), 72, generator=torch.Generator().manual_seed(2)).to(device, dtype)
     y = torch.randn(len(indices), 100, generator=torch.Generator().manual_seed(3)).to(device, dtype)
     h = lora_shrink(x, a, indices)
     torch.testing.assert_close(h, lora_shrink_ref(x, a, indices), rtol=1e-4, atol=1e-3)
     ours, expected = y.clone(), y.clone()
-    lora_expand(h, b, indices, ours)
-    lora_expand_ref(h, b, indices, expected)
+    lora_expand(h, b, indices, ours, slice_sizes)
+    lora_expand_ref(h, b, indices, expected, slice_sizes)
     tolerance = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-1}
     torch.testing.assert_close(ours, expected, **tolerance)
     assert torch.equal(ours[indices < 0], y[indices < 0])  # base-model rows untouched
@@ -467,20 +470,18 @@ def test_cpu_kernel_matches_the_reference(dtype, slot_dtype):
     slots, max_rank, fan_in, out_sizes = 3, 8, 152, (144, 8, 40)
     gen = torch.Generator().manual_seed(4)
     a = torch.zeros(slots, 3 * max_rank, fan_in)
-    b = torch.zeros(slots, 3 * max_rank, sum(out_sizes))
+    b = torch.zeros(slots, max_rank, sum(out_sizes))
     for slot, rank in ((0, 2), (2, 5)):  # as LinearWithLoRA.set_slot lays them out
-        a[slot, : 3 * rank] = torch.randn(3 * rank, fan_in, generator=gen)
-        offset = 0
-        for i, size in enumerate(out_sizes):
-            b[slot, i * rank : (i + 1) * rank, offset : offset + size] = torch.randn(rank, size, generator=gen)
-            offset += size
+        for i in range(3):
+            a[slot, i * max_rank : i * max_rank + rank] = torch.randn(rank, fan_in, generator=gen)
+        b[slot, :rank] = torch.randn(rank, sum(out_sizes), generator=gen)
     a, b = a.to(slot_dtype), b.to(slot_dtype)
     indices = torch.tensor([0, 0, 2, -1, -1] + [2] * 11 + [0, -1, 0] + [2, 0] * 5)
     x = torch.randn(len(indices), fan_in + 5, generator=gen).to(dtype)[:, 5:]
     y = torch.randn(len(indices), sum(out_sizes), generator=gen).to(dtype)
     ours, expected = y.clone(), y.clone()
     lora_cpu_kernel()(x, ours, a, b, *lora_kernel_meta(indices), torch.tensor([2, 0, 5]), list(out_sizes))
-    lora_expand_ref(lora_shrink_ref(x, a, indices), b, indices, expected)
+    lora_expand_ref(lora_shrink_ref(x, a, indices), b, indices, expected, list(out_sizes))
     exact = dtype == torch.float32 and slot_dtype == torch.float32
     tolerance = {"rtol": 1e-5, "atol": 1e-4} if exact else {"rtol": 2e-2, "atol": 1e-1}
     torch.testing.assert_close(ours, expected, **tolerance)

@@ -46,9 +46,9 @@ class LinearWithLoRA(nn.Module):
         out_sizes = getattr(base, "output_sizes", [base.output_size])
         offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         self.out_slices = list(zip(offsets, out_sizes))
-        # A slice's rows of A and B are [i * rank, (i + 1) * rank) by its adapter's rank; B is block-diagonal.
+        # Slice i's rows of A are [i * R, i * R + rank); its B is rows [0, rank) of its own columns (kernels/lora.py).
         self.lora_a = torch.zeros(max_loras, len(modules) * max_lora_rank, base.input_size, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(max_loras, len(modules) * max_lora_rank, base.output_size, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(max_loras, max_lora_rank, base.output_size, dtype=dtype, device=device)
         self.mapping = mapping
         self.slice_sizes = list(out_sizes)
         # With tensor parallelism a row-parallel layer's ranks each hold part of the input: A is cut the same way,
@@ -69,8 +69,9 @@ class LinearWithLoRA(nn.Module):
                     b = self.base.shard(b, f"LoRA B of {module}")
                 if isinstance(self.base, RowParallelLinear):
                     a = self.base.shard(a, f"LoRA A of {module}")
-                self.lora_a[slot, i * rank : (i + 1) * rank] = a
-                self.lora_b[slot, i * rank : (i + 1) * rank, offset : offset + size] = b.T
+                first = i * self.lora_b.shape[1]
+                self.lora_a[slot, first : first + rank] = a
+                self.lora_b[slot, :rank, offset : offset + size] = b.T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base.quant_method.apply(self.base, x)  # before a row-parallel layer's all-reduce
@@ -82,5 +83,5 @@ class LinearWithLoRA(nn.Module):
                 )
             else:
                 indices = mapping.token_lora_indices
-                lora_expand(lora_shrink(x, self.lora_a, indices), self.lora_b, indices, y)
+                lora_expand(lora_shrink(x, self.lora_a, indices), self.lora_b, indices, y, self.slice_sizes)
         return all_reduce(y) if self.reduce else y

@@ -3,14 +3,14 @@
 // (kernels/lora.py's lora_kernel_meta, vLLM's LoRAKernelMeta): slot active_lora_ids[i] serves the tokens
 // token_indices_sorted_by_lora_ids[lora_token_start_loc[i] : lora_token_start_loc[i + 1]], whatever their order in
 // the batch; base-model tokens are in no group and get no delta. A slot holds one adapter's A [L * R, in] and B
-// transposed, [L * R, out] (scaled), in float32, bfloat16 or float16, where L packed slices (q/k/v, gate/up) stack
-// their rows by the slot's own rank r: slice i's rows are [i * r, (i + 1) * r) of both, and its outputs the i-th of
-// slice_sizes (B is zero outside them, and never read there). Per token, in float32:
-//   h = A[slot] x                                         (shrink: only the adapter's L * r rows)
-//   y[slice i] += sum over slice i's rows j of h[j] B[slot][j, slice i]   (expand, into the base output in place)
+// transposed, [R, out] (scaled), in float32, bfloat16 or float16, where L packed slices (q/k/v, gate/up) each have R
+// rows of A ([i * R, (i + 1) * R) for slice i) and the i-th of slice_sizes columns of B; only the first r of a
+// slice's R rows, r the slot's own rank, are read. Per token, in float32, for each slice i:
+//   h = A[slot][i * R : i * R + r] x                     (shrink)
+//   y[slice i] += sum over j < r of h[j] B[slot][j, slice i]   (expand, into the base output in place)
 // A group is cut into blocks of up to BLOCK tokens, split between threads; a block reads each row of its A and B
 // once, widened to float32 in registers, with its accumulators in registers: a decode batch with at most BLOCK
-// tokens an adapter reads each adapter's weights once a layer.
+// tokens an adapter reads each adapter's weights once a layer, A and each slice of B as contiguous rows.
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -48,10 +48,11 @@ inline Vec load_w(const w_t* p, int64_t n) {
   }
 }
 
-// h[t, j] = a[j] . x[t] for the block's NB tokens (xf: their rows in float32, `in` apart), rows j of a. U vectors of
-// a row at a time, each token with U accumulators: enough independent sums that the FMAs' latency hides.
+// h[t * h_stride + j] = a[j] . x[t] for the block's NB tokens (xf: their rows in float32, `in` apart), rows j < rows
+// of a. U vectors of a row at a time, each token with U accumulators: enough independent sums that the FMAs'
+// latency hides.
 template <int NB, typename w_t>
-void shrink(const w_t* a, const float* xf, int64_t in, int64_t rows, float* h) {
+void shrink(const w_t* a, const float* xf, int64_t in, int64_t rows, float* h, int64_t h_stride) {
   constexpr int U = NB == 1 ? 8 : NB == 2 ? 4 : NB <= 4 ? 2 : 1;
   for (int64_t j = 0; j < rows; ++j) {
     const w_t* aj = a + j * in;
@@ -74,16 +75,16 @@ void shrink(const w_t* a, const float* xf, int64_t in, int64_t rows, float* h) {
     }
     for (int t = 0; t < NB; ++t) {
       for (int u = 1; u < U; ++u) acc[t][0] = acc[t][0] + acc[t][u];
-      h[t * rows + j] = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, acc[t][0]);
+      h[t * h_stride + j] = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, acc[t][0]);
     }
   }
 }
 
-// y[tok[t], n0:n1] += sum_j h[t, j] bt[j, n0:n1] over rows j0..j1 of bt, for the block's NB tokens; T vectors of
-// outputs at a time (about 16 accumulators in registers), so each load of B serves every token and a row of B is
-// read T vectors at a stretch.
+// y[tok[t], n0:n1] += sum_j h[t * h_stride + j] bt[j, n0:n1] over rows j < rows of bt, for the block's NB tokens;
+// T vectors of outputs at a time (about 16 accumulators in registers), so each load of B serves every token and a
+// row of B is read T vectors at a stretch.
 template <int NB, typename scalar_t, typename w_t>
-void expand(const w_t* bt, int64_t out, const float* h, int64_t rows, int64_t j0, int64_t j1, int64_t n0, int64_t n1,
+void expand(const w_t* bt, int64_t out, const float* h, int64_t h_stride, int64_t rows, int64_t n0, int64_t n1,
             scalar_t* y, int64_t y_stride, const int64_t* tok) {
   constexpr int T = NB <= 2 ? 8 : NB <= 4 ? 4 : 2;
   for (int64_t n = n0; n < n1; n += T * V) {
@@ -92,7 +93,7 @@ void expand(const w_t* bt, int64_t out, const float* h, int64_t rows, int64_t j0
     Vec acc[NB][T];
     for (int t = 0; t < NB; ++t)
       for (int v = 0; v < T; ++v) acc[t][v] = Vec(0.f);
-    for (int64_t j = j0; j < j1; ++j) {
+    for (int64_t j = 0; j < rows; ++j) {
       const w_t* bj = bt + j * out + n;
       // The row's next tile, read on the next pass over the rows: far enough ahead to be in cache by then.
       for (int64_t c = 0; c < T * V * static_cast<int64_t>(sizeof(w_t)); c += 64)
@@ -100,7 +101,7 @@ void expand(const w_t* bt, int64_t out, const float* h, int64_t rows, int64_t j0
       Vec b[T];
       for (int v = 0; v < T; ++v) b[v] = len[v] > 0 ? load_w(bj + v * V, len[v]) : Vec(0.f);
       for (int t = 0; t < NB; ++t) {
-        const Vec ht(h[t * rows + j]);
+        const Vec ht(h[t * h_stride + j]);
         for (int v = 0; v < T; ++v) acc[t][v] = at::vec::fmadd(ht, b[v], acc[t][v]);
       }
     }
@@ -116,24 +117,24 @@ void expand(const w_t* bt, int64_t out, const float* h, int64_t rows, int64_t j0
 
 template <int NB, typename scalar_t, typename w_t>
 void lora_block(const scalar_t* x, int64_t x_stride, scalar_t* y, int64_t y_stride, const int64_t* tok, const w_t* a,
-                const w_t* bt, int64_t in, int64_t out, int64_t rank, const std::vector<int64_t>& slices, float* xf,
-                float* h) {
+                const w_t* bt, int64_t in, int64_t out, int64_t max_rank, int64_t rank,
+                const std::vector<int64_t>& slices, float* xf, float* h) {
   for (int t = 0; t < NB; ++t)
     for (int64_t k = 0; k < in; ++k) xf[t * in + k] = static_cast<float>(x[tok[t] * x_stride + k]);
-  const int64_t rows = static_cast<int64_t>(slices.size()) * rank;
-  shrink<NB>(a, xf, in, rows, h);
+  const int64_t width = static_cast<int64_t>(slices.size()) * rank;  // h: each token's slices, rank values each
+  for (size_t i = 0; i < slices.size(); ++i) shrink<NB>(a + i * max_rank * in, xf, in, rank, h + i * rank, width);
   int64_t offset = 0;
   for (size_t i = 0; i < slices.size(); ++i) {
-    expand<NB>(bt, out, h, rows, i * rank, (i + 1) * rank, offset, offset + slices[i], y, y_stride, tok);
+    expand<NB>(bt, out, h + i * rank, width, rank, offset, offset + slices[i], y, y_stride, tok);
     offset += slices[i];
   }
 }
 
 template <typename scalar_t, typename w_t>
 void run_block(int64_t nb, const scalar_t* x, int64_t x_stride, scalar_t* y, int64_t y_stride, const int64_t* tok,
-               const w_t* a, const w_t* bt, int64_t in, int64_t out, int64_t rank, const std::vector<int64_t>& slices,
-               float* xf, float* h) {
-#define LORA_BLOCK(NB) lora_block<NB>(x, x_stride, y, y_stride, tok, a, bt, in, out, rank, slices, xf, h)
+               const w_t* a, const w_t* bt, int64_t in, int64_t out, int64_t max_rank, int64_t rank,
+               const std::vector<int64_t>& slices, float* xf, float* h) {
+#define LORA_BLOCK(NB) lora_block<NB>(x, x_stride, y, y_stride, tok, a, bt, in, out, max_rank, rank, slices, xf, h)
   switch (nb) {
     case 1: LORA_BLOCK(1); break;
     case 2: LORA_BLOCK(2); break;
@@ -168,13 +169,13 @@ void lora_apply(const at::Tensor& x, at::Tensor& y, const at::Tensor& lora_a, co
   TORCH_CHECK(x.scalar_type() == y.scalar_type(), "x and y must share a dtype");
   TORCH_CHECK(lora_a.scalar_type() == lora_b.scalar_type() && lora_a.is_contiguous() && lora_b.is_contiguous() &&
                   lora_a.dim() == 3 && lora_b.dim() == 3,
-              "lora_a [slots, L * R, in] and lora_b [slots, L * R, out] must be contiguous, of one dtype");
+              "lora_a [slots, L * R, in] and lora_b [slots, R, out] must be contiguous, of one dtype");
   const int64_t slots = lora_a.size(0), width = lora_a.size(1), in = lora_a.size(2), out = lora_b.size(2);
   const std::vector<int64_t> slices(slice_sizes.begin(), slice_sizes.end());
   int64_t total = 0;
   for (int64_t s : slices) total += s;
   TORCH_CHECK(!slices.empty() && x.size(1) == in && y.size(1) == out && total == out && lora_b.size(0) == slots &&
-                  lora_b.size(1) == width && width % static_cast<int64_t>(slices.size()) == 0,
+                  width == static_cast<int64_t>(slices.size()) * lora_b.size(1),
               "lora_apply: x, y, lora_a, lora_b and slice_sizes disagree in shape");
   const at::Tensor& sorted = token_indices_sorted_by_lora_ids;
   const int64_t groups = active_lora_ids.numel();
@@ -184,7 +185,7 @@ void lora_apply(const at::Tensor& x, at::Tensor& y, const at::Tensor& lora_a, co
                 "contiguous int64 vectors");
   TORCH_CHECK(slot_ranks.size(0) == slots && lora_token_start_loc.size(0) == groups + 1,
               "slot_ranks must have one rank a slot and lora_token_start_loc one more entry than active_lora_ids");
-  const int64_t tokens = x.size(0), max_rank = width / static_cast<int64_t>(slices.size());
+  const int64_t tokens = x.size(0), max_rank = lora_b.size(1);
   const int64_t *tok = sorted.data_ptr<int64_t>(), *active = active_lora_ids.data_ptr<int64_t>();
   const int64_t *start = lora_token_start_loc.data_ptr<int64_t>(), *rank_of = slot_ranks.data_ptr<int64_t>();
   for (int64_t s = 0; s < slots; ++s) TORCH_CHECK(rank_of[s] >= 0 && rank_of[s] <= max_rank, "slot rank out of range");
@@ -212,8 +213,8 @@ void lora_apply(const at::Tensor& x, at::Tensor& y, const at::Tensor& lora_a, co
         std::vector<float> xf(BLOCK * in), h(BLOCK * width);
         for (int64_t i = begin; i < end; ++i) {
           const auto [slot, first, count] = blocks[i];
-          run_block(count, xp, xs, yp, ys, tok + first, ap + slot * width * in, bp + slot * width * out, in, out,
-                    rank_of[slot], slices, xf.data(), h.data());
+          run_block(count, xp, xs, yp, ys, tok + first, ap + slot * width * in, bp + slot * max_rank * out, in, out,
+                    max_rank, rank_of[slot], slices, xf.data(), h.data());
         }
       });
     });
