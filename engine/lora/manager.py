@@ -35,7 +35,7 @@ class LoRAModelManager:
         # Each slot's adapter rank (0: empty), read by the CPU kernel so that it skips the slots' padding.
         self.mapping = LoRAMapping(slot_ranks=torch.zeros(max_loras, dtype=torch.int64))
         # Slots in --lora-dtype (auto: the model's); every kernel widens them to float32 as it reads them. A step
-        # reads each active adapter's slots whole, so bfloat16 halves its bytes against float32.
+        # reads each active adapter's A and B once a layer, so bfloat16 halves those bytes against float32.
         device = model.norm.weight.device
         dtype = model.norm.weight.dtype if lora_dtype == "auto" else getattr(torch, lora_dtype)
         self.device = device
