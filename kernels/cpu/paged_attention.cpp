@@ -4,9 +4,11 @@
 // head_dim]; request r owns query rows query_start_loc[r]:query_start_loc[r+1], its last one at position
 // seq_lens[r] - 1, each row attending causally to keys 0..its position.
 //
-// One work item is (request, kv head, query row): the kv head's query heads are handled together, so each
-// K/V row is read once for all of them. Softmax is two-pass: all scores, then max/exp/sum, then V.
-// Items are split among torch's threads by cost (keys read), not by count.
+// One work item is (request, kv head, tile of query rows): the kv head's query heads are handled together, so each
+// K/V row is read once for all of them. A one-row tile (a decode) reads K/V in place, a dot product per key and
+// head; a longer tile (a prefill, over a cached prefix or not) gathers its keys and values once into float32
+// rows and runs both products as matrix multiplies (BLAS), each query row masked to the keys it may see.
+// Softmax is two-pass: all scores, then max/exp/sum, then V. Items are split among torch's threads by cost.
 //
 // The cache may hold another dtype than the query (--kv-cache-dtype: bfloat16, float16, fp8_e4m3, fp8_e5m2): each
 // K/V row is converted to float32 as it is read. reshape_and_cache copies rows of the cache's dtype: the caller
@@ -33,6 +35,7 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kItemOverhead = 32;  // fixed cost of an item, in keys, for balancing
+constexpr int64_t kMaxTileRows = 64;   // a prefill tile's query rows: enough to amortize its gather
 
 inline float dot(const float* a, const float* b, int64_t n) {
   Vec acc(0.f);
@@ -124,8 +127,70 @@ inline void prefetch(const T* p, int64_t n) {
 }
 
 struct Item {
-  int64_t req, kv_head, row, len;  // row: the query token; len: keys it sees
+  int64_t req, kv_head, row, rows, len;  // query tokens row..row+rows-1; len: keys the last one sees
 };
+
+// Softmax of s[0..n) in place; returns 1 / the sum of the exponentials.
+inline float softmax_unnormalized(float* s, int64_t n) {
+  const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, n);
+  at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, s, s, n);
+  return 1.f / at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n);
+}
+
+// A tile of rows > 1: keys and values gathered once as float32 [len, head_dim], then both products as matrix
+// multiplies (torch's, single-threaded inside our threads) for all rows x heads of the group.
+template <typename T, typename C>
+void attend_tile(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, const C* k_base, const C* v_base,
+                 int64_t cs0, int64_t cs1, int64_t cs2, int64_t block_size, const int64_t* blocks, int64_t group,
+                 int64_t head_dim, double scale, T* o_base, int64_t os0, int64_t os1, std::vector<float>& keys,
+                 std::vector<float>& values, std::vector<float>& scores, std::vector<float>& buf) {
+  const int64_t len = it.len, nq = it.rows * group, h0 = it.kv_head * group;
+  keys.resize(len * head_dim);
+  values.resize(len * head_dim);
+  scores.resize(nq * len);
+  buf.resize(nq * head_dim);
+  // Block by block, the next block asked for ahead (blocks are scattered pages: the hardware prefetcher stops at
+  // each one's end).
+  for (int64_t pos = 0; pos < len; ++pos) {
+    const int64_t offset = it.kv_head * cs0 + blocks[pos / block_size] * cs1 + (pos % block_size) * cs2;
+    if (pos % block_size == 0 && pos + block_size < len) {
+      const int64_t next = it.kv_head * cs0 + blocks[pos / block_size + 1] * cs1;
+      prefetch(k_base + next, block_size * cs2);
+      prefetch(v_base + next, block_size * cs2);
+    }
+    float* k = keys.data() + pos * head_dim;
+    float* v = values.data() + pos * head_dim;
+    const float* kf = as_float(k_base + offset, k, head_dim);
+    const float* vf = as_float(v_base + offset, v, head_dim);
+    if (kf != k) std::memcpy(k, kf, head_dim * sizeof(float));
+    if (vf != v) std::memcpy(v, vf, head_dim * sizeof(float));
+  }
+  // Query i = (row j, head g) at row j * group + g.
+  for (int64_t j = 0; j < it.rows; ++j)
+    for (int64_t g = 0; g < group; ++g) {
+      const T* src = q_base + (it.row + j) * qs0 + (h0 + g) * qs1;
+      float* dst = buf.data() + (j * group + g) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+    }
+  auto matrix = [](std::vector<float>& data, int64_t rows, int64_t cols) {
+    return at::from_blob(data.data(), {rows, cols}, at::TensorOptions().dtype(at::kFloat));
+  };
+  at::Tensor s_mat = matrix(scores, nq, len), o_mat = matrix(buf, nq, head_dim);
+  at::mm_out(s_mat, o_mat, matrix(keys, len, head_dim).t());  // scores = q . keys^T
+  std::vector<float> inv_sum(nq);
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t seen = len - it.rows + 1 + i / group;  // causal: row j sees keys 0..seen-1
+    float* s = scores.data() + i * len;
+    inv_sum[i] = softmax_unnormalized(s, seen);
+    std::fill(s + seen, s + len, 0.f);
+  }
+  at::mm_out(o_mat, s_mat, matrix(values, len, head_dim));  // out = p . values, over the queries
+  for (int64_t i = 0; i < nq; ++i) {
+    T* dst = o_base + (it.row + i / group) * os0 + (h0 + i % group) * os1;
+    const float* src = buf.data() + i * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(src[d] * inv_sum[i]);
+  }
+}
 
 // T: the query's and output's dtype; C: the cache's.
 template <typename T, typename C>
@@ -146,6 +211,9 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
   for (int64_t i = begin; i < end; ++i) max_len = std::max(max_len, items[i].len);
   std::vector<float> q(group * head_dim), acc(group * head_dim), scores(group * max_len), row_buf(head_dim),
       inv_sum(group);
+  // A tile's buffers (megabytes at long contexts) live as long as the thread: allocated anew each call, they are
+  // fresh pages to fault in on every layer.
+  thread_local std::vector<float> keys, values, tile_scores, buf;
 
   for (int64_t i = begin; i < end; ++i) {
     const Item& it = items[i];
@@ -153,6 +221,11 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
     const int64_t h0 = it.kv_head * group, len = it.len;
     if (len <= 0) {  // a padding request (seq_len 0): sees nothing, outputs zero
       for (int64_t g = 0; g < group; ++g) std::fill_n(o_base + it.row * os0 + (h0 + g) * os1, head_dim, T(0));
+      continue;
+    }
+    if (it.rows > 1) {
+      attend_tile<T, C>(it, q_base, qs0, qs1, k_base, v_base, cs0, cs1, cs2, block_size, blocks, group, head_dim,
+                        scale, o_base, os0, os1, keys, values, tile_scores, buf);
       continue;
     }
     for (int64_t g = 0; g < group; ++g) {
@@ -171,13 +244,7 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
       const float* k = as_float(row(k_base, pos), row_buf.data(), head_dim);
       for (int64_t g = 0; g < group; ++g) scores[g * len + pos] = dot(q.data() + g * head_dim, k, head_dim);
     }
-    // Softmax per query head.
-    for (int64_t g = 0; g < group; ++g) {
-      float* s = scores.data() + g * len;
-      const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, len);
-      at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, s, s, len);
-      inv_sum[g] = 1.f / at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, len);
-    }
+    for (int64_t g = 0; g < group; ++g) inv_sum[g] = softmax_unnormalized(scores.data() + g * len, len);
     // Pass 2: weighted sum of V rows.
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t pos = 0; pos < len; ++pos) {
@@ -241,11 +308,14 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   std::vector<int64_t> cost{0};  // prefix sums of item cost
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t n = starts[r + 1] - starts[r];
+    // Tiles of at most kMaxTileRows rows, whatever the number of threads (so are the results). A request whose
+    // first row sees no key (padding, seq_len 0) gets one-row items, each zeroed alone.
+    const int64_t tiles = lens[r] - n < 0 ? n : (n + kMaxTileRows - 1) / kMaxTileRows;
     for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t len = lens[r] - n + j + 1;
-        items.push_back({r, h, starts[r] + j, len});
-        cost.push_back(cost.back() + std::max<int64_t>(len, 0) + kItemOverhead);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t j0 = n * t / tiles, j1 = n * (t + 1) / tiles, len = lens[r] - n + j1;
+        items.push_back({r, h, starts[r] + j0, j1 - j0, len});
+        cost.push_back(cost.back() + (j1 - j0) * std::max<int64_t>(len, 0) + kItemOverhead);
       }
   }
   // One contiguous range of items per thread, of about equal cost.
