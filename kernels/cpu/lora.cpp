@@ -30,7 +30,7 @@ constexpr int64_t BLOCK = 8;
 constexpr int64_t V = Vec::size();
 constexpr int64_t PREFETCH_A = 1024;  // elements of A ahead of the shrink's reads
 
-// n (<= V) weights from p, widened to float32 (a bfloat16 is the top half of a float32: a shift).
+// n (<= V) values from p, widened to float32 (a bfloat16 is the top half of a float32: a shift).
 template <typename w_t>
 inline Vec load_w(const w_t* p, int64_t n) {
   if constexpr (std::is_same_v<w_t, float>) {
@@ -45,6 +45,19 @@ inline Vec load_w(const w_t* p, int64_t n) {
       at::vec::load_to_float<w_t>(tail, out);
     }
     return out;
+  }
+}
+
+// y[0:len] += (d0, d1) (len <= 2 V), in y's dtype: a bfloat16 or float16 y is widened and rounded back by vectors.
+template <typename scalar_t>
+inline void add_into(scalar_t* y, const Vec& d0, const Vec& d1, int64_t len) {
+  const int64_t len0 = std::min<int64_t>(V, len), len1 = len - len0;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    (Vec::loadu(y, len0) + d0).store(y, len0);
+    if (len1 > 0) (Vec::loadu(y + V, len1) + d1).store(y + V, len1);
+  } else {
+    const Vec y1 = len1 > 0 ? load_w(y + V, len1) : Vec(0.f);
+    at::vec::convert_from_float<scalar_t>(load_w(y, len0) + d0, y1 + d1).store(y, len);
   }
 }
 
@@ -105,13 +118,9 @@ void expand(const w_t* bt, int64_t out, const float* h, int64_t h_stride, int64_
         for (int v = 0; v < T; ++v) acc[t][v] = at::vec::fmadd(ht, b[v], acc[t][v]);
       }
     }
-    float delta[T * V];
-    const int64_t width = std::min<int64_t>(T * V, n1 - n);
-    for (int t = 0; t < NB; ++t) {
-      for (int v = 0; v < T; ++v) acc[t][v].store(delta + v * V);
-      scalar_t* yt = y + tok[t] * y_stride + n;
-      for (int64_t i = 0; i < width; ++i) yt[i] = static_cast<scalar_t>(static_cast<float>(yt[i]) + delta[i]);
-    }
+    for (int t = 0; t < NB; ++t)
+      for (int v = 0; v < T && len[v] > 0; v += 2)  // T is even
+        add_into(y + tok[t] * y_stride + n + v * V, acc[t][v], acc[t][v + 1], len[v] + len[v + 1]);
   }
 }
 
@@ -120,7 +129,10 @@ void lora_block(const scalar_t* x, int64_t x_stride, scalar_t* y, int64_t y_stri
                 const w_t* bt, int64_t in, int64_t out, int64_t max_rank, int64_t rank,
                 const std::vector<int64_t>& slices, float* xf, float* h) {
   for (int t = 0; t < NB; ++t)
-    for (int64_t k = 0; k < in; ++k) xf[t * in + k] = static_cast<float>(x[tok[t] * x_stride + k]);
+    for (int64_t k = 0; k < in; k += V) {
+      const int64_t len = std::min<int64_t>(V, in - k);
+      load_w(x + tok[t] * x_stride + k, len).store(xf + t * in + k, len);
+    }
   const int64_t width = static_cast<int64_t>(slices.size()) * rank;  // h: each token's slices, rank values each
   for (size_t i = 0; i < slices.size(); ++i) shrink<NB>(a + i * max_rank * in, xf, in, rank, h + i * rank, width);
   int64_t offset = 0;
