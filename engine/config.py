@@ -68,8 +68,8 @@ FLAG_HELP = {
     "dtype": "weights' and activations' dtype: float32, bfloat16 or float16; auto: bfloat16 on a CPU (AMX or "
     "AVX512-BF16) or GPU that computes it natively, else float32 on CPU and float16 on a GPU",
     "quantization": "weight quantization: int8 (per output row) or int4 (groups of 32), weight-only, quantized at the "
-    "first start and cached, computed in bfloat16 or float16; gguf: a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors as stored; unset: "
-    "the checkpoint's own (gguf for a .gguf file)",
+    "first start and cached, computed in bfloat16 or float16; gguf: a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors "
+    "as stored; unset: the checkpoint's own (gguf for a .gguf file)",
     "device": "cpu or cuda; auto: cuda when there is one, else cpu",
     "tensor_parallel_size": "ranks the model is split across (Megatron-style: heads, MLP and vocabulary), one "
     "process each, meeting at $MASTER_ADDR:$MASTER_PORT (default: this host and a free port); the heads, KV "

@@ -61,27 +61,32 @@ def prepare_quantized_weights(model_dir: Path, quantization: str, config: ModelC
 def _quantize_weights(model_dir: Path, quantization: str, config: ModelConfig, out: Path) -> None:
     logger.info("quantizing %s's linear layers to %s in %s", model_dir, quantization, out)
     method = get_linear_method(quantization)
-    shards, size = [{}], 0
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+
+    def write_shard() -> None:
+        file_name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, str(out / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file_name))
+        shard.clear()
+
+    def add(key: str, tensor: torch.Tensor) -> None:
+        if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > _SHARD_BYTES:
+            write_shard()  # one shard at a time is held in memory
+        shard[key] = tensor.contiguous()
+
     for name, tensor in load_weights(model_dir, dequantized=True):
-        layer = name.removesuffix(".weight")
-        # The projections and an untied output layer are linear layers; a tied output layer reads the embedding.
+        # A linear layer's codes replace its weight; a tied output layer's are made from the embedding, which stays.
         linear = name.endswith("_proj.weight") or name == "lm_head.weight"
+        if not linear:
+            add(name, tensor)
         tied = config.tie_word_embeddings and name.endswith("embed_tokens.weight")
-        named = {name: tensor} if not linear else {}
-        for target in [layer] * linear + ["lm_head"] * tied:
-            codes = method.quantize(tensor.float())
-            named.update({f"{target}.{kind}": t for kind, t in zip(("qweight", "scales", "zeros"), codes)})
-        for key, t in named.items():
-            if shards[-1] and size + t.nbytes > _SHARD_BYTES:  # bounds the memory held while writing
-                shards.append({})
-                size = 0
-            shards[-1][key] = t.contiguous()
-            size += t.nbytes
-    weight_map = {}
-    for i, tensors in enumerate(shards):
-        file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, str(out / file_name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, file_name))
+        if linear or tied:
+            target = "lm_head" if tied else name.removesuffix(".weight")
+            for kind, codes in zip(("qweight", "scales", "zeros"), method.quantize(tensor.float())):
+                add(f"{target}.{kind}", codes)
+    if shard:
+        write_shard()
     (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}, indent=2))
     (out / "config.json").write_bytes((model_dir / "config.json").read_bytes())  # marks the directory complete
 

@@ -323,7 +323,7 @@ class Scheduler:
             return None
         return SchedulerOutput(
             scheduled_requests=decodes,
-            num_scheduled_tokens=dict.fromkeys(self.allocated_ahead, 1),
+            num_scheduled_tokens={r.request_id: 1 for r in decodes},
             total_num_scheduled_tokens=len(decodes),
             block_ids={r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r in decodes},
         )
