@@ -13,7 +13,8 @@ of each, and the ratio per round. Both runs give the same tokens (checked).
 Hop: RemoteSampler.sample against the in-process Sampler on the same random float32 logits [batch, vocab]
 (the same per-row settings as above), at each --hop-batches size: bytes on the wire per step, and ms per
 step (median over --hop-iters after warm-up; each iteration times every form in turn), with the logits as bytes
-over TCP loopback and over a Unix domain socket, and in shared memory (the message over TCP loopback); plus the
+over TCP loopback and over a Unix domain socket, and in shared memory with the step's message over the step
+channel (as the engine sends it) and over the stream on TCP loopback (as without the channel); plus the
 engine's own decode step at that batch (in-process sampling) and its scheduling, input-building and update
 parts, for the break-even, and the next step's allocation and input building that async scheduling does while
 the sampler samples.
@@ -135,8 +136,14 @@ def hop(addresses: dict[str, str], batches, iters, vocab, warmup: int = 3) -> li
     rng = torch.Generator().manual_seed(0)
     sampler = Sampler()
     results = []
-    # name -> (address, slot_bytes): the logits as bytes (over TCP, over a Unix socket) or in shared memory.
-    forms = {"tcp": (addresses["tcp"], 0), "uds": (addresses["uds"], 0), "shm": (addresses["tcp"], max(batches))}
+    # name -> (address, rows of slots, step channel): the logits as bytes (over TCP, over a Unix socket) or in
+    # shared memory, the messages over the step channel or over the stream.
+    forms = {
+        "tcp": (addresses["tcp"], 0, False),
+        "uds": (addresses["uds"], 0, False),
+        "shm": (addresses["tcp"], max(batches), True),
+        "shm_stream": (addresses["tcp"], max(batches), False),
+    }
     for batch in batches:
         requests, logits = hop_batch(batch, vocab, rng)
         generators = {row: torch.Generator().manual_seed(row) for row in range(batch)}
@@ -146,16 +153,20 @@ def hop(addresses: dict[str, str], batches, iters, vocab, warmup: int = 3) -> li
             sampler(logits.clone(), md)
 
         row = {"batch": batch, "logits_bytes": logits.numel() * 4}
-        clients = {name: RemoteSampler(address, slot_bytes=rows * vocab * 4) for name, (address, rows) in forms.items()}
+        clients = {
+            name: RemoteSampler(address, slot_bytes=rows * vocab * 4, step_channel=channel)
+            for name, (address, rows, channel) in forms.items()
+        }
         try:
             calls = {"in_process": local}
             for name, client in clients.items():
                 client.sample(requests, logits, [])  # registers the requests: later steps carry no parameters
-                assert (client.slots is not None) == (name == "shm"), f"{name}: not the form it names"
+                assert (client.slots is not None) == name.startswith("shm"), f"{name}: not the form it names"
+                assert (client.step_channel is not None) == (name == "shm"), f"{name}: not the channel it names"
                 calls[name] = lambda client=client: client.sample(requests, logits, [])
                 msg, _ = client._prompt_message([])
                 client._add_rows(msg, requests)
-                if name == "shm":
+                if name.startswith("shm"):
                     client._write_slot(msg, logits)
                     row["shm_message_bytes"] = len(msg.SerializeToString())
                 else:

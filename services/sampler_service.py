@@ -5,7 +5,10 @@ prompt and output tokens for penalties, min_tokens and bad words, and its seeded
 first samples, as the engine's ModelRunner makes it), updated by what each step says changed. A step runs the
 library's SamplingMetadata.from_requests and Sampler on the same rows in the same order as the engine would,
 so outputs are identical. A stream whose engine offers shared memory (engine.sample.slots) and can be mapped here
-gets its logits in place, in the engine's slots, instead of in the messages. A step of a few rows is sampled on
+gets its logits in place, in the engine's slots, instead of in the messages, and when the engine's offer names
+a step channel (engine.sample.channel) the service connects to it: that stream's steps then come and are
+answered over the Unix socket, sampled on a thread of the stream's own that waits on it, and the stream stays
+open, idle, until the engine goes. Otherwise a step of a few rows is sampled on
 the event loop (a hand-off to a thread and back would cost more than it); larger ones on one worker thread, so the
 loop goes on parsing and answering other streams. A message that cannot be used ends its stream with
 INVALID_ARGUMENT naming the field; other streams and the service go on.
@@ -19,12 +22,15 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import threading
 from dataclasses import dataclass, field
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from engine.request import RequestFailure, SamplingParams
+from engine.sample.channel import ChannelClosedError, StepChannel, connect
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, expand_positions
 from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
@@ -74,6 +80,7 @@ class StreamState:
         self.sampler = Sampler()
         self.num_steps = 0
         self.slots: SharedSlots | None = None  # the engine's shared-memory slots, when this stream took them
+        self.step_channel: StepChannel | None = None  # the engine's step channel, when this stream connected to it
 
     @torch.inference_mode()
     def step(self, msg: sampler_pb2.SampleStep) -> sampler_pb2.SampleResult:
@@ -86,6 +93,7 @@ class StreamState:
         result = self._step(msg)
         if msg.HasField("shared_memory"):
             result.logits_form = form
+            result.step_channel = self.step_channel is not None
         if msg.HasField("shared_logits"):  # read to the end (the results are on the host): the slot is the engine's
             self.slots.finish(msg.shared_logits.slot, msg.shared_logits.generation)
         return result
@@ -97,6 +105,11 @@ class StreamState:
         except (OSError, ValueError, RuntimeError) as e:  # another host, user or GPU, or no CUDA IPC: bytes
             logger.info("an engine's shared memory cannot be used here (%s): its logits come as bytes", e)
             return sampler_pb2.LOGITS_FORM_BYTES
+        if offer.step_socket:
+            try:
+                self.step_channel = connect(offer.step_socket, offer.token)
+            except (OSError, ValueError) as e:
+                logger.info("an engine's step channel cannot be used here (%s): its steps come on the stream", e)
         return self.slots.form
 
     def _step(self, msg: sampler_pb2.SampleStep) -> sampler_pb2.SampleResult:
@@ -265,19 +278,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         logger.info("an engine's stream opened (%d open)", self.num_streams)
         try:
             async for msg in request_iterator:
-                # A step the engine traces (--collect-detailed-traces): a span under its engine_step span.
-                span = (
-                    self.telemetry.server_span(
-                        f"{SERVICE_NAME}/Sample step",
-                        msg.trace_context.items(),
-                        attributes={
-                            "llmmesh.sampler.step_id": msg.step_id,
-                            "llmmesh.sampler.rows": len(msg.request_ids),
-                        },
-                    )
-                    if msg.trace_context
-                    else None
-                )
+                span = self._span(msg)
                 try:
                     if len(msg.request_ids) + len(msg.draft_token_ids) + len(msg.prompt_target_ids) <= INLINE_ROWS:
                         result = stream.step(msg)
@@ -290,9 +291,66 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
                     if span is not None:
                         span.end()
                 yield result
+                if stream.step_channel is not None:  # the engine's later steps come over it
+                    error = await self._serve_channel(stream)
+                    if error is not None:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+                    return
         finally:
+            if stream.step_channel is not None:
+                stream.step_channel.close()  # wakes its thread, if the engine cancelled the stream
             self.num_streams -= 1
             logger.info("an engine's stream ended, forgetting its %d requests", len(stream.requests))
+
+    def _span(self, msg: sampler_pb2.SampleStep):
+        """A step the engine traces (--collect-detailed-traces): a span under its engine_step span."""
+        if not msg.trace_context:
+            return None
+        attributes = {"llmmesh.sampler.step_id": msg.step_id, "llmmesh.sampler.rows": len(msg.request_ids)}
+        return self.telemetry.server_span(
+            f"{SERVICE_NAME}/Sample step", msg.trace_context.items(), attributes=attributes
+        )
+
+    async def _serve_channel(self, stream: StreamState) -> str | None:
+        """Serve the stream's steps over its step channel on a thread of its own until the engine closes it; the
+        message that ended it when it was refused."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def serve():
+            error = self._serve_steps(stream)
+            try:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
+            except RuntimeError:  # the server's loop has ended
+                pass
+
+        threading.Thread(target=serve, name="sampler-step-channel", daemon=True).start()
+        return await done
+
+    def _serve_steps(self, stream: StreamState) -> str | None:
+        channel = stream.step_channel
+        while True:
+            try:
+                msg = sampler_pb2.SampleStep.FromString(channel.recv())
+            except (ChannelClosedError, OSError):  # the engine went or ended the stream
+                return None
+            except (ValueError, DecodeError) as e:
+                return f"step channel: {e}"
+            span = self._span(msg)
+            try:
+                result = stream.step(msg)
+            except ValueError as e:
+                set_error(span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                return str(e)
+            finally:
+                if span is not None:
+                    span.end()
+            try:
+                channel.send(result.SerializeToString())
+            except OSError:
+                return None
+            except ValueError as e:  # an answer over the channel's limit
+                return f"step channel: {e}"
 
 
 # ---- the process -------------------------------------------------------------------------------

@@ -277,6 +277,7 @@ def test_sampler_killed_mid_read_fails_the_step_at_once_and_a_restart_gets_fresh
     client = RemoteSampler(process.wait_listening(120), timeout=60, slot_bytes=logits.numel() * 4)
     try:
         assert sample_with_retries(client, requests[:1], logits[:1]) == in_process(requests[:1], logits[:1])
+        assert client.step_channel is not None  # the step waits on the channel, not on the stream
         old, generation = client.slots, client.slots.generation + 1
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(client.sample, requests[1:], logits[1:].clone(), [])
@@ -303,6 +304,7 @@ def test_a_frozen_sampler_costs_the_deadline_and_its_slot_is_never_written_again
     client = RemoteSampler(process.wait_listening(120), timeout=2, slot_bytes=logits.numel() * 4)
     try:
         sample_with_retries(client, requests[:1], logits[:1])
+        assert client.step_channel is not None
         old = client.slots
         buffer, generation = old.buffer, old.generation + 1  # the test's own mapping outlives the client's
         with ThreadPoolExecutor(1) as pool:

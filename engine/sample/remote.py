@@ -15,17 +15,24 @@ GPU's through CUDA IPC): a service on this host takes it, and from then on a ste
 a slot and the message carries only the slot, its generation, dtype and shape. A service that cannot map it
 (another host, another user, another GPU), or an engine that cannot make it, keeps the bytes. A new stream
 makes a new segment.
+
+The offer also names a step channel (engine.sample.channel): a service that takes the slots and can connect to it
+gets every later step and answers over that Unix socket, the engine thread writing and waiting itself, and the
+stream stays open, idle; a service that cannot keeps the stream for its steps. A new stream makes a new channel.
 """
 
 import logging
 import queue
 import threading
+import time
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from engine.grpc_policy import CHANNEL_OPTIONS
 from engine.request import RequestFailure
+from engine.sample.channel import ChannelClosedError, ChannelListener, StepChannel
 from engine.sample.rejection_sampler import pad_token_rows
 from engine.sample.sampler import BatchSampler, LogprobsTensors, SamplerOutput, SamplerUnavailableError
 from engine.sample.slots import SharedSlots
@@ -83,17 +90,21 @@ class RemoteSampler(BatchSampler):
         fallback: BatchSampler | None = None,
         slot_bytes: int = 0,
         device: torch.device | str = "cpu",
+        step_channel: bool = True,
     ):
         """slot_bytes: the most a step's logits take (rows * vocab * itemsize), for shared-memory slots of that
-        size; 0: logits always go as bytes. device: where the logits are (a GPU's stay there)."""
+        size; 0: logits always go as bytes. device: where the logits are (a GPU's stay there). step_channel: offer
+        one with the slots (False: steps stay on the stream, as from another host)."""
         self.address = address
         self.timeout = timeout
         self.fallback = fallback
         self.slot_bytes = slot_bytes
         self.device = torch.device(device)
+        self.offer_step_channel = step_channel
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stream: _Stream | None = None
         self.slots: SharedSlots | None = None  # this stream's, when the service took them
+        self.step_channel: StepChannel | None = None  # this stream's, when the service connected to it
         self._sent: dict[str, int] = {}  # request id -> output tokens the service has of it
         self._seeded: set[str] = set()  # those of them with a generator on the service
         self._finished: list[str] = []  # known requests to forget in the next message
@@ -157,6 +168,9 @@ class RemoteSampler(BatchSampler):
 
     def reset(self) -> None:
         """End the stream: the service forgets every request, the next step starts a new stream (and segment)."""
+        if self.step_channel is not None:
+            self.step_channel.close()
+            self.step_channel = None
         if self._stream is not None:
             self._stream.close()
         self._stream = None
@@ -188,19 +202,35 @@ class RemoteSampler(BatchSampler):
             logger.warning("the logits' device memory cannot be shared (%s): they go as bytes", e)
             slots.close()
             return None
+        listener = None
+        if self.offer_step_channel:
+            try:
+                listener = ChannelListener()
+                offer.step_socket = listener.path
+            except OSError as e:  # no room for a socket's name under the temporary directory
+                logger.warning("no step channel for the sampler (%s): steps go over the stream", e)
         try:
             msg, _ = self._prompt_message([])
             msg.ClearField("trace_context")  # the offer is no step: the service traces none for it
             msg.shared_memory.CopyFrom(offer)
-            form = self._exchange(msg, None, None).logits_form
+            reply = self._exchange(msg, None, None)
+            if reply.step_channel and listener is not None:
+                try:
+                    self.step_channel = listener.accept(offer.token, self.timeout)
+                except (OSError, ValueError) as e:  # the service said it connected: the stream is not to be trusted
+                    slots.close()
+                    raise SamplerUnavailableError(f"the sampler at {self.address} failed: step channel: {e}") from None
         finally:
             slots.unlink()  # both ends have it open (or the service declined): nothing else may open it
-        if form != slots.form:
+            if listener is not None:
+                listener.close()
+        if reply.logits_form != slots.form:
             logger.info("the sampler at %s cannot share this host's memory: logits go as bytes", self.address)
             slots.close()
             return None
-        name = sampler_pb2.LogitsForm.Name(form)
-        logger.info("the sampler at %s reads the logits in place (%s)", self.address, name)
+        name = sampler_pb2.LogitsForm.Name(reply.logits_form)
+        how = "steps over the step channel" if self.step_channel is not None else "steps over the stream"
+        logger.info("the sampler at %s reads the logits in place (%s), %s", self.address, name, how)
         return slots
 
     def _write_slot(self, msg: sampler_pb2.SampleStep, logits: torch.Tensor) -> tuple[int, int] | None:
@@ -242,22 +272,13 @@ class RemoteSampler(BatchSampler):
     def _exchange(
         self, msg: sampler_pb2.SampleStep, prompt_logits, logits, while_waiting=None
     ) -> sampler_pb2.SampleResult:
-        stream = self._stream
-        stream.outbox.put((msg, logits, prompt_logits))
-        if while_waiting is not None:
-            while_waiting()
-        try:
-            reply = stream.replies.get(timeout=self.timeout)
-        except queue.Empty:
-            raise SamplerUnavailableError(
-                f"the sampler at {self.address} did not answer within {self.timeout:g} s"
-            ) from None
-        if isinstance(reply, grpc.RpcError):
-            raise SamplerUnavailableError(
-                f"the sampler at {self.address} failed: {reply.code().name}: {reply.details()}"
-            )
-        if isinstance(reply, Exception):
-            raise SamplerUnavailableError(f"the sampler at {self.address} failed: {reply}")
+        if self.step_channel is not None:
+            reply = self._exchange_on_channel(msg, prompt_logits, logits, while_waiting)
+        else:
+            self._stream.outbox.put((msg, logits, prompt_logits))
+            if while_waiting is not None:
+                while_waiting()
+            reply = self._stream_reply(self.timeout)
         num_rows = len(reply.num_sampled_tokens) if msg.num_draft_tokens else len(reply.sampled_token_ids)
         got = (reply.step_id, num_rows, len(reply.prompt_logprobs))
         expected = (msg.step_id, len(msg.request_ids), len(msg.prompt_num_targets))
@@ -266,6 +287,42 @@ class RemoteSampler(BatchSampler):
                 f"the sampler at {self.address} answered (step, tokens, prompt chunks) {got}; expected {expected}"
             )
         return reply
+
+    def _stream_reply(self, timeout: float) -> sampler_pb2.SampleResult:
+        """The stream's next reply; SamplerUnavailableError for its end (the status it ended with) or none in time."""
+        try:
+            reply = self._stream.replies.get(timeout=timeout)
+        except queue.Empty:
+            raise SamplerUnavailableError(
+                f"the sampler at {self.address} did not answer within {timeout:g} s"
+            ) from None
+        if isinstance(reply, grpc.RpcError):
+            raise SamplerUnavailableError(
+                f"the sampler at {self.address} failed: {reply.code().name}: {reply.details()}"
+            )
+        if isinstance(reply, Exception):
+            raise SamplerUnavailableError(f"the sampler at {self.address} failed: {reply}")
+        return reply
+
+    def _exchange_on_channel(self, msg, prompt_logits, logits, while_waiting) -> sampler_pb2.SampleResult:
+        deadline = time.monotonic() + self.timeout
+        try:
+            self.step_channel.send(_serialize((msg, logits, prompt_logits)), self.timeout)
+            if while_waiting is not None:
+                while_waiting()
+            data = self.step_channel.recv(max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise SamplerUnavailableError(
+                f"the sampler at {self.address} did not answer within {self.timeout:g} s"
+            ) from None
+        except (ChannelClosedError, OSError):
+            # The service went, or ended the stream (a message it refused): the stream's status says which.
+            self._stream_reply(max(0.0, deadline - time.monotonic()))
+            raise SamplerUnavailableError(f"the sampler at {self.address} closed the step channel") from None
+        try:
+            return sampler_pb2.SampleResult.FromString(data)
+        except DecodeError as e:
+            raise SamplerUnavailableError(f"the sampler at {self.address} answered what does not decode: {e}") from None
 
 
 def _serialize(item) -> bytes:

@@ -1,0 +1,233 @@
+"""The step channel (engine/sample/channel.py): with the logits in shared memory, each step's message and answer
+go over a Unix socket the engine offers beside the slots. The same tokens and logprobs as over the stream and in
+process; a sampler killed mid-step ends the step with UNAVAILABLE at once and the engine goes on; a socket the
+sampler cannot use leaves the steps on the stream; a message the service refuses is INVALID_ARGUMENT naming the
+field; the socket's name lives in an owner-only directory only until the service has connected."""
+
+import os
+import random
+import signal
+import stat
+import struct
+import time
+
+import grpc
+import pytest
+import torch
+
+import engine.sample.remote as remote
+from conftest import SERVING, InProcessService, wait_for_health
+from engine import LLM, SamplingParams
+from engine.request import Request
+from engine.sample.channel import ChannelListener, connect
+from engine.sample.remote import RemoteSampler
+from engine.sample.sampler import LocalSampler, SamplerUnavailableError
+from engine.sample.slots import SharedSlots
+from llmmesh.v1 import sampler_pb2, sampler_pb2_grpc
+from services.supervisor import ServiceProcess
+from test_models import COMMON
+
+VOCAB = COMMON["vocab_size"]
+PARAMS = [
+    dict(temperature=0, max_tokens=12, logprobs=3, prompt_logprobs=2),
+    dict(temperature=0.9, top_p=0.9, seed=1, max_tokens=10, logprobs=1),
+    dict(temperature=1.1, top_k=20, seed=2, max_tokens=12, repetition_penalty=1.2, frequency_penalty=0.3),
+    dict(temperature=0.8, seed=3, max_tokens=9, min_tokens=5, ignore_eos=True),
+]
+
+
+@pytest.fixture(scope="module")
+def sampler():
+    with InProcessService("sampler") as service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), kv_cache_memory="4MiB", max_num_seqs=8)
+
+
+def generate(llm, sampler=None):
+    """Eight requests of every sampling kind: their tokens and logprobs, sampled by `sampler` (in process: None)."""
+    runner = llm.engine.worker.model_runner
+    local = runner.sampler
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": rng.choices(range(3, VOCAB), k=rng.randint(4, 40))} for _ in range(8)]
+    params = [SamplingParams(**PARAMS[i % len(PARAMS)]) for i in range(8)]
+    runner.sampler = sampler or local
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        runner.sampler = local
+    return [(o.prompt_logprobs, [(c.token_ids, c.logprobs, c.finish_reason) for c in o.outputs]) for o in outs]
+
+
+def client(address: str, step_channel: bool = True, timeout: float = 30.0) -> RemoteSampler:
+    return RemoteSampler(address, timeout=timeout, slot_bytes=8 * VOCAB * 4, step_channel=step_channel)
+
+
+def test_the_channel_gives_the_streams_tokens_and_logprobs(llm, sampler):
+    want = generate(llm)
+    for step_channel in (True, False):
+        remote_sampler = client(sampler.address, step_channel)
+        try:
+            assert generate(llm, remote_sampler) == want
+            assert remote_sampler.slots is not None  # the logits in shared memory either way
+            assert (remote_sampler.step_channel is not None) == step_channel  # the steps where the test says
+        finally:
+            remote_sampler.close()
+    assert any(lp is not None for lp, _ in want) and any(c[0][1] for _, c in want)  # logprobs were compared
+
+
+def test_the_step_socket_is_private_and_gone_once_the_service_connected(sampler, monkeypatch):
+    listener = ChannelListener()
+    try:
+        assert stat.S_IMODE(os.stat(listener.directory).st_mode) == 0o700
+        assert os.stat(listener.directory).st_uid == os.getuid()
+    finally:
+        listener.close()
+    assert not os.path.exists(listener.directory)
+
+    made = []
+    monkeypatch.setattr(remote, "ChannelListener", lambda: made.append(ChannelListener()) or made[-1])
+    remote_sampler = client(sampler.address)
+    try:
+        requests = [Request("a", [1, 2], SamplingParams(temperature=0), (0,))]
+        out, _ = remote_sampler.sample(requests, torch.arange(VOCAB, dtype=torch.float32)[None], [])
+        assert out.sampled_token_ids.tolist() == [VOCAB - 1]
+        assert remote_sampler.step_channel is not None and not os.path.exists(made[0].directory)
+    finally:
+        remote_sampler.close()
+
+
+def public_directory() -> ChannelListener:
+    listener = ChannelListener()
+    os.chmod(listener.directory, 0o755)
+    return listener
+
+
+@pytest.mark.parametrize(
+    "path", ["/tmp/llmmesh-step-abcdefgh/../step", "/tmp/other/step", "/nowhere/llmmesh-step-abcdefgh/step"]
+)
+def test_the_service_connects_only_to_an_engines_private_step_socket(path):
+    with pytest.raises((ValueError, OSError)):
+        connect(path, bytes(16))
+    listener = public_directory()
+    try:
+        with pytest.raises(ValueError, match="private"):
+            connect(listener.path, bytes(16))
+    finally:
+        listener.close()
+
+
+def test_a_step_socket_the_service_cannot_use_leaves_the_steps_on_the_stream(sampler, monkeypatch):
+    """As for a service in another mount namespace, or a directory others could enter: the slots are taken, the
+    channel is not, and the steps go over the stream with the same results."""
+    monkeypatch.setattr(remote, "ChannelListener", public_directory)
+    want = generate_steps(LocalSampler(torch.device("cpu")))
+    remote_sampler = client(sampler.address)
+    try:
+        assert generate_steps(remote_sampler) == want
+        assert remote_sampler.slots is not None and remote_sampler.step_channel is None
+    finally:
+        remote_sampler.close()
+
+
+def generate_steps(batch_sampler, steps=3):
+    """A few steps of four seeded requests on fixed logits: each step's tokens and logprobs."""
+    requests = [Request(f"r{i}", [1, 2], SamplingParams(temperature=1.0, seed=i, logprobs=2), (0,)) for i in range(4)]
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0))
+    got = []
+    for _ in range(steps):
+        out, _ = batch_sampler.sample(requests, logits.clone(), [])
+        got.append((out.sampled_token_ids.tolist(), out.logprobs.logprobs.tolist()))
+        for request, token in zip(requests, out.sampled_token_ids.tolist()):
+            request.append_output_token_ids(token)
+    return got
+
+
+def test_a_message_the_service_refuses_is_invalid_argument_naming_the_field(sampler):
+    remote_sampler = client(sampler.address)
+    try:
+        generate_steps(remote_sampler, steps=1)
+        assert remote_sampler.step_channel is not None
+        bad = sampler_pb2.SampleStep(step_id=99, request_ids=["nobody"], num_new_tokens=[0])
+        with pytest.raises(SamplerUnavailableError, match="INVALID_ARGUMENT: logits.dtype must be one of"):
+            remote_sampler._exchange(bad, None, None)
+        remote_sampler.reset()
+        # A length over the limit is refused before anything is read for it.
+        generate_steps(remote_sampler, steps=1)
+        remote_sampler.step_channel.sock.sendall(struct.pack("<I", 2**32 - 1))
+        with pytest.raises(SamplerUnavailableError, match="INVALID_ARGUMENT: step channel: .*message length"):
+            remote_sampler._stream_reply(30)
+        remote_sampler.reset()
+        # The service goes on: a new stream, a new channel.
+        assert generate_steps(remote_sampler) == generate_steps(LocalSampler(torch.device("cpu")))
+        assert remote_sampler.step_channel is not None
+    finally:
+        remote_sampler.close()
+    wait_for_health(sampler.address, SERVING)
+
+
+def test_a_sampler_killed_mid_step_ends_it_with_unavailable_and_the_engine_goes_on(llm):
+    """The engine's wait on the channel ends at the sampler's death, not at the deadline; the next steps, on a
+    restarted sampler, get a new stream, new slots and a new channel."""
+    process = ServiceProcess("sampler", ["--port", "0"])
+    remote_sampler = client(process.wait_listening(120), timeout=300)
+    try:
+        generate_steps(remote_sampler, steps=1)
+        old_channel = remote_sampler.step_channel
+        assert old_channel is not None
+        requests = [Request("k", [1, 2], SamplingParams(temperature=0), (0,))]
+        os.kill(process.popen.pid, signal.SIGSTOP)  # the step reaches a sampler that cannot answer it
+
+        def kill():
+            process.popen.kill()
+
+        with pytest.raises(SamplerUnavailableError, match="failed: UNAVAILABLE"):
+            remote_sampler.sample(requests, torch.zeros(1, VOCAB), [], while_waiting=kill)
+        assert remote_sampler.step_channel is None and remote_sampler.slots is None
+
+        process = ServiceProcess("sampler", ["--port", str(process.port)])
+        process.wait_listening(120)
+        want = generate_steps(LocalSampler(torch.device("cpu")))
+        for _ in range(100):  # the gRPC channel's reconnect backoff
+            try:
+                got = generate_steps(remote_sampler)
+                break
+            except SamplerUnavailableError:
+                time.sleep(0.1)
+        assert got == want
+        assert remote_sampler.step_channel not in (None, old_channel)
+        assert generate(llm, remote_sampler) == generate(llm)
+    finally:
+        remote_sampler.close()
+        process.stop()
+
+
+def test_the_raw_stream_refuses_a_step_socket_it_cannot_reach(sampler):
+    """The offer's answer over the stream itself: shared memory taken, no channel, and the next step on the
+    stream is served."""
+    slots = SharedSlots.create(num_slots=2, slot_bytes=4096)
+    try:
+        offer = slots.offer()
+        offer.step_socket = "/nowhere/llmmesh-step-abcdefgh/step"
+        logits = torch.arange(8, dtype=torch.float32)[None]
+        first = sampler_pb2.SampleStep(step_id=1, shared_memory=offer)
+        new = sampler_pb2.NewRequest(request_id="a", params=sampler_pb2.SamplerParams(temperature=0))
+        second = sampler_pb2.SampleStep(step_id=2, new_requests=[new], request_ids=["a"], num_new_tokens=[0])
+
+        def messages():
+            yield first
+            slot, generation = slots.write(logits)
+            second.shared_logits.CopyFrom(
+                sampler_pb2.SharedLogits(slot=slot, generation=generation, dtype="float32", shape=[1, 8])
+            )
+            yield second
+
+        with grpc.insecure_channel(sampler.address) as channel:
+            replies = list(sampler_pb2_grpc.SamplerStub(channel).Sample(messages(), timeout=30))
+    finally:
+        slots.close()
+    assert replies[0].logits_form == sampler_pb2.LOGITS_FORM_SHARED_MEMORY and not replies[0].step_channel
+    assert list(replies[1].sampled_token_ids) == [7]
