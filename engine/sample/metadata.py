@@ -85,6 +85,18 @@ class SamplingMetadata:
     # Rows whose own settings could not be worked out: sampled greedily, their token not to be used.
     failed: dict[int, RequestFailure] = field(default_factory=dict)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row is greedy and nothing changes a logit first: each row's token is the argmax of its raw logits."""
+        return (
+            self.all_greedy
+            and self.grammar_bitmask is None
+            and self.allowed_rows is None
+            and self.banned_rows is None
+            and self.bias_rows is None
+            and self.output_token_counts is None
+        )
+
     @classmethod
     def from_requests(
         cls,

@@ -3,6 +3,9 @@
     float32 -> grammar bitmask -> logprobs -> allowed / bad words -> min_tokens, logit_bias -> penalties
     -> greedy argmax | temperature -> min_p -> top-k, then top-p -> softmax -> Gumbel-max draw
 
+A step whose rows are all plain argmaxes (greedy, nothing that changes a logit) skips the float32 copy: the argmax
+reads the logits in their own dtype.
+
 Everything that can move the argmax comes before the greedy/random split; greedy rows skip the
 rest. The grammar's mask comes first, as vLLM applies it to the logits before its sampler: nothing after it
 can pick a token the grammar forbids, and logprobs are those of the masked logits, as vLLM's are. Nothing
@@ -22,6 +25,7 @@ from engine.sample.ops import (
     apply_penalties,
     apply_top_k_top_p,
     apply_top_p,
+    argmax,
     random_sample,
 )
 from engine.sample.rejection_sampler import DraftTokens, expand_positions, rejection_sample
@@ -112,7 +116,8 @@ class Sampler:
         With drafts, the rows are each request's verified positions (DraftTokens.positions) and the rejection
         sampler decides its tokens: sampled_token_ids is then [num_reqs, 1 + most drafts], -1 past a row's tokens,
         and logprobs have one row per position."""
-        logits = logits.to(torch.float32)
+        if not metadata.argmax_only:  # logits change before the argmax or the draw: in float32
+            logits = logits.to(torch.float32)
         if metadata.grammar_bitmask is not None:
             apply_grammar_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
         raw_logprobs = None
@@ -145,7 +150,7 @@ class Sampler:
     def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The argmax of every row (None when all rows are random), and the distribution each random row draws from
         (md.random_rows' order; None when all rows are greedy)."""
-        greedy = None if md.all_random else logits.argmax(dim=-1)
+        greedy = None if md.all_random else argmax(logits)
         if md.all_greedy:
             return greedy, None
         # Only the random rows go on; their settings are indexed by position among them.
