@@ -3,8 +3,10 @@
 Scheduler side. After the local prefix-cache hit, one Lookup per request asks the store for the longest
 run of further blocks. It runs on a background thread (vLLM's asynchronous lookup): until its answer is
 in, the scheduler leaves the request waiting and goes on with the others, so the engine thread never
-waits on the network. If loading the blocks found is estimated to beat recomputing them, the request
-waits in WAITING_FOR_REMOTE_KVS with blocks reserved while the worker loads into them. Each step, every block
+waits on the network while there is work; a step with nothing to run waits for the answer (IDLE_WAIT_S at
+most) in place of the worker's idle wait for transfers, so the request is admitted the step after it came.
+If loading the blocks found is estimated to beat recomputing them, the request waits in
+WAITING_FOR_REMOTE_KVS with blocks reserved while the worker loads into them. Each step, every block
 the step fills (prompt blocks; decode blocks too with store_decode_blocks) becomes a store job, and the
 connector holds a reference on the job's blocks until the worker has read them, so no block is reused
 while a store still reads it.
@@ -21,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from engine.kv.block_pool import BlockStored
@@ -50,6 +52,8 @@ DEFAULTS = {
 }
 # Lookups in flight at once (each a thread blocked on its call).
 LOOKUP_THREADS = 4
+# The longest a step with nothing to run waits for a Lookup's answer (the worker's idle wait for transfers is as long).
+IDLE_WAIT_S = 0.01
 
 
 def parse_extra_config(config: KVTransferConfig) -> dict:
@@ -99,6 +103,8 @@ class StoreJob:
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
+    # The step runs nothing and the scheduler side waited for a Lookup's answer before it: the worker goes on at once.
+    waited_for_lookup: bool = False
 
 
 class LoadCostModel:
@@ -177,6 +183,7 @@ class KVStoreConnector(KVConnectorBase):
         else:
             self.finished = KVConnectorOutput()
             self.finished_lock = threading.Condition()
+            self.idle_wait = True  # False for a step before which the scheduler side waited already
             self.load_queue: queue.SimpleQueue = queue.SimpleQueue()
             self.store_queue: queue.SimpleQueue = queue.SimpleQueue()
             self.threads = [
@@ -294,7 +301,17 @@ class KVStoreConnector(KVConnectorBase):
             for request in scheduler_output.scheduled_requests:
                 self._schedule_store(request, scheduler_output.num_scheduled_tokens[request.request_id], meta)
         self.last_stores = [job.job_id for job in meta.stores]
+        if scheduler_output.is_empty and not meta.loads:
+            meta.waited_for_lookup = self._wait_for_lookup()
         return meta
+
+    def _wait_for_lookup(self) -> bool:
+        """A step with nothing to run: wait for the first Lookup in flight to answer (IDLE_WAIT_S at most), so the
+        request it is for is admitted in the next step rather than after a fixed idle wait; False when none is."""
+        in_flight = [lookup.future for lookup in self.lookups.values() if not lookup.future.done()]
+        if in_flight:
+            wait(in_flight, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+        return bool(in_flight)
 
     def _schedule_store(self, request, num_new_tokens: int, meta: KVStoreConnectorMetadata) -> None:
         """Store the blocks this step fills (they are written by the time the worker reads them)."""
@@ -366,6 +383,7 @@ class KVStoreConnector(KVConnectorBase):
     # ---- worker side ----------------------------------------------------------------------------------
 
     def start_load_kv(self, metadata: KVStoreConnectorMetadata) -> None:
+        self.idle_wait = not metadata.waited_for_lookup
         for job in metadata.loads:
             self.load_queue.put(job)
 
@@ -381,7 +399,7 @@ class KVStoreConnector(KVConnectorBase):
 
     def get_finished(self, wait_s: float = 0.0) -> KVConnectorOutput:
         with self.finished_lock:
-            if wait_s > 0 and self.finished.is_empty():
+            if wait_s > 0 and self.idle_wait and self.finished.is_empty():
                 self.finished_lock.wait(wait_s)
             done, self.finished = self.finished, KVConnectorOutput()
         return done
