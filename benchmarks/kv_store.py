@@ -142,7 +142,7 @@ def store_throughput(address: str, num_blocks: int = 256) -> dict:
     gets = []
     for _ in range(3):
         started = time.perf_counter()
-        got = sum(1 for _ in store.get([h for h, _ in blocks], timeout=120))
+        got = sum(len(data) for data in store.get([h for h, _ in blocks], timeout=120)) // layout.block_bytes
         gets.append(time.perf_counter() - started)
         assert got == num_blocks
     store.close()
@@ -224,7 +224,9 @@ def run_reload(args) -> dict:
                     layout = KVLayout(fingerprint, cache_dtype, (30, 2, 3, 16, 64))
                     store = KVStoreClient(mesh.services["kvstore"].address, layout)
                     started = time.perf_counter()
-                    row["kvstore_blocks"] = sum(1 for _ in store.get(hashes, timeout=60))
+                    row["kvstore_blocks"] = (
+                        sum(len(data) for data in store.get(hashes, timeout=60)) // layout.block_bytes
+                    )
                     row["kvstore_get"] = time.perf_counter() - started
                     store.close()
                     rows.append(row)

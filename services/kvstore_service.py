@@ -1,7 +1,7 @@
 """llmmesh.v1.KVStore: KV-cache blocks in Redis, a thin adapter over redis-py's asyncio client.
 
 A block lives under `kv:{fingerprint}:{block hash in hex}` as a small header (magic, version, dtype, shape,
-layer count, block size, data length, CRC-32 of the data) followed by the raw bytes; nothing is pickled. A
+layer count, block size, data length, CRC-32C of the data) followed by the raw bytes; nothing is pickled. A
 value whose header does not match the layout asked for, or whose checksum fails, is deleted, counted and
 treated as missing. Redis is a cache (allkeys-lru): any block may vanish at any time.
 
@@ -20,16 +20,17 @@ import logging
 import math
 import re
 import struct
-import zlib
 from urllib.parse import urlsplit
 
 import grpc
 import redis.asyncio as aioredis
+from crc32c import crc32c  # the CPU's CRC32 instruction: several times zlib's CRC-32 on KV blocks
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from engine.malloc import keep_freed_memory_in_process
 from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services import config
 from services.server import MAX_MESSAGE_BYTES, Server
@@ -40,7 +41,7 @@ SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
 
 # name -> (code in the header, bytes): the KV cache dtypes (engine.kv.layout.DTYPE_SIZES)
 DTYPES = {"float32": (1, 4), "float16": (2, 2), "bfloat16": (3, 2), "float8_e4m3fn": (4, 1), "float8_e5m2": (5, 1)}
-MAGIC, VERSION = b"LMKV", 1
+MAGIC, VERSION = b"LMKV", 2  # version 1 checked its blocks with zlib's CRC-32
 MAX_DIMS = 8
 HASH_BYTES = 32
 FINGERPRINT = re.compile(r"[0-9a-f]{64}")
@@ -100,15 +101,16 @@ class Layout:
         return block_key(self.fingerprint, block_hash)
 
     def encode(self, data: bytes) -> bytes:
-        return b"".join((self.header, _CRC.pack(zlib.crc32(data)), data))
+        return b"".join((self.header, _CRC.pack(crc32c(data)), data))
 
-    def decode(self, value: bytes | None) -> bytes | None:
-        """The block's data; None where the value is missing or is no intact block of this layout."""
+    def decode(self, value: bytes | None) -> memoryview | None:
+        """The block's data (a view into value, not a copy); None where the value is missing or is no intact block of
+        this layout."""
         start = len(self.header) + _CRC.size
         if value is None or len(value) != start + self.nbytes or not value.startswith(self.header):
             return None
-        data = value[start:]
-        return data if _CRC.unpack_from(value, len(self.header))[0] == zlib.crc32(data) else None
+        data = memoryview(value)[start:]
+        return data if _CRC.unpack_from(value, len(self.header))[0] == crc32c(data) else None
 
 
 def redis_where(url: str) -> str:
@@ -294,11 +296,11 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                             self.count(corrupt_blocks=1)
                             await self.redis.delete(layout.key(block_hash))
                         break
-                    blocks.append(kvstore_pb2.KVBlock(block_hash=block_hash, data=data))
+                    blocks.append(data)
                 served += len(blocks)
                 self.count(bytes_out=len(blocks) * layout.nbytes)
                 if blocks:
-                    yield kvstore_pb2.GetResponse(blocks=blocks)
+                    yield kvstore_pb2.GetResponse(data=b"".join(blocks))
                 if len(blocks) < len(chunk):
                     break
         finally:
@@ -323,6 +325,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
 
 
 async def serve(args) -> None:
+    keep_freed_memory_in_process()  # a Get copies its blocks into new buffers of megabytes
     service = KVStoreService(args.redis_url, args.redis_timeout, args.max_blocks_per_request, args.max_block_bytes)
     server = Server("kvstore", [SERVICE_NAME], args)
     server.add(kvstore_pb2_grpc.add_KVStoreServicer_to_server, service)

@@ -65,8 +65,11 @@ class Store:
         request = kvstore_pb2.GetRequest(layout=block_layout or layout(), block_hashes=hashes)
         return list(self.stub.Get(request, timeout=CALL_TIMEOUT))
 
-    def get(self, hashes, block_layout=None) -> list[tuple[bytes, bytes]]:
-        return [(b.block_hash, b.data) for r in self.get_responses(hashes, block_layout) for b in r.blocks]
+    def get(self, hashes, block_layout=None, nbytes: int = BLOCK_BYTES) -> list[tuple[bytes, bytes]]:
+        """(hash, bytes) of the blocks answered, the stream's bytes cut into blocks of nbytes in the order asked."""
+        data = b"".join(r.data for r in self.get_responses(hashes, block_layout))
+        assert len(data) % nbytes == 0
+        return list(zip(hashes, (data[i : i + nbytes] for i in range(0, len(data), nbytes)), strict=False))
 
     def lookup(self, hashes, fingerprint=FP) -> int:
         request = kvstore_pb2.LookupRequest(fingerprint=fingerprint, block_hashes=hashes)
@@ -149,9 +152,9 @@ def test_get_streams_chunks_of_at_most_get_chunk_bytes():
         assert store.put(blocks, big).num_stored == 12
         responses = store.get_responses(hashes, big)
         assert len(responses) >= 12 * 2**20 // GET_CHUNK_BYTES
-        assert all(sum(len(b.data) for b in r.blocks) <= GET_CHUNK_BYTES for r in responses)
-        assert [(b.block_hash, b.data) for r in responses for b in r.blocks] == list(blocks.items())
-        assert store.get(hashes[:5] + chain(1, seed=3) + hashes[5:], big) == list(blocks.items())[:5]
+        assert all(0 < len(r.data) <= GET_CHUNK_BYTES and len(r.data) % 2**20 == 0 for r in responses)
+        assert b"".join(r.data for r in responses) == b"".join(blocks.values())
+        assert store.get(hashes[:5] + chain(1, seed=3) + hashes[5:], big, 2**20) == list(blocks.items())[:5]
 
 
 def test_put_skips_blocks_already_present(store):
@@ -333,7 +336,7 @@ def test_eviction_under_maxmemory_costs_blocks_never_errors():
         assert present[0] < 10 and sum(present) < 200
         assert present[-1] > 0
         for s, hashes in enumerate(chains):
-            assert store.get(hashes, block) == list(data[s].items())[: present[s]]
+            assert store.get(hashes, block, 65536) == list(data[s].items())[: present[s]]
         stats = store.stats()
         assert stats.blocks_stored == 200 and stats.bytes_in == 200 * 65536
         assert 0 < stats.keys < 200

@@ -5,7 +5,6 @@ vLLM's split: the engine core decides what to run; the worker sizes and allocate
 and runs each step (execute_model).
 """
 
-import ctypes
 import functools
 import logging
 import os
@@ -24,6 +23,7 @@ from engine.kv.layout import KVLayout, model_fingerprint, weights_digest
 from engine.kv.manager import cdiv
 from engine.lora.manager import LoRAModelManager
 from engine.lora.request import LoRARequest
+from engine.malloc import keep_freed_memory_in_process
 from engine.models.config import ModelConfig
 from engine.models.linear import process_weights_after_loading
 from engine.models.llama import LlamaForCausalLM
@@ -42,24 +42,6 @@ DEFAULT_CPU_KV_CACHE_MEMORY = "2GiB"
 GiB = 2**30
 
 logger = logging.getLogger("llmmesh.engine")
-
-
-def keep_freed_memory_in_process() -> None:
-    """Stop glibc from returning large freed blocks to the kernel (mmap/munmap, trimming the heap).
-
-    On CPU every step allocates and frees activations of megabytes (oneDNN's packing buffers too); glibc
-    serves blocks over 32 MiB, or freed at the heap's top, from fresh pages, so each step page-faults them
-    in again. Measured on the offline benchmark: 3.4M minor faults -> 0.8M (the KV cache's first touch),
-    12.9 s -> 7.4 s of system time, 56 s -> 50 s of wall time. vLLM asks CPU users to preload tcmalloc
-    for the same reason; this needs nothing installed. Freed memory stays this process's to reuse."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return
-    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
-    libc.mallopt(M_MMAP_MAX, 0)
-    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
-    libc.mallopt(M_TOP_PAD, 64 << 20)
 
 
 def resolve_device(device: str, rank: int = 0, world_size: int = 1) -> torch.device:

@@ -36,14 +36,15 @@ class KVBlockIO:
             out[:, layer, 1] = v[:, ids].swapaxes(0, 1)
         return [block.tobytes() for block in out]
 
-    def write(self, block_ids: list[int], blocks: list[bytes]) -> None:
+    def write(self, block_ids: list[int], data) -> None:
+        """data: the blocks' bytes back to back (any buffer), one block for each id."""
         if not self.on_cpu:
-            return self._write_torch(block_ids, blocks)
+            return self._write_torch(block_ids, data)
         ids = np.asarray(block_ids)
-        data = np.stack([np.frombuffer(b, dtype=self.np_dtype).reshape(self.layout.shape) for b in blocks])
+        blocks = np.frombuffer(data, dtype=self.np_dtype).reshape(len(ids), *self.layout.shape)
         for layer, (k, v) in enumerate(self.caches):
-            k[:, ids] = data[:, layer, 0].swapaxes(0, 1)
-            v[:, ids] = data[:, layer, 1].swapaxes(0, 1)
+            k[:, ids] = blocks[:, layer, 0].swapaxes(0, 1)
+            v[:, ids] = blocks[:, layer, 1].swapaxes(0, 1)
 
     def _read_torch(self, block_ids):
         import torch
@@ -54,13 +55,13 @@ class KVBlockIO:
         raw = out.view(torch.uint8).numpy()
         return [block.tobytes() for block in raw]
 
-    def _write_torch(self, block_ids, blocks):
+    def _write_torch(self, block_ids, data):
         import torch
 
         k0 = self.caches[0][0]
         ids = torch.tensor(block_ids, device=k0.device)
-        raw = torch.frombuffer(bytearray(b"".join(blocks)), dtype=torch.uint8).view(k0.dtype)
-        data = raw.view(len(blocks), *self.layout.shape).to(k0.device)
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(k0.dtype)
+        data = raw.view(len(block_ids), *self.layout.shape).to(k0.device)
         for layer, (k, v) in enumerate(self.caches):
             k[:, ids] = data[:, layer, 0].transpose(0, 1)
             v[:, ids] = data[:, layer, 1].transpose(0, 1)

@@ -6,7 +6,7 @@ from engine.grpc_policy import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
 from engine.kv.layout import KVLayout
 from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-# Blocks per Put or Get message: well inside the message limit for any block that fits it at all.
+# Blocks per Put message: well inside the message limit for any block that fits it at all.
 _MESSAGE_TARGET_BYTES = 8 * 2**20
 
 
@@ -41,15 +41,16 @@ class KVStoreClient:
         return min(self.stub.Lookup(request, timeout=timeout, metadata=metadata).num_present, len(block_hashes))
 
     def get(self, block_hashes: list[bytes], timeout: float, metadata=()):
-        """Yield (block hash, data) in order until the first missing block; a block of the wrong size ends it."""
+        """Yield the blocks' bytes in order, several blocks back to back at a time, until the first missing block;
+        more bytes than asked for, or part of a block, ends it."""
         request = kvstore_pb2.GetRequest(layout=self._proto_layout, block_hashes=block_hashes)
-        expected = iter(block_hashes)
+        left = len(block_hashes) * self.layout.block_bytes
         for response in self.stub.Get(request, timeout=timeout, metadata=metadata):
-            for block in response.blocks:
-                data = block.data  # each access copies the bytes
-                if block.block_hash != next(expected, None) or len(data) != self.layout.block_bytes:
-                    raise ValueError("the kvstore answered a block out of order or of the wrong size")
-                yield block.block_hash, data
+            data = response.data  # each access copies the bytes
+            if len(data) % self.layout.block_bytes or len(data) > left:
+                raise ValueError("the kvstore answered part of a block, or more blocks than asked for")
+            left -= len(data)
+            yield data
 
     def put(self, blocks, timeout: float, metadata=()) -> int:
         """Store (hash, data) pairs, several per message; the number stored (present ones are skipped)."""

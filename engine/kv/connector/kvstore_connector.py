@@ -412,17 +412,10 @@ class KVStoreConnector(KVConnectorBase):
         started, loaded = time.perf_counter(), 0
         if self._store_up():
             try:
-                batch_ids, batch = [], []
-                for _, data in self.client.get(job.block_hashes, self.options["timeout_s"], job.trace_headers):
-                    batch_ids.append(job.block_ids[loaded + len(batch)])
-                    batch.append(data)
-                    if len(batch) == self.client.blocks_per_message:
-                        self.block_io.write(batch_ids, batch)
-                        loaded += len(batch)
-                        batch_ids, batch = [], []
-                if batch:
-                    self.block_io.write(batch_ids, batch)
-                    loaded += len(batch)
+                for data in self.client.get(job.block_hashes, self.options["timeout_s"], job.trace_headers):
+                    num_blocks = len(data) // self.layout.block_bytes
+                    self.block_io.write(job.block_ids[loaded : loaded + num_blocks], data)
+                    loaded += num_blocks
             except Exception as e:  # noqa: BLE001 (what arrived before the fault is good; the rest is recomputed)
                 self._mark_down("load", e)
         seconds = time.perf_counter() - started

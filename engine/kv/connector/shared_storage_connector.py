@@ -163,7 +163,7 @@ class SharedStorageConnector(KVConnectorBase):
                     break
                 blocks.append(data)
             if blocks:
-                self.block_io.write(job.block_ids[: len(blocks)], blocks)
+                self.block_io.write(job.block_ids[: len(blocks)], b"".join(blocks))
             self.finished.finished_recving[job.request_id] = len(blocks) * bs
             self._count("loaded_tokens", len(blocks) * bs)
             self._count("loaded_bytes", len(blocks) * block_bytes)
