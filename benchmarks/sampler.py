@@ -1,8 +1,9 @@
 """Sampler microbenchmark on CPU: cost of one call, and of building its SamplingMetadata.
 
     .venv/bin/python benchmarks/sampler.py [--batch-sizes 1,64,256] [--vocab 49152] [--iters 20] [--threads N]
+        [--dtype float32|bfloat16]
 
-Scenarios (float32 logits [batch, vocab], random normal):
+Scenarios (logits [batch, vocab] in --dtype, random normal; bfloat16 is what a bfloat16 model hands the sampler):
   greedy  default SamplingParams with temperature=0: the argmax path.
   random  default SamplingParams (temperature 1): softmax and a Gumbel-max draw, nothing else.
   mixed   rows cycle through four kinds: penalties (repetition 1.1, frequency 0.5, presence 0.3,
@@ -78,6 +79,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the logits' dtype")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -89,14 +91,14 @@ def main():
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__} with {torch.get_num_threads()} threads"
     )
-    print(f"vocab {args.vocab}, float32 logits, {args.iters} iterations after {args.warmup} warm-up")
+    print(f"vocab {args.vocab}, {args.dtype} logits, {args.iters} iterations after {args.warmup} warm-up")
     print("ms per call as median / p90\n")
     print("| scenario | batch | build (ms) | sample (ms) | build+sample (ms) |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for scenario in ("greedy", "random", "mixed"):
         for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
             requests, generators = make_batch(scenario, batch_size, args.vocab, rng)
-            logits = torch.randn(batch_size, args.vocab, generator=rng)
+            logits = torch.randn(batch_size, args.vocab, generator=rng).to(getattr(torch, args.dtype))
             # The sampler works in place on float32 logits: each call gets a fresh copy, made untimed.
             fresh = logits.clone
 
