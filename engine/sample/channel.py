@@ -52,9 +52,9 @@ class StepChannel:
         (length,) = _LENGTH.unpack_from(self._buffer)
         if length > MAX_MESSAGE_BYTES:
             raise ValueError(f"the channel's message length must be at most {MAX_MESSAGE_BYTES}, got {length}")
-        if length > len(self._buffer):
-            self._buffer = bytearray(length)
-        view = memoryview(self._buffer)[:length]
+        # A large message (prompt logits) gets a buffer of its own, not kept once read.
+        buffer = self._buffer if length <= len(self._buffer) else bytearray(length)
+        view = memoryview(buffer)[:length]
         self._read_into(view, deadline)
         return view
 
