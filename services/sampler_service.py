@@ -293,6 +293,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
                 yield result
                 if stream.step_channel is not None:  # the engine's later steps come over it
                     error = await self._serve_channel(stream)
+                    if isinstance(error, Exception):  # a fault of the service's own ends the stream, as here
+                        raise error
                     if error is not None:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
                     return
@@ -311,14 +313,17 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             f"{SERVICE_NAME}/Sample step", msg.trace_context.items(), attributes=attributes
         )
 
-    async def _serve_channel(self, stream: StreamState) -> str | None:
-        """Serve the stream's steps over its step channel on a thread of its own until the engine closes it; the
-        message that ended it when it was refused."""
+    async def _serve_channel(self, stream: StreamState) -> str | Exception | None:
+        """Serve the stream's steps over its step channel on a thread of its own until the engine closes it; what
+        ended it otherwise: the message that says why a step was refused, or the service's own exception."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 
         def serve():
-            error = self._serve_steps(stream)
+            try:
+                error = self._serve_steps(stream)
+            except Exception as e:  # noqa: BLE001 (handed to the stream, which ends with it)
+                error = e
             try:
                 loop.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
             except RuntimeError:  # the server's loop has ended
