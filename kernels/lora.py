@@ -14,7 +14,9 @@ path, one gathered matrix-vector product for both; one program per token and out
 one launch), and the CPU path, a C++ kernel (kernels/cpu/lora.cpp) doing both for a whole layer in one call, packed
 slices included: a layer's few small torch calls per adapter cost more than their arithmetic on the CPU. It takes
 the step's tokens grouped by slot (lora_kernel_meta, once per step, vLLM's LoRAKernelMeta) and reads a slot's rows
-once for each block of up to 8 of its tokens, with its accumulators in registers. Slots may be float32, bfloat16 or
+once for each block of up to 8 of its tokens, with its accumulators in registers; with x and the slots in bfloat16,
+a prompt's group of 16 tokens or more goes through two matrix multiplies on the CPU's matrix unit instead (AMX,
+ATen's brgemm), h rounded to bfloat16 between them as vLLM's kernels round it. Slots may be float32, bfloat16 or
 float16 (--lora-dtype); every path widens them to float32 as it reads them.
 """
 

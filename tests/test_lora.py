@@ -466,7 +466,8 @@ def test_kernel_meta_groups_tokens_by_slot_in_batch_order():
 def test_cpu_kernel_matches_the_reference(dtype, slot_dtype):
     """A packed layer (three slices) with adapters of ranks 2 and 5 in slots of 8, the slots in each --lora-dtype,
     over groups of tokens longer and shorter than the kernel's blocks, interleaved with each other and with
-    base-model tokens; x a strided view, widths no vector's multiple."""
+    base-model tokens, all shorter than the matrix-multiply path's (below); x a strided view, widths no vector's
+    multiple."""
     slots, max_rank, fan_in, out_sizes = 3, 8, 152, (144, 8, 40)
     gen = torch.Generator().manual_seed(4)
     a = torch.zeros(slots, 3 * max_rank, fan_in)
@@ -476,7 +477,7 @@ def test_cpu_kernel_matches_the_reference(dtype, slot_dtype):
             a[slot, i * max_rank : i * max_rank + rank] = torch.randn(rank, fan_in, generator=gen)
         b[slot, :rank] = torch.randn(rank, sum(out_sizes), generator=gen)
     a, b = a.to(slot_dtype), b.to(slot_dtype)
-    indices = torch.tensor([0, 0, 2, -1, -1] + [2] * 11 + [0, -1, 0] + [2, 0] * 5)
+    indices = torch.tensor([0, 0, 2, -1, -1] + [2] * 9 + [0, -1, 0] + [2, 0] * 5)
     x = torch.randn(len(indices), fan_in + 5, generator=gen).to(dtype)[:, 5:]
     y = torch.randn(len(indices), sum(out_sizes), generator=gen).to(dtype)
     ours, expected = y.clone(), y.clone()
@@ -487,6 +488,31 @@ def test_cpu_kernel_matches_the_reference(dtype, slot_dtype):
     torch.testing.assert_close(ours, expected, **tolerance)
     assert not torch.equal(ours[indices >= 0], y[indices >= 0])
     assert torch.equal(ours[indices < 0], y[indices < 0])  # base-model rows untouched
+
+
+def test_cpu_kernel_matrix_multiply_path_matches_the_reference():
+    """bfloat16 x and slots with groups of a prompt's size (70 tokens: a block of 64 and the rest; 20 tokens) take the
+    matrix-multiply path, which rounds h to bfloat16 between its two products: the reference rounded the same way
+    agrees to y's last bit. Odd ranks, a group too short for the path and base-model tokens beside them."""
+    slots, max_rank, fan_in, out_sizes = 3, 8, 152, (144, 8, 40)
+    gen = torch.Generator().manual_seed(5)
+    a = torch.zeros(slots, 3 * max_rank, fan_in)
+    b = torch.zeros(slots, max_rank, sum(out_sizes))
+    for slot, rank in ((0, 3), (1, 8), (2, 5)):
+        for i in range(3):
+            a[slot, i * max_rank : i * max_rank + rank] = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
+        b[slot, :rank] = torch.randn(rank, sum(out_sizes), generator=gen)
+    a, b = a.bfloat16(), b.bfloat16()
+    indices = torch.tensor([2] * 40 + [0, -1, 1] * 10 + [2] * 30 + [1, 1, -1])
+    x = torch.randn(len(indices), fan_in + 4, generator=gen).bfloat16()[:, 4:]
+    y = torch.randn(len(indices), sum(out_sizes), generator=gen).bfloat16()
+    ours, expected = y.clone(), y.clone()
+    lora_cpu_kernel()(x, ours, a, b, *lora_kernel_meta(indices), torch.tensor([3, 8, 5]), list(out_sizes))
+    h = lora_shrink_ref(x, a, indices).bfloat16().float()
+    lora_expand_ref(h, b, indices, expected, list(out_sizes))
+    torch.testing.assert_close(ours, expected, rtol=1e-2, atol=2e-2)  # y rounded once here, twice there
+    assert (ours.float() - y.float()).abs()[indices >= 0].amax(1).min() > 0.1  # every adapted row got its delta
+    assert torch.equal(ours[indices < 0], y[indices < 0])
 
 
 def test_cpu_kernel_refuses_a_slot_out_of_range():

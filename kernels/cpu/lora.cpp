@@ -11,12 +11,20 @@
 // A group is cut into blocks of up to BLOCK tokens, split between threads; a block reads each row of its A and B
 // once, widened to float32 in registers, with its accumulators in registers: a decode batch with at most BLOCK
 // tokens an adapter reads each adapter's weights once a layer, A and each slice of B as contiguous rows.
+// With x and the slots in bfloat16, a group of at least MM_MIN_TOKENS tokens (a prompt's) goes instead through two
+// matrix multiplies a block of up to MM_BLOCK tokens, on the CPU's matrix unit (AMX, through ATen's brgemm), h
+// rounded to bfloat16 between them as vLLM's kernels round it; a decode's few tokens an adapter keep the vector path.
 
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/extension.h>
 #include <torch/library.h>
+
+#ifdef __AVX512BW__
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -29,6 +37,9 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t BLOCK = 8;
 constexpr int64_t V = Vec::size();
 constexpr int64_t PREFETCH_A = 1024;  // elements of A ahead of the shrink's reads
+constexpr int64_t MM_MIN_TOKENS = 16;  // the matrix-multiply path's smallest group (measured faster from 16 up)
+constexpr int64_t MM_BLOCK = 64;
+constexpr int64_t MM_TILE = 64;  // output columns a product at a time (the widest brgemm operand measured)
 
 // n (<= V) values from p, widened to float32 (a bfloat16 is the top half of a float32: a shift).
 template <typename w_t>
@@ -160,6 +171,91 @@ void run_block(int64_t nb, const scalar_t* x, int64_t x_stride, scalar_t* y, int
 #undef LORA_BLOCK
 }
 
+
+// The matrix-multiply path, for a block of m <= MM_BLOCK tokens of one slot, x and the slots in bfloat16. brgemm takes
+// its right-hand operand [K, N] in VNNI pairs, [K / 2][N][2], packed here: for the shrink A's rows (K = in, even),
+// for the expand B's (K = the rank rounded up to even, the row past it zero).
+struct MMBuffers {
+  std::vector<c10::BFloat16> xg, packed, hb;
+  std::vector<float> h, c;
+};
+
+// packed[j / 2][c][j % 2] = b[j * ld + c] for j < rows, c < cols; rows j >= rows (up to k, even) are zero.
+inline void pack_pairs(const c10::BFloat16* b, int64_t ld, int64_t rows, int64_t k, int64_t cols,
+                       c10::BFloat16* packed) {
+  static const c10::BFloat16 zeros[MM_TILE] = {};
+  for (int64_t j = 0; j < k; j += 2, packed += 2 * cols) {
+    const c10::BFloat16* r0 = b + j * ld;
+    const c10::BFloat16* r1 = j + 1 < rows ? r0 + ld : zeros;
+    int64_t c = 0;
+#ifdef __AVX512BW__
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
+                                        5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (; c + 32 <= cols; c += 32) {
+      const __m512i v0 = _mm512_loadu_si512(r0 + c), v1 = _mm512_loadu_si512(r1 + c);
+      _mm512_storeu_si512(packed + 2 * c, _mm512_permutex2var_epi16(v0, lo, v1));
+      _mm512_storeu_si512(packed + 2 * c + 32, _mm512_permutex2var_epi16(v0, hi, v1));
+    }
+#endif
+    for (; c < cols; ++c) {
+      packed[2 * c] = r0[c];
+      packed[2 * c + 1] = r1[c];
+    }
+  }
+}
+
+// y[0:n] += c[0:n], y in bfloat16.
+inline void add_row(c10::BFloat16* y, const float* c, int64_t n) {
+  for (int64_t k = 0; k < n; k += 2 * V) {
+    const int64_t len = std::min<int64_t>(2 * V, n - k), len0 = std::min<int64_t>(V, len);
+    add_into(y + k, Vec::loadu(c + k, len0), len > V ? Vec::loadu(c + k + V, len - V) : Vec(0.f), len);
+  }
+}
+
+void mm_block(int64_t m, const c10::BFloat16* x, int64_t x_stride, c10::BFloat16* y, int64_t y_stride,
+              const int64_t* tok, const c10::BFloat16* a, const c10::BFloat16* bt, int64_t in, int64_t out,
+              int64_t max_rank, int64_t rank, const std::vector<int64_t>& slices, MMBuffers& buf) {
+  using at::native::cpublas::brgemm;
+  const int64_t num_slices = static_cast<int64_t>(slices.size()), width = num_slices * rank;
+  const int64_t k2 = rank + rank % 2, width2 = num_slices * k2;  // h's columns, each slice's rank made even
+  buf.xg.resize(m * in);
+  buf.packed.resize(std::max(in, k2) * MM_TILE);
+  buf.h.resize(m * width);
+  buf.hb.resize(m * width2);
+  for (int64_t t = 0; t < m; ++t) std::copy_n(x + tok[t] * x_stride, in, buf.xg.data() + t * in);
+  // Shrink: h[:, i * rank + j] = x A[i * max_rank + j], the slices' rows packed together, up to MM_TILE at a time.
+  for (int64_t n0 = 0; n0 < width; n0 += MM_TILE) {
+    const int64_t nt = std::min(MM_TILE, width - n0);
+    // The tile's column n is row j of slice i's A; a pair of its values is one 32-bit word.
+    const uint32_t* rows[MM_TILE];
+    for (int64_t n = 0; n < nt; ++n)
+      rows[n] = reinterpret_cast<const uint32_t*>(a + ((n0 + n) / rank * max_rank + (n0 + n) % rank) * in);
+    auto* packed = reinterpret_cast<uint32_t*>(buf.packed.data());
+    for (int64_t kk = 0; kk < in / 2; ++kk, packed += nt)
+      for (int64_t n = 0; n < nt; ++n) packed[n] = rows[n][kk];
+    brgemm(m, nt, in, in, nt, width, false, buf.xg.data(), buf.packed.data(), buf.h.data() + n0, true);
+  }
+  for (int64_t t = 0; t < m; ++t)  // h in bfloat16, each slice's columns k2 apart
+    for (int64_t i = 0; i < num_slices; ++i)
+      for (int64_t j = 0; j < k2; ++j)
+        buf.hb[t * width2 + i * k2 + j] = c10::BFloat16(j < rank ? buf.h[t * width + i * rank + j] : 0.f);
+  // Expand: y[:, slice i] += h[:, slice i] B[:rank, slice i], into c MM_TILE columns at a time, then added into
+  // each token's row of y in one pass (a column tile at a time over 64 rows of y would wait on memory).
+  int64_t offset = 0;
+  for (int64_t i = 0; i < num_slices; ++i) {
+    const int64_t size = slices[i];
+    buf.c.resize(m * size);
+    for (int64_t c0 = 0; c0 < size; c0 += MM_TILE) {
+      const int64_t nt = std::min(MM_TILE, size - c0);
+      pack_pairs(bt + offset + c0, out, rank, k2, nt, buf.packed.data());
+      brgemm(m, nt, k2, width2, nt, size, false, buf.hb.data() + i * k2, buf.packed.data(), buf.c.data() + c0, true);
+    }
+    for (int64_t t = 0; t < m; ++t) add_row(y + tok[t] * y_stride + offset, buf.c.data() + t * size, size);
+    offset += size;
+  }
+}
+
 // Calls f with a value of the C++ type of a float32, bfloat16 or float16 tensor.
 template <typename F>
 void dispatch_float(at::ScalarType type, const char* what, F f) {
@@ -204,14 +300,19 @@ void lora_apply(const at::Tensor& x, at::Tensor& y, const at::Tensor& lora_a, co
   for (int64_t i = 0; i < sorted.numel(); ++i)
     TORCH_CHECK(tok[i] >= 0 && tok[i] < tokens, "token index out of range");
   TORCH_CHECK(start[0] == 0 && start[groups] <= sorted.numel(), "lora_token_start_loc out of range");
-  // The blocks: (slot, first position in the sorted tokens, tokens), each group cut into up to BLOCK tokens.
-  std::vector<std::array<int64_t, 3>> blocks;
+  const bool mm = x.scalar_type() == at::kBFloat16 && lora_a.scalar_type() == at::kBFloat16 && in % 2 == 0 &&
+                  at::native::cpublas::could_pack(at::kBFloat16);
+  // The blocks: (slot, first position in the sorted tokens, tokens, whether by matrix multiplies), each group cut
+  // into up to BLOCK tokens, or MM_BLOCK for the matrix-multiply path.
+  std::vector<std::array<int64_t, 4>> blocks;
   for (int64_t g = 0; g < groups; ++g) {
     TORCH_CHECK(active[g] >= 0 && active[g] < slots, "active LoRA slot out of range");
     TORCH_CHECK(start[g] <= start[g + 1], "lora_token_start_loc must not decrease");
     if (rank_of[active[g]] == 0) continue;
-    for (int64_t b = start[g]; b < start[g + 1]; b += BLOCK)
-      blocks.push_back({active[g], b, std::min<int64_t>(BLOCK, start[g + 1] - b)});
+    const bool by_mm = mm && start[g + 1] - start[g] >= MM_MIN_TOKENS;
+    const int64_t block = by_mm ? MM_BLOCK : BLOCK;
+    for (int64_t b = start[g]; b < start[g + 1]; b += block)
+      blocks.push_back({active[g], b, std::min<int64_t>(block, start[g + 1] - b), by_mm});
   }
   dispatch_float(x.scalar_type(), "x", [&](auto x_type) {
     using scalar_t = decltype(x_type);
@@ -223,11 +324,23 @@ void lora_apply(const at::Tensor& x, at::Tensor& y, const at::Tensor& lora_a, co
       const int64_t xs = x.stride(0), ys = y.stride(0);
       at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
         std::vector<float> xf(BLOCK * in), h(BLOCK * width);
+        MMBuffers buf;
+        bool used_mm = false;
         for (int64_t i = begin; i < end; ++i) {
-          const auto [slot, first, count] = blocks[i];
-          run_block(count, xp, xs, yp, ys, tok + first, ap + slot * width * in, bp + slot * max_rank * out, in, out,
-                    max_rank, rank_of[slot], slices, xf.data(), h.data());
+          const auto [slot, first, count, by_mm] = blocks[i];
+          const w_t *a_slot = ap + slot * width * in, *b_slot = bp + slot * max_rank * out;
+          if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<w_t, c10::BFloat16>) {
+            if (by_mm) {
+              mm_block(count, xp, xs, yp, ys, tok + first, a_slot, b_slot, in, out, max_rank, rank_of[slot], slices,
+                       buf);
+              used_mm = true;
+              continue;
+            }
+          }
+          run_block(count, xp, xs, yp, ys, tok + first, a_slot, b_slot, in, out, max_rank, rank_of[slot], slices,
+                    xf.data(), h.data());
         }
+        if (used_mm) at::native::cpublas::brgemm_release();
       });
     });
   });
