@@ -77,7 +77,7 @@ class StreamState:
     def __init__(self, device: torch.device):
         self.device = device
         self.requests: dict[str, SamplingState] = {}
-        self.sampler = Sampler()
+        self.sampler = Sampler(parallel_argmax=False)
         self.num_steps = 0
         self.slots: SharedSlots | None = None  # the engine's shared-memory slots, when this stream took them
         self.step_channel: StepChannel | None = None  # the engine's step channel, when this stream connected to it

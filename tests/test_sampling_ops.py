@@ -35,6 +35,7 @@ def test_argmax_kernel_matches_torch(dtype, vocab):
     logits = awkward_logits(40, max(vocab, 7), dtype)[:, :vocab]  # vocab 1 keeps a view: rows strided
     expected = logits.argmax(dim=-1)
     assert torch.equal(argmax_rows(logits), expected)
+    assert torch.equal(argmax_rows(logits, False), expected)  # on this thread alone
     assert torch.equal(argmax(logits), expected)
     assert torch.equal(argmax_rows(logits[:0]), torch.empty(0, dtype=torch.int64))
 

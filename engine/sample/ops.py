@@ -17,11 +17,12 @@ def _cpu_argmax():
     return torch.ops.llmmesh_sampling.argmax_rows
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax(logits: torch.Tensor, parallel: bool = True) -> torch.Tensor:
     """Each row's argmax (torch.argmax's: the first of equal maxima), read in the logits' own dtype. On a CPU the
-    C++ kernel: torch's argmax there takes about ten times as long."""
+    C++ kernel (torch's argmax there takes about ten times as long), on torch's threads or, parallel=False, on the
+    calling thread alone."""
     if logits.device.type == "cpu" and logits.size(-1) and (kernel := _cpu_argmax()) is not None:
-        return kernel(logits.contiguous())
+        return kernel(logits.contiguous(), parallel)
     return logits.argmax(dim=-1)
 
 

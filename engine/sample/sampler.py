@@ -108,6 +108,10 @@ def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch
 
 
 class Sampler:
+    def __init__(self, parallel_argmax: bool = True):
+        # False in the sampler service: while it samples, the engine builds its next step on the host's other core.
+        self.parallel_argmax = parallel_argmax
+
     def __call__(
         self, logits: torch.Tensor, metadata: SamplingMetadata, drafts: DraftTokens | None = None
     ) -> SamplerOutput:
@@ -136,9 +140,8 @@ class Sampler:
             logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, position_tokens)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs, failed=failed)
 
-    @staticmethod
-    def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        greedy, probs = Sampler.target_probs(logits, md)
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        greedy, probs = self.target_probs(logits, md)
         if probs is None:
             return greedy
         drawn = random_sample(probs, md.generators)
@@ -146,11 +149,12 @@ class Sampler:
             return drawn
         return greedy.index_copy_(0, md.random_rows, drawn)
 
-    @staticmethod
-    def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def target_probs(
+        self, logits: torch.Tensor, md: SamplingMetadata
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The argmax of every row (None when all rows are random), and the distribution each random row draws from
         (md.random_rows' order; None when all rows are greedy)."""
-        greedy = None if md.all_random else argmax(logits)
+        greedy = None if md.all_random else argmax(logits, self.parallel_argmax)
         if md.all_greedy:
             return greedy, None
         # Only the random rows go on; their settings are indexed by position among them.

@@ -2,7 +2,8 @@
 // copy). torch's argmax carries an index beside every value and runs about ten times slower than this on a
 // [64, 49152] bfloat16 block; here each row goes in blocks, the block holding the row's largest value is found
 // with vectorized maxima alone, and only that block is scanned again for the value's first index. The answer is
-// torch.argmax's: the first index of the largest value, or of the first NaN in a row that holds one.
+// torch.argmax's: the first index of the largest value, or of the first NaN in a row that holds one. parallel=False
+// keeps it on the calling thread (a sampler service whose host's other core is the engine's during the step).
 // Registered as torch.ops.llmmesh_sampling.argmax_rows when the library loads (engine/sample/ops.py calls it).
 
 #include <ATen/Parallel.h>
@@ -68,13 +69,13 @@ int64_t row_argmax(const scalar_t* x, int64_t n) {
 }
 
 template <typename scalar_t>
-void argmax_rows_of(const scalar_t* x, int64_t rows, int64_t vocab, int64_t stride, int64_t* ids) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+void argmax_rows_of(const scalar_t* x, int64_t rows, int64_t vocab, int64_t stride, int64_t* ids, bool parallel) {
+  at::parallel_for(0, rows, parallel ? 16 : rows + 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) ids[r] = row_argmax(x + r * stride, vocab);
   });
 }
 
-at::Tensor argmax_rows(const at::Tensor& logits) {
+at::Tensor argmax_rows(const at::Tensor& logits, bool parallel) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [rows, vocab] with vocab > 0");
   TORCH_CHECK(logits.stride(1) == 1, "each row of logits must be contiguous");
   const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
@@ -82,13 +83,13 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   int64_t* ids = out.data_ptr<int64_t>();
   switch (logits.scalar_type()) {
     case at::kFloat:
-      argmax_rows_of(logits.const_data_ptr<float>(), rows, vocab, stride, ids);
+      argmax_rows_of(logits.const_data_ptr<float>(), rows, vocab, stride, ids, parallel);
       break;
     case at::kBFloat16:
-      argmax_rows_of(logits.const_data_ptr<at::BFloat16>(), rows, vocab, stride, ids);
+      argmax_rows_of(logits.const_data_ptr<at::BFloat16>(), rows, vocab, stride, ids, parallel);
       break;
     case at::kHalf:
-      argmax_rows_of(logits.const_data_ptr<at::Half>(), rows, vocab, stride, ids);
+      argmax_rows_of(logits.const_data_ptr<at::Half>(), rows, vocab, stride, ids, parallel);
       break;
     default:
       TORCH_CHECK(false, "logits must be float32, bfloat16 or float16, got ", logits.scalar_type());
@@ -98,5 +99,5 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 
 }  // namespace
 
-TORCH_LIBRARY(llmmesh_sampling, m) { m.def("argmax_rows(Tensor logits) -> Tensor"); }
+TORCH_LIBRARY(llmmesh_sampling, m) { m.def("argmax_rows(Tensor logits, bool parallel=True) -> Tensor"); }
 TORCH_LIBRARY_IMPL(llmmesh_sampling, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
