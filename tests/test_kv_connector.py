@@ -584,6 +584,37 @@ def test_slow_lookup_does_not_stall_the_step(redis_server, prompts, tokenizer):
         kvstore.kill()
 
 
+def test_a_step_with_nothing_to_run_waits_on_the_lookup_not_on_transfers(redis_server, prompts):
+    """The only request waits on its Lookup: the step that runs nothing waits for that answer (IDLE_WAIT_S at most,
+    the store frozen here) and tells the worker not to add its own idle wait; once the answer is in, the request
+    loads, and with no Lookup in flight the worker waits for transfers again."""
+    import signal
+
+    kvstore = ServiceProcess("kvstore", ["--port", "0", "--redis-url", redis_server.url])
+    address = kvstore.wait_listening(120)
+    try:
+        engine = make_engine(address, {"lookup_timeout_s": 60})
+        run_greedy(engine, prompts[:1], 1)
+        settle(engine)
+        engine.reset_prefix_cache()
+        worker_side = engine.worker.connector
+        kvstore.popen.send_signal(signal.SIGSTOP)
+        loads = Request("loads", prompts[0], SamplingParams(temperature=0, max_tokens=2))
+        engine.add_request(loads)
+        for _ in range(3):
+            engine.step()
+            assert loads.status == RequestStatus.WAITING and not worker_side.idle_wait
+        kvstore.popen.send_signal(signal.SIGCONT)
+        settle(engine)
+        assert worker_side.idle_wait  # no Lookup in flight: the worker waits for transfers again
+        assert connector_stats(engine)["loaded_tokens"] == (len(prompts[0]) - 1) // 16 * 16
+        assert_no_leaks(engine)
+        engine.shutdown()
+    finally:
+        kvstore.popen.send_signal(signal.SIGCONT)
+        kvstore.kill()
+
+
 def settle_stores(engine: EngineCore) -> None:
     """Step until the stores in flight have ended (each holds its blocks until then)."""
     while engine.connector.store_holds:
