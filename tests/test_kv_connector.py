@@ -4,7 +4,9 @@ that show the reuse (each request counted once), fingerprint isolation, corrupti
 path; for the kvstore also faults (Redis or the kvstore killed or frozen, eviction under maxmemory), a slow lookup
 that does not stall the step, abort and preemption during transfers, and KV events."""
 
+import contextlib
 import json
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -447,8 +449,6 @@ def test_two_engines_behind_one_gateway_share_the_store(prompts):
 def test_frozen_kvstore_costs_a_deadline_not_a_hang(redis_server, prompts, references):
     """A kvstore that stops answering (SIGSTOP): lookups and loads run into their deadlines and the requests are
     recomputed, with the same output; after SIGCONT the engine loads again."""
-    import signal
-
     kvstore = ServiceProcess("kvstore", ["--port", "0", "--redis-url", redis_server.url])
     address = kvstore.wait_listening(120)
     try:
@@ -543,20 +543,30 @@ def test_request_retried_for_many_steps_is_looked_up_and_counted_once(store, pro
     engine.shutdown()
 
 
-def test_slow_lookup_does_not_stall_the_step(redis_server, prompts, tokenizer):
-    """A kvstore that stops answering (SIGSTOP) while a request's Lookup is out: steps go on for the running request
-    and for a request admitted behind the one waiting on its answer; once the store answers, the request loads."""
-    import signal
-
+@contextlib.contextmanager
+def freezable_store_with(redis_server, prompt):
+    """A kvstore process of its own (a test freezes it with SIGSTOP) and an engine whose Lookups may take a minute,
+    with prompt's blocks in the store and not in the engine's cache: (kvstore, engine)."""
     kvstore = ServiceProcess("kvstore", ["--port", "0", "--redis-url", redis_server.url])
-    address = kvstore.wait_listening(120)
     try:
+        address = kvstore.wait_listening(120)
         # A deadline far longer than the test: had a step waited for the answer, the load would still happen, but
         # only after that step had sat out the whole freeze.
         engine = make_engine(address, {"lookup_timeout_s": 60})
-        run_greedy(engine, prompts[:1], 1)
+        run_greedy(engine, [prompt], 1)
         settle(engine)
         engine.reset_prefix_cache()
+        yield kvstore, engine
+        engine.shutdown()
+    finally:
+        kvstore.popen.send_signal(signal.SIGCONT)
+        kvstore.kill()
+
+
+def test_slow_lookup_does_not_stall_the_step(redis_server, prompts, tokenizer):
+    """A kvstore that stops answering (SIGSTOP) while a request's Lookup is out: steps go on for the running request
+    and for a request admitted behind the one waiting on its answer; once the store answers, the request loads."""
+    with freezable_store_with(redis_server, prompts[0]) as (kvstore, engine):
         start_running(engine, prompts[2])
         settle_stores(engine)
         lookups = connector_stats(engine)["lookups"]
@@ -578,25 +588,13 @@ def test_slow_lookup_does_not_stall_the_step(redis_server, prompts, tokenizer):
         assert stats["lookups"] == lookups + 1 and stats["loaded_tokens"] == (len(prompts[0]) - 1) // 16 * 16
         settle(engine)
         assert_no_leaks(engine)
-        engine.shutdown()
-    finally:
-        kvstore.popen.send_signal(signal.SIGCONT)
-        kvstore.kill()
 
 
 def test_a_step_with_nothing_to_run_waits_on_the_lookup_not_on_transfers(redis_server, prompts):
     """The only request waits on its Lookup: the step that runs nothing waits for that answer (IDLE_WAIT_S at most,
     the store frozen here) and tells the worker not to add its own idle wait; once the answer is in, the request
     loads, and with no Lookup in flight the worker waits for transfers again."""
-    import signal
-
-    kvstore = ServiceProcess("kvstore", ["--port", "0", "--redis-url", redis_server.url])
-    address = kvstore.wait_listening(120)
-    try:
-        engine = make_engine(address, {"lookup_timeout_s": 60})
-        run_greedy(engine, prompts[:1], 1)
-        settle(engine)
-        engine.reset_prefix_cache()
+    with freezable_store_with(redis_server, prompts[0]) as (kvstore, engine):
         worker_side = engine.worker.connector
         kvstore.popen.send_signal(signal.SIGSTOP)
         loads = Request("loads", prompts[0], SamplingParams(temperature=0, max_tokens=2))
@@ -609,10 +607,6 @@ def test_a_step_with_nothing_to_run_waits_on_the_lookup_not_on_transfers(redis_s
         assert worker_side.idle_wait  # no Lookup in flight: the worker waits for transfers again
         assert connector_stats(engine)["loaded_tokens"] == (len(prompts[0]) - 1) // 16 * 16
         assert_no_leaks(engine)
-        engine.shutdown()
-    finally:
-        kvstore.popen.send_signal(signal.SIGCONT)
-        kvstore.kill()
 
 
 def settle_stores(engine: EngineCore) -> None:
