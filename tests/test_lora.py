@@ -491,7 +491,7 @@ def test_cpu_kernel_matches_the_reference(dtype, slot_dtype):
 
 
 def test_cpu_kernel_matrix_multiply_path_matches_the_reference():
-    """bfloat16 x and slots with groups of a prompt's size (70 tokens: a block of 64 and the rest; 20 tokens) take the
+    """bfloat16 x and slots with groups of a prompt's size (140 tokens: blocks of 64 and the rest; 18 tokens) take the
     matrix-multiply path, which rounds h to bfloat16 between its two products: the reference rounded the same way
     agrees to y's last bit. Odd ranks, a group too short for the path and base-model tokens beside them."""
     slots, max_rank, fan_in, out_sizes = 3, 8, 152, (144, 8, 40)
@@ -503,7 +503,7 @@ def test_cpu_kernel_matrix_multiply_path_matches_the_reference():
             a[slot, i * max_rank : i * max_rank + rank] = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
         b[slot, :rank] = torch.randn(rank, sum(out_sizes), generator=gen)
     a, b = a.bfloat16(), b.bfloat16()
-    indices = torch.tensor([2] * 40 + [0, -1, 1] * 10 + [2] * 30 + [1, 1, -1])
+    indices = torch.tensor([2] * 90 + [0, -1, 1] * 10 + [2] * 50 + [1] * 8 + [-1])
     x = torch.randn(len(indices), fan_in + 4, generator=gen).bfloat16()[:, 4:]
     y = torch.randn(len(indices), sum(out_sizes), generator=gen).bfloat16()
     ours, expected = y.clone(), y.clone()

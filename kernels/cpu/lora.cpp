@@ -11,9 +11,10 @@
 // A group is cut into blocks of up to BLOCK tokens, split between threads; a block reads each row of its A and B
 // once, widened to float32 in registers, with its accumulators in registers: a decode batch with at most BLOCK
 // tokens an adapter reads each adapter's weights once a layer, A and each slice of B as contiguous rows.
-// With x and the slots in bfloat16, a group of at least MM_MIN_TOKENS tokens (a prompt's) goes instead through two
-// matrix multiplies a block of up to MM_BLOCK tokens, on the CPU's matrix unit (AMX, through ATen's brgemm), h
-// rounded to bfloat16 between them as vLLM's kernels round it; a decode's few tokens an adapter keep the vector path.
+// With x and the slots in bfloat16, the groups of at least MM_MIN_TOKENS tokens of a step with MM_MIN_STEP_TOKENS
+// such tokens (a prompt's) go instead through two matrix multiplies a block of up to MM_BLOCK tokens, on the CPU's
+// matrix unit (AMX, through ATen's brgemm), h rounded to bfloat16 between them as vLLM's kernels round it; a
+// decode's few tokens an adapter keep the vector path.
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -37,7 +38,10 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t BLOCK = 8;
 constexpr int64_t V = Vec::size();
 constexpr int64_t PREFETCH_A = 1024;  // elements of A ahead of the shrink's reads
-constexpr int64_t MM_MIN_TOKENS = 16;  // the matrix-multiply path's smallest group (measured faster from 16 up)
+// The matrix-multiply path's smallest group and smallest step: below 128 tokens in all (one adapter's decode batch of
+// 32 or 64) it measured slower than the vector path, its packing and set-up not paid back; above, faster.
+constexpr int64_t MM_MIN_TOKENS = 16;
+constexpr int64_t MM_MIN_STEP_TOKENS = 128;
 constexpr int64_t MM_BLOCK = 64;
 constexpr int64_t MM_TILE = 64;  // output columns a product at a time (the widest brgemm operand measured)
 
@@ -300,17 +304,24 @@ void lora_apply(const at::Tensor& x, at::Tensor& y, const at::Tensor& lora_a, co
   for (int64_t i = 0; i < sorted.numel(); ++i)
     TORCH_CHECK(tok[i] >= 0 && tok[i] < tokens, "token index out of range");
   TORCH_CHECK(start[0] == 0 && start[groups] <= sorted.numel(), "lora_token_start_loc out of range");
+  // The matrix-multiply path takes a step's groups of MM_MIN_TOKENS or more if they hold MM_MIN_STEP_TOKENS in all,
+  // in blocks of up to MM_BLOCK tokens, fewer where that would leave a thread without work.
+  int64_t mm_tokens = 0;
+  for (int64_t g = 0; g < groups; ++g)
+    if (start[g + 1] - start[g] >= MM_MIN_TOKENS) mm_tokens += start[g + 1] - start[g];
   const bool mm = x.scalar_type() == at::kBFloat16 && lora_a.scalar_type() == at::kBFloat16 && in % 2 == 0 &&
-                  at::native::cpublas::could_pack(at::kBFloat16);
+                  mm_tokens >= MM_MIN_STEP_TOKENS && at::native::cpublas::could_pack(at::kBFloat16);
+  const int64_t threads = at::get_num_threads();
+  const int64_t mm_size = std::clamp((mm_tokens + threads - 1) / threads, MM_MIN_TOKENS, MM_BLOCK);
   // The blocks: (slot, first position in the sorted tokens, tokens, whether by matrix multiplies), each group cut
-  // into up to BLOCK tokens, or MM_BLOCK for the matrix-multiply path.
+  // into up to BLOCK tokens, or mm_size for the matrix-multiply path.
   std::vector<std::array<int64_t, 4>> blocks;
   for (int64_t g = 0; g < groups; ++g) {
     TORCH_CHECK(active[g] >= 0 && active[g] < slots, "active LoRA slot out of range");
     TORCH_CHECK(start[g] <= start[g + 1], "lora_token_start_loc must not decrease");
     if (rank_of[active[g]] == 0) continue;
     const bool by_mm = mm && start[g + 1] - start[g] >= MM_MIN_TOKENS;
-    const int64_t block = by_mm ? MM_BLOCK : BLOCK;
+    const int64_t block = by_mm ? mm_size : BLOCK;
     for (int64_t b = start[g]; b < start[g + 1]; b += block)
       blocks.push_back({active[g], b, std::min<int64_t>(block, start[g + 1] - b), by_mm});
   }
