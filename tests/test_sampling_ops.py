@@ -1,11 +1,12 @@
-"""The sampler's C++ kernel (kernels/cpu/sampling.cpp) against torch, and the greedy path that uses it."""
+"""The sampler's C++ kernel (kernels/cpu/sampling.cpp) against torch, the greedy path that uses it, and top-p's
+partial search against a sort of the whole vocabulary."""
 
 import pytest
 import torch
 
 from engine.request import Request, SamplingParams
 from engine.sample.metadata import SamplingMetadata
-from engine.sample.ops import argmax
+from engine.sample.ops import apply_top_p, argmax
 from engine.sample.sampler import Sampler
 from kernels.cpu_ops import load
 
@@ -58,3 +59,31 @@ def test_greedy_step_takes_the_argmax_in_the_logits_dtype(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "to", to)
     penalized = plain[:5] + [Request("p", [1, 2], SamplingParams(temperature=0, presence_penalty=0.5), (0,))]
     assert not SamplingMetadata.from_requests(penalized, {}, 500, torch.device("cpu")).argmax_only
+
+
+def sorted_nucleus(logits: torch.Tensor, p: float) -> tuple[set[int], set[int]]:
+    """A row's top-p nucleus by a float64 sort of the whole row, and the tokens too near its edge to tell."""
+    probs = logits.double().softmax(dim=-1)
+    top, ids = probs.sort(descending=True)
+    more_likely = top.cumsum(dim=-1) - top
+    near = (more_likely - p).abs() < 1e-5
+    return set(ids[more_likely < p].tolist()), set(ids[near].tolist())
+
+
+def test_top_p_keeps_the_nucleus_a_sort_finds():
+    """Rows peaked to flat, so that the nucleus is found among the first candidates, among 16x as many, or only
+    by sorting the whole row; each row keeps what a sort keeps and the rest is -inf."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, scales = 49152, [12.0, 6.0, 3.0, 2.0, 1.0, 0.3, 0.05]
+    logits = torch.cat([torch.randn(4, vocab, generator=generator) * s for s in scales])
+    p = torch.tensor([0.5, 0.9, 0.95, 0.99] * len(scales))
+    sizes = []
+    for batch in (slice(None), slice(-8, None)):  # mixed paths; only rows that sort
+        kept = apply_top_p(logits[batch].clone(), p[batch], first_k=64).isfinite()
+        for row, row_logits in enumerate(logits[batch]):
+            nucleus, near = sorted_nucleus(row_logits, p[batch][row].item())
+            got = set(kept[row].nonzero().squeeze(1).tolist())
+            assert got - near == nucleus - near, f"row {row}"
+            sizes.append(len(nucleus))
+    # The rows cover every path: within 64 candidates, within 64 x 16, and past a quarter of the vocabulary.
+    assert min(sizes) <= 64 and any(64 < n <= 1024 for n in sizes) and min(sizes[-8:]) > vocab // 4

@@ -81,8 +81,39 @@ def apply_top_k_top_p(
     return logits.fill_(float("-inf")).scatter_(1, top_ids, top_values)
 
 
-def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Keep each row's top-p nucleus: the most likely tokens until their mass reaches p."""
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor, first_k: int = 256) -> torch.Tensor:
+    """Keep each row's top-p nucleus: the most likely tokens until their mass reaches p.
+
+    A nucleus is rarely more than a few hundred tokens, so each row looks for it among its first_k most likely
+    (a partial topk, many times cheaper than sorting a 49,152-token vocabulary). A row whose candidates hold less
+    than p looks again among 16x as many where those could hold p (each is at most as likely as its last
+    candidate); where they could not, or once 16x is a quarter of the vocabulary, it sorts the whole row. Tokens
+    tied with the last one kept may go either way, as with a sort."""
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    rows, k, vocab, to_sort = torch.arange(len(probs)), first_k, probs.size(-1), []
+    while len(rows) and 4 * k < vocab:
+        top, ids = probs[rows].topk(k, dim=-1)  # most likely first
+        mass = top.cumsum(dim=-1)
+        row_p = p[rows].unsqueeze(1)
+        done = (mass[:, -1:] >= row_p).squeeze(1)
+        # Keep a token while the more likely ones hold less than p: the most likely always stays.
+        keep[rows[done]] = keep[rows[done]].scatter_(1, ids[done], (mass - top)[done] < row_p[done])
+        reachable = mass[:, -1] + 15 * k * top[:, -1] >= row_p.squeeze(1)
+        to_sort.append(rows[~done & ~reachable])
+        rows, k = rows[~done & reachable], 16 * k
+    to_sort = torch.cat([*to_sort, rows])
+    if len(to_sort) == len(logits):
+        return sorted_top_p(logits, p)
+    keep[to_sort] = True
+    logits.masked_fill_(~keep, float("-inf"))
+    if len(to_sort):
+        logits[to_sort] = sorted_top_p(logits[to_sort], p[to_sort])
+    return logits
+
+
+def sorted_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """apply_top_p by a sort of the whole vocabulary."""
     logits_sort, logits_idx = logits.sort(dim=-1)  # ascending: the most likely token is last
     # Drop the least likely tokens while their total mass stays within 1 - p.
     cum_probs = logits_sort.softmax(dim=-1).cumsum_(dim=-1)
