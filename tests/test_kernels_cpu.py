@@ -44,18 +44,39 @@ def test_paged_attention_odd_head_dim_and_long_chunk():
     check_attention([(1, 9), (300, 333), (3, 3)], 8, 4, 2, 24, torch.float32, tol=1e-5)
 
 
+# Batches of fewer than 8 items, split by key range and merged: one request's KV heads over a long prefix (SmolLM2's
+# 16 rows after a reload), a decode alone, MQA's one KV head, a chunk in two tiles, two requests of which one is short.
+FEW_ITEMS = [
+    ([(16, 2064)], (9, 3)),
+    ([(1, 1000)], (9, 3)),
+    ([(1, 600)], (4, 1)),
+    ([(100, 700)], (4, 1)),
+    ([(3, 3000), (1, 40)], (2, 2)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("requests,heads", FEW_ITEMS)
+def test_paged_attention_splits_few_items_by_key_range(requests, heads, dtype):
+    check_attention(requests, 16, *heads, 64, dtype, tol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_paged_attention_runs_on_every_thread_count():
-    """The work split by cost must cover every item once, whatever the number of threads."""
-    batch = make_batch(MIXED, 16, 9, 3, 64, torch.float32, "cpu", SHARED)
+    """The work split by cost must cover every item once, whatever the number of threads, and a batch split by key
+    range gives the same answer on any number of threads."""
     threads = torch.get_num_threads()
-    try:
-        outs = []
-        for n in (1, 3, 7):
-            torch.set_num_threads(n)
-            outs.append(ops.paged_attention(*batch, 0.125))
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    for batch in (
+        make_batch(MIXED, 16, 9, 3, 64, torch.float32, "cpu", SHARED),
+        make_batch([(16, 2064)], 16, 9, 3, 64, torch.float32, "cpu"),
+    ):
+        try:
+            outs = []
+            for n in (1, 3, 7):
+                torch.set_num_threads(n)
+                outs.append(ops.paged_attention(*batch, 0.125))
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

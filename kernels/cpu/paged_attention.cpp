@@ -9,6 +9,9 @@
 // head; a longer tile (a prefill, over a cached prefix or not) gathers its keys and values once into float32
 // rows and runs both products as matrix multiplies (BLAS), each query row masked to the keys it may see.
 // Softmax is two-pass: all scores, then max/exp/sum, then V. Items are split among torch's threads by cost.
+// A batch of fewer items than kMinItems (one request's few KV heads: a decode, or a few rows over a long prefix)
+// splits each long item by key range as well, so that two threads share even three KV heads; each part keeps its
+// max, sum and unnormalized output, merged afterwards. The split depends on the batch alone, never on the threads.
 //
 // The cache may hold another dtype than the query (--kv-cache-dtype: bfloat16, float16, fp8_e4m3, fp8_e5m2): each
 // K/V row is converted to float32 as it is read. reshape_and_cache copies rows of the cache's dtype: the caller
@@ -24,7 +27,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -36,6 +42,8 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kItemOverhead = 32;  // fixed cost of an item, in keys, for balancing
 constexpr int64_t kMaxTileRows = 64;   // a prefill tile's query rows: enough to amortize its gather
+constexpr int64_t kMinItems = 8;       // fewer items than this split by key range
+constexpr int64_t kMinPartKeys = 256;  // a key-range part's least keys
 
 inline float dot(const float* a, const float* b, int64_t n) {
   Vec acc(0.f);
@@ -128,13 +136,38 @@ inline void prefetch(const T* p, int64_t n) {
 
 struct Item {
   int64_t req, kv_head, row, rows, len;  // query tokens row..row+rows-1; len: keys the last one sees
+  int64_t key0, key1;                    // the keys this item reads: all (0, len), or a part's range
+  int64_t part;                          // a part's first query among the partial sums; -1: a whole item
 };
 
-// Softmax of s[0..n) in place; returns 1 / the sum of the exponentials.
-inline float softmax_unnormalized(float* s, int64_t n) {
+// A part's values per query: its scores' max, the sum of their exponentials, then the unnormalized output.
+inline int64_t partial_size(int64_t head_dim) { return head_dim + 2; }
+
+// exp(s - max) of s[0..n) in place; the max and the sum of the exponentials (-inf and 0 when n is 0).
+struct SoftmaxSums {
+  float max, sum;
+};
+inline SoftmaxSums softmax_unnormalized(float* s, int64_t n) {
+  if (n <= 0) return {-std::numeric_limits<float>::infinity(), 0.f};
   const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, n);
   at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, s, s, n);
-  return 1.f / at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n);
+  return {mx, at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n)};
+}
+
+// Query i of an item: its output row (normalized, whole items) or its partial sums (parts).
+template <typename T>
+inline void finish_query(const Item& it, int64_t i, int64_t group, int64_t head_dim, const float* acc, SoftmaxSums sums,
+                         T* o_base, int64_t os0, int64_t os1, float* partials) {
+  if (it.part >= 0) {
+    float* dst = partials + (it.part + i) * partial_size(head_dim);
+    dst[0] = sums.max;
+    dst[1] = sums.sum;
+    std::memcpy(dst + 2, acc, head_dim * sizeof(float));
+    return;
+  }
+  const float inv_sum = 1.f / sums.sum;
+  T* dst = o_base + (it.row + i / group) * os0 + (it.kv_head * group + i % group) * os1;
+  for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[d] * inv_sum);
 }
 
 // A tile of rows > 1: keys and values gathered once as float32 [len, head_dim], then both products as matrix
@@ -142,24 +175,25 @@ inline float softmax_unnormalized(float* s, int64_t n) {
 template <typename T, typename C>
 void attend_tile(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, const C* k_base, const C* v_base,
                  int64_t cs0, int64_t cs1, int64_t cs2, int64_t block_size, const int64_t* blocks, int64_t group,
-                 int64_t head_dim, double scale, T* o_base, int64_t os0, int64_t os1, std::vector<float>& keys,
-                 std::vector<float>& values, std::vector<float>& scores, std::vector<float>& buf) {
-  const int64_t len = it.len, nq = it.rows * group, h0 = it.kv_head * group;
+                 int64_t head_dim, double scale, T* o_base, int64_t os0, int64_t os1, float* partials,
+                 std::vector<float>& keys, std::vector<float>& values, std::vector<float>& scores,
+                 std::vector<float>& buf) {
+  const int64_t len = it.key1 - it.key0, nq = it.rows * group, h0 = it.kv_head * group;
   keys.resize(len * head_dim);
   values.resize(len * head_dim);
   scores.resize(nq * len);
   buf.resize(nq * head_dim);
   // Block by block, the next block asked for ahead (blocks are scattered pages: the hardware prefetcher stops at
   // each one's end).
-  for (int64_t pos = 0; pos < len; ++pos) {
+  for (int64_t pos = it.key0; pos < it.key1; ++pos) {
     const int64_t offset = it.kv_head * cs0 + blocks[pos / block_size] * cs1 + (pos % block_size) * cs2;
-    if (pos % block_size == 0 && pos + block_size < len) {
+    if ((pos == it.key0 || pos % block_size == 0) && (pos / block_size + 1) * block_size < it.key1) {
       const int64_t next = it.kv_head * cs0 + blocks[pos / block_size + 1] * cs1;
       prefetch(k_base + next, block_size * cs2);
       prefetch(v_base + next, block_size * cs2);
     }
-    float* k = keys.data() + pos * head_dim;
-    float* v = values.data() + pos * head_dim;
+    float* k = keys.data() + (pos - it.key0) * head_dim;
+    float* v = values.data() + (pos - it.key0) * head_dim;
     const float* kf = as_float(k_base + offset, k, head_dim);
     const float* vf = as_float(v_base + offset, v, head_dim);
     if (kf != k) std::memcpy(k, kf, head_dim * sizeof(float));
@@ -177,26 +211,53 @@ void attend_tile(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, cons
   };
   at::Tensor s_mat = matrix(scores, nq, len), o_mat = matrix(buf, nq, head_dim);
   at::mm_out(s_mat, o_mat, matrix(keys, len, head_dim).t());  // scores = q . keys^T
-  std::vector<float> inv_sum(nq);
+  std::vector<SoftmaxSums> sums(nq);
   for (int64_t i = 0; i < nq; ++i) {
-    const int64_t seen = len - it.rows + 1 + i / group;  // causal: row j sees keys 0..seen-1
+    // Causal: row j sees keys 0..it.len - it.rows + j, of which this item holds key0..key1-1.
+    const int64_t seen = std::clamp<int64_t>(it.len - it.rows + 1 + i / group - it.key0, 0, len);
     float* s = scores.data() + i * len;
-    inv_sum[i] = softmax_unnormalized(s, seen);
+    sums[i] = softmax_unnormalized(s, seen);
     std::fill(s + seen, s + len, 0.f);
   }
   at::mm_out(o_mat, s_mat, matrix(values, len, head_dim));  // out = p . values, over the queries
-  for (int64_t i = 0; i < nq; ++i) {
-    T* dst = o_base + (it.row + i / group) * os0 + (h0 + i % group) * os1;
-    const float* src = buf.data() + i * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(src[d] * inv_sum[i]);
-  }
+  for (int64_t i = 0; i < nq; ++i)
+    finish_query(it, i, group, head_dim, buf.data() + i * head_dim, sums[i], o_base, os0, os1, partials);
+}
+
+// Each split item's parts (split[s]: its first part and how many) into its output rows: the parts' sums rescaled
+// to their common max.
+template <typename T>
+void merge_parts(const std::vector<Item>& items, const std::vector<std::pair<int64_t, int64_t>>& split, int64_t group,
+                 int64_t head_dim, const float* partials, T* o_base, int64_t os0, int64_t os1) {
+  at::parallel_for(0, split.size(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> out(head_dim);
+    for (int64_t s = begin; s < end; ++s) {
+      const auto [first, num_parts] = split[s];
+      const Item& it = items[first];
+      for (int64_t i = 0; i < it.rows * group; ++i) {
+        float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+        for (int64_t p = first; p < first + num_parts; ++p)
+          mx = std::max(mx, partials[(items[p].part + i) * partial_size(head_dim)]);
+        std::fill(out.begin(), out.end(), 0.f);
+        for (int64_t p = first; p < first + num_parts; ++p) {
+          const float* part = partials + (items[p].part + i) * partial_size(head_dim);
+          if (part[1] == 0.f) continue;  // the row sees none of this part's keys
+          const float w = std::exp(part[0] - mx);
+          sum += part[1] * w;
+          axpy(w, part + 2, out.data(), head_dim);
+        }
+        T* dst = o_base + (it.row + i / group) * os0 + (it.kv_head * group + i % group) * os1;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(out[d] / sum);
+      }
+    }
+  });
 }
 
 // T: the query's and output's dtype; C: the cache's.
 template <typename T, typename C>
 void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* table,
             int64_t table_stride, const std::vector<Item>& items, int64_t begin, int64_t end, double scale,
-            at::Tensor& out) {
+            at::Tensor& out, float* partials) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(2), group = num_heads / k_cache.size(0);
   const T* q_base = query.data_ptr<T>();
@@ -208,9 +269,8 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
 
   int64_t max_len = 0;
-  for (int64_t i = begin; i < end; ++i) max_len = std::max(max_len, items[i].len);
-  std::vector<float> q(group * head_dim), acc(group * head_dim), scores(group * max_len), row_buf(head_dim),
-      inv_sum(group);
+  for (int64_t i = begin; i < end; ++i) max_len = std::max(max_len, items[i].key1 - items[i].key0);
+  std::vector<float> q(group * head_dim), acc(group * head_dim), scores(group * max_len), row_buf(head_dim);
   // A tile's buffers (megabytes at long contexts) live as long as the thread: allocated anew each call, they are
   // fresh pages to fault in on every layer.
   thread_local std::vector<float> keys, values, tile_scores, buf;
@@ -218,14 +278,14 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
   for (int64_t i = begin; i < end; ++i) {
     const Item& it = items[i];
     const int64_t* blocks = table + it.req * table_stride;
-    const int64_t h0 = it.kv_head * group, len = it.len;
-    if (len <= 0) {  // a padding request (seq_len 0): sees nothing, outputs zero
+    const int64_t h0 = it.kv_head * group, len = it.key1 - it.key0;
+    if (it.len <= 0) {  // a padding request (seq_len 0): sees nothing, outputs zero
       for (int64_t g = 0; g < group; ++g) std::fill_n(o_base + it.row * os0 + (h0 + g) * os1, head_dim, T(0));
       continue;
     }
     if (it.rows > 1) {
       attend_tile<T, C>(it, q_base, qs0, qs1, k_base, v_base, cs0, cs1, cs2, block_size, blocks, group, head_dim,
-                        scale, o_base, os0, os1, keys, values, tile_scores, buf);
+                        scale, o_base, os0, os1, partials, keys, values, tile_scores, buf);
       continue;
     }
     for (int64_t g = 0; g < group; ++g) {
@@ -236,25 +296,26 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
     // hardware prefetcher stops), so each row also prefetches the same row of the next block.
     auto row = [&](const C* base, int64_t pos) {
       const C* r = base + it.kv_head * cs0 + (pos % block_size) * cs2;
-      if (pos + block_size < len) prefetch(r + blocks[pos / block_size + 1] * cs1, head_dim);
+      if (pos + block_size < it.key1) prefetch(r + blocks[pos / block_size + 1] * cs1, head_dim);
       return r + blocks[pos / block_size] * cs1;
     };
     // Pass 1: scores of every key, one read of each K row for the whole group.
-    for (int64_t pos = 0; pos < len; ++pos) {
+    for (int64_t pos = it.key0; pos < it.key1; ++pos) {
       const float* k = as_float(row(k_base, pos), row_buf.data(), head_dim);
-      for (int64_t g = 0; g < group; ++g) scores[g * len + pos] = dot(q.data() + g * head_dim, k, head_dim);
+      for (int64_t g = 0; g < group; ++g)
+        scores[g * len + pos - it.key0] = dot(q.data() + g * head_dim, k, head_dim);
     }
-    for (int64_t g = 0; g < group; ++g) inv_sum[g] = softmax_unnormalized(scores.data() + g * len, len);
+    std::vector<SoftmaxSums> sums(group);
+    for (int64_t g = 0; g < group; ++g) sums[g] = softmax_unnormalized(scores.data() + g * len, len);
     // Pass 2: weighted sum of V rows.
     std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t pos = 0; pos < len; ++pos) {
+    for (int64_t pos = it.key0; pos < it.key1; ++pos) {
       const float* v = as_float(row(v_base, pos), row_buf.data(), head_dim);
-      for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + pos], v, acc.data() + g * head_dim, head_dim);
+      for (int64_t g = 0; g < group; ++g)
+        axpy(scores[g * len + pos - it.key0], v, acc.data() + g * head_dim, head_dim);
     }
-    for (int64_t g = 0; g < group; ++g) {
-      T* dst = o_base + it.row * os0 + (h0 + g) * os1;
-      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[g * head_dim + d] * inv_sum[g]);
-    }
+    for (int64_t g = 0; g < group; ++g)
+      finish_query(it, g, group, head_dim, acc.data() + g * head_dim, sums[g], o_base, os0, os1, partials);
   }
 }
 
@@ -314,10 +375,35 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
     for (int64_t h = 0; h < num_kv_heads; ++h)
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t j0 = n * t / tiles, j1 = n * (t + 1) / tiles, len = lens[r] - n + j1;
-        items.push_back({r, h, starts[r] + j0, j1 - j0, len});
-        cost.push_back(cost.back() + (j1 - j0) * std::max<int64_t>(len, 0) + kItemOverhead);
+        items.push_back({r, h, starts[r] + j0, j1 - j0, len, 0, std::max<int64_t>(len, 0), -1});
       }
   }
+  // Too few items to share among threads: each long one becomes parts over ranges of its keys.
+  std::vector<std::pair<int64_t, int64_t>> split;  // (first part, parts) of each split item, in items
+  int64_t num_partial_queries = 0;
+  if (!items.empty() && int64_t(items.size()) < kMinItems) {
+    const int64_t wanted = (kMinItems + items.size() - 1) / items.size();
+    std::vector<Item> parts;
+    for (const Item& it : items) {
+      const int64_t n = std::min(wanted, it.len / kMinPartKeys);
+      if (n < 2) {
+        parts.push_back(it);
+        continue;
+      }
+      split.push_back({int64_t(parts.size()), n});
+      for (int64_t p = 0; p < n; ++p) {
+        Item part = it;
+        part.key0 = it.len * p / n;
+        part.key1 = it.len * (p + 1) / n;
+        part.part = num_partial_queries;
+        num_partial_queries += it.rows * (query.size(1) / num_kv_heads);
+        parts.push_back(part);
+      }
+    }
+    items = std::move(parts);
+  }
+  for (const Item& it : items) cost.push_back(cost.back() + it.rows * (it.key1 - it.key0) + kItemOverhead);
+  std::vector<float> partials(num_partial_queries * partial_size(query.size(2)));
   // One contiguous range of items per thread, of about equal cost.
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
   auto boundary = [&](int64_t p) {
@@ -329,9 +415,12 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
       at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
         for (int64_t p = p0; p < p1; ++p)
           attend<scalar_t, cache_t>(query, k_cache, v_cache, block_table.data_ptr<int64_t>(), block_table.stride(0),
-                                    items, boundary(p), boundary(p + 1), scale, out);
+                                    items, boundary(p), boundary(p + 1), scale, out, partials.data());
       });
     });
+    if (!split.empty())
+      merge_parts<scalar_t>(items, split, query.size(1) / num_kv_heads, query.size(2), partials.data(),
+                            out.data_ptr<scalar_t>(), out.stride(0), out.stride(1));
   });
   return out;
 }
