@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
+from kernels.dense import dense_kernel, packed_view
 from kernels.quant import (
     dequantize,
     group_gemv_kernel,
@@ -48,6 +49,9 @@ CPU_KERNEL_MAX_ROWS = 4
 # bfloat16, this model's shapes (docs/benchmarks.md): 4-bit ties oneDNN at about 16 rows, 8-bit at about 6.
 INT8_DOT_MAX_ROWS = {320: 16, 576: 6}
 _QUANTIZED_ACT_DTYPES = (torch.bfloat16, torch.float16)
+# Most rows a bfloat16 CPU step runs on kernels.dense's dense_linear; above it oneDNN's own kernel on the same
+# packed weight is faster (docs/benchmarks.md: 1.4-1.55x faster at 1-4 rows, 1.1x at 8, even at about 9).
+DENSE_MAX_ROWS = 8
 
 
 class QuantizeMethodBase:
@@ -82,16 +86,22 @@ def _register(layer: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
 class UnquantizedLinearMethod(LinearMethodBase):
     """Float weights. On CPU the matmul goes through oneDNN with the weight packed once, after loading:
     on this model's shapes it measured 1.3-1.9x faster than F.linear's MKL sgemm (vLLM's CPU backend does
-    the same, `dispatch_cpu_unquantized_gemm`). On a GPU, or where oneDNN cannot take the dtype, F.linear."""
+    the same, `dispatch_cpu_unquantized_gemm`). On a GPU, or where oneDNN cannot take the dtype, F.linear.
+    In bfloat16 on a CPU with AVX512-BF16, a step of up to DENSE_MAX_ROWS rows runs kernels.dense's dense_linear
+    on oneDNN's packed weight itself (no second copy): it reads the weight at the memory's rate, a batch-1 decode
+    step of SmolLM2 about 1.3x faster (docs/benchmarks.md)."""
 
     def create_weights(self, layer, input_size, output_size):
         _register(layer, "weight", torch.empty(output_size, input_size))
-        layer.packed = None  # plain F.linear until the weight is loaded and packed
+        layer.packed = layer.packed_dense = None  # plain F.linear until the weight is loaded and packed
 
     def process_weights_after_loading(self, layer, dtype):
-        layer.packed = None
+        layer.packed = layer.packed_dense = None
         if _onednn_supports(layer.weight.device, dtype):
-            layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach().to(dtype), None)
+            weight = layer.weight.detach().to(dtype)
+            layer.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            if dtype == torch.bfloat16 and dense_kernel() is not None:
+                layer.packed_dense = packed_view(layer.packed, weight)
             layer.weight = None  # a tied embedding keeps its own reference
         else:
             layer.weight.data = layer.weight.data.to(dtype)
@@ -99,6 +109,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(self, layer, x):
         if layer.packed is None:
             return F.linear(x, layer.weight, layer.bias)
+        if layer.packed_dense is not None and x.dim() == 2 and x.shape[0] <= DENSE_MAX_ROWS:
+            return torch.ops.llmmesh_dense.dense_linear(x, layer.packed_dense, layer.output_size, layer.bias)
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
 

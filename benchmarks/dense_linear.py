@@ -1,0 +1,143 @@
+"""bfloat16 products of a decode step's few rows: kernels/cpu/dense.cpp's dense_linear against oneDNN's own kernel,
+both on oneDNN's packed weight.
+
+    .venv/bin/python benchmarks/dense_linear.py [--rows 1,2,4,8,16] [--batch-size 1,4,8] [--rounds 7] [--model DIR]
+
+Isolated: SmolLM2-135M's 120 products of a decode step (a layer: qkv 576->960, o 576->576, gate_up 576->3072, down
+1536->576), every layer with its own random weights, so that each comes from memory as in the engine; each row
+count is timed in rounds alternating the two kernels, after a warm-up round of every count; medians.
+Engine: greedy decode of --batch-size requests at once (64-token prompts, 128 output tokens, EOS ignored) on
+SmolLM2 in bfloat16, unquantized; a step's time is the decode time over its 127 steps. Rounds alternate the engine
+as it runs and the same engine with quantization.DENSE_MAX_ROWS at 0 (oneDNN alone); medians.
+--model: a Hugging Face directory of bfloat16 weights; by default the embedded GGUF's weights as transformers
+dequantizes them, written once to build/smollm2-bf16.
+"""
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from latency import run_batch
+
+from engine.config import EngineArgs, parse_int_list
+from engine.core import EngineCore
+from engine.models import quantization
+from engine.models.files import DEFAULT_MODEL, resolve_model
+from engine.models.loader import prepare_model_dir
+from kernels.dense import dense_kernel, packed_view
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M's [N, K] a layer
+LAYERS = 30
+BF16_DIR = Path(__file__).resolve().parent.parent / "build" / "smollm2-bf16"
+
+
+def isolated(rows: list[int], rounds: int) -> None:
+    torch.manual_seed(0)
+    packed, views = [], []
+    for _ in range(LAYERS):
+        for n, k in SHAPES:
+            w = torch.randn(n, k).bfloat16()
+            packed.append(torch.ops.mkldnn._reorder_linear_weight(w, None))
+            views.append(packed_view(packed[-1], w))
+    shapes = SHAPES * LAYERS
+    dense = dense_kernel()
+
+    def step(x: dict[int, torch.Tensor], kernel: str) -> float:
+        started = time.perf_counter()
+        for (n, k), p, v in zip(shapes, packed, views):
+            if kernel == "oneDNN":
+                torch.ops.mkldnn._linear_pointwise(x[k], p, None, "none", [], "")
+            else:
+                dense(x[k], v, n, None)
+        return (time.perf_counter() - started) * 1000
+
+    inputs = {m: {k: torch.randn(m, k).bfloat16() for k in (576, 1536)} for m in rows}
+    for m in rows:
+        step(inputs[m], "oneDNN"), step(inputs[m], "dense_linear")
+    nbytes = sum(2 * n * k for n, k in shapes)
+    for m in rows:
+        times = {"oneDNN": [], "dense_linear": []}
+        for _ in range(rounds):
+            for kernel in times:
+                times[kernel].append(step(inputs[m], kernel))
+        ours, theirs = statistics.median(times["dense_linear"]), statistics.median(times["oneDNN"])
+        print(
+            f"isolated {m:2d} rows: oneDNN {theirs:6.2f} ms ({nbytes / theirs / 1e6:4.1f} GB/s), dense_linear "
+            f"{ours:6.2f} ms ({nbytes / ours / 1e6:4.1f} GB/s), {theirs / ours:.2f}x",
+            flush=True,
+        )
+
+
+def bfloat16_smollm2() -> Path:
+    """The embedded SmolLM2 as a Hugging Face directory of bfloat16 weights (transformers' dequantization)."""
+    if (BF16_DIR / "model.safetensors").exists():
+        return BF16_DIR
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    gguf = resolve_model(DEFAULT_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    converted = prepare_model_dir(DEFAULT_MODEL)  # its config and tokenizer, without the GGUF's quantization
+    BF16_DIR.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (converted / name).exists():
+            (BF16_DIR / name).write_bytes((converted / name).read_bytes())
+    config = json.loads((converted / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (BF16_DIR / "config.json").write_text(json.dumps(config, indent=2))
+    weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    save_file(weights, str(BF16_DIR / "model.safetensors"), metadata={"format": "pt"})
+    return BF16_DIR
+
+
+def engine(model: str, batches: list[int], rounds: int, input_len: int = 64, output_len: int = 128) -> None:
+    core = EngineCore(EngineArgs(model=model, dtype="bfloat16", max_num_seqs=max(batches)))
+    on = sum(getattr(m, "packed_dense", None) is not None for m in core.worker.model.modules())
+    print(f"engine: {on} layers on dense_linear up to {quantization.DENSE_MAX_ROWS} rows", flush=True)
+    rng = random.Random(0)
+    modes = {"dense_linear": quantization.DENSE_MAX_ROWS, "oneDNN": 0}
+    for max_rows in modes.values():
+        quantization.DENSE_MAX_ROWS = max_rows
+        for batch in batches:
+            run_batch(core, batch, 16, 8, rng)
+    steps = {(mode, b): [] for mode in modes for b in batches}
+    for _ in range(rounds):
+        for batch in batches:
+            for mode, max_rows in modes.items():
+                quantization.DENSE_MAX_ROWS = max_rows
+                _, decode_s = run_batch(core, batch, input_len, output_len, rng)
+                steps[mode, batch].append(decode_s / (output_len - 1) * 1000)
+    quantization.DENSE_MAX_ROWS = modes["dense_linear"]
+    for batch in batches:
+        ours, theirs = statistics.median(steps["dense_linear", batch]), statistics.median(steps["oneDNN", batch])
+        print(
+            f"engine batch {batch}: decode step oneDNN {theirs:.2f} ms, dense_linear {ours:.2f} ms, {theirs / ours:.2f}x"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=parse_int_list, default=[1, 2, 4, 8, 16], help="isolated row counts; '' none")
+    parser.add_argument("--batch-size", type=parse_int_list, default=[1, 4, 8], help="engine batch sizes; '' none")
+    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds (medians)")
+    parser.add_argument("--model", help="a Hugging Face directory of bfloat16 weights (default: build/smollm2-bf16)")
+    args = parser.parse_args()
+    if dense_kernel() is None:
+        raise SystemExit("dense_linear needs a CPU with AVX512-BF16 and the CPU kernels built")
+    print(f"load average {os.getloadavg()}, {torch.get_num_threads()} threads", flush=True)
+    if args.rows:
+        isolated(args.rows, args.rounds)
+    if args.batch_size:
+        engine(args.model or str(bfloat16_smollm2()), args.batch_size, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

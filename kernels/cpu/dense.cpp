@@ -1,0 +1,137 @@
+// Dense bfloat16 products for a decode step's few rows: out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]), float32
+// accumulation, bfloat16 out, read from oneDNN's packed weight itself, so one copy of the weight serves every
+// batch size (kernels/dense.py checks at load that the packing is this layout, oneDNN's AB16b32a2b):
+//   tiles of 32 output columns, one after another; a tile holds the pairs of inputs in order, pair p being the 32
+//   columns' (w[n, 2p], w[n, 2p + 1]): 128 bytes, two registers. K is padded with zeros to a multiple of 32 and
+//   the columns to a multiple of 32.
+// A row's pair of inputs is broadcast and AVX512-BF16's dot product (vdpbf16ps) adds both products into each
+// column's float32 lane: no horizontal sums, and each tile is streamed once for all of the rows. The weight is
+// one sequential stream per thread, prefetched into L2 well ahead, which is what brings it to the memory's rate
+// (oneDNN's own kernel reads it at about two thirds of that at these row counts: docs/benchmarks.md).
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t TILE = 32;               // output columns a tile
+constexpr int64_t PREFETCH_BYTES = 16384;  // ahead of the pair being read, into L2
+constexpr int64_t ROWS_A_PASS = 8;         // rows one pass over a tile computes; more rows read it again from cache
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+
+inline __m512bh broadcast_pair(const at::BFloat16* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return (__m512bh)_mm512_set1_epi32(v);
+}
+
+// ROWS rows against one tile (pairs pairs of inputs). One or two rows split the pairs over two accumulator sets
+// (even and odd), so the dot products' dependent chains do not bound the loop.
+template <int ROWS>
+inline void tile_rows(const at::BFloat16* tile, int64_t pairs, const at::BFloat16* x, int64_t x_stride,
+                      const float* bias, at::BFloat16* out, int64_t n, int64_t col) {
+  constexpr int SPLIT = ROWS <= 2 ? 2 : 1;
+  __m512 acc[ROWS][SPLIT][2];
+  for (int r = 0; r < ROWS; ++r)
+    for (int s = 0; s < SPLIT; ++s) acc[r][s][0] = acc[r][s][1] = _mm512_setzero_ps();
+  const char* bytes = reinterpret_cast<const char*>(tile);
+  auto step = [&](int64_t p, int s) {
+    _mm_prefetch(bytes + p * 128 + PREFETCH_BYTES, _MM_HINT_T1);
+    _mm_prefetch(bytes + p * 128 + PREFETCH_BYTES + 64, _MM_HINT_T1);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(bytes + p * 128);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(bytes + p * 128 + 64);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh xp = broadcast_pair(x + r * x_stride + 2 * p);
+      acc[r][s][0] = _mm512_dpbf16_ps(acc[r][s][0], xp, w0);
+      acc[r][s][1] = _mm512_dpbf16_ps(acc[r][s][1], xp, w1);
+    }
+  };
+  int64_t p = 0;
+  for (; p + 1 < pairs; p += 2) {
+    step(p, 0);
+    step(p + 1, SPLIT - 1);
+  }
+  if (p < pairs) step(p, 0);
+  // w0's lanes are columns col .. col + 15 and w1's col + 16 .. col + 31.
+  for (int half = 0; half < 2; ++half) {
+    const int64_t c = col + 16 * half;
+    if (c >= n) break;
+    const __mmask16 mask = c + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - c)) - 1);
+    const __m512 b = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias + c);
+    for (int r = 0; r < ROWS; ++r) {
+      __m512 sum = SPLIT == 2 ? _mm512_add_ps(acc[r][0][half], acc[r][SPLIT - 1][half]) : acc[r][0][half];
+      sum = _mm512_add_ps(sum, b);
+      _mm256_mask_storeu_epi16(out + r * n + c, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+  }
+}
+
+void dense(const at::BFloat16* w, int64_t tiles, int64_t k_padded, const at::BFloat16* x, int64_t rows,
+           int64_t x_stride, int64_t pairs, const float* bias, at::BFloat16* out, int64_t n) {
+  const int64_t tile_elems = TILE * k_padded;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const at::BFloat16* tile = w + t * tile_elems;
+      for (int64_t m = 0; m < rows; m += ROWS_A_PASS) {
+        const at::BFloat16* xm = x + m * x_stride;
+        at::BFloat16* o = out + m * n;
+        switch (std::min(rows - m, ROWS_A_PASS)) {
+#define ROWS_CASE(R) \
+  case R: tile_rows<R>(tile, pairs, xm, x_stride, bias, o, n, t * TILE); break;
+          ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+#undef ROWS_CASE
+        }
+      }
+    }
+  });
+}
+
+#endif
+
+}  // namespace
+
+bool dense_supported() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] bfloat16; packed [N / 32 tiles, K padded to 32 / 2, 32, 2] bfloat16 (see above), of which n columns are
+// real; bias [n] or None. Returns x @ w.T + bias [M, n] in bfloat16.
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                        const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(dense_supported(), "dense_linear needs AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, K]");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == TILE && packed.size(3) == 2 && (2 * packed.size(1)) % TILE == 0,
+              "the weight must be oneDNN's packed AB16b32a2b layout [tiles, K / 2, 32, 2] (kernels/dense.py)");
+  const int64_t k = x.size(1), k_padded = 2 * packed.size(1), tiles = packed.size(0);
+  TORCH_CHECK(k <= k_padded && k_padded < k + TILE, "x's K does not match the packed weight");
+  TORCH_CHECK(n > (tiles - 1) * TILE && n <= tiles * TILE, "n must fall in the last tile");
+  // An odd K reads one input past the row: pad it with a zero (the weight's padding is zero too).
+  const at::Tensor xc = k % 2 == 0 ? x.contiguous() : at::constant_pad_nd(x, {0, 1}).contiguous();
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [n]");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  dense(packed.data_ptr<at::BFloat16>(), tiles, k_padded, xc.data_ptr<at::BFloat16>(), x.size(0), xc.size(1),
+        (k + 1) / 2, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<at::BFloat16>(), n);
+#endif
+  return out;
+}
+
+TORCH_LIBRARY(llmmesh_dense, m) {
+  m.def("dense_supported", &dense_supported);
+  m.def("dense_linear", &dense_linear);
+}

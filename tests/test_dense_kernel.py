@@ -1,0 +1,76 @@
+"""kernels/cpu/dense.cpp's dense_linear: bfloat16 products of a decode step's few rows, read from oneDNN's packed
+weight (kernels/dense.py), against torch's float32 product, and in the engine against oneDNN alone."""
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.models import quantization
+from engine.request import SamplingParams
+from kernels.dense import dense_kernel, pack_dense, packed_view
+
+pytestmark = pytest.mark.skipif(dense_kernel() is None, reason="dense_linear needs AVX512-BF16")
+
+
+def _packed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    return packed, packed_view(packed, w)
+
+
+def test_packed_view_reads_onednns_packed_weight_in_place():
+    w = torch.randn(100, 70).bfloat16()
+    packed, view = _packed(w)
+    assert view is not None and view.data_ptr() == torch.ops.mkldnn.data_ptr(packed)
+    assert torch.equal(view, pack_dense(w)) and view.shape == (4, 48, 32, 2)  # 100 -> 128 columns, 70 -> 96 inputs
+    assert packed_view(packed, torch.randn(100, 70).bfloat16()) is None  # bytes of another weight: refused
+
+
+# K: a multiple of 32, one that is not, an odd one; N: whole tiles of 32 and a part-filled last tile.
+SHAPES = [(96, 64), (100, 70), (33, 31), (5, 3), (64, 1536)]
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_linear_matches_float32_within_bfloat16_rounding(n, k, bias):
+    gen = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    _, view = _packed(w)
+    for rows in range(1, quantization.DENSE_MAX_ROWS + 2):  # every row count it runs, and one pass more
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        want = x.float() @ w.float().T + (b.float() if bias else 0)
+        got = dense_kernel()(x, view, n, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        # Rounding to bfloat16 is within one step of the float32 value (8 significant bits), plus float32's own
+        # error in a sum of another order (which matters only where terms cancel to near zero).
+        step = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
+        allowed = step + 1e-5 * (x.float().abs() @ w.float().abs().T)
+        worst = ((got.float() - want).abs() / allowed).max().item()
+        assert worst <= 1.0, f"{rows} rows of [{n}, {k}], bias {bias}: {worst:.2f} of the rounding allowed"
+
+
+def test_dense_linear_refuses_what_it_cannot_read():
+    w = torch.randn(64, 64).bfloat16()
+    _, view = _packed(w)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        dense_kernel()(torch.randn(1, 64), view, 64, None)
+    with pytest.raises(RuntimeError, match="last tile"):
+        dense_kernel()(torch.randn(1, 64).bfloat16(), view, 65, None)
+    with pytest.raises(RuntimeError, match="K"):
+        dense_kernel()(torch.randn(1, 128).bfloat16(), view, 64, None)
+
+
+def test_engine_gives_onednns_greedy_tokens_in_bfloat16(tiny_llama_dir, monkeypatch):
+    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", kv_cache_memory="4MiB")
+    layers = [m for m in llm.engine.worker.model.modules() if getattr(m, "packed_dense", None) is not None]
+    assert len(layers) == 2 * 4 + 1  # qkv, o, gate_up, down a layer, and the tied lm_head
+    prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 7 * i))} for i in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=12 + 4 * i, ignore_eos=True) for i in range(4)]
+
+    def greedy():  # four requests: steps of 4, 3, 2 and 1 rows as they finish
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    with_kernel = greedy()
+    monkeypatch.setattr(quantization, "DENSE_MAX_ROWS", 0)
+    assert with_kernel == greedy()
