@@ -8,6 +8,7 @@ bytes: a oneDNN that packs otherwise gets None, and the layer stays on oneDNN al
 """
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,7 @@ def packed_view(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | No
     return view if torch.equal(view.view(torch.int16), expected.view(torch.int16)) else None
 
 
+@functools.cache  # asked once a layer at load: a machine that cannot build the kernels tries once
 def dense_kernel():
     """dense_linear (x, packed, n, bias) -> x @ w.T + bias for bfloat16 x and a packed_view weight of n output
     columns, or None where the CPU kernels cannot be built or the CPU has no AVX512-BF16."""
