@@ -1,5 +1,6 @@
-"""The C++ CPU kernels (kernels/cpu/: paged attention, and the model's norm, RoPE and SiLU-and-mul layers),
-one library, built once by setup and loaded at run time.
+"""The C++ CPU kernels (kernels/cpu/: paged attention; the model's norm, RoPE and SiLU-and-mul layers; the few-row
+bfloat16 and group-quantized products; LoRA's shrink and expand; the sampler's argmax), one library, built once by
+setup and loaded at run time.
 
     .venv/bin/python -m kernels.cpu_ops    # build into build/kernels/ (the Makefile's setup step)
 
@@ -54,7 +55,9 @@ def build():
 
 
 def load():
-    """The kernel module: paged_attention, reshape_and_cache, rms_norm, rotary_embedding, silu_and_mul."""
+    """The kernel module (paged_attention, reshape_and_cache, rms_norm, rotary_embedding, silu_and_mul, ...); loading
+    it also registers the torch.ops namespaces of kernels/dense.py, kernels/quant.py, kernels/lora.py and the
+    sampler's argmax."""
     global _module
     if _module is None:
         if not LIBRARY.exists() or LIBRARY.stat().st_mtime < max(s.stat().st_mtime for s in SOURCES):
