@@ -1,16 +1,17 @@
-"""bfloat16 products of a decode step's few rows: kernels/cpu/dense.cpp's dense_linear against oneDNN's own kernel,
-both on oneDNN's packed weight.
+"""The products of a decode step's few rows: kernels/cpu/dense.cpp's dense_linear against oneDNN's own kernel, both
+on oneDNN's packed weight, in bfloat16 or float32.
 
-    .venv/bin/python benchmarks/dense_linear.py [--rows 1,2,4,8,16] [--batch-size 1,4,8] [--rounds 7] [--model DIR]
+    .venv/bin/python benchmarks/dense_linear.py [--dtype bfloat16] [--rows 1,2,4,8,16] [--batch-size 1,4,8]
+        [--rounds 7] [--model DIR]
 
 Isolated: SmolLM2-135M's 120 products of a decode step (a layer: qkv 576->960, o 576->576, gate_up 576->3072, down
 1536->576), every layer with its own random weights, so that each comes from memory as in the engine; each row
 count is timed in rounds alternating the two kernels, after a warm-up round of every count; medians.
 Engine: greedy decode of --batch-size requests at once (64-token prompts, 128 output tokens, EOS ignored) on
-SmolLM2 in bfloat16, unquantized; a step's time is the decode time over its 127 steps. Rounds alternate the engine
-as it runs and the same engine with quantization.DENSE_MAX_ROWS at 0 (oneDNN alone); medians.
---model: a Hugging Face directory of bfloat16 weights; by default the embedded GGUF's weights as transformers
-dequantizes them, written once to build/smollm2-bf16.
+SmolLM2 in --dtype, unquantized; a step's time is the decode time over its 127 steps. Rounds alternate the engine
+as it runs and the same engine with quantization.DENSE_MAX_ROWS empty (oneDNN alone); medians.
+--model: a Hugging Face directory of weights; by default the embedded GGUF's weights as transformers dequantizes
+them, written once to build/smollm2-bf16 (float32 runs them widened, the same values).
 """
 
 import argparse
@@ -39,16 +40,16 @@ LAYERS = 30
 BF16_DIR = Path(__file__).resolve().parent.parent / "build" / "smollm2-bf16"
 
 
-def isolated(rows: list[int], rounds: int) -> None:
+def isolated(rows: list[int], rounds: int, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     packed, views = [], []
     for _ in range(LAYERS):
         for n, k in SHAPES:
-            w = torch.randn(n, k).bfloat16()
+            w = torch.randn(n, k).to(dtype)
             packed.append(torch.ops.mkldnn._reorder_linear_weight(w, None))
             views.append(packed_view(packed[-1], w))
     shapes = SHAPES * LAYERS
-    dense = dense_kernel()
+    dense = dense_kernel(dtype)
 
     def step(x: dict[int, torch.Tensor], kernel: str) -> float:
         started = time.perf_counter()
@@ -59,10 +60,10 @@ def isolated(rows: list[int], rounds: int) -> None:
                 dense(x[k], v, n, None)
         return (time.perf_counter() - started) * 1000
 
-    inputs = {m: {k: torch.randn(m, k).bfloat16() for k in (576, 1536)} for m in rows}
+    inputs = {m: {k: torch.randn(m, k).to(dtype) for k in (576, 1536)} for m in rows}
     for m in rows:
         step(inputs[m], "oneDNN"), step(inputs[m], "dense_linear")
-    nbytes = sum(2 * n * k for n, k in shapes)
+    nbytes = sum(dtype.itemsize * n * k for n, k in shapes)
     for m in rows:
         times = {"oneDNN": [], "dense_linear": []}
         for _ in range(rounds):
@@ -98,12 +99,12 @@ def bfloat16_smollm2() -> Path:
     return BF16_DIR
 
 
-def engine(model: str, batches: list[int], rounds: int, input_len: int = 64, output_len: int = 128) -> None:
-    core = EngineCore(EngineArgs(model=model, dtype="bfloat16", max_num_seqs=max(batches)))
+def engine(model: str, batches: list[int], rounds: int, dtype: torch.dtype, input_len=64, output_len=128) -> None:
+    core = EngineCore(EngineArgs(model=model, dtype=str(dtype).removeprefix("torch."), max_num_seqs=max(batches)))
     on = sum(getattr(m, "packed_dense", None) is not None for m in core.worker.model.modules())
-    print(f"engine: {on} layers on dense_linear up to {quantization.DENSE_MAX_ROWS} rows", flush=True)
+    print(f"engine: {on} layers on dense_linear up to {quantization.DENSE_MAX_ROWS[dtype]} rows", flush=True)
     rng = random.Random(0)
-    modes = {"dense_linear": quantization.DENSE_MAX_ROWS, "oneDNN": 0}
+    modes = {"dense_linear": quantization.DENSE_MAX_ROWS, "oneDNN": {}}
     for max_rows in modes.values():
         quantization.DENSE_MAX_ROWS = max_rows
         for batch in batches:
@@ -128,15 +129,17 @@ def main() -> None:
     parser.add_argument("--rows", type=parse_int_list, default=[1, 2, 4, 8, 16], help="isolated row counts; '' none")
     parser.add_argument("--batch-size", type=parse_int_list, default=[1, 4, 8], help="engine batch sizes; '' none")
     parser.add_argument("--rounds", type=int, default=7, help="alternating rounds (medians)")
-    parser.add_argument("--model", help="a Hugging Face directory of bfloat16 weights (default: build/smollm2-bf16)")
+    parser.add_argument("--model", help="a Hugging Face directory of weights (default: build/smollm2-bf16)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the products' dtype")
     args = parser.parse_args()
-    if dense_kernel() is None:
-        raise SystemExit("dense_linear needs a CPU with AVX512-BF16 and the CPU kernels built")
+    dtype = getattr(torch, args.dtype)
+    if dense_kernel(dtype) is None:
+        raise SystemExit(f"dense_linear in {args.dtype} needs a CPU with AVX-512 (AVX512-BF16 for bfloat16)")
     print(f"load average {os.getloadavg()}, {torch.get_num_threads()} threads", flush=True)
     if args.rows:
-        isolated(args.rows, args.rounds)
+        isolated(args.rows, args.rounds, dtype)
     if args.batch_size:
-        engine(args.model or str(bfloat16_smollm2()), args.batch_size, args.rounds)
+        engine(args.model or str(bfloat16_smollm2()), args.batch_size, args.rounds, dtype)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""kernels/cpu/dense.cpp's dense_linear: bfloat16 products of a decode step's few rows, read from oneDNN's packed
-weight (kernels/dense.py), against torch's float32 product, and in the engine against oneDNN alone."""
+"""kernels/cpu/dense.cpp's dense_linear: bfloat16 and float32 products of a decode step's few rows, read from
+oneDNN's packed weight (kernels/dense.py), against torch's float32 or float64 product, and in the engine against
+oneDNN alone."""
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def test_dense_linear_matches_float32_within_bfloat16_rounding(n, k, bias):
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     _, view = _packed(w)
-    for rows in range(1, quantization.DENSE_MAX_ROWS + 2):  # every row count it runs, and one pass more
+    for rows in range(1, quantization.DENSE_MAX_ROWS[torch.bfloat16] + 2):  # every row count it runs, and one pass more
         x = torch.randn(rows, k, generator=gen).bfloat16()
         want = x.float() @ w.float().T + (b.float() if bias else 0)
         got = dense_kernel()(x, view, n, b)
@@ -52,16 +53,50 @@ def test_dense_linear_matches_float32_within_bfloat16_rounding(n, k, bias):
 def test_dense_linear_refuses_what_it_cannot_read():
     w = torch.randn(64, 64).bfloat16()
     _, view = _packed(w)
-    with pytest.raises(RuntimeError, match="bfloat16"):
+    with pytest.raises(RuntimeError, match="float32 layout"):  # float32 x on a bfloat16 weight
         dense_kernel()(torch.randn(1, 64), view, 64, None)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        dense_kernel()(torch.randn(1, 64).half(), view, 64, None)
     with pytest.raises(RuntimeError, match="last tile"):
         dense_kernel()(torch.randn(1, 64).bfloat16(), view, 65, None)
     with pytest.raises(RuntimeError, match="K"):
         dense_kernel()(torch.randn(1, 128).bfloat16(), view, 64, None)
 
 
-def test_engine_gives_onednns_greedy_tokens_in_bfloat16(tiny_llama_dir, monkeypatch):
-    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", kv_cache_memory="4MiB")
+float32 = pytest.mark.skipif(dense_kernel(torch.float32) is None, reason="dense_linear's float32 needs AVX-512")
+
+
+@float32
+def test_packed_view_reads_onednns_packed_float32_weight_in_place():
+    w = torch.randn(100, 70)
+    packed, view = _packed(w)
+    assert view is not None and view.data_ptr() == torch.ops.mkldnn.data_ptr(packed)
+    assert torch.equal(view, pack_dense(w)) and view.shape == (2, 80, 64)  # 100 -> 128 columns, 70 -> 80 inputs
+    assert packed_view(packed, torch.randn(100, 70)) is None
+
+
+@float32
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_linear_float32_matches_float64(n, k, bias):
+    gen = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    _, view = _packed(w)
+    for rows in range(1, quantization.DENSE_MAX_ROWS[torch.float32] + 2):  # every row count it runs, and one more
+        x = torch.randn(rows, k, generator=gen)
+        want = x.double() @ w.double().T + (b.double() if bias else 0)
+        got = dense_kernel(torch.float32)(x, view, n, b)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        # float32's error in a sum of k products, each term rounded once (about k * 2**-24 of the terms' size).
+        allowed = (k + 2) * 2.0**-24 * (x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0))
+        worst = ((got.double() - want).abs() / allowed).max().item()
+        assert worst <= 1.0, f"{rows} rows of [{n}, {k}], bias {bias}: {worst:.2f} of the error allowed"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=float32)])
+def test_engine_gives_onednns_greedy_tokens(tiny_llama_dir, monkeypatch, dtype):
+    llm = LLM(str(tiny_llama_dir), dtype=dtype, kv_cache_memory="4MiB")
     layers = [m for m in llm.engine.worker.model.modules() if getattr(m, "packed_dense", None) is not None]
     assert len(layers) == 2 * 4 + 1  # qkv, o, gate_up, down a layer, and the tied lm_head
     prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 7 * i))} for i in range(4)]
@@ -72,5 +107,5 @@ def test_engine_gives_onednns_greedy_tokens_in_bfloat16(tiny_llama_dir, monkeypa
         return [o.outputs[0].token_ids for o in outs]
 
     with_kernel = greedy()
-    monkeypatch.setattr(quantization, "DENSE_MAX_ROWS", 0)
+    monkeypatch.setattr(quantization, "DENSE_MAX_ROWS", {})
     assert with_kernel == greedy()

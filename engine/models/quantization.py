@@ -49,9 +49,10 @@ CPU_KERNEL_MAX_ROWS = 4
 # bfloat16, this model's shapes (docs/benchmarks.md): 4-bit ties oneDNN at about 16 rows, 8-bit at about 6.
 INT8_DOT_MAX_ROWS = {320: 16, 576: 6}
 _QUANTIZED_ACT_DTYPES = (torch.bfloat16, torch.float16)
-# Most rows a bfloat16 CPU step runs on kernels.dense's dense_linear; above it oneDNN's own kernel on the same
-# packed weight is faster (docs/benchmarks.md: 1.4-1.55x faster at 1-4 rows, 1.1x at 8, even at about 9).
-DENSE_MAX_ROWS = 8
+# Most rows a CPU step runs on kernels.dense's dense_linear, by dtype; oneDNN's own kernel on the same packed weight
+# takes larger steps (docs/benchmarks.md). bfloat16: 1.4-1.55x faster at 1-4 rows, 1.1x at 8, even at about 9
+# (oneDNN has AMX). float32: 1.3-1.4x at 1-16 rows, 1.3x at 64, 1.07x at 128, even at about 200.
+DENSE_MAX_ROWS = {torch.bfloat16: 8, torch.float32: 64}
 
 
 class QuantizeMethodBase:
@@ -87,9 +88,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
     """Float weights. On CPU the matmul goes through oneDNN with the weight packed once, after loading:
     on this model's shapes it measured 1.3-1.9x faster than F.linear's MKL sgemm (vLLM's CPU backend does
     the same, `dispatch_cpu_unquantized_gemm`). On a GPU, or where oneDNN cannot take the dtype, F.linear.
-    In bfloat16 on a CPU with AVX512-BF16, a step of up to DENSE_MAX_ROWS rows runs kernels.dense's dense_linear
-    on oneDNN's packed weight itself (no second copy): it reads the weight at the memory's rate, a batch-1 decode
-    step of SmolLM2 about 1.3x faster (docs/benchmarks.md)."""
+    In bfloat16 on a CPU with AVX512-BF16, or float32 with AVX-512, a step of up to DENSE_MAX_ROWS rows runs
+    kernels.dense's dense_linear on oneDNN's packed weight itself (no second copy): it reads the weight near the
+    memory's rate, a batch-1 decode step of SmolLM2 about 1.3x faster (docs/benchmarks.md)."""
 
     def create_weights(self, layer, input_size, output_size):
         _register(layer, "weight", torch.empty(output_size, input_size))
@@ -100,7 +101,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if _onednn_supports(layer.weight.device, dtype):
             weight = layer.weight.detach().to(dtype)
             layer.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            if dtype == torch.bfloat16 and dense_kernel() is not None:
+            if dense_kernel(dtype) is not None:
                 layer.packed_dense = packed_view(layer.packed, weight)
             layer.weight = None  # a tied embedding keeps its own reference
         else:
@@ -109,7 +110,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(self, layer, x):
         if layer.packed is None:
             return F.linear(x, layer.weight, layer.bias)
-        if layer.packed_dense is not None and x.dim() == 2 and x.shape[0] <= DENSE_MAX_ROWS:
+        if layer.packed_dense is not None and x.dim() == 2 and x.shape[0] <= DENSE_MAX_ROWS.get(x.dtype, 0):
             return torch.ops.llmmesh_dense.dense_linear(x, layer.packed_dense, layer.output_size, layer.bias)
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 

@@ -1,13 +1,17 @@
-// Dense bfloat16 products for a decode step's few rows: out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]), float32
-// accumulation, bfloat16 out, read from oneDNN's packed weight itself, so one copy of the weight serves every
-// batch size (kernels/dense.py checks at load that the packing is this layout, oneDNN's AB16b32a2b):
+// Dense products for a decode step's few rows: out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]), float32
+// accumulation, out in x's dtype, read from oneDNN's packed weight itself, so one copy of the weight serves every
+// batch size (kernels/dense.py checks at load that the packing is the layout below).
+// bfloat16, oneDNN's AB16b32a2b:
 //   tiles of 32 output columns, one after another; a tile holds the pairs of inputs in order, pair p being the 32
 //   columns' (w[n, 2p], w[n, 2p + 1]): 128 bytes, two registers. K is padded with zeros to a multiple of 32 and
 //   the columns to a multiple of 32.
-// A row's pair of inputs is broadcast and AVX512-BF16's dot product (vdpbf16ps) adds both products into each
-// column's float32 lane: no horizontal sums, and each tile is streamed once for all of the rows. The weight is
-// one sequential stream per thread, prefetched into L2 well ahead, which is what brings it to the memory's rate
-// (oneDNN's own kernel reads it at about two thirds of that at these row counts: docs/benchmarks.md).
+//   A row's pair of inputs is broadcast and AVX512-BF16's dot product (vdpbf16ps) adds both products into each
+//   column's float32 lane: no horizontal sums, and each tile is streamed once for all of the rows.
+// float32: tiles of 64 output columns, one after another; a tile holds each input's 64 weights in order (256
+//   bytes, four registers). K is padded with zeros to a multiple of 16 and the columns to a multiple of 64.
+//   A row's input is broadcast and multiplied into the four registers (FMA).
+// The weight is one sequential stream per thread, prefetched into L2 well ahead, which is what brings it to the
+// memory's rate (oneDNN's own kernel reads it at about two thirds of that at these row counts: docs/benchmarks.md).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -22,6 +26,8 @@ namespace {
 constexpr int64_t TILE = 32;               // output columns a tile
 constexpr int64_t PREFETCH_BYTES = 16384;  // ahead of the pair being read, into L2
 constexpr int64_t ROWS_A_PASS = 8;         // rows one pass over a tile computes; more rows read it again from cache
+constexpr int64_t TILE_F32 = 64;           // output columns a float32 tile
+constexpr int64_t ROWS_A_PASS_F32 = 6;     // 6 rows x 4 accumulators and the tile's 4 registers: 28 of 32
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 
@@ -94,22 +100,79 @@ void dense(const at::BFloat16* w, int64_t tiles, int64_t k_padded, const at::BFl
 
 #endif
 
-}  // namespace
+#if defined(__AVX512F__)
 
-bool dense_supported() {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
+// ROWS rows against one float32 tile (64 columns: four registers a k) over k = 0 .. k - 1.
+template <int ROWS>
+inline void tile_rows_f32(const float* tile, int64_t k, const float* x, int64_t x_stride, const float* bias,
+                          float* out, int64_t n, int64_t col) {
+  __m512 acc[ROWS][4];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const char* bytes = reinterpret_cast<const char*>(tile);
+  for (int64_t i = 0; i < k; ++i) {
+    const char* row = bytes + i * 256;
+    for (int j = 0; j < 4; ++j) _mm_prefetch(row + PREFETCH_BYTES + 64 * j, _MM_HINT_T1);
+    __m512 w[4];
+    for (int j = 0; j < 4; ++j) w[j] = _mm512_loadu_ps(row + 64 * j);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * x_stride + i]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xb, w[j], acc[r][j]);
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    const int64_t c = col + 16 * j;
+    if (c >= n) break;
+    const __mmask16 mask = c + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - c)) - 1);
+    const __m512 b = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias + c);
+    for (int r = 0; r < ROWS; ++r) _mm512_mask_storeu_ps(out + r * n + c, mask, _mm512_add_ps(acc[r][j], b));
+  }
 }
 
-// x [M, K] bfloat16; packed [N / 32 tiles, K padded to 32 / 2, 32, 2] bfloat16 (see above), of which n columns are
-// real; bias [n] or None. Returns x @ w.T + bias [M, n] in bfloat16.
-at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                        const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(dense_supported(), "dense_linear needs AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, K]");
+void dense_f32(const float* w, int64_t tiles, int64_t k_padded, const float* x, int64_t rows, int64_t x_stride,
+               int64_t k, const float* bias, float* out, int64_t n) {
+  const int64_t tile_elems = TILE_F32 * k_padded;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* tile = w + t * tile_elems;
+      for (int64_t m = 0; m < rows; m += ROWS_A_PASS_F32) {
+        const float* xm = x + m * x_stride;
+        float* o = out + m * n;
+        switch (std::min(rows - m, ROWS_A_PASS_F32)) {
+#define ROWS_CASE(R) \
+  case R: tile_rows_f32<R>(tile, k, xm, x_stride, bias, o, n, t * TILE_F32); break;
+          ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
+#undef ROWS_CASE
+        }
+      }
+    }
+  });
+}
+
+#endif
+
+}  // namespace
+
+bool dense_supported(at::ScalarType dtype) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if (dtype == at::kBFloat16) return true;
+#endif
+#if defined(__AVX512F__)
+  if (dtype == at::kFloat) return true;
+#endif
+  return false;
+}
+
+namespace {
+
+at::Tensor bias_as_float(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [n]");
+  return bias->to(at::kFloat).contiguous();
+}
+
+at::Tensor dense_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                             const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.size(2) == TILE && packed.size(3) == 2 && (2 * packed.size(1)) % TILE == 0,
               "the weight must be oneDNN's packed AB16b32a2b layout [tiles, K / 2, 32, 2] (kernels/dense.py)");
@@ -118,17 +181,44 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   TORCH_CHECK(n > (tiles - 1) * TILE && n <= tiles * TILE, "n must fall in the last tile");
   // An odd K reads one input past the row: pad it with a zero (the weight's padding is zero too).
   const at::Tensor xc = k % 2 == 0 ? x.contiguous() : at::constant_pad_nd(x, {0, 1}).contiguous();
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [n]");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = bias_as_float(bias, n);
   at::Tensor out = at::empty({x.size(0), n}, x.options());
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   dense(packed.data_ptr<at::BFloat16>(), tiles, k_padded, xc.data_ptr<at::BFloat16>(), x.size(0), xc.size(1),
         (k + 1) / 2, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<at::BFloat16>(), n);
 #endif
   return out;
+}
+
+at::Tensor dense_linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                            const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                  packed.size(2) == TILE_F32 && packed.size(1) % 16 == 0,
+              "the weight must be oneDNN's packed float32 layout [tiles, K padded to 16, 64] (kernels/dense.py)");
+  const int64_t k = x.size(1), k_padded = packed.size(1), tiles = packed.size(0);
+  TORCH_CHECK(k <= k_padded && k_padded < k + 16, "x's K does not match the packed weight");
+  TORCH_CHECK(n > (tiles - 1) * TILE_F32 && n <= tiles * TILE_F32, "n must fall in the last tile");
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor bias_f = bias_as_float(bias, n);
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+#if defined(__AVX512F__)
+  dense_f32(packed.data_ptr<float>(), tiles, k_padded, xc.data_ptr<float>(), x.size(0), xc.size(1), k,
+            bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>(), n);
+#endif
+  return out;
+}
+
+}  // namespace
+
+// x [M, K] bfloat16 or float32; packed is oneDNN's packed weight of that dtype as kernels/dense.py's packed_view
+// sees it (the layouts above), of which n columns are real; bias [n] or None. Returns x @ w.T + bias [M, n] in
+// x's dtype.
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                        const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be bfloat16 or float32 [M, K]");
+  TORCH_CHECK(dense_supported(x.scalar_type()), "dense_linear needs AVX-512 (AVX512-BF16 for bfloat16)");
+  return x.scalar_type() == at::kFloat ? dense_linear_f32(x, packed, n, bias) : dense_linear_bf16(x, packed, n, bias);
 }
 
 TORCH_LIBRARY(llmmesh_dense, m) {
