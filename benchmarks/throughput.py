@@ -13,6 +13,10 @@ length uniform in --input-len, and max_tokens uniform in --output-len. Generatio
 stops early (ignore_eos for the engine, no EOS for the peers), so every system does the same work.
 Only the tokens a request asked for count as output; extra tokens a peer generates get no credit.
 
+The default model, the embedded SmolLM2 GGUF, runs as its weights dequantized to a float32 checkpoint (made
+once a run, in a temporary directory), on both sides: the engine would otherwise run its 4-bit codes, and
+transformers could not load them.
+
 --random-weights uses a random model of SmolLM2-135M's shape (engine.models.random_model), for machines
 that cannot carry the real file: the same work per token, so the same speed.
 
@@ -48,6 +52,7 @@ from pathlib import Path
 import torch
 
 from engine import LLM, EngineArgs, SamplingParams
+from engine.config import DEFAULT_MODEL
 from engine.models.random_model import save_random_smollm2_shaped
 
 PEERS = ("hf-static", "hf-cb", "hf-cb-req")
@@ -216,6 +221,12 @@ def main():
     if args.random_weights:
         args.model = tempfile.mkdtemp(prefix="smollm2-shaped-")
         save_random_smollm2_shaped(Path(args.model), args.seed)
+    elif args.model == DEFAULT_MODEL:
+        # The embedded model is a Q4_1 GGUF, which the engine runs on its 4-bit codes and transformers cannot read
+        # from the engine's directory: both run its weights dequantized to a plain float32 checkpoint instead.
+        from lora import save_dense_model
+
+        args.model = str(save_dense_model(Path(tempfile.mkdtemp(prefix="smollm2-dense-")) / "model"))
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     engine = llm.engine
     prompts, max_tokens = make_workload(
