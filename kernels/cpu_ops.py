@@ -9,6 +9,7 @@ it first (once, with a log line). The build is tuned for the machine it runs on 
 the machine that uses it.
 """
 
+import functools
 import importlib.util
 import logging
 import os
@@ -68,6 +69,15 @@ def load():
             _module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(_module)
     return _module
+
+
+@functools.cache  # a machine that cannot build them tries once
+def try_load():
+    """load(), or None where the kernels cannot be built: the callers' torch or oneDNN paths run instead."""
+    try:
+        return load()
+    except Exception:  # noqa: BLE001 (any build or import failure means the same: no CPU kernels here)
+        return None
 
 
 if __name__ == "__main__":

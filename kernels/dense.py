@@ -45,17 +45,14 @@ def packed_view(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | No
     return view if torch.equal(view.view(bits), expected.view(bits)) else None
 
 
-@functools.cache  # asked once a layer at load: a machine that cannot build the kernels tries once
+@functools.cache  # asked once a layer at load
 def dense_kernel(dtype: torch.dtype = torch.bfloat16):
     """dense_linear (x, packed, n, bias) -> x @ w.T + bias for x of dtype (bfloat16 or float32) and a packed_view
     weight of n output columns, or None where the CPU kernels cannot be built or the CPU lacks AVX-512 (AVX512-BF16
     for bfloat16)."""
-    try:
-        from kernels.cpu_ops import load
+    from kernels.cpu_ops import try_load
 
-        load()  # registers torch.ops.llmmesh_dense
-    except Exception:  # noqa: BLE001 (a machine that cannot build them keeps oneDNN)
-        return None
-    if dtype not in (torch.bfloat16, torch.float32) or not torch.ops.llmmesh_dense.dense_supported(dtype):
-        return None
-    return torch.ops.llmmesh_dense.dense_linear
+    supported = try_load() is not None and dtype in (torch.bfloat16, torch.float32)
+    return (
+        torch.ops.llmmesh_dense.dense_linear if supported and torch.ops.llmmesh_dense.dense_supported(dtype) else None
+    )

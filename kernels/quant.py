@@ -96,13 +96,9 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
 def group_gemv_kernel():
     """Our CPU kernel for codes in groups of 16 or 32 that PyTorch's kernels cannot run (kernels/cpu/quant.cpp:
     GGUF's Q8_0 and Q6_K): (x, q, scales, zeros) -> x @ w.T, or None where the CPU kernels cannot be built."""
-    try:
-        from kernels.cpu_ops import load
+    from kernels.cpu_ops import try_load
 
-        load()  # registers torch.ops.llmmesh_quant
-    except Exception:  # noqa: BLE001 (a machine that cannot build them runs the dequantized weight instead)
-        return None
-    return torch.ops.llmmesh_quant.group_gemv
+    return torch.ops.llmmesh_quant.group_gemv if try_load() is not None else None
 
 
 # int8_dot_linear (kernels/cpu/quant.cpp): codes in groups of 32 against activations quantized to int8 per block

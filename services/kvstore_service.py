@@ -8,8 +8,8 @@ treated as missing. Redis is a cache (allkeys-lru): any block may vanish at any 
 Every RPC takes a few round trips whatever its number of blocks: Lookup one pipelined EXISTS, Put one
 pipelined EXISTS and one pipelined SET per message, Get one MGET per chunk of at most GET_CHUNK_BYTES (the
 next chunk is read while the last one is sent), Delete one DEL. Get's MGETs run on a thread with redis-py's
-synchronous client: its asyncio client parses a reply of megabytes on the event loop, behind the sends. Health is NOT_SERVING while Redis does not
-answer PING, and every RPC then answers UNAVAILABLE within --redis-timeout.
+synchronous client: its asyncio client parses a reply of megabytes on the event loop, behind the sends. Health is
+NOT_SERVING while Redis does not answer PING, and every RPC then answers UNAVAILABLE within --redis-timeout.
 """
 
 import argparse

@@ -8,13 +8,9 @@ import torch
 @functools.cache
 def _cpu_argmax():
     """The C++ argmax (kernels/cpu/sampling.cpp), or None where the CPU kernels cannot be built."""
-    try:
-        from kernels.cpu_ops import load
+    from kernels.cpu_ops import try_load
 
-        load()  # registers torch.ops.llmmesh_sampling
-    except Exception:  # noqa: BLE001 (a machine that cannot build them takes torch's argmax)
-        return None
-    return torch.ops.llmmesh_sampling.argmax_rows
+    return torch.ops.llmmesh_sampling.argmax_rows if try_load() is not None else None
 
 
 def argmax(logits: torch.Tensor, parallel: bool = True) -> torch.Tensor:
@@ -95,11 +91,11 @@ def apply_top_p(logits: torch.Tensor, p: torch.Tensor, first_k: int = 256) -> to
     while len(rows) and 4 * k < vocab:
         top, ids = probs[rows].topk(k, dim=-1)  # most likely first
         mass = top.cumsum(dim=-1)
-        row_p = p[rows].unsqueeze(1)
-        done = (mass[:, -1:] >= row_p).squeeze(1)
+        row_p = p[rows]
+        done = mass[:, -1] >= row_p
         # Keep a token while the more likely ones hold less than p: the most likely always stays.
-        keep[rows[done]] = keep[rows[done]].scatter_(1, ids[done], (mass - top)[done] < row_p[done])
-        reachable = mass[:, -1] + 15 * k * top[:, -1] >= row_p.squeeze(1)
+        keep[rows[done]] = keep[rows[done]].scatter_(1, ids[done], (mass - top)[done] < row_p[done, None])
+        reachable = mass[:, -1] + 15 * k * top[:, -1] >= row_p
         to_sort.append(rows[~done & ~reachable])
         rows, k = rows[~done & reachable], 16 * k
     to_sort = torch.cat([*to_sort, rows])
