@@ -271,6 +271,7 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
   int64_t max_len = 0;
   for (int64_t i = begin; i < end; ++i) max_len = std::max(max_len, items[i].key1 - items[i].key0);
   std::vector<float> q(group * head_dim), acc(group * head_dim), scores(group * max_len), row_buf(head_dim);
+  std::vector<SoftmaxSums> sums(group);
   // A tile's buffers (megabytes at long contexts) live as long as the thread: allocated anew each call, they are
   // fresh pages to fault in on every layer.
   thread_local std::vector<float> keys, values, tile_scores, buf;
@@ -305,7 +306,6 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
       for (int64_t g = 0; g < group; ++g)
         scores[g * len + pos - it.key0] = dot(q.data() + g * head_dim, k, head_dim);
     }
-    std::vector<SoftmaxSums> sums(group);
     for (int64_t g = 0; g < group; ++g) sums[g] = softmax_unnormalized(scores.data() + g * len, len);
     // Pass 2: weighted sum of V rows.
     std::fill(acc.begin(), acc.end(), 0.f);
