@@ -20,9 +20,11 @@ mesh per --dtypes entry, its engine's pool just large enough for one prompt. Eac
 with token ids: cold (prefix + suffix: recompute; its blocks go to the store); another prompt of the same length,
 which evicts the prefix from the pool; reload while storing (the prefix + another suffix, loaded from the store
 while the other prompt's blocks are still being stored); a third prompt, which evicts it again; a wait until the
-kvstore has stored them all; reload (the prefix + a third suffix, the store otherwise idle); local hit. Then, in the same round, the prefix's blocks read
-straight from Redis with one synchronous MGET (the bytes alone) and through the kvstore's Get. Reported: per-round
-times and medians, cold/reload, and reload over the bytes alone.
+kvstore has stored them all; reload (the prefix + a third suffix, the store otherwise idle); local hit. Then, in
+the same round, the prefix's blocks read straight from Redis with one synchronous MGET of redis-py (the bytes
+alone), the same MGET received in place as the kvstore receives it (services/block_reader.py), and through the
+kvstore's Get, carried as bytes and through shared memory as the engine's loads are. Reported: per-round times and
+medians, cold/reload, and reload over the bytes alone (and over the read in place).
 
 Mesh part: two copies of `llmmesh serve`'s processes (services.supervisor.Mesh) up at once, one with the
 store and one without. Conversations advance turn by turn in lockstep (turn 1 of every conversation, then
@@ -42,10 +44,11 @@ import time
 
 from engine.config import EngineArgs
 from engine.core import EngineCore
-from engine.kv.connector.kvstore_client import KVStoreClient
+from engine.kv.connector.kvstore_client import KVStoreClient, Staging
 from engine.request import Request, SamplingParams
 from llmmesh.v1 import kvstore_pb2
 from services import client
+from services.block_reader import BlockReader
 from services.kvstore_service import DTYPES
 from services.supervisor import Mesh, RedisServer, ServiceProcess, kv_transfer_config
 
@@ -201,7 +204,7 @@ def run_reload(args) -> dict:
                 vocab = 49152  # SmolLM2's
                 redis_client = redis.Redis.from_url(mesh.redis.url)
                 first_token_s(mesh.address, [FIRST_REGULAR_ID] * 64)  # first-call costs out of the way
-                rows = []
+                rows, staging, into = [], None, None
                 for r in range(args.rounds):
                     rng = random.Random(f"reload-{config}-{length}-{r}")
                     prefix, *others = ([rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(length)] for _ in "abc")
@@ -222,12 +225,27 @@ def run_reload(args) -> dict:
                     row["redis_mget"] = time.perf_counter() - started
                     row["megabytes"] = round(sum(len(v) for v in values if v is not None) / 1e6, 1)
                     layout = KVLayout(fingerprint, cache_dtype, (30, 2, 3, 16, 64))
+                    prefix_bytes = len(values[0]) - layout.block_bytes
+                    if into is None:  # one buffer for the mesh, as the engine's segment is
+                        into = memoryview(bytearray(len(keys) * layout.block_bytes))
+                    started = time.perf_counter()
+                    reader = BlockReader(mesh.redis.url, timeout=60)
+                    reader.send(keys)
+                    reader.read_values(len(keys))
+                    for i in range(len(keys)):
+                        block = into[i * layout.block_bytes : (i + 1) * layout.block_bytes]
+                        assert reader.read_value(prefix_bytes, block, lambda prefix, data: True) == "ok"
+                    reader.close()
+                    row["redis_in_place"] = time.perf_counter() - started
                     store = KVStoreClient(mesh.services["kvstore"].address, layout)
                     started = time.perf_counter()
-                    row["kvstore_blocks"] = (
-                        sum(len(data) for data in store.get(hashes, timeout=60)) // layout.block_bytes
-                    )
+                    got = sum(len(data) for data in store.get(hashes, timeout=60)) // layout.block_bytes
                     row["kvstore_get"] = time.perf_counter() - started
+                    staging = staging or Staging(len(hashes), layout.block_bytes)  # one for the mesh, as an engine's
+                    started = time.perf_counter()
+                    got_shared = sum(len(data) for data in store.get(hashes, 60, staging=staging))
+                    row["kvstore_get_shared"] = time.perf_counter() - started
+                    assert got == len(hashes) and staging.taken and got_shared == got * layout.block_bytes
                     store.close()
                     rows.append(row)
                     print(
@@ -235,11 +253,13 @@ def run_reload(args) -> dict:
                         + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
                         flush=True,
                     )
+                staging.close()
             med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
             results[f"{config}/{length}"] = {
                 "median": med,
                 "median_cold_over_reload": statistics.median(row["cold"] / row["reload"] for row in rows),
                 "median_reload_over_redis_mget": statistics.median(row["reload"] / row["redis_mget"] for row in rows),
+                "median_reload_over_in_place": statistics.median(row["reload"] / row["redis_in_place"] for row in rows),
                 "rounds": rows,
             }
             print(json.dumps({config: results[f"{config}/{length}"]["median"]}), flush=True)

@@ -6,10 +6,12 @@ value whose header does not match the layout asked for, or whose checksum fails,
 treated as missing. Redis is a cache (allkeys-lru): any block may vanish at any time.
 
 Every RPC takes a few round trips whatever its number of blocks: Lookup one pipelined EXISTS, Put one
-pipelined EXISTS and one pipelined SET per message, Get one MGET per chunk of at most GET_CHUNK_BYTES (the
-next chunk is read while the last one is sent), Delete one DEL. Get's MGETs run on a thread with redis-py's
-synchronous client: its asyncio client parses a reply of megabytes on the event loop, behind the sends. Health is
-NOT_SERVING while Redis does not answer PING, and every RPC then answers UNAVAILABLE within --redis-timeout.
+pipelined EXISTS and one pipelined SET per message, Delete one DEL. Get pipelines one MGET a chunk of at most
+GET_CHUNK_BYTES on a connection of its own (the next chunk's MGET goes out before this one's reply is read), and
+receives each block's data in place (services/block_reader.py): into the caller's shared memory when
+the Get names a segment the kvstore can map (an engine on this host), otherwise into a buffer that the
+GetResponse carries. Health is NOT_SERVING while Redis does not answer PING, and every RPC then answers
+UNAVAILABLE within --redis-timeout.
 """
 
 import argparse
@@ -19,23 +21,25 @@ import functools
 import inspect
 import logging
 import math
+import mmap
 import re
 import struct
+from collections import OrderedDict
 from urllib.parse import urlsplit
 
 import grpc
-import redis
 import redis.asyncio as aioredis
 from crc32c import crc32c  # the CPU's CRC32 instruction: several times zlib's CRC-32 on KV blocks
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from engine.malloc import keep_freed_memory_in_process
+from engine.shared_memory import open_segment
 from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services import config
+from services.block_reader import BlockReader
 from services.server import MAX_MESSAGE_BYTES, Server
 
 logger = logging.getLogger("llmmesh.kvstore")
@@ -52,6 +56,8 @@ GET_CHUNK_BYTES = 4 * 2**20  # one MGET, and one GetResponse, holds at most this
 HEALTH_INTERVAL = 0.5  # s between PINGs
 COUNTERS = ("hits", "misses", "corrupt_blocks", "redis_errors", "blocks_stored", "bytes_in", "bytes_out")
 REDIS_ERRORS = (RedisError, OSError)
+SEGMENT_NAME = re.compile(r"llmmesh-kv-[0-9a-f]{32}")  # engine/kv/connector/kvstore_client.py's
+MAX_SEGMENTS = 16  # engines' segments kept mapped (the oldest is let go: its engine then offers a new one)
 _CRC = struct.Struct("<I")
 
 
@@ -103,29 +109,57 @@ class Layout:
     def key(self, block_hash: bytes) -> str:
         return block_key(self.fingerprint, block_hash)
 
+    @property
+    def prefix_bytes(self) -> int:
+        """The bytes of a stored value before its data: the header and the checksum."""
+        return len(self.header) + _CRC.size
+
     def encode(self, data: bytes) -> bytes:
         return b"".join((self.header, _CRC.pack(crc32c(data)), data))
 
-    def decode(self, value: bytes | None) -> memoryview | None:
-        """The block's data (a view into value, not a copy); None where the value is missing or is no intact block of
-        this layout."""
-        start = len(self.header) + _CRC.size
-        if value is None or len(value) != start + self.nbytes or not value.startswith(self.header):
-            return None
-        data = memoryview(value)[start:]
-        return data if _CRC.unpack_from(value, len(self.header))[0] == crc32c(data) else None
+    def check(self, prefix: bytes, data: memoryview) -> bool:
+        """Whether a value's prefix is this layout's header with the checksum of its data."""
+        return prefix.startswith(self.header) and _CRC.unpack_from(prefix, len(self.header))[0] == crc32c(data)
 
 
-def get_response_bytes(blocks: list[memoryview]) -> bytes:
+class Segments:
+    """Engines' shared-memory segments that Gets write into, mapped once each and kept (at most MAX_SEGMENTS: the
+    engine unlinks a segment's name once a Get has used it, so a mapping let go cannot be had again)."""
+
+    def __init__(self):
+        self.maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+
+    def view(self, name: str, nbytes: int) -> memoryview | None:
+        """The segment's memory, or None where it cannot be mapped here (another host, or a name gone)."""
+        if not SEGMENT_NAME.fullmatch(name):
+            raise ValueError(f"shared_memory must be llmmesh-kv- and 32 lowercase hex digits; got {name[:80]!r}")
+        segment = self.maps.pop(name, None)
+        if segment is None:
+            try:
+                segment = open_segment(name)
+            except (OSError, ValueError) as e:
+                logger.info("an engine's shared memory cannot be used here (%s): its Gets carry the blocks", e)
+                return None
+        self.maps[name] = segment
+        while len(self.maps) > MAX_SEGMENTS:
+            self.maps.popitem(last=False)  # unmapped once no Get still writes it
+        if len(segment) < nbytes:
+            raise ValueError(
+                f"shared_memory: the segment holds {len(segment)} bytes and the blocks asked for need {nbytes}"
+            )
+        return memoryview(segment)
+
+
+def get_response_bytes(blocks: memoryview) -> bytes:
     """A GetResponse's wire bytes: field 2 (`data`, length-delimited), then the blocks back to back, in one copy.
     Building a GetResponse would copy the blocks twice more (into the message, then out of it): 25 ms of a 94 MB
     reload's 147 ms measured through the stream."""
-    header, length = bytearray(b"\x12"), sum(len(b) for b in blocks)
+    header, length = bytearray(b"\x12"), len(blocks)
     while length > 0x7F:  # the length as a varint: 7 bits a byte, low bits first
         header.append(length & 0x7F | 0x80)
         length >>= 7
     header.append(length)
-    return b"".join([header, *blocks])
+    return b"".join((header, blocks))
 
 
 def add_to_server(service: "KVStoreService", server) -> None:
@@ -165,13 +199,6 @@ def _leading(flags) -> int:
     return run
 
 
-def _discard(task: asyncio.Future | None) -> None:
-    """Cancel a read no longer wanted (its error, if it has one, is nobody's)."""
-    if task is not None:
-        task.cancel()
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
-
 def _statuses(handler):
     """A handler whose ValueError answers INVALID_ARGUMENT and whose Redis error answers UNAVAILABLE."""
     if inspect.isasyncgenfunction(handler):
@@ -208,9 +235,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         options = dict(socket_timeout=redis_timeout, socket_connect_timeout=redis_timeout)
         retry = dict(backoff=NoBackoff(), retries=1, supported_errors=(RedisConnectionError,))
         self.redis = aioredis.from_url(redis_url, retry=AsyncRetry(**retry), **options)
-        self.blocking_redis = redis.Redis.from_url(
-            redis_url, retry=Retry(**retry), **options
-        )  # Get's reads, on threads
+        self.redis_url, self.redis_timeout = redis_url, redis_timeout
+        self.segments = Segments()
         self.where = redis_where(redis_url)
         self.max_blocks = max_blocks_per_request
         self.max_block_bytes = max_block_bytes
@@ -262,9 +288,19 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             pipe.exists(key)
         return [bool(n) for n in await pipe.execute()]
 
-    def read(self, layout: Layout, hashes: list[bytes]) -> asyncio.Future:
-        """One MGET of the blocks' values, under way on a thread."""
-        return asyncio.ensure_future(asyncio.to_thread(self.blocking_redis.mget, [layout.key(h) for h in hashes]))
+    @staticmethod
+    def read_chunk(reader: BlockReader, layout: Layout, into: memoryview, then: list[str]) -> tuple[int, str]:
+        """Receive the next len(into) // layout.nbytes blocks into `into` (on a thread), once the MGET of the keys
+        `then` is sent: how many came intact, and what the first of the others was ("missing" or "damaged")."""
+        if then:
+            reader.send(then)  # Redis works on the next chunk while this one is received
+        n = layout.nbytes
+        reader.read_values(len(into) // n)
+        for i in range(len(into) // n):
+            status = reader.read_value(layout.prefix_bytes, into[i * n : (i + 1) * n], layout.check)
+            if status != "ok":
+                return i, status
+        return len(into) // n, "ok"
 
     def keys(self, request) -> list[str]:
         """The keys of a Lookup's or Delete's blocks, checked."""
@@ -314,33 +350,38 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
     async def Get(self, request, context):
         layout = self.layout(request)
         hashes = self.check_hashes(request.block_hashes)
-        per_chunk = max(1, GET_CHUNK_BYTES // (len(layout.header) + _CRC.size + layout.nbytes))
-        chunks = [hashes[i : i + per_chunk] for i in range(0, len(hashes), per_chunk)]
-        served = 0
-        pending = self.read(layout, chunks[0]) if chunks else None
+        shared = None
+        if request.shared_memory:
+            shared = self.segments.view(request.shared_memory, len(hashes) * layout.nbytes)
+        per_chunk = max(1, GET_CHUNK_BYTES // (layout.prefix_bytes + layout.nbytes))
+        chunks = [[layout.key(h) for h in hashes[i : i + per_chunk]] for i in range(0, len(hashes), per_chunk)]
+        served, reader = 0, None
         try:
-            for i, chunk in enumerate(chunks):
-                values = await pending
-                # The next chunk is read while this one is sent.
-                pending = self.read(layout, chunks[i + 1]) if i + 1 < len(chunks) else None
-                blocks = []
-                for block_hash, value in zip(chunk, values):
-                    data = layout.decode(value)
-                    if data is None:
-                        if value is not None:
-                            logger.warning("dropping %s: its header or checksum does not match", layout.key(block_hash))
-                            self.count(corrupt_blocks=1)
-                            await self.redis.delete(layout.key(block_hash))
-                        break
-                    blocks.append(data)
-                served += len(blocks)
-                self.count(bytes_out=len(blocks) * layout.nbytes)
-                if blocks:
-                    yield get_response_bytes(blocks)
-                if len(blocks) < len(chunk):
+            if chunks:
+                reader = await asyncio.to_thread(BlockReader, self.redis_url, self.redis_timeout)
+                reader.send(chunks[0])
+            for i, keys in enumerate(chunks):
+                size = len(keys) * layout.nbytes
+                into = shared[served * layout.nbytes :][:size] if shared is not None else memoryview(bytearray(size))
+                then = chunks[i + 1] if i + 1 < len(chunks) else []
+                found, status = await asyncio.to_thread(self.read_chunk, reader, layout, into, then)
+                if status == "damaged":
+                    logger.warning("dropping %s: its header or checksum does not match", keys[found])
+                    self.count(corrupt_blocks=1)
+                    await self.redis.delete(keys[found])
+                served += found
+                self.count(bytes_out=found * layout.nbytes)
+                if found:
+                    yield (
+                        kvstore_pb2.GetResponse(num_blocks=found).SerializeToString()
+                        if shared is not None
+                        else get_response_bytes(into[: found * layout.nbytes])
+                    )
+                if found < len(keys):
                     break
         finally:
-            _discard(pending)
+            if reader is not None:
+                reader.close()  # also ends a read still under way on its thread (an RPC cancelled)
             self.count(hits=served, misses=len(hashes) - served)
 
     @_statuses
@@ -372,7 +413,6 @@ async def serve(args) -> None:
         await server.serve_until_stopped()
     finally:
         await service.redis.aclose()
-        service.blocking_redis.close()
 
 
 def add_store_args(parser: argparse.ArgumentParser) -> None:

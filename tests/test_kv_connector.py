@@ -2,10 +2,12 @@
 directory. Greedy output identical to Hugging Face with blocks loaded from the store instead of computed, counters
 that show the reuse (each request counted once), fingerprint isolation, corruption, a connector plugged in by module
 path; for the kvstore also faults (Redis or the kvstore killed or frozen, eviction under maxmemory), a slow lookup
-that does not stall the step, abort and preemption during transfers, and KV events."""
+that does not stall the step, abort and preemption during transfers, KV events, and loads through shared memory
+(in segments smaller than a load, as bytes when the kvstore cannot map it)."""
 
 import contextlib
 import json
+import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from engine.kv.connector.base import KVTransferConfig
 from engine.kv.connector.factory import get_connector_class
 from engine.kv.connector.shared_storage_connector import SharedStorageConnector, parse_extra_config
 from engine.request import Request, RequestStatus, SamplingParams
+from engine.shared_memory import SHM_DIR
 from services.supervisor import ServiceProcess, kv_transfer_config
 
 pytestmark = pytest.mark.slow
@@ -173,6 +176,36 @@ def test_small_pool_and_chunked_prefill_match_hf(store, prompts, references):
     assert_no_leaks(consumer)
     producer.shutdown()
     consumer.shutdown()
+
+
+@pytest.mark.parametrize("segment", ["2 blocks", "declined", "off"])
+def test_loads_through_shared_memory_or_as_bytes_match_hf(kvstore, prompts, references, segment):
+    """The kvstore writes loads into the engine's segment (2 blocks here: a load takes several Gets), and the engine
+    unlinks its name once the kvstore has it mapped. A segment the kvstore cannot map (not private) is declined:
+    loads come as bytes, and the engine stops offering one; shared_memory_bytes 0 offers none."""
+    size = {"2 blocks": 2 * BLOCK_BYTES, "declined": 64 * BLOCK_BYTES, "off": 0}[segment]
+    engine = make_engine(kvstore.address, {"shared_memory_bytes": size})
+    assert_all_match(run_greedy(engine, prompts, MAX_TOKENS), references, "cold")
+    settle(engine)
+    worker_side = engine.worker.connector
+    if segment == "declined":
+        staging = worker_side._staging()
+        os.chmod(os.path.join(SHM_DIR, staging.name), 0o640)
+    assert engine.reset_prefix_cache()
+    assert_all_match(run_greedy(engine, prompts, MAX_TOKENS), references, f"reload, {segment}")
+    expected = sum((len(p) - 1) // 16 * 16 for p in prompts)
+    assert connector_stats(engine)["loaded_tokens"] == expected
+    if segment == "2 blocks":
+        staging = worker_side.staging
+        assert staging.num_blocks == 2 and staging.taken and not staging.linked
+        assert not os.path.exists(os.path.join(SHM_DIR, staging.name))
+    else:
+        assert worker_side.staging is None and worker_side.staging_blocks == 0
+    if segment == "declined":
+        assert not os.path.exists(os.path.join(SHM_DIR, staging.name))
+    settle(engine)
+    assert_no_leaks(engine)
+    engine.shutdown()
 
 
 def test_fingerprint_isolation(store, prompts):

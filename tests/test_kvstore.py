@@ -1,9 +1,10 @@
-"""The kvstore service (llmmesh.v1.KVStore) on real redis-server processes: blocks in and out byte for byte, the
-header and checksum that keep a wrong or damaged block out, bad input, Redis dying and coming back, and eviction
-under maxmemory."""
+"""The kvstore service (llmmesh.v1.KVStore) on real redis-server processes: blocks in and out byte for byte, as
+bytes and through an engine's shared memory, the header and checksum that keep a wrong or damaged block out, bad
+input, Redis dying and coming back, and eviction under maxmemory."""
 
 import contextlib
 import hashlib
+import os
 import random
 import signal
 
@@ -12,6 +13,8 @@ import pytest
 import redis
 
 from conftest import NOT_SERVING, SERVING, InProcessService, undecodable, wait_for_health
+from engine.kv.connector.kvstore_client import Staging
+from engine.shared_memory import SHM_DIR
 from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore_service import GET_CHUNK_BYTES, SERVICE_NAME, block_key
 from services.server import CHANNEL_OPTIONS
@@ -61,13 +64,21 @@ class Store:
         messages[0].layout.CopyFrom(block_layout or layout())
         return self.stub.Put(iter(messages), timeout=CALL_TIMEOUT)
 
-    def get_responses(self, hashes, block_layout=None) -> list[kvstore_pb2.GetResponse]:
-        request = kvstore_pb2.GetRequest(layout=block_layout or layout(), block_hashes=hashes)
+    def get_responses(self, hashes, block_layout=None, shared_memory="") -> list[kvstore_pb2.GetResponse]:
+        request = kvstore_pb2.GetRequest(
+            layout=block_layout or layout(), block_hashes=hashes, shared_memory=shared_memory
+        )
         return list(self.stub.Get(request, timeout=CALL_TIMEOUT))
 
-    def get(self, hashes, block_layout=None, nbytes: int = BLOCK_BYTES) -> list[tuple[bytes, bytes]]:
-        """(hash, bytes) of the blocks answered, the stream's bytes cut into blocks of nbytes in the order asked."""
-        data = b"".join(r.data for r in self.get_responses(hashes, block_layout))
+    def get(self, hashes, block_layout=None, nbytes: int = BLOCK_BYTES, staging=None) -> list[tuple[bytes, bytes]]:
+        """(hash, bytes) of the blocks answered, the stream's bytes cut into blocks of nbytes in the order asked;
+        with staging, the blocks the kvstore says it wrote there (and no response may carry bytes)."""
+        responses = self.get_responses(hashes, block_layout, staging.name if staging else "")
+        if staging is None:
+            data = b"".join(r.data for r in responses)
+        else:
+            assert all(r.num_blocks and not r.data for r in responses)
+            data = bytes(staging.view[: sum(r.num_blocks for r in responses) * nbytes])
         assert len(data) % nbytes == 0
         return list(zip(hashes, (data[i : i + nbytes] for i in range(0, len(data), nbytes)), strict=False))
 
@@ -131,15 +142,26 @@ def test_put_lookup_get_delete_stats(store):
     assert store.lookup([]) == 0 and store.get([]) == [] and store.delete([]) == 0
 
 
-def test_get_keeps_the_order_asked_and_stops_at_the_first_missing_block(store):
+@pytest.fixture(params=["bytes", "shared memory"])
+def staging(request):
+    """None (Get carries the blocks), or a segment of 64 blocks as an engine's connector makes it."""
+    if request.param == "bytes":
+        yield None
+        return
+    segment = Staging(64, BLOCK_BYTES)
+    yield segment
+    segment.close()
+
+
+def test_get_keeps_the_order_asked_and_stops_at_the_first_missing_block(store, staging):
     hashes = chain(6)
     blocks = blocks_for(hashes)
     store.put({h: blocks[h] for i, h in enumerate(hashes) if i != 3})
     assert store.lookup(hashes) == 3
-    assert store.get(hashes) == [(h, blocks[h]) for h in hashes[:3]]
-    assert store.lookup(hashes[3:]) == 0 and store.get(hashes[3:]) == []
+    assert store.get(hashes, staging=staging) == [(h, blocks[h]) for h in hashes[:3]]
+    assert store.lookup(hashes[3:]) == 0 and store.get(hashes[3:], staging=staging) == []
     shuffled = [hashes[4], hashes[0], hashes[2], hashes[3], hashes[1]]
-    assert store.get(shuffled) == [(h, blocks[h]) for h in shuffled[:3]]
+    assert store.get(shuffled, staging=staging) == [(h, blocks[h]) for h in shuffled[:3]]
     assert store.lookup(shuffled) == 3
 
 
@@ -199,27 +221,66 @@ def test_fingerprints_keep_blocks_apart_and_a_wrong_layout_is_never_loaded(store
     assert store.stats().corrupt_blocks == 2
 
 
-@pytest.mark.parametrize("where", ["data", "checksum", "header", "length"])
-def test_a_damaged_value_is_dropped_counted_and_treated_as_missing(store, raw_redis, where):
+@pytest.mark.parametrize("where", ["data", "checksum", "header", "length", "type"])
+def test_a_damaged_value_is_dropped_counted_and_treated_as_missing(store, raw_redis, staging, where):
     hashes = chain(4)
     blocks = blocks_for(hashes)
     store.put(blocks)
     key = block_key(FP, hashes[2])
     value = bytearray(raw_redis.get(key))
-    if where == "length":
-        value = value[:-1]
+    if where == "type":  # a list under the key: MGET answers nothing for it
+        raw_redis.delete(key)
+        raw_redis.rpush(key, bytes(value))
+    elif where == "length":
+        raw_redis.set(key, bytes(value[:-1]))
     else:
-        offset = {"data": len(value) - 1, "checksum": len(value) - BLOCK_BYTES - 1, "header": 5}[where]
-        value[offset] ^= 0x01
-    raw_redis.set(key, bytes(value))
+        value[{"data": len(value) - 1, "checksum": len(value) - BLOCK_BYTES - 1, "header": 5}[where]] ^= 0x01
+        raw_redis.set(key, bytes(value))
 
-    assert store.get(hashes) == [(h, blocks[h]) for h in hashes[:2]]
-    stats = store.stats()
-    assert stats.corrupt_blocks == 1 and stats.keys == 3
+    assert store.get(hashes, staging=staging) == [(h, blocks[h]) for h in hashes[:2]]
+    if where == "type":  # missing, as far as Get can tell: left for Put's SET to replace
+        assert store.stats().corrupt_blocks == 0
+        raw_redis.delete(key)
+    else:
+        stats = store.stats()
+        assert stats.corrupt_blocks == 1 and stats.keys == 3
     assert not raw_redis.exists(key)
     assert store.lookup(hashes) == 2
     assert store.put(blocks).num_stored == 1  # put again, it loads again
-    assert store.get(hashes) == list(blocks.items())
+    assert store.get(hashes, staging=staging) == list(blocks.items())
+
+
+def test_shared_memory_the_kvstore_cannot_map_gets_the_blocks_as_bytes(store):
+    """A segment that is not this user's private one, or whose name is gone, is declined: the Get carries the
+    blocks, as for a kvstore on another host."""
+    hashes = chain(3)
+    blocks = blocks_for(hashes)
+    store.put(blocks)
+    segment = Staging(4, BLOCK_BYTES)
+    try:
+        os.chmod(os.path.join(SHM_DIR, segment.name), 0o640)
+        for name in (segment.name, "llmmesh-kv-" + "0" * 32):
+            responses = store.get_responses(hashes, shared_memory=name)
+            assert all(r.data and not r.num_blocks for r in responses)
+            assert b"".join(r.data for r in responses) == b"".join(blocks.values())
+        assert not any(segment.view)  # nothing was written there
+    finally:
+        segment.close()
+
+
+def test_a_segment_the_kvstore_mapped_serves_after_its_name_is_gone(store):
+    """The engine unlinks its segment's name after the first Get: the kvstore keeps its mapping."""
+    hashes = chain(5)
+    blocks = blocks_for(hashes)
+    store.put(blocks)
+    segment = Staging(8, BLOCK_BYTES)
+    try:
+        assert store.get(hashes[:2], staging=segment) == [(h, blocks[h]) for h in hashes[:2]]
+        segment.unlink()
+        assert not os.path.exists(os.path.join(SHM_DIR, segment.name))
+        assert store.get(hashes, staging=segment) == list(blocks.items())
+    finally:
+        segment.close()
 
 
 def put_message(block_layout=layout(), sizes=(BLOCK_BYTES, BLOCK_BYTES), hash_bytes=32) -> kvstore_pb2.PutRequest:  # noqa: B008 (an immutable default)
@@ -239,6 +300,7 @@ BAD_INPUT = [
     ("Get", kvstore_pb2.GetRequest(block_hashes=chain(1)), "layout must be set"),
     ("Get", kvstore_pb2.GetRequest(layout=layout(fingerprint="g" * 64), block_hashes=chain(1)), "layout.fingerprint"),
     ("Get", kvstore_pb2.GetRequest(layout=layout(), block_hashes=chain(300)), "block_hashes holds 300"),
+    ("Get", kvstore_pb2.GetRequest(layout=layout(), block_hashes=chain(1), shared_memory="../x"), "shared_memory must"),
     ("Put", [put_message(None)], "layout must be set"),
     ("Put", [put_message(layout(dtype="int8"))], "layout.dtype must be one of float32, float16, bfloat16"),
     ("Put", [put_message(layout(shape=()))], "layout.shape must have 1 to 8 dimensions"),
@@ -256,7 +318,9 @@ BAD_INPUT = [
 def test_bad_input_is_invalid_argument_naming_the_field_and_the_service_stays_up(store):
     hashes = chain(2)
     store.put(blocks_for(hashes))
-    for rpc, request, named in BAD_INPUT:
+    small = Staging(1, BLOCK_BYTES)  # a segment with room for fewer blocks than asked
+    too_many = kvstore_pb2.GetRequest(layout=layout(), block_hashes=hashes, shared_memory=small.name)
+    for rpc, request, named in [*BAD_INPUT, ("Get", too_many, "shared_memory: the segment holds")]:
         call = getattr(store.stub, rpc)
         with pytest.raises(grpc.RpcError) as caught:
             if rpc == "Put":
@@ -272,6 +336,7 @@ def test_bad_input_is_invalid_argument_naming_the_field_and_the_service_stays_up
     with pytest.raises(grpc.RpcError) as caught:
         garbage(undecodable(kvstore_pb2.LookupRequest), timeout=CALL_TIMEOUT)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    small.close()
     stats = store.stats()
     assert stats.keys == 2 and stats.blocks_stored == 2 and stats.redis_errors == 0
 

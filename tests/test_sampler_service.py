@@ -24,8 +24,9 @@ from engine.config import EngineArgs
 from engine.request import Request
 from engine.sample.remote import RemoteSampler
 from engine.sample.sampler import LocalSampler, SamplerUnavailableError
-from engine.sample.slots import SHM_DIR, SharedSlots
+from engine.sample.slots import SharedSlots
 from engine.sample.wire import tensor_to_proto
+from engine.shared_memory import SHM_DIR
 from llmmesh.v1 import common_pb2, engine_pb2_grpc, sampler_pb2, sampler_pb2_grpc
 from services.client import collect, generate
 from services.supervisor import Mesh, ServiceProcess

@@ -1,10 +1,9 @@
 """Logits through shared memory, for an engine and a sampler service on one host.
 
-The engine makes one segment per Sample stream: POSIX shared memory (a file under /dev/shm, as shm_open makes
-it), owner-only, its space reserved when it is made (a full /dev/shm fails here, not as SIGBUS on a later write).
-It offers the segment's name when the stream opens and unlinks it once the sampler has answered: from then on
-only the two processes' mappings keep it, nothing else can open it, and a new stream (after a sampler restart)
-gets a new one. A sampler on another host cannot open the name, declines, and the stream carries bytes.
+The engine makes one segment per Sample stream (engine/shared_memory.py). It offers the segment's name when the
+stream opens and unlinks it once the sampler has answered: from then on only the two processes' mappings keep it,
+nothing else can open it, and a new stream (after a sampler restart) gets a new one. A sampler on another host
+cannot open the name, declines, and the stream carries bytes.
 
 The segment is a ring of slots. Each step the engine writes the rows' logits into a free slot, once, and the
 message names the slot, its generation, dtype and shape; the sampler samples the slot's memory in place. Each
@@ -19,16 +18,15 @@ when it runs on the same GPU.
 """
 
 import mmap
-import os
 import re
 import secrets
 import struct
 
 import torch
 
+from engine.shared_memory import create_segment, open_segment, unlink_segment
 from llmmesh.v1 import sampler_pb2
 
-SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"llmmesh-logits-[0-9a-f]{32}")
 _PAGE = mmap.PAGESIZE
 _TOKEN_BYTES = 16
@@ -64,18 +62,7 @@ class SharedSlots:
         if not 1 <= num_slots <= MAX_SLOTS:
             raise ValueError(f"num_slots must be in [1, {MAX_SLOTS}], got {num_slots}")
         slot_bytes = -(-slot_bytes // _PAGE) * _PAGE
-        size = _PAGE + (num_slots * slot_bytes if host_data else 0)
-        name = f"llmmesh-logits-{secrets.token_hex(16)}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)
-            buffer = mmap.mmap(fd, size)
-        except BaseException:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
+        name, buffer = create_segment("llmmesh-logits", _PAGE + (num_slots * slot_bytes if host_data else 0))
         token = secrets.token_bytes(_TOKEN_BYTES)
         buffer[:_TOKEN_BYTES] = token
         slots = cls(name, buffer, num_slots, slot_bytes, token)
@@ -124,10 +111,7 @@ class SharedSlots:
         """Remove the name: the mappings stay, nothing new can open it."""
         if self.linked:
             self.linked = False
-            try:
-                os.unlink(os.path.join(SHM_DIR, self.name))
-            except FileNotFoundError:
-                pass
+            unlink_segment(self.name)
 
     def write(self, logits: torch.Tensor) -> tuple[int, int] | None:
         """Copy logits into a free slot; (slot, generation), or None when none is free or they do not fit."""
@@ -173,17 +157,11 @@ class SharedSlots:
             raise ValueError(f"name must look like llmmesh-logits-<32 hex digits>, got {name[:64]!r}")
         if not 1 <= num_slots <= MAX_SLOTS or slot_bytes < 0 or slot_bytes % _PAGE:
             raise ValueError(f"num_slots must be in [1, {MAX_SLOTS}] and slot_bytes a multiple of {_PAGE}")
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
-        try:
-            st = os.fstat(fd)
-            size = _PAGE + (num_slots * slot_bytes if host_data else 0)
-            if st.st_uid != os.getuid() or st.st_mode & 0o077:
-                raise ValueError("the segment must be owned by this user and private to it (mode 0600)")
-            if st.st_size != size:
-                raise ValueError(f"the segment holds {st.st_size} bytes; {num_slots} slots of {slot_bytes} need {size}")
-            buffer = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        buffer = open_segment(name)
+        size = _PAGE + (num_slots * slot_bytes if host_data else 0)
+        if len(buffer) != size:
+            buffer.close()
+            raise ValueError(f"the segment holds {len(buffer)} bytes; {num_slots} slots of {slot_bytes} need {size}")
         if buffer[:_TOKEN_BYTES] != token:
             raise ValueError("the segment's token does not match: not the engine's segment")
         return cls(name, buffer, num_slots, slot_bytes, token)

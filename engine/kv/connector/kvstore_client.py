@@ -4,6 +4,7 @@ import grpc
 
 from engine.grpc_policy import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
 from engine.kv.layout import KVLayout
+from engine.shared_memory import create_segment, unlink_segment
 from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 # Blocks per Put message: well inside the message limit for any block that fits it at all.
@@ -18,6 +19,28 @@ def layout_to_proto(layout: KVLayout) -> kvstore_pb2.BlockLayout:
         num_layers=layout.num_layers,
         block_size=layout.block_size,
     )
+
+
+class Staging:
+    """A shared-memory segment that a kvstore on this host writes a Get's blocks into (GetRequest.shared_memory):
+    the engine then copies them into its cache from memory, where gRPC would carry them through both processes'
+    buffers. Made once and reused for every Get; its name is unlinked once the kvstore has it mapped."""
+
+    def __init__(self, num_blocks: int, block_bytes: int):
+        self.name, self.mmap = create_segment("llmmesh-kv", num_blocks * block_bytes)
+        self.view = memoryview(self.mmap)
+        self.num_blocks = num_blocks
+        self.linked = True  # the name exists: nothing has mapped it yet, or it was never unlinked
+        self.taken = False  # the last Get's blocks came through it
+
+    def unlink(self) -> None:
+        if self.linked:
+            self.linked = False
+            unlink_segment(self.name)
+
+    def close(self) -> None:
+        self.unlink()
+        self.view = self.mmap = None  # unmapped once no copy still reads it
 
 
 class KVStoreClient:
@@ -40,13 +63,25 @@ class KVStoreClient:
         request = kvstore_pb2.LookupRequest(fingerprint=fingerprint, block_hashes=block_hashes)
         return min(self.stub.Lookup(request, timeout=timeout, metadata=metadata).num_present, len(block_hashes))
 
-    def get(self, block_hashes: list[bytes], timeout: float, metadata=()):
+    def get(self, block_hashes: list[bytes], timeout: float, metadata=(), staging: Staging | None = None):
         """Yield the blocks' bytes in order, several blocks back to back at a time, until the first missing block;
-        more bytes than asked for, or part of a block, ends it."""
+        more bytes than asked for, or part of a block, ends it. With staging (room for the blocks), a kvstore that
+        maps it writes the blocks there: what is yielded is then staging's memory, good until the next Get into
+        it, and staging.taken is set."""
         request = kvstore_pb2.GetRequest(layout=self._proto_layout, block_hashes=block_hashes)
-        left = len(block_hashes) * self.layout.block_bytes
+        if staging is not None:
+            assert len(block_hashes) <= staging.num_blocks
+            request.shared_memory, staging.taken = staging.name, False
+        left, offset = len(block_hashes) * self.layout.block_bytes, 0
         for response in self.stub.Get(request, timeout=timeout, metadata=metadata):
-            data = response.data  # each access copies the bytes
+            if response.num_blocks:
+                if staging is None:
+                    raise ValueError("the kvstore answered num_blocks to a Get without shared memory")
+                size = response.num_blocks * self.layout.block_bytes
+                data, staging.taken = staging.view[offset : offset + size], True
+                offset += size
+            else:
+                data = response.data  # each access copies the bytes
             if len(data) % self.layout.block_bytes or len(data) > left:
                 raise ValueError("the kvstore answered part of a block, or more blocks than asked for")
             left -= len(data)

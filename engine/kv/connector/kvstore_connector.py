@@ -12,7 +12,9 @@ connector holds a reference on the job's blocks until the worker has read them, 
 while a store still reads it.
 
 Worker side. Loads and stores run on two background threads, never on the step's path (KVBlockIO
-copies the blocks). Any fault — the store down, slow past its deadline, or answering garbage —
+copies the blocks). A load offers the kvstore a shared-memory segment of shared_memory_bytes (made at the first
+load, reused, its name unlinked once the kvstore has mapped it): a kvstore on this host writes the blocks there and
+the load copies them into the cache from memory; one on another host declines and sends them as bytes. Any fault — the store down, slow past its deadline, or answering garbage —
 ends a transfer early: a load then brings fewer blocks and the rest is recomputed; a store is dropped.
 After a fault the connector leaves the store alone for retry_interval_s, then tries again. With kv_role
 kv_producer (a prefill engine), stores run on the step's path instead: a step reports its tokens only once its
@@ -35,7 +37,7 @@ from engine.kv.connector.base import (
     KVTransferConfig,
 )
 from engine.kv.connector.block_io import KVBlockIO
-from engine.kv.connector.kvstore_client import KVStoreClient
+from engine.kv.connector.kvstore_client import KVStoreClient, Staging
 from engine.kv.layout import KVLayout
 from engine.request import EngineCoreEventType
 
@@ -49,6 +51,8 @@ DEFAULTS = {
     "lookup_timeout_s": 0.5,
     "timeout_s": 10.0,  # per Get or Put call
     "retry_interval_s": 1.0,
+    # A kvstore on this host writes loads into a segment of this size (whole blocks; 0: they come as bytes)
+    "shared_memory_bytes": 128 * 2**20,
 }
 # Lookups in flight at once (each a thread blocked on its call).
 LOOKUP_THREADS = 4
@@ -71,6 +75,8 @@ def parse_extra_config(config: KVTransferConfig) -> dict:
     for key in ("lookup_timeout_s", "timeout_s", "retry_interval_s"):
         if not isinstance(options[key], (int, float)) or not 0 < options[key] <= 3600:
             raise ValueError(f"kv_connector_extra_config.{key} must be a number of seconds in (0, 3600].")
+    if not isinstance(options["shared_memory_bytes"], int) or not 0 <= options["shared_memory_bytes"] <= 2**40:
+        raise ValueError("kv_connector_extra_config.shared_memory_bytes must be a number of bytes in [0, 2**40].")
     return options
 
 
@@ -184,6 +190,8 @@ class KVStoreConnector(KVConnectorBase):
             self.finished = KVConnectorOutput()
             self.finished_lock = threading.Condition()
             self.idle_wait = True  # False for a step before which the scheduler side waited already
+            self.staging: Staging | None = None  # the load thread's, made at its first load
+            self.staging_blocks = self.options["shared_memory_bytes"] // layout.block_bytes
             self.load_queue: queue.SimpleQueue = queue.SimpleQueue()
             self.store_queue: queue.SimpleQueue = queue.SimpleQueue()
             self.threads = [
@@ -409,14 +417,24 @@ class KVStoreConnector(KVConnectorBase):
             work(job)
 
     def _load(self, job: LoadJob) -> None:
-        started, loaded = time.perf_counter(), 0
+        started, loaded, total = time.perf_counter(), 0, len(job.block_hashes)
         if self._store_up():
             try:
-                for data in self.client.get(job.block_hashes, self.options["timeout_s"], job.trace_headers):
-                    num_blocks = len(data) // self.layout.block_bytes
-                    self.block_io.write(job.block_ids[loaded : loaded + num_blocks], data)
-                    loaded += num_blocks
+                while loaded < total:
+                    staging = self._staging()
+                    end = total if staging is None else min(total, loaded + staging.num_blocks)
+                    asked = loaded
+                    for data in self.client.get(job.block_hashes[loaded:end], self.options["timeout_s"],
+                                                job.trace_headers, staging):  # fmt: skip
+                        num_blocks = len(data) // self.layout.block_bytes
+                        self.block_io.write(job.block_ids[loaded : loaded + num_blocks], data)
+                        loaded += num_blocks
+                    if staging is not None:
+                        self._after_get(staging, loaded > asked)
+                    if loaded < end:
+                        break  # the store holds no more of them
             except Exception as e:  # noqa: BLE001 (what arrived before the fault is good; the rest is recomputed)
+                self._drop_staging()  # the Get that failed may still be writing into it
                 self._mark_down("load", e)
         seconds = time.perf_counter() - started
         with self.finished_lock:
@@ -424,6 +442,31 @@ class KVStoreConnector(KVConnectorBase):
             if loaded:
                 self.finished.load_timings.append((loaded * self.layout.block_bytes, seconds))
             self.finished_lock.notify_all()
+
+    def _staging(self) -> Staging | None:
+        """The segment loads go through, made at the first load that wants it; None for loads that come as bytes."""
+        if self.staging is None and self.staging_blocks:
+            try:
+                self.staging = Staging(self.staging_blocks, self.layout.block_bytes)
+            except OSError as e:
+                logger.warning("no shared memory for the kvstore's loads (%s): they come as bytes", e)
+                self.staging_blocks = 0
+        return self.staging
+
+    def _after_get(self, staging: Staging, got_blocks: bool) -> None:
+        if staging.taken:
+            staging.unlink()  # the kvstore has it mapped: nothing else may open it
+        elif got_blocks and staging.linked:  # the kvstore could not map it: loads come as bytes from now on
+            logger.info("the kvstore at %s cannot map this host's memory: loads come as bytes", self.client.address)
+            self.staging_blocks = 0
+            self._drop_staging()
+        elif got_blocks:  # the kvstore let it go (it restarted, or maps newer segments): the next load offers another
+            self._drop_staging()
+
+    def _drop_staging(self) -> None:
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
 
     def _store(self, job: StoreJob) -> None:
         stored = False
@@ -452,6 +495,7 @@ class KVStoreConnector(KVConnectorBase):
             for t in self.threads:
                 if t.is_alive():
                     t.join(timeout=self.options["timeout_s"])
+            self._drop_staging()
         self.client.close()
 
 
