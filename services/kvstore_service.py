@@ -24,6 +24,7 @@ import math
 import mmap
 import re
 import struct
+import time
 from collections import OrderedDict
 from urllib.parse import urlsplit
 
@@ -58,6 +59,7 @@ COUNTERS = ("hits", "misses", "corrupt_blocks", "redis_errors", "blocks_stored",
 REDIS_ERRORS = (RedisError, OSError)
 SEGMENT_NAME = re.compile(r"llmmesh-kv-[0-9a-f]{32}")  # engine/kv/connector/kvstore_client.py's
 MAX_SEGMENTS = 16  # engines' segments kept mapped (the oldest is let go: its engine then offers a new one)
+SEGMENT_IDLE_S = 300.0  # a segment no Get used for this long is let go (its engine may be gone: its memory with it)
 _CRC = struct.Struct("<I")
 
 
@@ -123,26 +125,30 @@ class Layout:
 
 
 class Segments:
-    """Engines' shared-memory segments that Gets write into, mapped once each and kept (at most MAX_SEGMENTS: the
-    engine unlinks a segment's name once a Get has used it, so a mapping let go cannot be had again)."""
+    """Engines' shared-memory segments that Gets write into, mapped once each and kept while they are used (at most
+    MAX_SEGMENTS, none idle for SEGMENT_IDLE_S). The engine unlinks a segment's name once a Get has used it, so a
+    mapping let go cannot be had again: the engine's next Get gets bytes, and the one after offers a new segment."""
 
     def __init__(self):
-        self.maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self.maps: OrderedDict[str, tuple[mmap.mmap, float]] = OrderedDict()  # name -> (mapping, last used)
 
     def view(self, name: str, nbytes: int) -> memoryview | None:
         """The segment's memory, or None where it cannot be mapped here (another host, or a name gone)."""
         if not SEGMENT_NAME.fullmatch(name):
             raise ValueError(f"shared_memory must be llmmesh-kv- and 32 lowercase hex digits; got {name[:80]!r}")
-        segment = self.maps.pop(name, None)
+        now = time.monotonic()
+        segment, _ = self.maps.pop(name, (None, now))
+        while self.maps and now - next(iter(self.maps.values()))[1] > SEGMENT_IDLE_S:
+            self.maps.popitem(last=False)  # unmapped once no Get still writes it
         if segment is None:
             try:
                 segment = open_segment(name)
             except (OSError, ValueError) as e:
                 logger.info("an engine's shared memory cannot be used here (%s): its Gets carry the blocks", e)
                 return None
-        self.maps[name] = segment
+        self.maps[name] = (segment, now)
         while len(self.maps) > MAX_SEGMENTS:
-            self.maps.popitem(last=False)  # unmapped once no Get still writes it
+            self.maps.popitem(last=False)
         if len(segment) < nbytes:
             raise ValueError(
                 f"shared_memory: the segment holds {len(segment)} bytes and the blocks asked for need {nbytes}"

@@ -7,6 +7,7 @@ import hashlib
 import os
 import random
 import signal
+import time
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ from conftest import NOT_SERVING, SERVING, InProcessService, undecodable, wait_f
 from engine.kv.connector.kvstore_client import Staging
 from engine.shared_memory import SHM_DIR
 from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
+from services import kvstore_service
 from services.kvstore_service import GET_CHUNK_BYTES, SERVICE_NAME, block_key
 from services.server import CHANNEL_OPTIONS
 from services.supervisor import RedisServer, ServiceProcess, kv_transfer_config
@@ -281,6 +283,27 @@ def test_a_segment_the_kvstore_mapped_serves_after_its_name_is_gone(store):
         assert store.get(hashes, staging=segment) == list(blocks.items())
     finally:
         segment.close()
+
+
+def test_a_segment_left_idle_is_let_go_and_its_engine_gets_bytes(store, monkeypatch):
+    """A mapping that no Get used for SEGMENT_IDLE_S is dropped at the next Get (its engine may be gone, and the
+    memory with it): a later Get into it, its name gone, is answered with bytes."""
+    monkeypatch.setattr(kvstore_service, "SEGMENT_IDLE_S", 0.2)
+    hashes = chain(2)
+    blocks = blocks_for(hashes)
+    store.put(blocks)
+    idle, busy = Staging(4, BLOCK_BYTES), Staging(4, BLOCK_BYTES)
+    try:
+        assert store.get(hashes, staging=idle) == list(blocks.items())
+        idle.unlink()
+        time.sleep(0.3)
+        assert store.get(hashes, staging=busy) == list(blocks.items())  # lets the idle one go
+        responses = store.get_responses(hashes, shared_memory=idle.name)
+        assert all(r.data and not r.num_blocks for r in responses)
+        assert store.get(hashes, staging=busy) == list(blocks.items())  # the one in use stays
+    finally:
+        idle.close()
+        busy.close()
 
 
 def put_message(block_layout=layout(), sizes=(BLOCK_BYTES, BLOCK_BYTES), hash_bytes=32) -> kvstore_pb2.PutRequest:  # noqa: B008 (an immutable default)
