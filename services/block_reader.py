@@ -45,7 +45,8 @@ class BlockReader:
         if setup:
             self.sock.sendall(b"".join(setup))
             for _ in setup:
-                self._line()
+                if not (reply := self._line()).startswith(b"+"):
+                    raise ResponseError(reply[1:].decode(errors="replace"))
 
     def send(self, keys: list[str]) -> None:
         self.sock.sendall(command(b"MGET", *(key.encode() for key in keys)))

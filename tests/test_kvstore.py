@@ -306,6 +306,29 @@ def test_a_segment_left_idle_is_let_go_and_its_engine_gets_bytes(store, monkeypa
         busy.close()
 
 
+@pytest.mark.parametrize("credentials", [":secret", "kv:other-secret"])
+def test_a_redis_with_a_password_and_a_database(redis_server, raw_redis, staging, credentials):
+    """The URL's password (or ACL user) and database reach every read, those of Get's own connections too; once the
+    password changes, a Get is UNAVAILABLE naming Redis, and the service stays up."""
+    raw_redis.acl_setuser("kv", enabled=True, passwords=["+other-secret"], keys=["*"], commands=["+@all"])
+    raw_redis.config_set("requirepass", "secret")  # raw_redis's connection stays signed in
+    url = redis_server.url.replace("redis://", f"redis://{credentials}@").replace("/0", "/3")
+    hashes = chain(3)
+    blocks = blocks_for(hashes)
+    with running_store(redis_server, "--redis-url", url) as store:
+        assert store.put(blocks).num_stored == 3 and store.lookup(hashes) == 3
+        assert store.get(hashes, staging=staging) == list(blocks.items())
+        in_three = redis.Redis.from_url(url)
+        assert in_three.dbsize() == 3 and raw_redis.dbsize() == 0  # the blocks are in database 3
+        in_three.close()
+        raw_redis.config_set("requirepass", "rotated")
+        raw_redis.acl_setuser("kv", enabled=True, reset_passwords=True, passwords=["+rotated"])
+        with pytest.raises(grpc.RpcError) as caught:
+            store.get(hashes, staging=staging)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and "redis at" in caught.value.details()
+        assert store.stub.Stats(kvstore_pb2.StatsRequest(), timeout=CALL_TIMEOUT).redis_errors == 1
+
+
 def put_message(block_layout=layout(), sizes=(BLOCK_BYTES, BLOCK_BYTES), hash_bytes=32) -> kvstore_pb2.PutRequest:  # noqa: B008 (an immutable default)
     blocks = [kvstore_pb2.KVBlock(block_hash=h[:hash_bytes], data=bytes(n)) for h, n in zip(chain(len(sizes)), sizes)]
     return kvstore_pb2.PutRequest(layout=block_layout, blocks=blocks)
