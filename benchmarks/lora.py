@@ -22,7 +22,10 @@ token (the prefill alone), the difference spread over the other --max-tokens - 1
 alone, 32 decode tokens over 16 adapters of rank 16 (two tokens each) in the slots' dtype: one q/k/v layer's delta
 with the tokens in adapter order and interleaved (as the batch has them; the same time if each adapter's weights
 are read once), against the gathered bmm of the torch reference; and a whole decode step's 120 wrapped layers,
-each with its own slots, so that every weight comes from memory as in the engine.
+each with its own slots, so that every weight comes from memory as in the engine: back to back, and each after its
+layer's base product (the engine's Linear on random weights of the model's shapes), as the engine runs them, where
+the base weights' reads between the calls leave none of the slots in the caches (the difference to the base
+products alone).
 """
 
 import argparse
@@ -41,6 +44,7 @@ from safetensors.torch import save_file
 from engine import LLM, LoRARequest, SamplingParams
 from engine.lora.peft import SUPPORTED_TARGET_MODULES, module_shapes
 from engine.models.files import load_config
+from engine.models.linear import Linear
 from engine.models.loader import DEFAULT_MODEL, load_weights, prepare_model_dir
 from kernels.lora import lora_cpu_kernel, lora_expand_ref, lora_kernel_meta, lora_shrink_ref
 
@@ -119,15 +123,29 @@ def time_cpu_paths(dtype: torch.dtype, lora_dtype: torch.dtype, repeats: int = 3
     step = [layer(modules) for _ in range(cfg.num_hidden_layers) for modules in packed]
     meta = {"sorted": lora_kernel_meta(sorted_), "interleaved": lora_kernel_meta(interleaved)}
 
-    def decode_step():
-        for x_, y_, a_, b_, sizes in step:
-            kernel(x_, y_, a_, b_, *meta["interleaved"], ranks, sizes)
+    # Each wrapped layer's base product (the engine's Linear, random weights): the step the kernel runs in, whose
+    # weights stream through the caches between its calls.
+    base_layers = []
+    for x_, y_, _, _, _ in step:
+        base = Linear(x_.shape[1], y_.shape[1])
+        base.weight.data = torch.randn(y_.shape[1], x_.shape[1]) / x_.shape[1] ** 0.5
+        base.quant_method.process_weights_after_loading(base, dtype)
+        base_layers.append(base)
+
+    def decode_step(with_base=False, with_kernel=True):
+        for (x_, y_, a_, b_, sizes), base in zip(step, base_layers):
+            if with_base:
+                base(x_)
+            if with_kernel:
+                kernel(x_, y_, a_, b_, *meta["interleaved"], ranks, sizes)
 
     paths = {
         "qkv-kernel-sorted": lambda: kernel(x, y, a, b, *meta["sorted"], ranks, out_sizes),
         "qkv-kernel-interleaved": lambda: kernel(x, y, a, b, *meta["interleaved"], ranks, out_sizes),
         "qkv-gathered-bmm": lambda: lora_expand_ref(lora_shrink_ref(x, a, interleaved), b, interleaved, y, out_sizes),
         "decode-step-120-layers": decode_step,
+        "decode-step-120-base-products": lambda: decode_step(with_base=True, with_kernel=False),
+        "decode-step-120-base-products-and-layers": lambda: decode_step(with_base=True),
     }
     times = {name: [] for name in paths}
     for name, path in paths.items():  # each path alone, after a first call: the q/k/v layer's slots stay in cache
@@ -136,7 +154,11 @@ def time_cpu_paths(dtype: torch.dtype, lora_dtype: torch.dtype, repeats: int = 3
             began = time.perf_counter()
             path()
             times[name].append((time.perf_counter() - began) * 1e6)
-    return {name: statistics.median(t) for name, t in times.items()}
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    medians["decode-step-120-layers-among-base-products"] = (
+        medians["decode-step-120-base-products-and-layers"] - medians["decode-step-120-base-products"]
+    )
+    return medians
 
 
 def run_batch(llm: LLM, prompts, max_tokens: int, loras) -> tuple[float, float]:
