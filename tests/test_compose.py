@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from engine.kv.connector.kvstore_connector import DEFAULTS
 from services import config
 from services.cli import build_parser
 
@@ -104,16 +105,18 @@ def docker_bytes(size: str) -> int:
     return int(number) * 1024 ** "bkmg".index(unit)
 
 
-def test_the_engine_and_the_sampler_share_memory(compose):
-    """The engine joins the sampler's IPC namespace, so its logits' segment under /dev/shm is the sampler's to map;
-    the sampler's /dev/shm holds the engine's two slots at its --max-num-seqs (SmolLM2's vocabulary, float32)."""
+def test_the_engine_the_sampler_and_the_kvstore_share_memory(compose):
+    """The engine and the kvstore join the sampler's IPC namespace, so the engine's segments under /dev/shm are the
+    sampler's and the kvstore's to map; that /dev/shm holds the engine's two logits slots at its --max-num-seqs
+    (SmolLM2's vocabulary, float32) and its segment for KV loads."""
     services = compose["services"]
     assert services["sampler"]["ipc"] == "shareable"
-    assert services["engine"]["ipc"] == "service:sampler"
+    assert services["engine"]["ipc"] == services["kvstore"]["ipc"] == "service:sampler"
+    assert services["kvstore"]["depends_on"]["sampler"]["condition"] == "service_started"
     max_num_seqs = int(substitute_defaults(services["engine"]["environment"]["LLMMESH_MAX_NUM_SEQS"]))
-    slots = 2 * max_num_seqs * 49152 * 4
+    needed = 2 * max_num_seqs * 49152 * 4 + DEFAULTS["shared_memory_bytes"] + 2**20
     size = services["sampler"]["shm_size"]
-    assert docker_bytes(size) >= slots + 2**20, f"shm_size {size} is less than two slots ({slots} bytes)"
+    assert docker_bytes(size) >= needed, f"shm_size {size} is less than the slots and the KV segment ({needed} bytes)"
 
 
 def test_environment_names_real_flags(compose, monkeypatch):
