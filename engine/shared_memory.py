@@ -8,6 +8,7 @@ has it, so only the two mappings keep it and nothing else can open it. Used for 
 
 import mmap
 import os
+import re
 import secrets
 
 SHM_DIR = "/dev/shm"
@@ -29,8 +30,13 @@ def create_segment(prefix: str, size: int) -> tuple[str, mmap.mmap]:
         os.close(fd)
 
 
+def is_segment_name(name: str, prefix: str) -> bool:
+    """Whether name has the form create_segment(prefix, ...) gives it (no path: nothing outside /dev/shm)."""
+    return re.fullmatch(rf"{re.escape(prefix)}-[0-9a-f]{{32}}", name) is not None
+
+
 def open_segment(name: str) -> mmap.mmap:
-    """A service's mapping of a segment (the caller has checked the name's form); OSError when it cannot be opened
+    """A service's mapping of a segment (the caller has checked is_segment_name); OSError when it cannot be opened
     here, ValueError when it is not this user's private segment."""
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
     try:

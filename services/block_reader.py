@@ -33,8 +33,6 @@ class BlockReader:
     def __init__(self, url: str, timeout: float):
         where = parse_url(url)
         self.sock = socket.create_connection((where.get("host", "localhost"), where.get("port", 6379)), timeout)
-        if url.startswith("rediss://"):
-            self.sock = ssl.create_default_context().wrap_socket(self.sock, server_hostname=where.get("host"))
         self.buffer = bytearray()
         setup = []
         if "password" in where:
@@ -42,11 +40,17 @@ class BlockReader:
             setup.append(command(b"AUTH", *user, where["password"].encode()))
         if where.get("db"):
             setup.append(command(b"SELECT", str(where["db"]).encode()))
-        if setup:
-            self.sock.sendall(b"".join(setup))
-            for _ in setup:
-                if not (reply := self._line()).startswith(b"+"):
-                    raise ResponseError(reply[1:].decode(errors="replace"))
+        try:
+            if url.startswith("rediss://"):
+                self.sock = ssl.create_default_context().wrap_socket(self.sock, server_hostname=where.get("host"))
+            if setup:
+                self.sock.sendall(b"".join(setup))
+                for _ in setup:
+                    if not (reply := self._line()).startswith(b"+"):
+                        raise ResponseError(reply[1:].decode(errors="replace"))
+        except BaseException:
+            self.sock.close()
+            raise
 
     def send(self, keys: list[str]) -> None:
         self.sock.sendall(command(b"MGET", *(key.encode() for key in keys)))
@@ -62,7 +66,7 @@ class BlockReader:
     def read_value(self, prefix_bytes: int, into: memoryview, check: Callable[[bytes, memoryview], bool]) -> str:
         """Take the MGET's next value: prefix_bytes (its header) and len(into) bytes of data, the data received into
         `into`. "ok" when check(header, data) passes, "missing" for no value (or one of another type), "damaged" for
-        a value of another size or one that fails the check."""
+        a value of another size (left unread: the Get stops there) or one that fails the check."""
         line = self._line()
         if line[:1] != b"$":
             raise RedisConnectionError(f"Redis answered {line[:40]!r} for a value of an MGET")
@@ -70,7 +74,6 @@ class BlockReader:
         if size < 0:
             return "missing"
         if size != prefix_bytes + len(into):
-            self._skip(size + 2)
             return "damaged"
         prefix = self._exact(prefix_bytes)
         self._receive_into(into)
@@ -105,14 +108,6 @@ class BlockReader:
         out = bytes(self.buffer[:n])
         del self.buffer[:n]
         return out
-
-    def _skip(self, n: int) -> None:
-        while n > 0:
-            if not self.buffer:
-                self._fill()
-            taken = min(n, len(self.buffer))
-            del self.buffer[:taken]
-            n -= taken
 
     def _receive_into(self, into: memoryview) -> None:
         taken = min(len(into), len(self.buffer))

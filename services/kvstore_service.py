@@ -36,8 +36,9 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from engine.kv.connector.kvstore_client import SEGMENT_PREFIX
 from engine.malloc import keep_freed_memory_in_process
-from engine.shared_memory import open_segment
+from engine.shared_memory import is_segment_name, open_segment
 from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services import config
 from services.block_reader import BlockReader
@@ -57,7 +58,6 @@ GET_CHUNK_BYTES = 4 * 2**20  # one MGET, and one GetResponse, holds at most this
 HEALTH_INTERVAL = 0.5  # s between PINGs
 COUNTERS = ("hits", "misses", "corrupt_blocks", "redis_errors", "blocks_stored", "bytes_in", "bytes_out")
 REDIS_ERRORS = (RedisError, OSError)
-SEGMENT_NAME = re.compile(r"llmmesh-kv-[0-9a-f]{32}")  # engine/kv/connector/kvstore_client.py's
 MAX_SEGMENTS = 16  # engines' segments kept mapped (the oldest is let go: its engine then offers a new one)
 SEGMENT_IDLE_S = 300.0  # a segment no Get used for this long is let go (its engine may be gone: its memory with it)
 _CRC = struct.Struct("<I")
@@ -134,7 +134,7 @@ class Segments:
 
     def view(self, name: str, nbytes: int) -> memoryview | None:
         """The segment's memory, or None where it cannot be mapped here (another host, or a name gone)."""
-        if not SEGMENT_NAME.fullmatch(name):
+        if not is_segment_name(name, SEGMENT_PREFIX):
             raise ValueError(f"shared_memory must be llmmesh-kv- and 32 lowercase hex digits; got {name[:80]!r}")
         now = time.monotonic()
         segment, _ = self.maps.pop(name, (None, now))

@@ -18,16 +18,15 @@ when it runs on the same GPU.
 """
 
 import mmap
-import re
 import secrets
 import struct
 
 import torch
 
-from engine.shared_memory import create_segment, open_segment, unlink_segment
+from engine.shared_memory import create_segment, is_segment_name, open_segment, unlink_segment
 from llmmesh.v1 import sampler_pb2
 
-_NAME = re.compile(r"llmmesh-logits-[0-9a-f]{32}")
+_PREFIX = "llmmesh-logits"  # a segment's name: this, then 32 hex digits
 _PAGE = mmap.PAGESIZE
 _TOKEN_BYTES = 16
 _HEADER = struct.Struct("<3q")  # written, reading, done
@@ -62,7 +61,7 @@ class SharedSlots:
         if not 1 <= num_slots <= MAX_SLOTS:
             raise ValueError(f"num_slots must be in [1, {MAX_SLOTS}], got {num_slots}")
         slot_bytes = -(-slot_bytes // _PAGE) * _PAGE
-        name, buffer = create_segment("llmmesh-logits", _PAGE + (num_slots * slot_bytes if host_data else 0))
+        name, buffer = create_segment(_PREFIX, _PAGE + (num_slots * slot_bytes if host_data else 0))
         token = secrets.token_bytes(_TOKEN_BYTES)
         buffer[:_TOKEN_BYTES] = token
         slots = cls(name, buffer, num_slots, slot_bytes, token)
@@ -153,7 +152,7 @@ class SharedSlots:
     @classmethod
     def open(cls, name: str, num_slots: int, slot_bytes: int, token: bytes, host_data: bool = True) -> "SharedSlots":
         """The engine's segment; ValueError (naming what does not match) or OSError when it cannot be used."""
-        if not _NAME.fullmatch(name):
+        if not is_segment_name(name, _PREFIX):
             raise ValueError(f"name must look like llmmesh-logits-<32 hex digits>, got {name[:64]!r}")
         if not 1 <= num_slots <= MAX_SLOTS or slot_bytes < 0 or slot_bytes % _PAGE:
             raise ValueError(f"num_slots must be in [1, {MAX_SLOTS}] and slot_bytes a multiple of {_PAGE}")

@@ -21,13 +21,16 @@ def layout_to_proto(layout: KVLayout) -> kvstore_pb2.BlockLayout:
     )
 
 
+SEGMENT_PREFIX = "llmmesh-kv"  # a Staging segment's name: this, then 32 hex digits
+
+
 class Staging:
     """A shared-memory segment that a kvstore on this host writes a Get's blocks into (GetRequest.shared_memory):
     the engine then copies them into its cache from memory, where gRPC would carry them through both processes'
     buffers. Made once and reused for every Get; its name is unlinked once the kvstore has it mapped."""
 
     def __init__(self, num_blocks: int, block_bytes: int):
-        self.name, self.mmap = create_segment("llmmesh-kv", num_blocks * block_bytes)
+        self.name, self.mmap = create_segment(SEGMENT_PREFIX, num_blocks * block_bytes)
         self.view = memoryview(self.mmap)
         self.num_blocks = num_blocks
         self.linked = True  # the name exists: nothing has mapped it yet, or it was never unlinked

@@ -12,13 +12,13 @@ connector holds a reference on the job's blocks until the worker has read them, 
 while a store still reads it.
 
 Worker side. Loads and stores run on two background threads, never on the step's path (KVBlockIO
-copies the blocks). A load offers the kvstore a shared-memory segment of shared_memory_bytes (made at the first
-load, reused, its name unlinked once the kvstore has mapped it): a kvstore on this host writes the blocks there and
-the load copies them into the cache from memory; one on another host declines and sends them as bytes. Any fault — the store down, slow past its deadline, or answering garbage —
-ends a transfer early: a load then brings fewer blocks and the rest is recomputed; a store is dropped.
-After a fault the connector leaves the store alone for retry_interval_s, then tries again. With kv_role
-kv_producer (a prefill engine), stores run on the step's path instead: a step reports its tokens only once its
-blocks are in the store.
+copies the blocks). A load offers the kvstore a shared-memory segment of shared_memory_bytes (made at the
+first load, reused, its name unlinked once the kvstore has mapped it): a kvstore on this host writes the blocks
+there and the load copies them into the cache from memory; one on another host declines and sends them as bytes.
+Any fault — the store down, slow past its deadline, or answering garbage — ends a transfer early: a load then
+brings fewer blocks and the rest is recomputed; a store is dropped. After a fault the connector leaves the store
+alone for retry_interval_s, then tries again. With kv_role kv_producer (a prefill engine), stores run on the step's
+path instead: a step reports its tokens only once its blocks are in the store.
 """
 
 import logging
@@ -456,11 +456,11 @@ class KVStoreConnector(KVConnectorBase):
     def _after_get(self, staging: Staging, got_blocks: bool) -> None:
         if staging.taken:
             staging.unlink()  # the kvstore has it mapped: nothing else may open it
-        elif got_blocks and staging.linked:  # the kvstore could not map it: loads come as bytes from now on
-            logger.info("the kvstore at %s cannot map this host's memory: loads come as bytes", self.client.address)
-            self.staging_blocks = 0
-            self._drop_staging()
-        elif got_blocks:  # the kvstore let it go (it restarted, or maps newer segments): the next load offers another
+        elif got_blocks:  # the blocks came as bytes
+            if staging.linked:  # never mapped: the kvstore cannot map this host's memory
+                logger.info("the kvstore at %s cannot map this host's memory: loads come as bytes", self.client.address)
+                self.staging_blocks = 0
+            # Otherwise the kvstore let it go (a restart, or newer segments): the next load offers another.
             self._drop_staging()
 
     def _drop_staging(self) -> None:
