@@ -2,13 +2,14 @@
 
 import grpc
 
-# Codes a dependency may answer that are about the request, not the dependency: passed on as they are.
+# Codes a dependency may answer that are about the request, not the dependency: passed on as they are. Not
+# CANCELLED: a call its caller cancels raises asyncio.CancelledError, so a dependency's CANCELLED is its server
+# stopping.
 REQUEST_CODES = (
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
     grpc.StatusCode.INTERNAL,  # the engine failed this request (its step raised)
 )
 

@@ -53,6 +53,10 @@ DETOKENIZE_TIMEOUT = 10.0  # s to wait for the detokenizer's answer to a step al
 ENGINE_END_TIMEOUT = 1.0  # s to wait for the engine's stream to end once its last message is in
 LORA_LOAD_TIMEOUT = 60.0  # s an engine may take to read a LoRA adapter from its directory
 _ENGINE_DONE = object()  # queued by the engine reader after the engine's last message
+# How an engine that is going away ends a call before its first message: UNAVAILABLE (stopped, unreachable), or
+# CANCELLED for a call that reached its server as the server began to stop (gRPC cancels calls not yet handled).
+# The gateway's own cancel raises asyncio.CancelledError instead, and the engine never answers CANCELLED itself.
+ENGINE_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 # vLLM's kv_transfer_params for disaggregated prefill: to the kv_producer, and to the kv_consumer when the producer
 # answered nothing (it failed: the consumer loads what is in the kvstore and computes the rest).
 REMOTE_DECODE_PARAMS = '{"do_remote_decode":true}'
@@ -522,7 +526,7 @@ class GatewayRequest:
         """The reader task: every engine step goes to the detokenizer at once, not waiting for its answers. Then it
         queues _ENGINE_DONE, or what ended the call: the engine's status, or any exception at all, so that the
         request fails now rather than wait for its deadline. An engine that is UNAVAILABLE before its first
-        message hands the request to another healthy one."""
+        message (or CANCELLED, see ENGINE_GONE) hands the request to another healthy one."""
         tried = ()
         try:
             if self.deps.prefill_engines:
@@ -539,7 +543,7 @@ class GatewayRequest:
                     break
                 except grpc.aio.AioRpcError as e:
                     tried = (*tried, self.address)
-                    if received or e.code() != grpc.StatusCode.UNAVAILABLE or not self.deps.healthy_engines - {*tried}:
+                    if received or e.code() not in ENGINE_GONE or not self.deps.healthy_engines - {*tried}:
                         raise
                     self._call_another_engine(e, tried)
             self.results.put_nowait(_ENGINE_DONE)

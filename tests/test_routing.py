@@ -4,6 +4,7 @@ that share a system prompt: where each turn lands, the hit rate against least-lo
 mid-run."""
 
 import asyncio
+import contextlib
 import os
 import random
 import threading
@@ -405,17 +406,41 @@ def test_serve_starts_engine_replicas_that_share_one_kvstore(tiny_model):
         process.stop()
 
 
-def test_a_request_whose_engine_is_gone_goes_to_another(tiny_model):
+class StoppingEngine:
+    """A gRPC server whose Generate ends CANCELLED before any message: what a real engine's server answers a call
+    that reached it just as it began to stop (gRPC cancels calls not yet handled then). The window is too short
+    to hit on purpose with a real engine, so this server always answers so."""
+
+    def __enter__(self) -> str:
+        def generate(request, context):
+            context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+
+        handler = grpc.unary_stream_rpc_method_handler(generate, engine_pb2.EngineGenerateRequest.FromString)
+        self.server = grpc.server(ThreadPoolExecutor(2))
+        self.server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler("llmmesh.v1.Engine", {"Generate": handler})]
+        )
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        return f"127.0.0.1:{port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.stop(0)
+
+
+@pytest.mark.parametrize("how", ["stopped", "stopping"])
+def test_a_request_whose_engine_is_gone_goes_to_another(tiny_model, how):
     """The gateway still takes an engine for healthy that is gone (its health check has not run since): a request
-    routed there gets UNAVAILABLE before any message and goes to the other engine, with the right output. With
-    only the gone one left, the request fails with UNAVAILABLE naming it."""
+    routed there gets UNAVAILABLE (stopped: nothing listens) or CANCELLED (stopping) before any message and goes to
+    the other engine, with the right output. With only the gone one left, the request fails with UNAVAILABLE naming
+    it."""
     path, reference = tiny_model
     with (
         InProcessService("engine", ["--model", path, "--kv-cache-memory", "8MiB"]) as engine,
         InProcessService("tokenizer", ["--model", path]) as tokenizer,
         InProcessService("detokenizer", ["--model", path]) as detokenizer,
+        StoppingEngine() if how == "stopping" else contextlib.nullcontext(f"127.0.0.1:{free_port()}") as gone,
     ):
-        gone = f"127.0.0.1:{free_port()}"
         prompt = random.Random(6).choices(range(3, 512), k=40)
         reply, routers, error = asyncio.run(
             generate_with_a_stale_health_view(gone, engine.address, tokenizer.address, detokenizer.address, prompt)
