@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -303,7 +304,7 @@ def two_engines():
 
 def test_smg_cache_aware_over_two_engines_matches_gateway(two_engines, tmp_path):
     """smg with its cache-aware policy in front of two of our engines (their KV events on): every reply equals our
-    gateway's over the same two engines, and both engines served smg's requests."""
+    gateway's over the same two engines, and a burst of requests in flight together reaches both engines."""
     reason = smg_missing()
     if reason:
         pytest.skip(reason)
@@ -317,6 +318,27 @@ def test_smg_cache_aware_over_two_engines_matches_gateway(two_engines, tmp_path)
             ours = collect(chat(two_engines.address, messages, temperature=0.0, max_tokens=CHAT_MAX_TOKENS))
             assert ours.text(), "our gateway produced no text"
             assert reply["choices"][0]["message"]["content"] == ours.text(), messages
+        # A request that overlaps no engine's cached blocks goes to the least loaded engine, the first of them on a
+        # tie: one at a time, every such request may go to the same engine. Requests in flight together spread.
+        # Each burst prompt differs from the others within its first block, so none overlaps another's blocks.
+        burst = [
+            [
+                {"role": "system", "content": f"Rule {n}: answer in one word."},
+                {"role": "user", "content": "Name a fruit."},
+            ]
+            for n in range(8)
+        ]
+        with ThreadPoolExecutor(len(burst)) as pool:
+            replies = list(
+                pool.map(
+                    lambda messages: http_json(
+                        f"{router.url}/v1/chat/completions",
+                        {"model": model, "messages": messages, "temperature": 0, "max_tokens": CHAT_MAX_TOKENS},
+                    ),
+                    burst,
+                )
+            )
+        assert all(r["choices"][0]["message"]["content"] for r in replies), replies
     finally:
         router.stop()
     for address in addresses:  # each engine's VllmEngine saw a Generate from smg
