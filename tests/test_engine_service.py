@@ -471,7 +471,8 @@ def test_not_serving_while_loading_then_sigterm_drains(llm):
                         engine_pb2.EngineGenerateRequest(prompt_token_ids=prompt, sampling_params=greedy_proto(4))
                     )
                 )
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            # CANCELLED: gRPC's own answer to a call that reaches a server just as it stops taking calls.
+            assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
             assert collect([first, *call])[0].ids == expected
         assert proc.popen.wait(timeout=30) == 0
     finally:

@@ -18,6 +18,7 @@ from engine.models.random_model import save_random_smollm2_shaped
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from services import client
 from services.cli import build_parser
+from services.gateway import Gateway
 from services.supervisor import engine_flags
 from test_models import COMMON
 
@@ -351,7 +352,13 @@ def test_prefix_aware_routing_finds_an_adapters_blocks(mesh):
     address, tokens = mesh.services["gateway"].address, prompt(70, length=4 * 16 + 3)
     first = client.collect(client.generate(address, tokens, model="sql", max_tokens=1))
     assert first.complete.usage.cached_tokens == 0
-    time.sleep(1.5)  # the engine's KV events reach the gateway's index
+    # Until the engine's KV events reach the gateway's index, the second request might go to the other engine.
+    deps = next(s for s in mesh.services["gateway"].server.servicers if isinstance(s, Gateway)).deps
+    lora_key = next(iter(deps.lora_adapters.values()))["sql"].digest
+    hashes = deps.router.block_hashes(tokens, None, lora_key)
+    deadline = time.monotonic() + 60
+    while max(local for local, _ in deps.router.index.match(hashes)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
     again = client.collect(client.generate(address, tokens, model="sql", max_tokens=1))
     assert again.complete.usage.cached_tokens == 4 * 16
 
