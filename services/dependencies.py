@@ -25,6 +25,9 @@ logger = logging.getLogger("llmmesh.gateway")
 UNARY_TIMEOUT = 10.0  # s for a unary call to a dependency: a stuck one must not hang a request
 HEALTH_INTERVAL = 0.5  # s between dependency health checks
 HEALTH_TIMEOUT = 1.0
+# Health checks in a row that may time out before a dependency counts as down: a busy one answers late, while one
+# that is gone refuses at once (and an engine's restart ends its KV event stream, which drops its blocks).
+HEALTH_MISSES = 3
 KV_EVENTS_RETRY_S = 1.0  # s before subscribing again to an engine's KV events after its stream ended
 KV_EVENTS_OFF_RETRY_S = 30.0  # ... after the engine said its KV events are off
 
@@ -60,6 +63,7 @@ class Dependencies:
         self.router = Router(list(self.engines), routing)
         self.kv_event_tasks: list[asyncio.Task] = []
         self.healthy_engines: set[str] = set()
+        self.health_misses: dict[str, int] = {}  # address -> health checks since it last answered SERVING
         self.tokenizer_address, self.detokenizer_address = tokenizer, detokenizer
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self.channels[tokenizer])
         self.detokenizer_stub = detokenizer_pb2_grpc.DetokenizerStub(self.channels[detokenizer])
@@ -70,13 +74,18 @@ class Dependencies:
         self.ready = asyncio.Event()  # set the first time every dependency answered its health check
 
     async def _healthy(self, address: str) -> bool:
+        """SERVING, or late to answer fewer than HEALTH_MISSES times in a row since it last was."""
         try:
             reply = await health_pb2_grpc.HealthStub(self.channels[address]).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT
             )
-        except grpc.aio.AioRpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError as e:
+            late = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            misses = self.health_misses.get(address, HEALTH_MISSES) + 1 if late else HEALTH_MISSES
+        else:
+            misses = 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else HEALTH_MISSES
+        self.health_misses[address] = misses
+        return misses < HEALTH_MISSES
 
     async def check(self) -> bool:
         """Every dependency's health; the gateway's own. Prefill engines are checked but optional: without a healthy
@@ -85,18 +94,15 @@ class Dependencies:
         results = await asyncio.gather(
             *(self._healthy(a) for a in [self.tokenizer_address, self.detokenizer_address, *engines, *prefill_engines])
         )
-        healthy = {a for a, ok in zip(engines, results[2:]) if ok}
+        self.healthy_engines = {a for a, ok in zip(engines, results[2:]) if ok}
         self.healthy_prefill_engines = {a for a, ok in zip(prefill_engines, results[2 + len(engines) :]) if ok}
-        for address in self.healthy_engines - healthy:
-            self.set_unhealthy(address)
-        self.healthy_engines = healthy
         if self.healthy_engines and self.model_info is None:
             try:
                 await self.load_model_info()
             except RequestError:
                 return False
         if self.router.policy == "prefix-aware":
-            await asyncio.gather(*(self._read_load(address) for address in healthy))
+            await asyncio.gather(*(self._read_load(address) for address in self.healthy_engines))
         if self.enable_lora:
             await self.read_lora_adapters()
         return all(results[:2]) and bool(self.healthy_engines)
@@ -116,9 +122,9 @@ class Dependencies:
         await asyncio.gather(*(read(address) for address in self.healthy_engines))
 
     def set_unhealthy(self, address: str) -> None:
-        """No new requests for this engine, and its index entries go: what it held may be gone when it is back."""
+        """No new requests for this engine until its next health check. Its blocks stay in the index: if it
+        restarted, its KV event stream ended and they went with it."""
         self.healthy_engines.discard(address)
-        self.router.drop_engine(address)
 
     async def _read_load(self, address: str) -> None:
         try:

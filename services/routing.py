@@ -120,7 +120,7 @@ class KVBlockIndex:
                 self.drop_engine(engine)
 
     def drop_engine(self, engine: int) -> None:
-        """Forget every block of this engine's cache (it restarted, was cleared, or is unhealthy)."""
+        """Forget every block of this engine's cache (its KV event stream ended, or it cleared its cache)."""
         bit = 1 << (engine + 1)
         for block_hash in [h for h, mask in self.blocks.items() if mask & bit]:
             self._remove(block_hash, bit)
@@ -183,9 +183,6 @@ class Router:
 
     def engine_index(self, address: str) -> int:
         return self.engines.index(address)
-
-    def drop_engine(self, address: str) -> None:
-        self.index.drop_engine(self.engine_index(address))
 
     def _in_turn(self, healthy) -> list[str]:
         """The healthy engines, starting from this turn's."""

@@ -167,6 +167,7 @@ def assert_no_leaks(engine):
 import asyncio  # noqa: E402
 import contextvars  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
@@ -253,6 +254,14 @@ class InProcessService:
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def wait_until(condition, timeout: float = 60.0, interval: float = 0.05) -> None:
+    """Poll condition() every `interval` s until it holds; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"the condition did not hold within {timeout:g} s"
+        time.sleep(interval)
 
 
 def wait_for_health(address: str, status=SERVING, timeout: float = 60.0, service: str = "") -> None:

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from test_telemetry import Receiver
 
-from conftest import InProcessService
+from conftest import InProcessService, wait_until
 from engine import LLM, EngineArgs, LoRARequest, SamplingParams
 from engine.models.random_model import save_random_smollm2_shaped
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
@@ -137,13 +137,6 @@ def assert_each_engine_serves_sql(mesh, offline, tokens: list[int]) -> None:
     for stub in mesh.engines.values():
         received = [t for m in stub.Generate(request, timeout=60) for c in m.outputs for t in c.token_ids]
         assert received == offline(tokens, "sql")
-
-
-def wait_until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "the condition did not hold in time"
-        time.sleep(0.05)
 
 
 def model_cards(mesh) -> dict[str, gateway_pb2.ModelCard]:
@@ -356,9 +349,7 @@ def test_prefix_aware_routing_finds_an_adapters_blocks(mesh):
     deps = next(s for s in mesh.services["gateway"].server.servicers if isinstance(s, Gateway)).deps
     lora_key = next(iter(deps.lora_adapters.values()))["sql"].digest
     hashes = deps.router.block_hashes(tokens, None, lora_key)
-    deadline = time.monotonic() + 60
-    while max(local for local, _ in deps.router.index.match(hashes)) < 4 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: max(local for local, _ in deps.router.index.match(hashes)) == 4)
     again = client.collect(client.generate(address, tokens, model="sql", max_tokens=1))
     assert again.complete.usage.cached_tokens == 4 * 16
 

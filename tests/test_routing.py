@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import random
+import signal
 import threading
 import time
 import tracemalloc
@@ -16,13 +17,13 @@ import grpc
 import pytest
 from test_serve import SERVING_LINE, Serve
 
-from conftest import HFReference, InProcessService, assert_greedy_matches
+from conftest import HFReference, InProcessService, assert_greedy_matches, wait_until
 from engine.config import EngineArgs
 from engine.limits import RequestLimits
 from engine.models.random_model import save_random_smollm2_shaped
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from services import client
-from services.dependencies import Dependencies
+from services.dependencies import HEALTH_MISSES, Dependencies
 from services.gateway import Gateway
 from services.routing import INDEX_ENTRY_BYTES, STORE, EngineLoad, KVBlockIndex, Router, engine_cost
 from services.supervisor import Mesh, free_port
@@ -84,7 +85,7 @@ def test_index_follows_events_lost_duplicated_and_late():
     index.apply(0, batch(4, CLEARED))
     assert index.match(chain) == [(0, 3), (3, 0)]
     assert index.blocks[chain[0]] == STORE | 1 << 2
-    index.drop_engine(1)  # unhealthy
+    index.drop_engine(1)  # its KV event stream ended
     assert index.match(chain) == [(0, 3), (0, 3)]
     assert all(mask == STORE for mask in index.blocks.values())
 
@@ -336,6 +337,35 @@ def test_engine_restarted_mid_run_loses_no_request(mesh, tiny_model):
     assert restarted.is_set() and mesh.services["engine-2"].alive()
     assert all(len(record) == NUM_TURNS for record in records)
     assert_replies_match(records, tiny_model[1])
+
+
+def test_an_engine_late_to_its_health_checks_keeps_its_blocks(mesh):
+    """An engine that stops answering (SIGSTOP) stays routable while fewer than HEALTH_MISSES health checks in a row
+    are late, is then taken out, and keeps its blocks in the gateway's index throughout (its KV event stream never
+    ended): once it answers again, the same prompt goes back to it and finds them cached."""
+    tokens = random.Random(9).choices(range(3, 512), k=5 * BLOCK + 3)
+    with InProcessService("gateway", mesh.backend_flags()) as gateway:
+        deps = next(s for s in gateway.server.servicers if isinstance(s, Gateway)).deps
+        hashes = deps.router.block_hashes(tokens, None)
+
+        def holders() -> list[str]:
+            return [a for a, (local, _) in zip(deps.router.engines, deps.router.index.match(hashes)) if local == 5]
+
+        first, _ = ask(gateway.address, tokens)
+        wait_until(lambda: len(holders()) == 1)
+        [address] = holders()
+        process = next(p.popen for p in mesh.services.values() if p.address == address)
+        process.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: deps.health_misses[address] >= 1)
+            assert address in deps.healthy_engines  # late, not yet down
+            wait_until(lambda: address not in deps.healthy_engines)
+            assert deps.health_misses[address] >= HEALTH_MISSES and holders() == [address]
+        finally:
+            process.send_signal(signal.SIGCONT)
+        wait_until(lambda: address in deps.healthy_engines)
+        reply, cached = ask(gateway.address, tokens)
+    assert cached == 5 * BLOCK and reply == first
 
 
 def test_engine_killed_mid_decode_fails_its_request_alone(mesh, tiny_model):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_mesh import expect_error, first_chunks, kill_while_streaming, wait_idle
 
-from conftest import SERVING, SMOLLM2_BLOCK_BYTES, InProcessService, assert_no_leaks, wait_for_health
+from conftest import SERVING, SMOLLM2_BLOCK_BYTES, InProcessService, assert_no_leaks, wait_for_health, wait_until
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from engine.request import Request
@@ -202,13 +202,6 @@ def reading(slots: SharedSlots, generation: int) -> bool:
     return any(w == r == generation != d for w, r, d in headers)
 
 
-def wait_until(condition, timeout=60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.001)
-
-
 def in_process(requests, logits, sampler=None):
     """What sampling in process gives (a fresh sampler: the requests' first step)."""
     out, _ = (sampler or LocalSampler(logits.device)).sample(requests, logits.clone(), [])
@@ -282,7 +275,7 @@ def test_sampler_killed_mid_read_fails_the_step_at_once_and_a_restart_gets_fresh
         old, generation = client.slots, client.slots.generation + 1
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(client.sample, requests[1:], logits[1:].clone(), [])
-            wait_until(lambda: reading(old, generation))
+            wait_until(lambda: reading(old, generation), interval=0.001)
             process.popen.kill()
             with pytest.raises(SamplerUnavailableError) as info:
                 future.result()
@@ -310,7 +303,7 @@ def test_a_frozen_sampler_costs_the_deadline_and_its_slot_is_never_written_again
         buffer, generation = old.buffer, old.generation + 1  # the test's own mapping outlives the client's
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(client.sample, requests, logits.clone(), [])
-            wait_until(lambda: reading(old, generation))
+            wait_until(lambda: reading(old, generation), interval=0.001)
             os.kill(process.popen.pid, signal.SIGSTOP)
             with pytest.raises(SamplerUnavailableError, match="did not answer within 2 s"):
                 future.result()
@@ -318,7 +311,7 @@ def test_a_frozen_sampler_costs_the_deadline_and_its_slot_is_never_written_again
         os.kill(process.popen.pid, signal.SIGCONT)
         # The sampler reads on to the end and finds its slot as it was: the engine did not write it again.
         view = SharedSlots(old.name, buffer, old.num_slots, old.slot_bytes, old.token)
-        wait_until(lambda: any(view.header(i) == (generation,) * 3 for i in range(view.num_slots)))
+        wait_until(lambda: any(view.header(i) == (generation,) * 3 for i in range(view.num_slots)), interval=0.001)
         # The engine goes on: a new stream on the same sampler, with new memory.
         assert sample_with_retries(client, requests, logits) == in_process(requests, logits)
         assert client.slots.name != old.name
