@@ -444,8 +444,9 @@ def test_eviction_under_maxmemory_costs_blocks_never_errors():
         for s in range(20):
             assert store.put(data[s], block).num_stored == 10
         present = [store.lookup(hashes) for hashes in chains]
-        assert present[0] < 10 and sum(present) < 200
-        assert present[-1] > 0
+        # Redis's LRU is approximate (it evicts the oldest of a few sampled keys), so which blocks stay is not
+        # exact: the first chain lost blocks and some block stays to be read back.
+        assert present[0] < 10 and 0 < sum(present) < 200
         for s, hashes in enumerate(chains):
             assert store.get(hashes, block, 65536) == list(data[s].items())[: present[s]]
         stats = store.stats()
