@@ -102,7 +102,7 @@ class Dependencies:
             except RequestError:
                 return False
         if self.router.policy == "prefix-aware":
-            await asyncio.gather(*(self._read_load(address) for address in self.healthy_engines))
+            await asyncio.gather(*(self._read_load(address) for address in self.answering_engines()))
         if self.enable_lora:
             await self.read_lora_adapters()
         return all(results[:2]) and bool(self.healthy_engines)
@@ -119,7 +119,12 @@ class Dependencies:
                 return  # its health check says the rest
             self.lora_adapters[address] = {a.lora_name: a for a in reply.adapters}
 
-        await asyncio.gather(*(read(address) for address in self.healthy_engines))
+        await asyncio.gather(*(read(address) for address in self.answering_engines()))
+
+    def answering_engines(self) -> set[str]:
+        """The healthy engines that answered their last health check: one that was late would be late again to
+        the calls made with the checks, and hold up the next check."""
+        return {a for a in self.healthy_engines if not self.health_misses.get(a)}
 
     def set_unhealthy(self, address: str) -> None:
         """No new requests for this engine until its next health check. Its blocks stay in the index: if it
