@@ -126,11 +126,6 @@ class Dependencies:
         the calls made with the checks, and hold up the next check."""
         return {a for a in self.healthy_engines if not self.health_misses.get(a)}
 
-    def set_unhealthy(self, address: str) -> None:
-        """No new requests for this engine until its next health check. Its blocks stay in the index: if it
-        restarted, its KV event stream ended and they went with it."""
-        self.healthy_engines.discard(address)
-
     async def _read_load(self, address: str) -> None:
         try:
             reply = await self.engines[address].GetLoad(engine_pb2.GetLoadRequest(), timeout=HEALTH_TIMEOUT)

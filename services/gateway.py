@@ -443,7 +443,9 @@ class GatewayRequest:
             self.engine_span.end()
         self.deps.router.release(self.routed)
         self.routed = None
-        self.deps.set_unhealthy(self.address)  # until its next health check says otherwise
+        # No new requests for it until its next health check. Its blocks stay in the router's index: if it
+        # restarted, its KV event stream ended and took them.
+        self.deps.healthy_engines.discard(self.address)
         self._call_engine(tried)
 
     def _engine_request(self) -> engine_pb2.EngineGenerateRequest:
