@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/sampler_service.py [--streams 1,32,128] [--rounds 3] [--output-len 64]
         [--sampling greedy|typical] [--hop-batches 1,64,256] [--hop-iters 20] [--skip-throughput] [--skip-hop]
-        [--serve-concurrency 1,32,64,256] [--output-json PATH]
+        [--serve-concurrency 1,32,64,256] [--step-parts 1,32,64,256] [--output-json PATH]
 
 Throughput: one offline LLM (SmolLM2, CPU) runs `streams` requests at once (prompts of 32 random token ids,
 `--output-len` tokens each, ignore_eos; --sampling greedy, or typical: temperature 0.7 / top_p 0.95 with a seed
@@ -18,6 +18,12 @@ channel (as the engine sends it) and over the stream on TCP loopback (as without
 engine's own decode step at that batch (in-process sampling) and its scheduling, input-building and update
 parts, for the break-even, and the next step's allocation and input building that async scheduling does while
 the sampler samples.
+
+Step parts (--step-parts): on the offline engine, in process and on the service in alternating rounds of
+`--output-len` tokens at each number of rows, the median ms of each of a decode step's parts (STEP_PARTS: the
+forward pass, the logits, the sampling call and within it the slot write, the socket's send and recv and the next
+step's work done meanwhile). Run it with GOMP_SPINCOUNT=100000 in the environment to time the engine as `llmmesh
+engine` runs it.
 
 Serve (--serve-concurrency): two meshes as `llmmesh serve --no-kv-store` starts them, one with the sampler
 service and one with --no-sampler-service, both up at once; at each concurrency, `rounds` rounds alternate which
@@ -243,6 +249,84 @@ def decode_step_ms(llm, batch: int, vocab: int) -> dict:
     }
 
 
+STEP_PARTS = {  # part -> (what it is called on, method): timed around each call
+    "forward": ("model", "forward"),
+    "logits": ("model", "compute_logits"),
+    "sample": ("sampler", "sample"),
+    "ahead": ("runner", "_while_sampling"),
+    "slot_write": ("slots", "write"),
+    "send": ("channel", "send"),
+    "recv": ("channel", "recv"),
+}
+
+
+def step_parts(llm, address, rows_list, rounds, output_len, seed) -> list[dict]:
+    """Where a decode step's time goes, sampling in process against on the service (shared memory, the step
+    socket), alternating rounds on one engine: the median ms of each STEP_PARTS call over a round's steps (the
+    first 4 left out), the median over rounds, and each round's tok/s ratio."""
+    runner = llm.engine.worker.model_runner
+    vocab = llm.engine.model_config.vocab_size
+    rng = random.Random(seed)
+    client = RemoteSampler(address, slot_bytes=max(rows_list) * vocab * 4)
+    local_sampler, calls, results = runner.sampler, {}, []
+
+    def timed(part, obj):
+        method = getattr(obj, STEP_PARTS[part][1])
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                calls.setdefault(part, []).append((time.perf_counter() - start) * 1e3)
+
+        setattr(obj, STEP_PARTS[part][1], wrapper)
+
+    try:
+        for mode in (local_sampler, client):  # warm-up; the service's first step opens its slots and socket
+            runner.sampler = mode
+            run_round(llm, [[FIRST_REGULAR_ID] * 32], 4)
+        owners = {
+            "model": runner.model,
+            "runner": runner,
+            "slots": client.slots,
+            "channel": client.step_channel,
+            "sampler": None,
+        }
+        for part, (owner, _) in STEP_PARTS.items():
+            for obj in (local_sampler, client) if owner == "sampler" else (owners[owner],):
+                timed(part, obj)
+        for rows in rows_list:
+            prompts = [[rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(32)] for _ in range(rows)]
+            row = {"rows": rows, "in_process": {}, "sampler_service": {}, "ratios": []}
+            for r in range(rounds):
+                tok_s = {}
+                for mode in ("in_process", "sampler_service")[:: 1 if r % 2 == 0 else -1]:
+                    runner.sampler = client if mode == "sampler_service" else local_sampler
+                    calls.clear()
+                    tok_s[mode] = run_round(llm, prompts, output_len)[0]
+                    for part, ms in calls.items():
+                        row[mode].setdefault(part, []).append(statistics.median(ms[4:] or ms))
+                row["ratios"].append(tok_s["sampler_service"] / tok_s["in_process"])
+            for mode in ("in_process", "sampler_service"):
+                row[mode] = {part: statistics.median(ms) for part, ms in row[mode].items()}
+            row["median_ratio"] = statistics.median(row["ratios"])
+            print(
+                f"rows {rows}: "
+                + ", ".join(
+                    f"{part} {row['in_process'].get(part, float('nan')):.3f} / {row['sampler_service'][part]:.3f}"
+                    for part in STEP_PARTS
+                )
+                + f" ms (in process / service); ratios {', '.join(f'{x:.3f}' for x in row['ratios'])}",
+                flush=True,
+            )
+            results.append(row)
+    finally:
+        runner.sampler = local_sampler
+        client.close()
+    return results
+
+
 def serve_throughput(concurrencies, rounds, output_len, seed) -> list[dict]:
     """`llmmesh serve --no-kv-store` with the sampler service against --no-sampler-service (both meshes up at
     once), alternating which goes first each round."""
@@ -327,6 +411,7 @@ def main():
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-hop", action="store_true")
     ap.add_argument("--serve-concurrency", default="", help="e.g. 1,32,64,256: the mesh with and without the service")
+    ap.add_argument("--step-parts", default="", help="e.g. 1,32,64,256: a decode step's parts at these rows")
     ap.add_argument("--output-json", default="benchmarks/results/sampler_service.json")
     ap.add_argument("--serve-both", nargs=2, metavar=("PORT_FILE", "UDS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -343,17 +428,21 @@ def main():
     if args.serve_concurrency:
         concurrencies = [int(c) for c in args.serve_concurrency.split(",")]
         report["serve"] = serve_throughput(concurrencies, args.rounds, args.output_len, args.seed)
-    if args.skip_throughput and args.skip_hop:
+    if args.skip_throughput and args.skip_hop and not args.step_parts:
         return write_report(args.output_json, report)
     llm = LLM(kv_cache_memory="2GiB", max_num_seqs=256, seed=args.seed)
     vocab = llm.engine.model_config.vocab_size
-    if not args.skip_throughput:
+    if not args.skip_throughput or args.step_parts:
         sampler = ServiceProcess("sampler", ["--port", "0"])
         try:
             address = sampler.wait_listening(120)
-            report["throughput"] = throughput(
-                llm, address, [int(s) for s in args.streams.split(",")], args.rounds, args.output_len, args.seed
-            )
+            if not args.skip_throughput:
+                report["throughput"] = throughput(
+                    llm, address, [int(s) for s in args.streams.split(",")], args.rounds, args.output_len, args.seed
+                )
+            if args.step_parts:
+                rows = [int(r) for r in args.step_parts.split(",")]
+                report["step_parts"] = step_parts(llm, address, rows, args.rounds, args.output_len, args.seed)
         finally:
             sampler.stop()
     if not args.skip_hop:
