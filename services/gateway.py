@@ -57,6 +57,8 @@ _ENGINE_DONE = object()  # queued by the engine reader after the engine's last m
 # CANCELLED for a call that reached its server as the server began to stop (gRPC cancels calls not yet handled).
 # The gateway's own cancel raises asyncio.CancelledError instead, and the engine never answers CANCELLED itself.
 ENGINE_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+# An engine out of reach for now: gone, or late past the call's deadline.
+ENGINE_DOWN = (*ENGINE_GONE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # vLLM's kv_transfer_params for disaggregated prefill: to the kv_producer, and to the kv_consumer when the producer
 # answered nothing (it failed: the consumer loads what is in the kvstore and computes the rest).
 REMOTE_DECODE_PARAMS = '{"do_remote_decode":true}'
@@ -333,7 +335,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         await self.deps.read_lora_adapters()
         if refusals or len(errors) == len(replies):
             address, e = next(iter((refusals or errors).items()))
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if e.code() in ENGINE_DOWN:
                 raise unavailable(f"the engine at {address} is unavailable: {e.details()}")
             raise RequestError(e.code(), f"engine {address}: {e.details()}")
         return next(r for r in replies.values() if not isinstance(r, grpc.aio.AioRpcError))
@@ -498,7 +500,7 @@ class GatewayRequest:
             except grpc.aio.AioRpcError as e:
                 if self.context.done():
                     raise
-                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if e.code() in ENGINE_DOWN:
                     self.deps.healthy_prefill_engines.discard(address)  # until its next health check
                 logger.warning(
                     "prefill engine %s: %s (%s); the decode engine computes the prompt of %s",
