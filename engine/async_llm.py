@@ -175,6 +175,21 @@ class AsyncLLM:
         """The loaded adapters (--lora-modules' too) by name."""
         return dict(self.core.lora_registry) if self.core is not None else {}
 
+    def lora_request_named(self, lora_name: str) -> LoRARequest | None:
+        """A request's adapter by name (None for the base model); LookupError naming the loaded ones when unknown."""
+        if not lora_name:
+            return None
+        lora = self.lora_registry.get(lora_name)
+        if lora is not None:
+            return lora
+        if not self.core.args.enable_lora:
+            raise LookupError(
+                f"lora_name {lora_name[:256]!r}: this engine serves no LoRA adapters (start it with --enable-lora)"
+            )
+        names = sorted(self.lora_registry)
+        loaded = ", ".join(names[:32]) + (" ..." if len(names) > 32 else "")
+        raise LookupError(f"lora_name {lora_name[:256]!r}: no such LoRA adapter; loaded: {loaded or 'none'}")
+
     async def _on_engine_thread(self, call: Callable):
         """call(core) on the engine thread between two steps; what it returns or raises."""
         if self.dead is not None:

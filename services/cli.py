@@ -76,6 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
         sub, "engine", "serve an EngineCore over gRPC (llmmesh.v1.Engine and vllm.grpc.engine.VllmEngine)"
     )
     EngineArgs.add_cli_args(engine)
+    engine.add_argument(
+        "--lora-vllm-ports",
+        nargs="+",
+        default=None,
+        metavar="NAME=PORT",
+        help="serve each named LoRA adapter also as a model of its own, on vllm.grpc.engine.VllmEngine at PORT "
+        "(vLLM's protocol names no adapter in a request: a router that picks workers by model, smg, reaches the "
+        "adapter there); needs --enable-lora; the adapter may be loaded later, and the port answers NOT_FOUND "
+        "while it is not",
+    )
     config.add_limit_args(engine)
     config.add_detailed_traces_arg(engine)
     engine.set_defaults(func=run_engine)

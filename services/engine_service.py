@@ -33,22 +33,6 @@ REMOTE_PREFILL_PARAMS = json.dumps({"do_remote_prefill": True, "do_remote_decode
 MAX_LORA_PATH_CHARS = 4096  # PATH_MAX
 
 
-def resolve_lora(engine: AsyncLLM, lora_name: str) -> LoRARequest | None:
-    """A request's adapter by name (None for the base model); LookupError naming the loaded ones when unknown."""
-    if not lora_name:
-        return None
-    lora = engine.lora_registry.get(lora_name)
-    if lora is not None:
-        return lora
-    if not engine.core.args.enable_lora:
-        raise LookupError(
-            f"lora_name {lora_name[:256]!r}: this engine serves no LoRA adapters (start it with --enable-lora)"
-        )
-    names = sorted(engine.lora_registry)
-    loaded = ", ".join(names[:32]) + (" ..." if len(names) > 32 else "")
-    raise LookupError(f"lora_name {lora_name[:256]!r}: no such LoRA adapter; loaded: {loaded or 'none'}")
-
-
 def parse_kv_transfer_params(text: str, kv_role: str | None) -> dict:
     """EngineGenerateRequest.kv_transfer_params -> its flags; ValueError naming the field and what it allows."""
     if not text:
@@ -97,7 +81,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
-            lora_request = resolve_lora(engine, request.lora_name)
+            lora_request = engine.lora_request_named(request.lora_name)
         except LookupError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
 
@@ -237,7 +221,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def UnloadLoraAdapter(self, request: common_pb2.UnloadLoraAdapterRequest, context):
         engine = await self._lora_engine(context)
         try:
-            lora = resolve_lora(engine, request.lora_name)
+            lora = engine.lora_request_named(request.lora_name)
             if lora is None:
                 raise ValueError("lora_name is required.")
         except LookupError as e:
@@ -288,31 +272,58 @@ def kv_events_to_llmmesh(seq: int, timestamp: float, events: list) -> engine_pb2
 # ---- the process -----------------------------------------------------------------
 
 
+def lora_vllm_ports(args) -> dict[str, int]:
+    """--lora-vllm-ports as adapter name -> port; ValueError naming what is wrong."""
+    ports: dict[str, int] = {}
+    for entry in args.lora_vllm_ports or []:
+        name, _, port = entry.partition("=")
+        if not name or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"lora_vllm_ports entries must be NAME=PORT with PORT in [1, 65535], got {entry!r}.")
+        if name in ports or int(port) in ports.values() or int(port) == args.port:
+            raise ValueError(f"lora_vllm_ports: each name and port once, and not --port, got {entry!r} again.")
+        ports[name] = int(port)
+    if ports and not args.enable_lora:
+        raise ValueError("lora_vllm_ports needs enable_lora (--enable-lora).")
+    return ports
+
+
 async def serve(args) -> None:
     engine_args = EngineArgs.from_cli_args(args)
-    # Both protocols on one port, over one AsyncLLM.
+    adapter_ports = lora_vllm_ports(args)
+    # Both protocols on one port, over one AsyncLLM; each of --lora-vllm-ports' adapters on VllmEngine at its own.
     server = Server("engine", [ENGINE_SERVICE, VLLM_ENGINE_SERVICE], args)
     servicer = EngineServicer()
     servicer.stopping = server.stop_requested
     server.add(engine_pb2_grpc.add_EngineServicer_to_server, servicer)
     server.add(vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer))
-    await server.start()  # health answers NOT_SERVING while the model loads
+    adapter_servers = []
+    for name, port in adapter_ports.items():
+        adapter_servers.append(server.sibling([VLLM_ENGINE_SERVICE], port))
+        adapter_servers[-1].add(
+            vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer, name)
+        )
+    for s in (server, *adapter_servers):
+        await s.start()  # health answers NOT_SERVING while the model loads
     engine = AsyncLLM(lambda: EngineCore(engine_args), config.limits_from_args(args))
     try:
         core = await engine.loaded()
         engine.set_tokenizer(await asyncio.to_thread(Tokenizer.from_pretrained, core.model_dir))
     except BaseException:
         engine.shutdown(timeout=0)
-        await server.stop(0)
+        for s in (*adapter_servers, server):
+            await s.stop(0)
         raise
     observer = EngineTelemetry(server.telemetry, servicer, args.model, args.collect_detailed_traces)
     if observer.active:
         servicer.observer = observer
         observer.attach(engine)
     servicer.engine = engine
-    await server.set_serving(True)
-    server.watch(engine.died)  # health turns NOT_SERVING if the engine thread dies
-    try:
-        await server.serve_until_stopped()
+    for s in (*adapter_servers, server):
+        await s.set_serving(True)
+        s.watch(engine.died)  # health turns NOT_SERVING if the engine thread dies
+    for name, s in zip(adapter_ports, adapter_servers):
+        logger.info("LoRA adapter %s served as a model of its own on %s (vllm.grpc.engine.VllmEngine)", name, s.address)
+    try:  # one stop signal: every port drains at once
+        await asyncio.gather(*(s.serve_until_stopped() for s in (server, *adapter_servers)))
     finally:
         engine.shutdown()

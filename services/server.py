@@ -6,6 +6,7 @@ INVALID_ARGUMENT. The channels: the same keepalive policy, so neither end ever s
 the other accepts, and a quick reconnect to a dependency restarted at the same address.
 """
 
+import argparse
 import asyncio
 import importlib.metadata
 import logging
@@ -142,9 +143,17 @@ class Server:
     address on stdout), then serve_until_stopped() drains on SIGINT/SIGTERM."""
 
     def __init__(
-        self, name: str, service_names: list[str], args, max_receive_bytes: int = MAX_MESSAGE_BYTES, interceptors=()
+        self,
+        name: str,
+        service_names: list[str],
+        args,
+        max_receive_bytes: int = MAX_MESSAGE_BYTES,
+        interceptors=(),
+        owner: "Server | None" = None,
     ):
+        """owner: the service's main server, when this one is another port of the same process (see sibling)."""
         self.name = name
+        self.args = args
         self.shutdown_timeout = args.shutdown_timeout
         self.server = grpc.aio.server(
             interceptors=list(interceptors),
@@ -155,7 +164,8 @@ class Server:
             ],
         )
         # Traces and metrics (--otlp-traces-endpoint, --metrics-port): every handler registered through add().
-        self.telemetry = Telemetry(name, args)
+        self.owner = owner
+        self.telemetry = owner.telemetry if owner is not None else Telemetry(name, args)
         self.registrar = _Registrar(self.server, self.telemetry)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -165,11 +175,16 @@ class Server:
         )
         self.port = self.server.add_insecure_port(f"{args.host}:{args.port}")
         self.address = f"{args.host}:{self.port}"
-        self.stop_requested = asyncio.Event()
+        self.stop_requested = owner.stop_requested if owner is not None else asyncio.Event()
         self.broken: str | None = None  # why the service can no longer serve (health stays NOT_SERVING)
         self.announced = False
         self._watchers: list[asyncio.Task] = []
         self.servicers: list = []  # what add() registered, for whoever holds the server (an in-process test)
+
+    def sibling(self, service_names: list[str], port: int) -> "Server":
+        """Another server of this process on `port`, for services that need a port of their own: it shares this
+        one's telemetry and stop signal (SIGTERM stops both); start and stop it beside this one."""
+        return Server(self.name, service_names, argparse.Namespace(**{**vars(self.args), "port": port}), owner=self)
 
     def add(self, add_servicer_to_server, servicer) -> None:
         add_servicer_to_server(servicer, self.registrar)
@@ -180,7 +195,7 @@ class Server:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *self.service_names]:  # "" is the whole server
             await self.health.set(name, status)
-        if serving and not self.announced:
+        if serving and not self.announced and self.owner is None:  # a sibling's address is its owner's to tell
             self.announced = True
             print(f"llmmesh {self.name} listening on {self.address}", flush=True)
 
@@ -226,7 +241,8 @@ class Server:
                 loop.add_signal_handler(sig, self.stop_requested.set)
         await self.set_serving(False)
         await self.server.start()
-        self.telemetry.start()
+        if self.owner is None:
+            self.telemetry.start()
         logger.info("listening on %s (%s)", self.address, ", ".join(self.service_names))
 
     async def stop(self, grace: float | None = None) -> None:
@@ -235,7 +251,8 @@ class Server:
         for task in self._watchers:
             task.cancel()
         await self.server.stop(grace)
-        self.telemetry.shutdown()  # the spans of the calls that just ended go out
+        if self.owner is None:
+            self.telemetry.shutdown()  # the spans of the calls that just ended go out
 
     async def serve_until_stopped(self) -> None:
         """Serve until SIGINT/SIGTERM, then refuse new calls and give in-flight ones shutdown_timeout s."""

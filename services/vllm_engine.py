@@ -38,10 +38,15 @@ TOKENIZER_CHUNK_BYTES = 512 * 1024
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
-    """`owner.engine` is the AsyncLLM, None while the model loads (RPCs then answer UNAVAILABLE)."""
+    """`owner.engine` is the AsyncLLM, None while the model loads (RPCs then answer UNAVAILABLE).
 
-    def __init__(self, owner):
+    lora_name: serve this LoRA adapter as a model of its own (its name is the served model name, every Generate
+    runs under it). vLLM's protocol carries no adapter in a request, so a router that picks workers by model
+    (smg) reaches an adapter through such a servicer on a port of its own (--lora-vllm-ports)."""
+
+    def __init__(self, owner, lora_name: str = ""):
         self.owner = owner
+        self.lora_name = lora_name
         self.start_time = time.time()
         self.last_receive_timestamp = 0.0
 
@@ -55,6 +60,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.last_receive_timestamp = time.time()
         if request.HasField("mm_inputs") or request.extra_mm_inputs or request.HasField("media_refs"):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "multimodal inputs: this engine serves text-only models")
+        try:
+            lora_request = engine.lora_request_named(self.lora_name)
+        except LookupError as e:  # unloaded since this port was opened for it
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         params = None  # the request's SamplingParams, once serve_request has admitted it
 
         def add_request(arrival, trace_headers):
@@ -74,11 +83,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 arrival_time=arrival,
                 output_kind=kind,
                 trace_headers=trace_headers,
+                lora_request=lora_request,
             )
 
         vocab = engine.core.model_config.vocab_size
         async with contextlib.aclosing(
-            serve_request(engine, self.owner.observer, context, request.request_id, add_request)
+            serve_request(engine, self.owner.observer, context, request.request_id, add_request, self.lora_name)
         ) as outputs:
             async for out in outputs:
                 num_logprobs = vocab if params.logprobs == -1 else params.logprobs or 0
@@ -99,6 +109,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="loading the model")
         if engine.dead is not None:
             return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=engine.dead)
+        if self.lora_name and self.lora_name not in engine.lora_registry:
+            return vllm_engine_pb2.HealthCheckResponse(
+                healthy=False, message=f"LoRA adapter {self.lora_name!r} is not loaded"
+            )
         return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="Health")
 
     async def GetModelInfo(self, request, context):
@@ -111,7 +125,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             max_context_length=core.max_model_len,
             vocab_size=cfg.vocab_size,
             supports_vision=False,
-            served_model_name=core.args.model,
+            served_model_name=self.lora_name or core.args.model,
             tokenizer_path=str(core.model_dir),
             model_type=hf_config.get("model_type", ""),
             architectures=[cfg.architecture],

@@ -147,7 +147,7 @@ def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> dict
 class SmgRouter:
     """`smg launch` in front of engines, on free loopback ports (extra: further smg flags)."""
 
-    def __init__(self, engine_addresses: list[str], model_dir: Path, log: Path, extra: list[str] = ()):
+    def __init__(self, engine_addresses: list[str], model_dir: Path | None, log: Path, extra: list[str] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.num_workers = len(engine_addresses)
@@ -166,8 +166,7 @@ class SmgRouter:
                 "127.0.0.1",
                 "--prometheus-port",
                 str(free_port()),
-                "--model-path",
-                str(model_dir),
+                *(["--model-path", str(model_dir)] if model_dir is not None else []),
                 "--log-level",
                 "info",
                 *extra,

@@ -371,3 +371,131 @@ def test_an_engine_without_lora_refuses_clearly(model_dir):
         assert adapter_names(stub) == []
         request.lora_name = ""
         assert len([t for m in stub.Generate(request, timeout=60) for c in m.outputs for t in c.token_ids]) == 2
+
+
+# ---- each adapter as a model of its own on VllmEngine (--lora-vllm-ports), for smg --------------------------------
+
+
+@pytest.fixture(scope="module")
+def adapter_ports_engine(model_dir):
+    """An engine serving `sql` (loaded) and `late` (not yet) each on a VllmEngine port of its own."""
+    from test_interop import free_port
+
+    path, adapters = model_dir
+    ports = {"sql": free_port(), "late": free_port()}
+    flags = [*lora_flags(path, adapters), "--lora-vllm-ports", *(f"{name}={port}" for name, port in ports.items())]
+    with InProcessService("engine", flags) as engine:
+        yield engine, {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+
+
+def vllm_generate(address: str, tokens: list[int]) -> list[int]:
+    from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+    params = vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    request = vllm_engine_pb2.GenerateRequest(
+        request_id=f"r{random.random()}",
+        tokenized=vllm_engine_pb2.TokenizedInput(input_ids=tokens),
+        sampling_params=params,
+    )
+    with grpc.insecure_channel(address) as channel:
+        replies = vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(request, timeout=60)
+        return [t for m in replies for t in m.complete.output_ids]
+
+
+def test_an_adapter_port_serves_the_adapter_as_its_model(adapter_ports_engine, model_dir, offline):
+    """VllmEngine on an adapter's port names the adapter as its model and generates with it; the engine's own port
+    serves the base model. A port for an adapter not loaded answers NOT_FOUND and reports itself unhealthy until
+    the adapter is loaded at run time, and again once it is unloaded."""
+    from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+    engine, ports = adapter_ports_engine
+    path, adapters = model_dir
+    tokens = prompt(90)
+    assert offline(tokens, "sql") != offline(tokens) != offline(tokens, "late")
+    assert vllm_generate(ports["sql"], tokens) == offline(tokens, "sql")
+    assert vllm_generate(engine.address, tokens) == offline(tokens)
+    with grpc.insecure_channel(ports["late"]) as channel, grpc.insecure_channel(engine.address) as main:
+        vllm = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        info = vllm.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest(), timeout=10)
+        assert info.served_model_name == "late" and info.vocab_size == COMMON["vocab_size"]
+        with pytest.raises(grpc.RpcError) as e:
+            vllm_generate(ports["late"], tokens)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "'late'" in e.value.details()
+        health = vllm.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=10)
+        assert not health.healthy and "'late' is not loaded" in health.message
+
+        stub = engine_pb2_grpc.EngineStub(main)
+        stub.LoadLoraAdapter(
+            common_pb2.LoadLoraAdapterRequest(lora_name="late", lora_path=adapters["late"]), timeout=60
+        )
+        assert vllm.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=10).healthy
+        assert vllm_generate(ports["late"], tokens) == offline(tokens, "late")
+        stub.UnloadLoraAdapter(common_pb2.UnloadLoraAdapterRequest(lora_name="late"), timeout=60)
+        with pytest.raises(grpc.RpcError) as e:
+            vllm_generate(ports["late"], tokens)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize(
+    "ports, words",
+    [
+        (["sql"], "NAME=PORT"),
+        (["sql=0"], "NAME=PORT"),
+        (["sql=70000"], "NAME=PORT"),
+        (["=5000"], "NAME=PORT"),
+        (["sql=5000", "sql=5001"], "each name and port once"),
+        (["sql=5000", "late=5000"], "each name and port once"),
+    ],
+)
+def test_bad_lora_vllm_ports_are_refused_naming_the_flag(ports, words):
+    from services.engine_service import lora_vllm_ports
+
+    args = build_parser().parse_args(["engine", "--enable-lora", "--lora-vllm-ports", *ports])
+    with pytest.raises(ValueError, match="lora_vllm_ports") as e:
+        lora_vllm_ports(args)
+    assert words in str(e.value)
+    args = build_parser().parse_args(["engine", "--lora-vllm-ports", "sql=5000"])
+    with pytest.raises(ValueError, match="needs enable_lora"):
+        lora_vllm_ports(args)
+
+
+def listening(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5):
+            return True
+    except (urllib.error.URLError, ConnectionError):
+        return False
+
+
+@pytest.mark.slow
+def test_smg_selects_an_adapter_by_its_model_name(adapter_ports_engine, model_dir, offline, tmp_path):
+    """smg (multi-model mode) in front of the engine's own port and the `sql` adapter's: `model` set to the adapter's
+    name gives the adapter's output, the base model's name the base model's, as the offline API gives them."""
+    from test_interop import SmgRouter, http_json, smg_missing
+
+    reason = smg_missing()
+    if reason:
+        pytest.skip(reason)
+    engine, ports = adapter_ports_engine
+    path, _ = model_dir
+    router = SmgRouter([], None, tmp_path / "smg.log", ["--enable-igw"])
+    try:
+        wait_until(lambda: listening(router.url), timeout=60)
+        for address in (engine.address, ports["sql"]):  # multi-model mode takes its workers over its API
+            http_json(f"{router.url}/workers", {"url": f"grpc://{address}"})
+
+        def models() -> set[str]:
+            try:
+                return {m["id"] for m in http_json(f"{router.url}/v1/models", timeout=5)["data"]}
+            except urllib.error.HTTPError:  # 503 until a worker registers
+                return set()
+
+        wait_until(lambda: models() == {str(path), "sql"}, timeout=60)
+        tokens = prompt(91)
+        text = " ".join(f"<{t}>" for t in tokens)  # the test model's tokenizer: one word a token id
+        for model, lora_name in ((str(path), ""), ("sql", "sql")):
+            body = {"model": model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+            reply = http_json(f"{router.url}/v1/completions", body)
+            assert reply["choices"][0]["text"] == " ".join(f"<{t}>" for t in offline(tokens, lora_name)), model
+    finally:
+        router.stop()
