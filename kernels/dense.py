@@ -1,12 +1,13 @@
 """dense_linear (kernels/cpu/dense.cpp): bfloat16 or float32 x @ w.T (+ bias) for a decode step's few rows, read
 from the weight oneDNN packed for the many-row path, so the model keeps one copy of each weight.
 
-oneDNN packs a bfloat16 weight [N, K] as AB16b32a2b: tiles of 32 output columns, each tile's pairs of inputs in
-order, a pair the 32 columns' two weights; K and N padded with zeros to multiples of 32. It packs a float32 weight
-in tiles of 64 output columns, each tile's inputs in order, an input the 64 columns' weights; K padded with zeros to
-a multiple of 16, N to one of 64. packed_view() sees that buffer as the tensor dense_linear reads, [N / 32, K / 2,
-32, 2] or [N / 64, K, 64], after checking it holds exactly pack_dense()'s bytes: a oneDNN that packs otherwise gets
-None, and the layer stays on oneDNN alone.
+oneDNN packs a bfloat16 weight [N, K] as AB16b32a2b on CPUs with AMX and AB16b64a2b on those without: tiles of T =
+32 or 64 output columns, each tile's pairs of inputs in order, a pair the T columns' two weights; K padded with zeros
+to a multiple of 32, N to one of T. It packs a float32 weight in tiles of 64 output columns, each tile's inputs in
+order, an input the 64 columns' weights; K padded with zeros to a multiple of 16, N to one of 64. packed_view() sees
+that buffer as the tensor dense_linear reads, [N / T, K / 2, T, 2] or [N / 64, K, 64], after checking it holds
+exactly pack_dense()'s bytes for one of those tiles: a oneDNN that packs otherwise gets None, and the layer stays on
+oneDNN alone.
 """
 
 import ctypes
@@ -15,34 +16,42 @@ import functools
 import torch
 import torch.nn.functional as F
 
-TILE = 32  # output columns a bfloat16 tile
+# Output columns a bfloat16 tile, the one oneDNN used last first (one CPU packs every weight alike: one comparison
+# a weight); its K is padded to a multiple of K_BLOCK.
+TILES = [32, 64]
+K_BLOCK = 32
 TILE_F32, K_BLOCK_F32 = 64, 16  # output columns a float32 tile; its K is padded to a multiple of K_BLOCK_F32
 
 
-def pack_dense(w: torch.Tensor) -> torch.Tensor:
-    """w [N, K] in dense_linear's layout: bfloat16 [N / 32, K / 2, 32, 2] with N and K padded to multiples of 32,
-    float32 [N / 64, K, 64] with N padded to a multiple of 64 and K to one of 16."""
+def pack_dense(w: torch.Tensor, tile: int = 32) -> torch.Tensor:
+    """w [N, K] in dense_linear's layout: bfloat16 [N / tile, K / 2, tile, 2] with N padded to a multiple of tile and K
+    to one of 32, float32 [N / 64, K, 64] with N padded to a multiple of 64 and K to one of 16."""
     n, k = w.shape
     if w.dtype == torch.float32:
         w = F.pad(w, (0, -k % K_BLOCK_F32, 0, -n % TILE_F32))
         return w.reshape(w.shape[0] // TILE_F32, TILE_F32, w.shape[1]).transpose(1, 2).contiguous()
-    w = F.pad(w, (0, -k % TILE, 0, -n % TILE))
-    return w.reshape(w.shape[0] // TILE, TILE, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
+    w = F.pad(w, (0, -k % K_BLOCK, 0, -n % tile))
+    return w.reshape(w.shape[0] // tile, tile, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
 
 def packed_view(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's packed bfloat16 or float32 weight (torch.ops.mkldnn._reorder_linear_weight of weight) as
-    pack_dense(weight), sharing its memory, or None if its bytes are laid out otherwise. The view keeps packed
-    alive."""
-    expected = pack_dense(weight)
+    pack_dense(weight) for one of the layouts dense_linear reads, sharing its memory, or None if its bytes are laid
+    out otherwise. The view keeps packed alive."""
     nbytes = torch.ops.mkldnn._nbytes(packed)
-    if nbytes != expected.numel() * expected.element_size():
-        return None
-    buffer = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
-    buffer.owner = packed
-    view = torch.frombuffer(buffer, dtype=expected.dtype).view(expected.shape)
-    bits = torch.int32 if expected.dtype == torch.float32 else torch.int16  # compared bit for bit
-    return view if torch.equal(view.view(bits), expected.view(bits)) else None
+    for tile in [TILE_F32] if weight.dtype == torch.float32 else list(TILES):
+        expected = pack_dense(weight, tile)
+        if nbytes != expected.numel() * expected.element_size():
+            continue
+        buffer = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+        buffer.owner = packed
+        view = torch.frombuffer(buffer, dtype=expected.dtype).view(expected.shape)
+        bits = torch.int32 if expected.dtype == torch.float32 else torch.int16  # compared bit for bit
+        if torch.equal(view.view(bits), expected.view(bits)):
+            if tile in TILES:
+                TILES.sort(key=lambda t: t != tile)
+            return view
+    return None
 
 
 @functools.cache  # asked once a layer at load

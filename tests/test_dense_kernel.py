@@ -19,24 +19,29 @@ def _packed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_packed_view_reads_onednns_packed_weight_in_place():
+    """oneDNN packs in tiles of 32 columns on a CPU with AMX, of 64 on one without: the view is whichever it is."""
     w = torch.randn(100, 70).bfloat16()
     packed, view = _packed(w)
     assert view is not None and view.data_ptr() == torch.ops.mkldnn.data_ptr(packed)
-    assert torch.equal(view, pack_dense(w)) and view.shape == (4, 48, 32, 2)  # 100 -> 128 columns, 70 -> 96 inputs
+    tile = view.shape[2]
+    # 100 -> 128 columns, 70 -> 96 inputs
+    assert torch.equal(view, pack_dense(w, tile)) and view.shape == (128 // tile, 48, tile, 2)
     assert packed_view(packed, torch.randn(100, 70).bfloat16()) is None  # bytes of another weight: refused
 
 
-# K: a multiple of 32, one that is not, an odd one; N: whole tiles of 32 and a part-filled last tile.
+# K: a multiple of 32, one that is not, an odd one; N: whole tiles of 32 or 64 and a part-filled last tile.
 SHAPES = [(96, 64), (100, 70), (33, 31), (5, 3), (64, 1536)]
 
 
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_dense_linear_matches_float32_within_bfloat16_rounding(n, k, bias):
+@pytest.mark.parametrize("tile", [32, 64])
+def test_dense_linear_matches_float32_within_bfloat16_rounding(n, k, bias, tile):
+    """Both of oneDNN's layouts, whichever this CPU's oneDNN makes (the kernel reads any tensor laid out so)."""
     gen = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
-    _, view = _packed(w)
+    view = pack_dense(w, tile)
     for rows in range(1, quantization.DENSE_MAX_ROWS[torch.bfloat16] + 2):  # every row count it runs, and one pass more
         x = torch.randn(rows, k, generator=gen).bfloat16()
         want = x.float() @ w.float().T + (b.float() if bias else 0)
@@ -52,7 +57,7 @@ def test_dense_linear_matches_float32_within_bfloat16_rounding(n, k, bias):
 
 def test_dense_linear_refuses_what_it_cannot_read():
     w = torch.randn(64, 64).bfloat16()
-    _, view = _packed(w)
+    view = pack_dense(w, 32)
     with pytest.raises(RuntimeError, match="float32 layout"):  # float32 x on a bfloat16 weight
         dense_kernel()(torch.randn(1, 64), view, 64, None)
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
@@ -61,6 +66,8 @@ def test_dense_linear_refuses_what_it_cannot_read():
         dense_kernel()(torch.randn(1, 64).bfloat16(), view, 65, None)
     with pytest.raises(RuntimeError, match="K"):
         dense_kernel()(torch.randn(1, 128).bfloat16(), view, 64, None)
+    with pytest.raises(RuntimeError, match="32 or 64"):  # tiles of another width
+        dense_kernel()(torch.randn(1, 64).bfloat16(), pack_dense(w, 16), 64, None)
 
 
 float32 = pytest.mark.skipif(dense_kernel(torch.float32) is None, reason="dense_linear's float32 needs AVX-512")

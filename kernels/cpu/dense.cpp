@@ -1,10 +1,10 @@
 // Dense products for a decode step's few rows: out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]), float32
 // accumulation, out in x's dtype, read from oneDNN's packed weight itself, so one copy of the weight serves every
 // batch size (kernels/dense.py checks at load that the packing is the layout below).
-// bfloat16, oneDNN's AB16b32a2b:
-//   tiles of 32 output columns, one after another; a tile holds the pairs of inputs in order, pair p being the 32
-//   columns' (w[n, 2p], w[n, 2p + 1]): 128 bytes, two registers. K is padded with zeros to a multiple of 32 and
-//   the columns to a multiple of 32.
+// bfloat16, oneDNN's AB16b32a2b (on CPUs with AMX) or AB16b64a2b (without):
+//   tiles of T = 32 or 64 output columns, one after another; a tile holds the pairs of inputs in order, pair p
+//   being the T columns' (w[n, 2p], w[n, 2p + 1]): 4 T bytes, T / 16 registers. K is padded with zeros to a
+//   multiple of 32 and the columns to a multiple of T.
 //   A row's pair of inputs is broadcast and AVX512-BF16's dot product (vdpbf16ps) adds both products into each
 //   column's float32 lane: no horizontal sums, and each tile is streamed once for all of the rows.
 // float32: tiles of 64 output columns, one after another; a tile holds each input's 64 weights in order (256
@@ -23,9 +23,11 @@
 
 namespace {
 
-constexpr int64_t TILE = 32;               // output columns a tile
+constexpr int64_t K_BLOCK = 32;            // a bfloat16 weight's K is padded to a multiple of this
 constexpr int64_t PREFETCH_BYTES = 16384;  // ahead of the pair being read, into L2
-constexpr int64_t ROWS_A_PASS = 8;         // rows one pass over a tile computes; more rows read it again from cache
+// Rows one pass over a bfloat16 tile computes (more rows read it again from cache), by its registers a pair: 8 rows x
+// 2 accumulators, or 6 rows x 4 (with the tile's 4 registers, 28 of 32).
+constexpr int64_t rows_a_pass(int regs) { return regs == 2 ? 8 : 6; }
 constexpr int64_t TILE_F32 = 64;           // output columns a float32 tile
 constexpr int64_t ROWS_A_PASS_F32 = 6;     // 6 rows x 4 accumulators and the tile's 4 registers: 28 of 32
 
@@ -37,25 +39,27 @@ inline __m512bh broadcast_pair(const at::BFloat16* p) {
   return (__m512bh)_mm512_set1_epi32(v);
 }
 
-// ROWS rows against one tile (pairs pairs of inputs). One or two rows split the pairs over two accumulator sets
-// (even and odd), so the dot products' dependent chains do not bound the loop.
-template <int ROWS>
+// ROWS rows against one tile of REGS registers a pair (pairs pairs of inputs). One or two rows split the pairs over
+// two accumulator sets (even and odd), so the dot products' dependent chains do not bound the loop.
+template <int ROWS, int REGS>
 inline void tile_rows(const at::BFloat16* tile, int64_t pairs, const at::BFloat16* x, int64_t x_stride,
                       const float* bias, at::BFloat16* out, int64_t n, int64_t col) {
   constexpr int SPLIT = ROWS <= 2 ? 2 : 1;
-  __m512 acc[ROWS][SPLIT][2];
+  constexpr int64_t PAIR_BYTES = 64 * REGS;
+  __m512 acc[ROWS][SPLIT][REGS];
   for (int r = 0; r < ROWS; ++r)
-    for (int s = 0; s < SPLIT; ++s) acc[r][s][0] = acc[r][s][1] = _mm512_setzero_ps();
+    for (int s = 0; s < SPLIT; ++s)
+      for (int j = 0; j < REGS; ++j) acc[r][s][j] = _mm512_setzero_ps();
   const char* bytes = reinterpret_cast<const char*>(tile);
   auto step = [&](int64_t p, int s) {
-    _mm_prefetch(bytes + p * 128 + PREFETCH_BYTES, _MM_HINT_T1);
-    _mm_prefetch(bytes + p * 128 + PREFETCH_BYTES + 64, _MM_HINT_T1);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(bytes + p * 128);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(bytes + p * 128 + 64);
+    __m512bh w[REGS];
+    for (int j = 0; j < REGS; ++j) {
+      _mm_prefetch(bytes + p * PAIR_BYTES + PREFETCH_BYTES + 64 * j, _MM_HINT_T1);
+      w[j] = (__m512bh)_mm512_loadu_si512(bytes + p * PAIR_BYTES + 64 * j);
+    }
     for (int r = 0; r < ROWS; ++r) {
       const __m512bh xp = broadcast_pair(x + r * x_stride + 2 * p);
-      acc[r][s][0] = _mm512_dpbf16_ps(acc[r][s][0], xp, w0);
-      acc[r][s][1] = _mm512_dpbf16_ps(acc[r][s][1], xp, w1);
+      for (int j = 0; j < REGS; ++j) acc[r][s][j] = _mm512_dpbf16_ps(acc[r][s][j], xp, w[j]);
     }
   };
   int64_t p = 0;
@@ -64,34 +68,38 @@ inline void tile_rows(const at::BFloat16* tile, int64_t pairs, const at::BFloat1
     step(p + 1, SPLIT - 1);
   }
   if (p < pairs) step(p, 0);
-  // w0's lanes are columns col .. col + 15 and w1's col + 16 .. col + 31.
-  for (int half = 0; half < 2; ++half) {
-    const int64_t c = col + 16 * half;
+  // Register j's lanes are columns col + 16 j .. col + 16 j + 15.
+  for (int j = 0; j < REGS; ++j) {
+    const int64_t c = col + 16 * j;
     if (c >= n) break;
     const __mmask16 mask = c + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - c)) - 1);
     const __m512 b = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias + c);
     for (int r = 0; r < ROWS; ++r) {
-      __m512 sum = SPLIT == 2 ? _mm512_add_ps(acc[r][0][half], acc[r][SPLIT - 1][half]) : acc[r][0][half];
+      __m512 sum = SPLIT == 2 ? _mm512_add_ps(acc[r][0][j], acc[r][SPLIT - 1][j]) : acc[r][0][j];
       sum = _mm512_add_ps(sum, b);
       _mm256_mask_storeu_epi16(out + r * n + c, mask, (__m256i)_mm512_cvtneps_pbh(sum));
     }
   }
 }
 
+template <int REGS>
 void dense(const at::BFloat16* w, int64_t tiles, int64_t k_padded, const at::BFloat16* x, int64_t rows,
            int64_t x_stride, int64_t pairs, const float* bias, at::BFloat16* out, int64_t n) {
-  const int64_t tile_elems = TILE * k_padded;
+  constexpr int64_t tile_cols = 16 * REGS, rows_per_pass = rows_a_pass(REGS);
+  const int64_t tile_elems = tile_cols * k_padded;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const at::BFloat16* tile = w + t * tile_elems;
-      for (int64_t m = 0; m < rows; m += ROWS_A_PASS) {
+      for (int64_t m = 0; m < rows; m += rows_per_pass) {
         const at::BFloat16* xm = x + m * x_stride;
         at::BFloat16* o = out + m * n;
-        switch (std::min(rows - m, ROWS_A_PASS)) {
+        switch (std::min(rows - m, rows_per_pass)) {
 #define ROWS_CASE(R) \
-  case R: tile_rows<R>(tile, pairs, xm, x_stride, bias, o, n, t * TILE); break;
-          ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+  case R: tile_rows<R, REGS>(tile, pairs, xm, x_stride, bias, o, n, t * tile_cols); break;
+          ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
 #undef ROWS_CASE
+          case 7: if constexpr (REGS == 2) tile_rows<7, REGS>(tile, pairs, xm, x_stride, bias, o, n, t * tile_cols); break;
+          case 8: if constexpr (REGS == 2) tile_rows<8, REGS>(tile, pairs, xm, x_stride, bias, o, n, t * tile_cols); break;
         }
       }
     }
@@ -174,18 +182,22 @@ at::Tensor bias_as_float(const c10::optional<at::Tensor>& bias, int64_t n) {
 at::Tensor dense_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                              const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(2) == TILE && packed.size(3) == 2 && (2 * packed.size(1)) % TILE == 0,
-              "the weight must be oneDNN's packed AB16b32a2b layout [tiles, K / 2, 32, 2] (kernels/dense.py)");
-  const int64_t k = x.size(1), k_padded = 2 * packed.size(1), tiles = packed.size(0);
-  TORCH_CHECK(k <= k_padded && k_padded < k + TILE, "x's K does not match the packed weight");
-  TORCH_CHECK(n > (tiles - 1) * TILE && n <= tiles * TILE, "n must fall in the last tile");
+                  (packed.size(2) == 32 || packed.size(2) == 64) && packed.size(3) == 2 &&
+                  (2 * packed.size(1)) % K_BLOCK == 0,
+              "the weight must be oneDNN's packed AB16b32a2b or AB16b64a2b layout [tiles, K / 2, 32 or 64, 2] "
+              "(kernels/dense.py)");
+  const int64_t k = x.size(1), k_padded = 2 * packed.size(1), tiles = packed.size(0), tile_cols = packed.size(2);
+  TORCH_CHECK(k <= k_padded && k_padded < k + K_BLOCK, "x's K does not match the packed weight");
+  TORCH_CHECK(n > (tiles - 1) * tile_cols && n <= tiles * tile_cols, "n must fall in the last tile");
   // An odd K reads one input past the row: pad it with a zero (the weight's padding is zero too).
   const at::Tensor xc = k % 2 == 0 ? x.contiguous() : at::constant_pad_nd(x, {0, 1}).contiguous();
   const at::Tensor bias_f = bias_as_float(bias, n);
   at::Tensor out = at::empty({x.size(0), n}, x.options());
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  dense(packed.data_ptr<at::BFloat16>(), tiles, k_padded, xc.data_ptr<at::BFloat16>(), x.size(0), xc.size(1),
-        (k + 1) / 2, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<at::BFloat16>(), n);
+  (tile_cols == 32 ? dense<2> : dense<4>)(packed.data_ptr<at::BFloat16>(), tiles, k_padded,
+                                          xc.data_ptr<at::BFloat16>(), x.size(0), xc.size(1), (k + 1) / 2,
+                                          bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
+                                          out.data_ptr<at::BFloat16>(), n);
 #endif
   return out;
 }
