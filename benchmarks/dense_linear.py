@@ -101,8 +101,9 @@ def bfloat16_smollm2() -> Path:
 
 def engine(model: str, batches: list[int], rounds: int, dtype: torch.dtype, input_len=64, output_len=128) -> None:
     core = EngineCore(EngineArgs(model=model, dtype=str(dtype).removeprefix("torch."), max_num_seqs=max(batches)))
-    on = sum(getattr(m, "packed_dense", None) is not None for m in core.worker.model.modules())
-    print(f"engine: {on} layers on dense_linear up to {quantization.DENSE_MAX_ROWS[dtype]} rows", flush=True)
+    views = [m.packed_dense for m in core.worker.model.modules() if getattr(m, "packed_dense", None) is not None]
+    max_rows = quantization.DENSE_MAX_ROWS.get((dtype, views[0].shape[2]), 0) if views else 0
+    print(f"engine: {len(views)} layers on dense_linear up to {max_rows} rows", flush=True)
     rng = random.Random(0)
     modes = {"dense_linear": quantization.DENSE_MAX_ROWS, "oneDNN": {}}
     for max_rows in modes.values():

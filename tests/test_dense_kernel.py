@@ -42,7 +42,7 @@ def test_dense_linear_matches_float32_within_bfloat16_rounding(n, k, bias, tile)
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     view = pack_dense(w, tile)
-    for rows in range(1, quantization.DENSE_MAX_ROWS[torch.bfloat16] + 2):  # every row count it runs, and one pass more
+    for rows in range(1, quantization.DENSE_MAX_ROWS[torch.bfloat16, tile] + 2):  # every row count it runs, one more
         x = torch.randn(rows, k, generator=gen).bfloat16()
         want = x.float() @ w.float().T + (b.float() if bias else 0)
         got = dense_kernel()(x, view, n, b)
@@ -90,7 +90,7 @@ def test_dense_linear_float32_matches_float64(n, k, bias):
     w = torch.randn(n, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
     _, view = _packed(w)
-    for rows in range(1, quantization.DENSE_MAX_ROWS[torch.float32] + 2):  # every row count it runs, and one more
+    for rows in range(1, quantization.DENSE_MAX_ROWS[torch.float32, 64] + 2):  # every row count it runs, and one more
         x = torch.randn(rows, k, generator=gen)
         want = x.double() @ w.double().T + (b.double() if bias else 0)
         got = dense_kernel(torch.float32)(x, view, n, b)

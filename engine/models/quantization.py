@@ -49,10 +49,12 @@ CPU_KERNEL_MAX_ROWS = 4
 # bfloat16, this model's shapes (docs/benchmarks.md): 4-bit ties oneDNN at about 16 rows, 8-bit at about 6.
 INT8_DOT_MAX_ROWS = {320: 16, 576: 6}
 _QUANTIZED_ACT_DTYPES = (torch.bfloat16, torch.float16)
-# Most rows a CPU step runs on kernels.dense's dense_linear, by dtype; oneDNN's own kernel on the same packed weight
-# takes larger steps (docs/benchmarks.md). bfloat16: 1.4-1.55x faster at 1-4 rows, 1.1x at 8, even at about 9
-# (oneDNN has AMX). float32: 1.3-1.4x at 1-16 rows, 1.3x at 64, 1.07x at 128, even at about 200.
-DENSE_MAX_ROWS = {torch.bfloat16: 8, torch.float32: 64}
+# Most rows a CPU step runs on kernels.dense's dense_linear, by dtype and the packed tile's columns (oneDNN's layout
+# on this CPU); oneDNN's own kernel on the same packed weight takes larger steps (docs/benchmarks.md). bfloat16 in
+# tiles of 32 (a CPU with AMX, which oneDNN uses): 1.4-1.55x faster at 1-4 rows, 1.1x at 8, even at about 9. bfloat16
+# in tiles of 64 (no AMX): 1.3-1.5x at 1-16 rows, 1.25x at 32, 1.17x at 64, 1.11x at 96. float32: 1.3-1.4x at 1-16
+# rows, 1.3x at 64, 1.07x at 128, even at about 200.
+DENSE_MAX_ROWS = {(torch.bfloat16, 32): 8, (torch.bfloat16, 64): 64, (torch.float32, 64): 64}
 
 
 class QuantizeMethodBase:
@@ -110,7 +112,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(self, layer, x):
         if layer.packed is None:
             return F.linear(x, layer.weight, layer.bias)
-        if layer.packed_dense is not None and x.dim() == 2 and x.shape[0] <= DENSE_MAX_ROWS.get(x.dtype, 0):
+        dense = layer.packed_dense
+        if dense is not None and x.dim() == 2 and x.shape[0] <= DENSE_MAX_ROWS.get((x.dtype, dense.shape[2]), 0):
             return torch.ops.llmmesh_dense.dense_linear(x, layer.packed_dense, layer.output_size, layer.bias)
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
