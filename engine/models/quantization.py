@@ -52,9 +52,10 @@ _QUANTIZED_ACT_DTYPES = (torch.bfloat16, torch.float16)
 # Most rows a CPU step runs on kernels.dense's dense_linear, by dtype and the packed tile's columns (oneDNN's layout
 # on this CPU); oneDNN's own kernel on the same packed weight takes larger steps (docs/benchmarks.md). bfloat16 in
 # tiles of 32 (a CPU with AMX, which oneDNN uses): 1.4-1.55x faster at 1-4 rows, 1.1x at 8, even at about 9. bfloat16
-# in tiles of 64 (no AMX): 1.3-1.5x at 1-16 rows, 1.25x at 32, 1.17x at 64, 1.11x at 96. float32: 1.3-1.4x at 1-16
-# rows, 1.3x at 64, 1.07x at 128, even at about 200.
-DENSE_MAX_ROWS = {(torch.bfloat16, 32): 8, (torch.bfloat16, 64): 64, (torch.float32, 64): 64}
+# in tiles of 64 (no AMX): the products alone 1.3-1.5x at 1-16 rows and still 1.25x at 32, but the engine's decode
+# step 1.2x at 8 rows, 1.07x at 16 and 0.95x at 32. float32: 1.3-1.4x at 1-16 rows, 1.3x at 64, 1.07x at 128, even
+# at about 200.
+DENSE_MAX_ROWS = {(torch.bfloat16, 32): 8, (torch.bfloat16, 64): 16, (torch.float32, 64): 64}
 
 
 class QuantizeMethodBase:
