@@ -115,7 +115,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
             return F.linear(x, layer.weight, layer.bias)
         dense = layer.packed_dense
         if dense is not None and x.dim() == 2 and x.shape[0] <= DENSE_MAX_ROWS.get((x.dtype, dense.shape[2]), 0):
-            return torch.ops.llmmesh_dense.dense_linear(x, layer.packed_dense, layer.output_size, layer.bias)
+            return torch.ops.llmmesh_dense.dense_linear(x, dense, layer.output_size, layer.bias)
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
 
