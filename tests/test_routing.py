@@ -29,10 +29,12 @@ from services.routing import INDEX_ENTRY_BYTES, STORE, EngineLoad, KVBlockIndex,
 from services.supervisor import Mesh, free_port
 from test_models import COMMON
 
-TINY = {**COMMON, "max_position_embeddings": 2048}  # a tiny Llama for conversations of a few hundred tokens
+TINY = {**COMMON, "max_position_embeddings": 8192}  # a tiny Llama: conversations of a few hundred tokens, and LONG_TOKENS
 BLOCK = 16
 MAX_TOKENS = 8
-LONG_TOKENS = 1500  # a generation still decoding when an engine is killed
+# A generation still decoding when an engine is killed: seconds long (1500 tokens took 0.5 s on one core, and once
+# ended before the kill landed).
+LONG_TOKENS = 6000
 # Conversations: a shared system prompt, then per conversation its own document, then short follow-ups.
 SYSTEM_TOKENS, DOCUMENT_TOKENS, FOLLOW_UP_TOKENS = 48, 160, 16
 NUM_CONVERSATIONS, NUM_TURNS = 3, 4  # an odd number: least-loaded's turns do not line up with them
