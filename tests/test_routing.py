@@ -29,7 +29,8 @@ from services.routing import INDEX_ENTRY_BYTES, STORE, EngineLoad, KVBlockIndex,
 from services.supervisor import Mesh, free_port
 from test_models import COMMON
 
-TINY = {**COMMON, "max_position_embeddings": 8192}  # a tiny Llama: conversations of a few hundred tokens, and LONG_TOKENS
+# A tiny Llama: conversations of a few hundred tokens, and a LONG_TOKENS generation.
+TINY = {**COMMON, "max_position_embeddings": 8192}
 BLOCK = 16
 MAX_TOKENS = 8
 # A generation still decoding when an engine is killed: seconds long (1500 tokens took 0.5 s on one core, and once
