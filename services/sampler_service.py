@@ -31,7 +31,7 @@ from google.protobuf.message import DecodeError
 
 from engine.request import RequestFailure, SamplingParams
 from engine.sample.channel import ChannelClosedError, StepChannel, connect
-from engine.sample.metadata import SamplingMetadata
+from engine.sample.metadata import MetadataCache, SamplingMetadata
 from engine.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, expand_positions
 from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
 from engine.sample.slots import SharedSlots
@@ -78,6 +78,7 @@ class StreamState:
         self.device = device
         self.requests: dict[str, SamplingState] = {}
         self.sampler = Sampler(parallel_argmax=False)
+        self.metadata = MetadataCache()
         self.num_steps = 0
         self.slots: SharedSlots | None = None  # the engine's shared-memory slots, when this stream took them
         self.step_channel: StepChannel | None = None  # the engine's step channel, when this stream connected to it
@@ -133,9 +134,13 @@ class StreamState:
         positions = states if drafts is None else expand_positions(states, drafts)
         generators = {row: rows[s.request_id].generator for row, s in enumerate(positions)}
         generators = {row: g for row, g in generators.items() if g is not None}
-        metadata = SamplingMetadata.from_requests(positions, generators, logits.shape[-1], self.device, grammar)
         first_rows = itertools.accumulate(drafts.num_positions, initial=0) if drafts else range(len(states))
-        metadata.failed.update({row: s.failure for row, s in zip(first_rows, states) if s.failure is not None})
+        failed = {row: s.failure for row, s in zip(first_rows, states) if s.failure is not None}
+        if drafts is None and not failed:
+            metadata = self.metadata.get(positions, generators, logits.shape[-1], self.device, grammar)
+        else:
+            metadata = SamplingMetadata.from_requests(positions, generators, logits.shape[-1], self.device, grammar)
+            metadata.failed.update(failed)
         output = self.sampler(logits, metadata, drafts)
         if drafts is None:
             result.sampled_token_ids.extend(output.sampled_token_ids.tolist())

@@ -1,5 +1,6 @@
 """The batched sampler against definitions written out here: distributions, seeds, processors, logprobs."""
 
+import dataclasses
 import math
 import random
 
@@ -8,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from engine.request import Request, SamplingParams
-from engine.sample.metadata import SamplingMetadata
+from engine.sample.metadata import GrammarBitmask, MetadataCache, SamplingMetadata
 from engine.sample.sampler import Sampler, apply_logits_processors, compute_logprobs, gather_logprobs
 
 INF = float("inf")
@@ -280,6 +281,68 @@ def test_min_tokens_bans_stop_tokens_only_until_reached():
     out = apply_logits_processors(logits, metadata(requests, 10))
     assert out[:, 2].tolist() == [-INF, 0.0, 0.0, 0.0]
     assert out[:, 7].tolist() == [-INF, 0.0, -INF, 0.0]
+
+
+# --- metadata kept across steps -----------------------------------------------------------------
+
+
+def same_metadata(a: SamplingMetadata, b: SamplingMetadata) -> bool:
+    for f in dataclasses.fields(SamplingMetadata):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if x is None or y is None or x.dtype != y.dtype or not torch.equal(x, y):
+                return False
+        elif f.name == "generators":
+            if x.keys() != y.keys() or any(x[k] is not y[k] for k in x):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def test_metadata_cache_reuses_only_what_would_be_built_alike():
+    """Step after step, the cached metadata equals a fresh build; it is the same object again exactly while the
+    rows are the same requests in the same order and nothing in it follows their outputs."""
+    vocab = 20
+    seeded = make_request(temperature=0.8, top_k=5, top_p=0.9, seed=3, logprobs=2)
+    steady = [make_request(temperature=0), seeded, make_request(temperature=0.5, min_p=0.1, logit_bias={3: 1.0})]
+    generators = {1: torch.Generator().manual_seed(3)}
+    cache = MetadataCache()
+    first = cache.get(steady, generators, vocab, torch.device("cpu"))
+    for step in range(3):
+        for r in steady:
+            r.append_output_token_ids(step)
+        md = cache.get(steady, generators, vocab, torch.device("cpu"))
+        assert md is first and same_metadata(md, metadata(steady, vocab, generators))
+    # Another object, order or vocabulary: built again.
+    assert cache.get(steady[::-1], {1: generators[1]}, vocab, torch.device("cpu")) is not first
+    assert cache.get([*steady[:2], make_request(temperature=0)], generators, vocab, torch.device("cpu")) is not first
+    again = cache.get(steady, generators, vocab, torch.device("cpu"))
+    assert cache.get(steady, generators, vocab + 1, torch.device("cpu")) is not again
+    # A grammar's mask is the step's own.
+    grammar = GrammarBitmask([0], torch.full((1, 1), 0b1000, dtype=torch.int32))
+    assert cache.get(steady, generators, vocab, torch.device("cpu"), grammar).grammar_bitmask is not None
+    assert cache.get(steady, generators, vocab, torch.device("cpu")).grammar_bitmask is None
+
+    # Settings that follow the output: built every step, and right every step.
+    followers = [
+        make_request(temperature=0, presence_penalty=0.5, frequency_penalty=0.2),
+        make_request(temperature=0, repetition_penalty=1.3),
+        make_request(temperature=0, bad_words_token_ids=[[4, 5]]),
+        make_request(temperature=0, min_tokens=2, stop_token_ids=[7], eos=(2,)),
+    ]
+    for request in followers:
+        cache = MetadataCache()
+        built = []
+        for token in (4, 4, 1):
+            md = cache.get([steady[0], request], {}, vocab, torch.device("cpu"))
+            assert same_metadata(md, metadata([steady[0], request], vocab))
+            built.append(md)
+            request.append_output_token_ids(token)
+        assert len({id(md) for md in built}) == 3, request.sampling_params  # each step's own
+    # min_tokens once reached no longer bans anything: from then on the metadata is kept.
+    md = cache.get([steady[0], followers[3]], {}, vocab, torch.device("cpu"))
+    assert md.banned_rows is None and cache.get([steady[0], followers[3]], {}, vocab, torch.device("cpu")) is md
 
 
 # --- logprobs -----------------------------------------------------------------------------------

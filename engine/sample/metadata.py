@@ -10,6 +10,7 @@ raises for one request, its row is sampled as a plain greedy row, its token is t
 and the rest of the batch is sampled exactly as it would have been without it.
 """
 
+import operator
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING
@@ -142,6 +143,47 @@ class SamplingMetadata:
             md.grammar_bitmask = bitmask.to(device, non_blocking=True)
             md.grammar_rows = None if len(grammar.rows) == len(requests) else list(grammar.rows)
         return md
+
+
+class MetadataCache:
+    """A batch's SamplingMetadata kept from one step to the next. While the rows are the same requests (the same
+    objects, in the same order) and nothing in it follows their outputs (penalties, bad words, min_tokens still to
+    reach, a grammar's mask), the last step's metadata is this step's too: a steady decode batch does not build it
+    again every step."""
+
+    def __init__(self):
+        self._rows: list = []
+        self._metadata: SamplingMetadata | None = None
+
+    def get(
+        self,
+        requests: list["Request"],
+        generators: dict[int, torch.Generator],
+        vocab_size: int,
+        device: torch.device,
+        grammar: GrammarBitmask | None = None,
+    ) -> SamplingMetadata:
+        """SamplingMetadata.from_requests(...), or the same metadata again when it would be built alike (a
+        seeded row's generator is the same object from step to step)."""
+        md = self._metadata
+        if (
+            md is not None
+            and grammar is None
+            and md.vocab_size == vocab_size
+            and len(requests) == len(self._rows)
+            and all(map(operator.is_, requests, self._rows))
+        ):
+            return md
+        md = SamplingMetadata.from_requests(requests, generators, vocab_size, device, grammar)
+        steady = grammar is None and not md.failed and md.output_token_counts is None and all(map(_steady, requests))
+        self._rows, self._metadata = (list(requests), md) if steady else ([], None)
+        return md
+
+
+def _steady(request: "Request") -> bool:
+    """Its row's settings no longer change with its output (penalties are seen in the metadata itself)."""
+    p = request.sampling_params
+    return not p.bad_words_token_ids and len(request.output_token_ids) >= p.min_tokens
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.request import RequestFailure
-from engine.sample.metadata import GrammarBitmask, SamplingMetadata
+from engine.sample.metadata import GrammarBitmask, MetadataCache, SamplingMetadata
 from engine.sample.ops import (
     apply_grammar_bitmask,
     apply_min_p,
@@ -212,6 +212,7 @@ class LocalSampler(BatchSampler):
         self.sampler = Sampler()
         # Seeded requests keep one generator for their whole life.
         self.generators: dict[str, torch.Generator] = {}
+        self.metadata = MetadataCache()
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
@@ -233,5 +234,8 @@ class LocalSampler(BatchSampler):
                 if request.request_id not in self.generators:
                     self.generators[request.request_id] = torch.Generator(self.device).manual_seed(params.seed)
                 generators[row] = self.generators[request.request_id]
-        metadata = SamplingMetadata.from_requests(rows, generators, logits.shape[-1], self.device, grammar)
+        if drafts is None:
+            metadata = self.metadata.get(rows, generators, logits.shape[-1], self.device, grammar)
+        else:  # a request's positions are new objects every step
+            metadata = SamplingMetadata.from_requests(rows, generators, logits.shape[-1], self.device, grammar)
         return self.sampler(logits, metadata, drafts)
