@@ -152,11 +152,6 @@ class RemoteSampler(BatchSampler):
             lost = self._seeded - {r.request_id for r in requests}
             self.reset()
             raise SamplerUnavailableError(str(e), sorted(lost)) from None
-        for request in requests:
-            self._sent[request.request_id] = request.num_output_tokens
-            p = request.sampling_params
-            if p.seed is not None and not p.greedy:
-                self._seeded.add(request.request_id)
         prompt_results = _join_pieces(pieces, results, len(prompt_chunks))
         if not requests:
             return None, prompt_results
@@ -259,15 +254,21 @@ class RemoteSampler(BatchSampler):
         return msg, None
 
     def _add_rows(self, msg: sampler_pb2.SampleStep, requests: list) -> None:
+        """Each row's request id and output tokens since its last step (with its parameters the first time); from
+        here on the service is taken to have them (a step that fails resets the stream, and with it all this)."""
         for request in requests:
-            sent = self._sent.get(request.request_id)
+            request_id, output = request.request_id, request.output_token_ids
+            sent = self._sent.get(request_id)
             if sent is None:
                 msg.new_requests.append(new_request_to_proto(request))
                 sent = 0
-            new = request.output_token_ids[sent:]
-            msg.request_ids.append(request.request_id)
-            msg.num_new_tokens.append(len(new))
-            msg.new_token_ids.extend(new)
+                p = request.sampling_params
+                if p.seed is not None and not p.greedy:
+                    self._seeded.add(request_id)
+            msg.request_ids.append(request_id)
+            msg.num_new_tokens.append(len(output) - sent)
+            msg.new_token_ids.extend(output[sent:])
+            self._sent[request_id] = len(output)
 
     def _exchange(
         self, msg: sampler_pb2.SampleStep, prompt_logits, logits, while_waiting=None
