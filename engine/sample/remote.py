@@ -242,9 +242,9 @@ class RemoteSampler(BatchSampler):
 
     def _prompt_message(self, pieces) -> tuple[sampler_pb2.SampleStep, torch.Tensor | None]:
         self._step_id += 1
-        msg = sampler_pb2.SampleStep(
-            step_id=self._step_id, finished_request_ids=self._finished, trace_context=dict(self.trace_headers)
-        )
+        msg = sampler_pb2.SampleStep(step_id=self._step_id, finished_request_ids=self._finished)
+        if self.trace_headers:
+            msg.trace_context.update(self.trace_headers)
         self._finished = []
         if pieces:
             msg.prompt_num_logprobs.extend(k for _, _, k, _ in pieces)
