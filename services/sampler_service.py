@@ -136,7 +136,7 @@ class StreamState:
         generators = {row: g for row, g in generators.items() if g is not None}
         first_rows = itertools.accumulate(drafts.num_positions, initial=0) if drafts else range(len(states))
         failed = {row: s.failure for row, s in zip(first_rows, states) if s.failure is not None}
-        if drafts is None and not failed:
+        if not failed:  # a failed row's failure is added to the metadata, which then is this step's alone
             metadata = self.metadata.get(positions, generators, logits.shape[-1], self.device, grammar)
         else:
             metadata = SamplingMetadata.from_requests(positions, generators, logits.shape[-1], self.device, grammar)

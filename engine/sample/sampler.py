@@ -234,8 +234,5 @@ class LocalSampler(BatchSampler):
                 if request.request_id not in self.generators:
                     self.generators[request.request_id] = torch.Generator(self.device).manual_seed(params.seed)
                 generators[row] = self.generators[request.request_id]
-        if drafts is None:
-            metadata = self.metadata.get(rows, generators, logits.shape[-1], self.device, grammar)
-        else:  # a request's positions are new objects every step
-            metadata = SamplingMetadata.from_requests(rows, generators, logits.shape[-1], self.device, grammar)
+        metadata = self.metadata.get(rows, generators, logits.shape[-1], self.device, grammar)
         return self.sampler(logits, metadata, drafts)
