@@ -22,6 +22,7 @@ logger = logging.getLogger("llmmesh.kernels")
 
 NAME = "llmmesh_cpu_ops"
 SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "cpu").glob("*.h"))
 BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "kernels"
 LIBRARY = BUILD_DIR / f"{NAME}.so"
 
@@ -61,7 +62,7 @@ def load():
     sampler's argmax."""
     global _module
     if _module is None:
-        if not LIBRARY.exists() or LIBRARY.stat().st_mtime < max(s.stat().st_mtime for s in SOURCES):
+        if not LIBRARY.exists() or LIBRARY.stat().st_mtime < max(s.stat().st_mtime for s in SOURCES + HEADERS):
             logger.info("Building the CPU kernels into %s (once)", BUILD_DIR)
             _module = build()
         else:

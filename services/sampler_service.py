@@ -8,7 +8,8 @@ so outputs are identical. A stream whose engine offers shared memory (engine.sam
 gets its logits in place, in the engine's slots, instead of in the messages, and when the engine's offer names
 a step channel (engine.sample.channel) the service connects to it: that stream's steps then come and are
 answered over the Unix socket, sampled on a thread of the stream's own that waits on it, and the stream stays
-open, idle, until the engine goes. Otherwise a step of a few rows is sampled on
+open, idle, until the engine goes; that thread answers the channel's greedy steps in the CPU kernels' loop
+(kernels/cpu/greedy_steps.cpp) and comes back to Python for any other step. Otherwise a step of a few rows is sampled on
 the event loop (a hand-off to a thread and back would cost more than it); larger ones on one worker thread, so the
 loop goes on parsing and answering other streams. A message that cannot be used ends its stream with
 INVALID_ARGUMENT naming the field; other streams and the service go on.
@@ -20,6 +21,7 @@ forward pass.
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 import threading
@@ -45,6 +47,7 @@ from engine.sample.wire import (
     sampler_params_from_proto,
     tensor_from_proto,
 )
+from kernels.cpu_ops import try_load
 from llmmesh.v1 import sampler_pb2, sampler_pb2_grpc
 from services import config
 from services.server import Server
@@ -82,6 +85,9 @@ class StreamState:
         self.num_steps = 0
         self.slots: SharedSlots | None = None  # the engine's shared-memory slots, when this stream took them
         self.step_channel: StepChannel | None = None  # the engine's step channel, when this stream connected to it
+        # Answers the channel's greedy steps until another frame comes: when the slots are this host's memory and
+        # the CPU kernels load.
+        self.serve_greedy_steps = None
 
     def step(self, msg: sampler_pb2.SampleStep) -> sampler_pb2.SampleResult:
         """Check the whole message before changing any state; ValueError names the bad field. (Not under
@@ -95,6 +101,7 @@ class StreamState:
         if msg.HasField("shared_memory"):
             result.logits_form = form
             result.step_channel = self.step_channel is not None
+            result.greedy_steps = self.serve_greedy_steps is not None
         if msg.HasField("shared_logits"):  # read to the end (the results are on the host): the slot is the engine's
             self.slots.finish(msg.shared_logits.slot, msg.shared_logits.generation)
         return result
@@ -111,6 +118,10 @@ class StreamState:
                 self.step_channel = connect(offer.step_socket, offer.token)
             except (OSError, ValueError) as e:
                 logger.info("an engine's step channel cannot be used here (%s): its steps come on the stream", e)
+        kernels = try_load() if self.device.type == "cpu" and self.slots.device_ring is None else None
+        if self.step_channel is not None and kernels is not None:
+            fd = self.step_channel.sock.fileno()
+            self.serve_greedy_steps = functools.partial(kernels.serve_greedy_steps, fd, *self.slots.host_views())
         return self.slots.form
 
     def _step(self, msg: sampler_pb2.SampleStep) -> sampler_pb2.SampleResult:
@@ -340,8 +351,15 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
     def _serve_steps(self, stream: StreamState) -> str | None:
         channel = stream.step_channel
         while True:
+            length = None
+            if stream.serve_greedy_steps is not None:
+                length, error = stream.serve_greedy_steps()  # back with the next other frame's length
+                if length == -1:  # the engine went or ended the stream
+                    return None
+                if length == -2:
+                    return error
             try:
-                msg = sampler_pb2.SampleStep.FromString(channel.recv())
+                msg = sampler_pb2.SampleStep.FromString(channel.recv(length=length))
             except (ChannelClosedError, OSError):  # the engine went or ended the stream
                 return None
             except (ValueError, DecodeError) as e:

@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import os
+import signal
 
 import pytest
 import torch
@@ -262,6 +263,24 @@ def wait_until(condition, timeout: float = 60.0, interval: float = 0.05) -> None
     while not condition():
         assert time.monotonic() < deadline, f"the condition did not hold within {timeout:g} s"
         time.sleep(interval)
+
+
+def freeze(pid: int) -> None:
+    """SIGSTOP the process and wait until every thread of it has stopped: one already running (a native loop woken by
+    a message) stops only once the stop reaches it."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended
+                pass
+        return all(state in "tT" for state in states)
+
+    wait_until(stopped, interval=0.001)
 
 
 def wait_for_health(address: str, status=SERVING, timeout: float = 60.0, service: str = "") -> None:

@@ -2,11 +2,13 @@
 go over a Unix socket the engine offers beside the slots. The same tokens and logprobs as over the stream and in
 process; a sampler killed mid-step ends the step with UNAVAILABLE at once and the engine goes on; a socket the
 sampler cannot use leaves the steps on the stream; a message the service refuses is INVALID_ARGUMENT naming the
-field; the socket's name lives in an owner-only directory only until the service has connected."""
+field; the socket's name lives in an owner-only directory only until the service has connected. Greedy steps (fixed
+frames the service answers in its C++ loop) give in-process sampling's tokens, leave every other step to the
+protobuf, and fail as the protobuf's steps fail."""
 
 import os
 import random
-import signal
+import re
 import stat
 import struct
 import time
@@ -16,10 +18,10 @@ import pytest
 import torch
 
 import engine.sample.remote as remote
-from conftest import SERVING, InProcessService, wait_for_health
+from conftest import SERVING, InProcessService, freeze, wait_for_health
 from engine import LLM, SamplingParams
 from engine.request import Request
-from engine.sample.channel import ChannelListener, connect
+from engine.sample.channel import GREEDY_STEP, ChannelListener, connect
 from engine.sample.remote import RemoteSampler
 from engine.sample.sampler import LocalSampler, SamplerUnavailableError
 from engine.sample.slots import SharedSlots
@@ -47,13 +49,13 @@ def llm(tiny_llama_dir):
     return LLM(str(tiny_llama_dir), kv_cache_memory="4MiB", max_num_seqs=8)
 
 
-def generate(llm, sampler=None):
-    """Eight requests of every sampling kind: their tokens and logprobs, sampled by `sampler` (in process: None)."""
+def generate(llm, sampler=None, kinds=PARAMS, num_requests=8):
+    """Requests of every sampling kind: their tokens and logprobs, sampled by `sampler` (in process: None)."""
     runner = llm.engine.worker.model_runner
     local = runner.sampler
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": rng.choices(range(3, VOCAB), k=rng.randint(4, 40))} for _ in range(8)]
-    params = [SamplingParams(**PARAMS[i % len(PARAMS)]) for i in range(8)]
+    prompts = [{"prompt_token_ids": rng.choices(range(3, VOCAB), k=rng.randint(4, 40))} for _ in range(num_requests)]
+    params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(num_requests)]
     runner.sampler = sampler or local
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -77,6 +79,62 @@ def test_the_channel_gives_the_streams_tokens_and_logprobs(llm, sampler):
         finally:
             remote_sampler.close()
     assert any(lp is not None for lp, _ in want) and any(c[0][1] for _, c in want)  # logprobs were compared
+
+
+# Greedy rows that take the greedy step once the service has them (one after its min_tokens), and rows that keep
+# their batches on the protobuf.
+GREEDY = [
+    dict(temperature=0, max_tokens=24),
+    dict(temperature=0, max_tokens=13, min_tokens=6),
+    dict(temperature=0, max_tokens=19, stop_token_ids=[7, 9]),
+    dict(temperature=0, max_tokens=11, repetition_penalty=1.3),
+    dict(temperature=0.7, seed=5, max_tokens=8),
+]
+
+
+def test_greedy_steps_give_in_process_tokens_as_requests_come_and_go(llm, sampler):
+    """Twelve requests on eight rows: batches with a penalized or sampled row go on the protobuf, batches of plain
+    greedy rows as greedy steps, and the tokens are in-process sampling's."""
+    want = generate(llm, kinds=GREEDY, num_requests=12)
+    remote_sampler = client(sampler.address)
+    try:
+        assert generate(llm, remote_sampler, kinds=GREEDY, num_requests=12) == want
+        assert remote_sampler.greedy_steps
+        assert 0 < remote_sampler.num_greedy_steps < remote_sampler._step_id - 1  # both kinds of step ran
+    finally:
+        remote_sampler.close()
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        (dict(slot=2), "greedy step: slot must be in [0, 2), got 2"),
+        (dict(generation=-1), "greedy step: generation -1 of slot"),
+        (dict(dtype=3), "greedy step: dtype must be 0 (float32), 1 (bfloat16) or 2 (float16), got 3"),
+        (dict(rows=0), "greedy step: rows and vocab must be at least 1"),
+        (dict(rows=9), f"greedy step: 9 rows of {VOCAB} logits do not fit a slot of"),
+        (dict(rows=2**31), "greedy step: rows must be at most"),
+    ],
+    ids=["slot", "generation", "dtype", "no-rows", "too-many-rows", "rows-over-the-limit"],
+)
+def test_a_greedy_step_the_service_refuses_is_invalid_argument_naming_the_field(sampler, fields, named):
+    remote_sampler = client(sampler.address)
+    try:
+        requests = [Request("a", [1, 2], SamplingParams(temperature=0), (0,))]
+        remote_sampler.sample(requests, torch.zeros(1, VOCAB), [])
+        assert remote_sampler.greedy_steps
+        step = dict(step_id=99, generation=remote_sampler.slots.generation, slot=0, dtype=0, rows=1, vocab=VOCAB)
+        step.update(fields)
+        with pytest.raises(SamplerUnavailableError, match=f"INVALID_ARGUMENT: {re.escape(named)}"):
+            remote_sampler._exchange_on_channel(GREEDY_STEP.pack(*step.values()), True, None)
+        remote_sampler.reset()
+        # The service goes on: a new stream, and greedy steps on it.
+        out, _ = remote_sampler.sample(requests, torch.arange(VOCAB, dtype=torch.float32)[None], [])
+        out, _ = remote_sampler.sample(requests, torch.arange(VOCAB, dtype=torch.float32).flip(0)[None], [])
+        assert out.sampled_token_ids.tolist() == [0] and remote_sampler.num_greedy_steps == 1
+    finally:
+        remote_sampler.close()
+    wait_for_health(sampler.address, SERVING)
 
 
 def test_the_step_socket_is_private_and_gone_once_the_service_connected(sampler, monkeypatch):
@@ -157,7 +215,7 @@ def test_a_message_the_service_refuses_is_invalid_argument_naming_the_field(samp
         remote_sampler.reset()
         # A length over the limit is refused before anything is read for it.
         generate_steps(remote_sampler, steps=1)
-        remote_sampler.step_channel.sock.sendall(struct.pack("<I", 2**32 - 1))
+        remote_sampler.step_channel.sock.sendall(struct.pack("<I", 2**31 - 1))
         with pytest.raises(SamplerUnavailableError, match="INVALID_ARGUMENT: step channel: .*message length"):
             remote_sampler._stream_reply(30)
         remote_sampler.reset()
@@ -169,7 +227,8 @@ def test_a_message_the_service_refuses_is_invalid_argument_naming_the_field(samp
     wait_for_health(sampler.address, SERVING)
 
 
-def test_a_sampler_killed_mid_step_ends_it_with_unavailable_and_the_engine_goes_on(llm):
+@pytest.mark.parametrize("greedy", [False, True], ids=["protobuf-step", "greedy-step"])
+def test_a_sampler_killed_mid_step_ends_it_with_unavailable_and_the_engine_goes_on(llm, greedy):
     """The engine's wait on the channel ends at the sampler's death, not at the deadline; the next steps, on a
     restarted sampler, get a new stream, new slots and a new channel."""
     process = ServiceProcess("sampler", ["--port", "0"])
@@ -179,7 +238,9 @@ def test_a_sampler_killed_mid_step_ends_it_with_unavailable_and_the_engine_goes_
         old_channel = remote_sampler.step_channel
         assert old_channel is not None
         requests = [Request("k", [1, 2], SamplingParams(temperature=0), (0,))]
-        os.kill(process.popen.pid, signal.SIGSTOP)  # the step reaches a sampler that cannot answer it
+        if greedy:  # the service has the request: its next step is a greedy step
+            remote_sampler.sample(requests, torch.zeros(1, VOCAB), [])
+        freeze(process.popen.pid)  # the step reaches a sampler that cannot answer it
 
         def kill():
             process.popen.kill()
@@ -187,6 +248,7 @@ def test_a_sampler_killed_mid_step_ends_it_with_unavailable_and_the_engine_goes_
         with pytest.raises(SamplerUnavailableError, match="failed: UNAVAILABLE"):
             remote_sampler.sample(requests, torch.zeros(1, VOCAB), [], while_waiting=kill)
         assert remote_sampler.step_channel is None and remote_sampler.slots is None
+        assert remote_sampler.num_greedy_steps == 0  # the killed step was the greedy one, and was not answered
 
         process = ServiceProcess("sampler", ["--port", str(process.port)])
         process.wait_listening(120)

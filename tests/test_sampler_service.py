@@ -18,7 +18,15 @@ import pytest
 import torch
 from test_mesh import expect_error, first_chunks, kill_while_streaming, wait_idle
 
-from conftest import SERVING, SMOLLM2_BLOCK_BYTES, InProcessService, assert_no_leaks, wait_for_health, wait_until
+from conftest import (
+    SERVING,
+    SMOLLM2_BLOCK_BYTES,
+    InProcessService,
+    assert_no_leaks,
+    freeze,
+    wait_for_health,
+    wait_until,
+)
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from engine.request import Request
@@ -315,6 +323,44 @@ def test_a_frozen_sampler_costs_the_deadline_and_its_slot_is_never_written_again
         # The engine goes on: a new stream on the same sampler, with new memory.
         assert sample_with_retries(client, requests, logits) == in_process(requests, logits)
         assert client.slots.name != old.name
+    finally:
+        client.close()
+        process.stop()
+
+
+def test_a_frozen_sampler_costs_a_greedy_step_the_deadline_and_its_slot_is_never_written_again():
+    """The same for a greedy step (answered by the service's C++ loop): the engine gives up at the deadline, and
+    the sampler, once it runs again, reads the slot to the end as the engine left it."""
+    requests = [Request("g", [1, 2], SamplingParams(temperature=0), (0,))]
+    logits = torch.randn(1, 4096, generator=torch.Generator().manual_seed(0))
+    want = logits.argmax(dim=-1).tolist()
+    process = ServiceProcess("sampler", ["--port", "0"])
+    client = RemoteSampler(process.wait_listening(120), timeout=2, slot_bytes=logits.numel() * 4)
+
+    def tokens():
+        for _ in range(100):  # the first calls after a start may still find the port closed
+            try:
+                out, _ = client.sample(requests, logits.clone(), [])
+                return out.sampled_token_ids.tolist()
+            except SamplerUnavailableError:
+                time.sleep(0.1)
+        raise AssertionError("no answer after 100 attempts")
+
+    try:
+        assert tokens() == want  # the service now has the request: its next step is a greedy step
+        assert client.greedy_steps and client.num_greedy_steps == 0
+        old = client.slots
+        buffer, generation = old.buffer, old.generation + 1
+        freeze(process.popen.pid)
+        with pytest.raises(SamplerUnavailableError, match="did not answer within 2 s"):
+            client.sample(requests, logits.clone(), [])
+        assert client.slots is None and client.num_greedy_steps == 0
+        os.kill(process.popen.pid, signal.SIGCONT)
+        view = SharedSlots(old.name, buffer, old.num_slots, old.slot_bytes, old.token)
+        wait_until(lambda: any(view.header(i) == (generation,) * 3 for i in range(view.num_slots)), interval=0.001)
+        # A new stream with new memory: its first step registers the request, the next is a greedy step again.
+        assert tokens() == want and tokens() == want
+        assert client.slots.name != old.name and client.num_greedy_steps == 1
     finally:
         client.close()
         process.stop()

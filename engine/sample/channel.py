@@ -9,6 +9,12 @@ The engine makes the socket in a new owner-only directory, names it in the share
 name and the directory once the service has answered: the service connects and writes the offer's token first,
 so the engine knows it talks to the process it made the offer to. Each message is a 4-byte little-endian length,
 then the protobuf. A sampler that dies closes its end: the engine's wait ends at once (EOF), not at the deadline.
+
+A greedy step, whose rows all take the argmax of their raw logits (engine.sample.metadata.argmax_only) and whose
+requests the service already knows, is a fixed frame instead: its length has GREEDY_FLAG set and it holds
+GREEDY_STEP (the slot and its generation, the logits' dtype and shape). The service answers it without its
+interpreter (kernels/cpu/greedy_steps.cpp) with the step id and each row's token, 8 bytes each; it says in the
+offer's answer (SampleResult.greedy_steps) whether it can.
 """
 
 import os
@@ -19,9 +25,14 @@ import struct
 import tempfile
 import time
 
+import torch
+
 from engine.grpc_policy import MAX_MESSAGE_BYTES
 
 _LENGTH = struct.Struct("<I")
+GREEDY_FLAG = 1 << 31
+GREEDY_STEP = struct.Struct("<QqIIII")  # step_id, generation, slot, dtype (an index into GREEDY_DTYPES), rows, vocab
+GREEDY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DIR_PREFIX = "llmmesh-step-"
 _SOCKET_NAME = "step"
 _PATH = re.compile(r"(/[^/\0]+)*/" + _DIR_PREFIX + r"[a-z0-9_]{8}/" + _SOCKET_NAME)
@@ -38,18 +49,21 @@ class StepChannel:
         self.sock = sock
         self._buffer = bytearray(64 * 1024)
 
-    def send(self, data: bytes, timeout: float | None = None) -> None:
+    def send(self, data: bytes, timeout: float | None = None, greedy: bool = False) -> None:
+        """data: a protobuf, or (greedy) a GREEDY_STEP."""
         if len(data) > MAX_MESSAGE_BYTES:
             raise ValueError(f"a message of {len(data)} bytes is over the channel's {MAX_MESSAGE_BYTES}")
         self.sock.settimeout(timeout)
-        self.sock.sendall(_LENGTH.pack(len(data)) + data)
+        self.sock.sendall(_LENGTH.pack(len(data) | (GREEDY_FLAG if greedy else 0)) + data)
 
-    def recv(self, timeout: float | None = None) -> memoryview:
+    def recv(self, timeout: float | None = None, length: int | None = None) -> memoryview:
         """The next message (valid until the next recv); TimeoutError past `timeout` seconds, ChannelClosedError
-        when the other end closed, ValueError for a length over the limit."""
+        when the other end closed, ValueError for a length over the limit. length: the message's, when its 4 bytes
+        were read already (by the service's greedy steps)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._read_into(memoryview(self._buffer)[: _LENGTH.size], deadline)
-        (length,) = _LENGTH.unpack_from(self._buffer)
+        if length is None:
+            self._read_into(memoryview(self._buffer)[: _LENGTH.size], deadline)
+            (length,) = _LENGTH.unpack_from(self._buffer)
         if length > MAX_MESSAGE_BYTES:
             raise ValueError(f"the channel's message length must be at most {MAX_MESSAGE_BYTES}, got {length}")
         # A large message (prompt logits) gets a buffer of its own, not kept once read.

@@ -180,6 +180,22 @@ class MetadataCache:
         return md
 
 
+def argmax_only(request: "Request") -> bool:
+    """Its token this step is the argmax of its raw logits: greedy, asking for no logprobs, and nothing (penalties,
+    bans, bias, allowed ids, a grammar) changes a logit first. Once true, true for the rest of the request."""
+    p = request.sampling_params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and not _has_penalty(p)
+        and not p.bad_words_token_ids
+        and not p.logit_bias
+        and p.allowed_token_ids is None
+        and p.structured_outputs is None
+        and len(request.output_token_ids) >= p.min_tokens
+    )
+
+
 def _steady(request: "Request") -> bool:
     """Its row's settings no longer change with its output (penalties are seen in the metadata itself)."""
     p = request.sampling_params

@@ -19,9 +19,12 @@ makes a new segment.
 The offer also names a step channel (engine.sample.channel): a service that takes the slots and can connect to it
 gets every later step and answers over that Unix socket, the engine thread writing and waiting itself, and the
 stream stays open, idle; a service that cannot keeps the stream for its steps. A new stream makes a new channel.
+Over the channel, a step whose rows all take their raw logits' argmax, of requests the service already has, goes as
+a greedy step: the slot and the shape alone, answered outside the service's interpreter.
 """
 
 import logging
+import operator
 import queue
 import threading
 import time
@@ -32,7 +35,8 @@ from google.protobuf.message import DecodeError
 
 from engine.grpc_policy import CHANNEL_OPTIONS
 from engine.request import RequestFailure
-from engine.sample.channel import ChannelClosedError, ChannelListener, StepChannel
+from engine.sample.channel import GREEDY_DTYPES, GREEDY_STEP, ChannelClosedError, ChannelListener, StepChannel
+from engine.sample.metadata import argmax_only
 from engine.sample.rejection_sampler import pad_token_rows
 from engine.sample.sampler import BatchSampler, LogprobsTensors, SamplerOutput, SamplerUnavailableError
 from engine.sample.slots import SharedSlots
@@ -105,6 +109,9 @@ class RemoteSampler(BatchSampler):
         self._stream: _Stream | None = None
         self.slots: SharedSlots | None = None  # this stream's, when the service took them
         self.step_channel: StepChannel | None = None  # this stream's, when the service connected to it
+        self.greedy_steps = False  # the service answers greedy steps on the step channel
+        self.num_greedy_steps = 0
+        self._argmax_rows: list = []  # the last greedy step's requests, in order
         self._sent: dict[str, int] = {}  # request id -> output tokens the service has of it
         self._seeded: set[str] = set()  # those of them with a generator on the service
         self._finished: list[str] = []  # known requests to forget in the next message
@@ -113,6 +120,7 @@ class RemoteSampler(BatchSampler):
     def forget(self, request_ids) -> None:
         if self.fallback is not None:
             self.fallback.forget(request_ids)
+        self._argmax_rows = []
         for request_id in request_ids:
             if self._sent.pop(request_id, None) is not None:
                 self._seeded.discard(request_id)
@@ -132,6 +140,10 @@ class RemoteSampler(BatchSampler):
             if self._stream is None:
                 self._stream = _Stream(self.channel)
                 self.slots = self._offer_shared_memory()
+            if self._takes_greedy_step(requests, logits, prompt_chunks, grammar, drafts):
+                sampled = self._greedy_step(logits, while_waiting)
+                if sampled is not None:
+                    return SamplerOutput(sampled, None, {}), []
             pieces = list(_split_prompt_chunks(prompt_chunks))
             batches = _pack(pieces)
             replies = [self._exchange(*self._prompt_message(batch), None) for batch in batches[:-1]]
@@ -172,6 +184,8 @@ class RemoteSampler(BatchSampler):
         if self.slots is not None:
             self.slots.close()  # a sampler still reading keeps its own mapping; this side never writes it again
             self.slots = None
+        self.greedy_steps = False
+        self._argmax_rows = []
         self._sent.clear()
         self._seeded.clear()
         self._finished.clear()
@@ -209,6 +223,7 @@ class RemoteSampler(BatchSampler):
             msg.ClearField("trace_context")  # the offer is no step: the service traces none for it
             msg.shared_memory.CopyFrom(offer)
             reply = self._exchange(msg, None, None)
+            self.greedy_steps = reply.greedy_steps
             if reply.step_channel and listener is not None:
                 try:
                     self.step_channel = listener.accept(offer.token, self.timeout)
@@ -227,6 +242,48 @@ class RemoteSampler(BatchSampler):
         how = "steps over the step channel" if self.step_channel is not None else "steps over the stream"
         logger.info("the sampler at %s reads the logits in place (%s), %s", self.address, name, how)
         return slots
+
+    def _takes_greedy_step(self, requests, logits, prompt_chunks, grammar, drafts) -> bool:
+        """Every row takes its raw logits' argmax, and the service has all this step would tell it but the tokens
+        (it needs none of them for these rows): the step can go as a greedy step."""
+        if not (
+            self.greedy_steps
+            and self.step_channel is not None
+            and requests
+            and not prompt_chunks
+            and grammar is None
+            and drafts is None
+            and not self._finished
+            and not self.trace_headers
+            and logits.dtype in GREEDY_DTYPES
+        ):
+            return False
+        if len(requests) == len(self._argmax_rows) and all(map(operator.is_, requests, self._argmax_rows)):
+            return True  # the same requests as the last greedy step (argmax_only stays true once true)
+        if all(r.request_id in self._sent and argmax_only(r) for r in requests):
+            self._argmax_rows = list(requests)
+            return True
+        return False
+
+    def _greedy_step(self, logits: torch.Tensor, while_waiting) -> torch.Tensor | None:
+        """The rows' tokens from a greedy step; None (the step goes the long way) when no slot is free or fits."""
+        shared = self.slots.write(logits)
+        if shared is None:
+            return None
+        slot, generation = shared
+        self._step_id += 1
+        rows, vocab = logits.shape
+        step = GREEDY_STEP.pack(self._step_id, generation, slot, GREEDY_DTYPES.index(logits.dtype), rows, vocab)
+        data = self._exchange_on_channel(step, True, while_waiting)
+        if len(data) != 8 + 8 * rows or int.from_bytes(data[:8], "little") != self._step_id:
+            raise SamplerUnavailableError(
+                f"the sampler at {self.address} answered a greedy step with {len(data)} bytes; expected step "
+                f"{self._step_id} and {rows} tokens"
+            )
+        if not self.slots.released(slot, generation):
+            raise SamplerUnavailableError(f"the sampler at {self.address} answered before releasing slot {slot}")
+        self.num_greedy_steps += 1
+        return torch.frombuffer(bytearray(data[8:]), dtype=torch.int64)
 
     def _write_slot(self, msg: sampler_pb2.SampleStep, logits: torch.Tensor) -> tuple[int, int] | None:
         """Logits into a free slot, named in msg; None (they go as bytes) without slots or one that fits."""
@@ -274,7 +331,13 @@ class RemoteSampler(BatchSampler):
         self, msg: sampler_pb2.SampleStep, prompt_logits, logits, while_waiting=None
     ) -> sampler_pb2.SampleResult:
         if self.step_channel is not None:
-            reply = self._exchange_on_channel(msg, prompt_logits, logits, while_waiting)
+            data = self._exchange_on_channel(_serialize((msg, logits, prompt_logits)), False, while_waiting)
+            try:
+                reply = sampler_pb2.SampleResult.FromString(data)
+            except DecodeError as e:
+                raise SamplerUnavailableError(
+                    f"the sampler at {self.address} answered what does not decode: {e}"
+                ) from None
         else:
             self._stream.outbox.put((msg, logits, prompt_logits))
             if while_waiting is not None:
@@ -305,10 +368,11 @@ class RemoteSampler(BatchSampler):
             raise SamplerUnavailableError(f"the sampler at {self.address} failed: {reply}")
         return reply
 
-    def _exchange_on_channel(self, msg, prompt_logits, logits, while_waiting) -> sampler_pb2.SampleResult:
+    def _exchange_on_channel(self, data: bytes, greedy: bool, while_waiting) -> memoryview:
+        """Send a step (a protobuf, or a greedy step), return the answer (valid until the channel's next recv)."""
         deadline = time.monotonic() + self.timeout
         try:
-            self.step_channel.send(_serialize((msg, logits, prompt_logits)), self.timeout)
+            self.step_channel.send(data, self.timeout, greedy)
             if while_waiting is not None:
                 while_waiting()
             data = self.step_channel.recv(max(0.0, deadline - time.monotonic()))
@@ -320,10 +384,7 @@ class RemoteSampler(BatchSampler):
             # The service went, or ended the stream (a message it refused): the stream's status says which.
             self._stream_reply(max(0.0, deadline - time.monotonic()))
             raise SamplerUnavailableError(f"the sampler at {self.address} closed the step channel") from None
-        try:
-            return sampler_pb2.SampleResult.FromString(data)
-        except DecodeError as e:
-            raise SamplerUnavailableError(f"the sampler at {self.address} answered what does not decode: {e}") from None
+        return data
 
 
 def _serialize(item) -> bytes:

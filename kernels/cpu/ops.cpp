@@ -1,4 +1,4 @@
-// The Python module of the CPU kernels: one library for paged_attention.cpp and layers.cpp.
+// The Python module of the CPU kernels: one library for paged_attention.cpp, layers.cpp and greedy_steps.cpp.
 
 #include <torch/extension.h>
 
@@ -10,6 +10,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
+std::tuple<int64_t, std::string> serve_greedy_steps(int64_t fd, at::Tensor headers, at::Tensor data);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Causal attention over the paged KV cache, read in place");
@@ -17,4 +18,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE, in place on q and k");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up output");
+  m.def("serve_greedy_steps", &serve_greedy_steps, "Answer a step channel's greedy steps until another frame comes",
+        py::call_guard<py::gil_scoped_release>());
 }
