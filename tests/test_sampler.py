@@ -8,8 +8,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.request import Request, SamplingParams
-from engine.sample.metadata import GrammarBitmask, MetadataCache, SamplingMetadata
+from engine.request import Request, SamplingParams, StructuredOutputsParams
+from engine.sample.metadata import GrammarBitmask, MetadataCache, SamplingMetadata, argmax_only
 from engine.sample.sampler import Sampler, apply_logits_processors, compute_logprobs, gather_logprobs
 
 INF = float("inf")
@@ -298,6 +298,37 @@ def same_metadata(a: SamplingMetadata, b: SamplingMetadata) -> bool:
         elif x != y:
             return False
     return True
+
+
+@pytest.mark.parametrize(
+    "kwargs, output, expected",
+    [
+        (dict(temperature=0), [], True),
+        (dict(temperature=0, seed=3, top_p=0.5, stop_token_ids=[5]), [4], True),  # greedy ignores these
+        (dict(temperature=0.7), [], False),
+        (dict(temperature=0, logprobs=0), [], False),
+        (dict(temperature=0, repetition_penalty=1.1), [], False),
+        (dict(temperature=0, presence_penalty=0.5), [], False),
+        (dict(temperature=0, frequency_penalty=-0.5), [], False),
+        (dict(temperature=0, bad_words_token_ids=[[4, 5]]), [], False),
+        (dict(temperature=0, logit_bias={3: 1.0}), [], False),
+        (dict(temperature=0, allowed_token_ids=[1, 2]), [], False),
+        (dict(temperature=0, min_tokens=2), [4], False),  # EOS is still banned
+        (dict(temperature=0, min_tokens=2), [4, 4], True),
+        (dict(temperature=0, structured_outputs=StructuredOutputsParams(regex="a+")), [], False),
+    ],
+)
+def test_argmax_only_means_the_raw_logits_argmax(kwargs, output, expected):
+    """A row that takes the sampler service's greedy step: the sampler would take its raw logits' argmax too."""
+    request = make_request(output=output, **kwargs)
+    assert argmax_only(request) == expected
+    if expected:
+        md = metadata([request], 16)
+        assert md.argmax_only and md.max_num_logprobs is None
+        logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+        assert Sampler()(logits.clone(), metadata([request] * 4, 16)).sampled_token_ids.tolist() == (
+            logits.argmax(dim=-1).tolist()
+        )
 
 
 def test_metadata_cache_reuses_only_what_would_be_built_alike():

@@ -81,8 +81,7 @@ def test_the_channel_gives_the_streams_tokens_and_logprobs(llm, sampler):
     assert any(lp is not None for lp, _ in want) and any(c[0][1] for _, c in want)  # logprobs were compared
 
 
-# Greedy rows that take the greedy step once the service has them (one after its min_tokens), and rows that keep
-# their batches on the protobuf.
+# Greedy rows that take the greedy step (one after its min_tokens), and rows that keep their batches on the protobuf.
 GREEDY = [
     dict(temperature=0, max_tokens=24),
     dict(temperature=0, max_tokens=13, min_tokens=6),
@@ -122,16 +121,15 @@ def test_a_greedy_step_the_service_refuses_is_invalid_argument_naming_the_field(
     try:
         requests = [Request("a", [1, 2], SamplingParams(temperature=0), (0,))]
         remote_sampler.sample(requests, torch.zeros(1, VOCAB), [])
-        assert remote_sampler.greedy_steps
+        assert remote_sampler.num_greedy_steps == 1
         step = dict(step_id=99, generation=remote_sampler.slots.generation, slot=0, dtype=0, rows=1, vocab=VOCAB)
         step.update(fields)
         with pytest.raises(SamplerUnavailableError, match=f"INVALID_ARGUMENT: {re.escape(named)}"):
             remote_sampler._exchange_on_channel(GREEDY_STEP.pack(*step.values()), True, None)
         remote_sampler.reset()
         # The service goes on: a new stream, and greedy steps on it.
-        out, _ = remote_sampler.sample(requests, torch.arange(VOCAB, dtype=torch.float32)[None], [])
         out, _ = remote_sampler.sample(requests, torch.arange(VOCAB, dtype=torch.float32).flip(0)[None], [])
-        assert out.sampled_token_ids.tolist() == [0] and remote_sampler.num_greedy_steps == 1
+        assert out.sampled_token_ids.tolist() == [0] and remote_sampler.num_greedy_steps == 2
     finally:
         remote_sampler.close()
     wait_for_health(sampler.address, SERVING)
@@ -237,9 +235,8 @@ def test_a_sampler_killed_mid_step_ends_it_with_unavailable_and_the_engine_goes_
         generate_steps(remote_sampler, steps=1)
         old_channel = remote_sampler.step_channel
         assert old_channel is not None
-        requests = [Request("k", [1, 2], SamplingParams(temperature=0), (0,))]
-        if greedy:  # the service has the request: its next step is a greedy step
-            remote_sampler.sample(requests, torch.zeros(1, VOCAB), [])
+        params = SamplingParams(temperature=0) if greedy else SamplingParams(temperature=0, logprobs=1)
+        requests = [Request("k", [1, 2], params, (0,))]
         freeze(process.popen.pid)  # the step reaches a sampler that cannot answer it
 
         def kill():

@@ -10,8 +10,8 @@ name and the directory once the service has answered: the service connects and w
 so the engine knows it talks to the process it made the offer to. Each message is a 4-byte little-endian length,
 then the protobuf. A sampler that dies closes its end: the engine's wait ends at once (EOF), not at the deadline.
 
-A greedy step, whose rows all take the argmax of their raw logits (engine.sample.metadata.argmax_only) and whose
-requests the service already knows, is a fixed frame instead: its length has GREEDY_FLAG set and it holds
+A greedy step, whose rows all take the argmax of their raw logits (engine.sample.metadata.argmax_only), is a fixed
+frame instead: its length has GREEDY_FLAG set and it holds
 GREEDY_STEP (the slot and its generation, the logits' dtype and shape). The service answers it without its
 interpreter (kernels/cpu/greedy_steps.cpp) with the step id and each row's token, 8 bytes each; it says in the
 offer's answer (SampleResult.greedy_steps) whether it can.

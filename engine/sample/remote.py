@@ -19,8 +19,8 @@ makes a new segment.
 The offer also names a step channel (engine.sample.channel): a service that takes the slots and can connect to it
 gets every later step and answers over that Unix socket, the engine thread writing and waiting itself, and the
 stream stays open, idle; a service that cannot keeps the stream for its steps. A new stream makes a new channel.
-Over the channel, a step whose rows all take their raw logits' argmax, of requests the service already has, goes as
-a greedy step: the slot and the shape alone, answered outside the service's interpreter.
+Over the channel, a step whose rows all take their raw logits' argmax goes as a greedy step: the slot and the shape
+alone, answered outside the service's interpreter.
 """
 
 import logging
@@ -244,8 +244,9 @@ class RemoteSampler(BatchSampler):
         return slots
 
     def _takes_greedy_step(self, requests, logits, prompt_chunks, grammar, drafts) -> bool:
-        """Every row takes its raw logits' argmax, and the service has all this step would tell it but the tokens
-        (it needs none of them for these rows): the step can go as a greedy step."""
+        """Every row takes its raw logits' argmax, and there is nothing else to tell the service: the step can go as
+        a greedy step. Such rows need nothing of their requests on the service, so a request it has not seen stays
+        unsent until a step of the long way (with a row that needs more) sends it whole."""
         if not (
             self.greedy_steps
             and self.step_channel is not None
@@ -260,7 +261,7 @@ class RemoteSampler(BatchSampler):
             return False
         if len(requests) == len(self._argmax_rows) and all(map(operator.is_, requests, self._argmax_rows)):
             return True  # the same requests as the last greedy step (argmax_only stays true once true)
-        if all(r.request_id in self._sent and argmax_only(r) for r in requests):
+        if all(map(argmax_only, requests)):
             self._argmax_rows = list(requests)
             return True
         return False
