@@ -21,8 +21,8 @@ the sampler samples.
 
 Step parts (--step-parts): on the offline engine, in process and on the service in alternating rounds of
 `--output-len` tokens at each number of rows, the median ms of each of a decode step's parts (STEP_PARTS: the
-forward pass, the logits, the sampling call and within it the slot write, the socket's send and recv and the next
-step's work done meanwhile). Run it with GOMP_SPINCOUNT=100000 in the environment to time the engine as `llmmesh
+forward pass, the logits, the sampling call and within it the greedy step's send (with the slot write) and the wait
+for its answer, and the next step's work done meanwhile). Run it with GOMP_SPINCOUNT=100000 in the environment to time the engine as `llmmesh
 engine` runs it.
 
 Serve (--serve-concurrency): two meshes as `llmmesh serve --no-kv-store` starts them, one with the sampler
@@ -254,9 +254,9 @@ STEP_PARTS = {  # part -> (what it is called on, method): timed around each call
     "logits": ("model", "compute_logits"),
     "sample": ("sampler", "sample"),
     "ahead": ("runner", "_while_sampling"),
-    "slot_write": ("slots", "write"),
-    "send": ("channel", "send"),
-    "recv": ("channel", "recv"),
+    # A greedy step's: the logits into their slot and the step sent; the wait for its answer.
+    "send": ("kernels", "send_greedy_step"),
+    "recv": ("kernels", "recv_greedy_answer"),
 }
 
 
@@ -286,13 +286,7 @@ def step_parts(llm, address, rows_list, rounds, output_len, seed) -> list[dict]:
         for mode in (local_sampler, client):  # warm-up; the service's first step opens its slots and socket
             runner.sampler = mode
             run_round(llm, [[FIRST_REGULAR_ID] * 32], 4)
-        owners = {
-            "model": runner.model,
-            "runner": runner,
-            "slots": client.slots,
-            "channel": client.step_channel,
-            "sampler": None,
-        }
+        owners = {"model": runner.model, "runner": runner, "kernels": client._greedy_views[0], "sampler": None}
         for part, (owner, _) in STEP_PARTS.items():
             for obj in (local_sampler, client) if owner == "sampler" else (owners[owner],):
                 timed(part, obj)
@@ -314,7 +308,7 @@ def step_parts(llm, address, rows_list, rounds, output_len, seed) -> list[dict]:
             print(
                 f"rows {rows}: "
                 + ", ".join(
-                    f"{part} {row['in_process'].get(part, float('nan')):.3f} / {row['sampler_service'][part]:.3f}"
+                    f"{part} {row['in_process'].get(part, float('nan')):.3f} / {row['sampler_service'].get(part, float('nan')):.3f}"
                     for part in STEP_PARTS
                 )
                 + f" ms (in process / service); ratios {', '.join(f'{x:.3f}' for x in row['ratios'])}",

@@ -21,7 +21,7 @@ import engine.sample.remote as remote
 from conftest import SERVING, InProcessService, freeze, wait_for_health
 from engine import LLM, SamplingParams
 from engine.request import Request
-from engine.sample.channel import GREEDY_STEP, ChannelListener, connect
+from engine.sample.channel import ChannelListener, connect
 from engine.sample.remote import RemoteSampler
 from engine.sample.sampler import LocalSampler, SamplerUnavailableError
 from engine.sample.slots import SharedSlots
@@ -81,6 +81,8 @@ def test_the_channel_gives_the_streams_tokens_and_logprobs(llm, sampler):
     assert any(lp is not None for lp, _ in want) and any(c[0][1] for _, c in want)  # logprobs were compared
 
 
+# A greedy step's frame after its length (kernels/cpu/greedy_steps.cpp): step_id, generation, slot, dtype, rows, vocab.
+GREEDY_STEP = struct.Struct("<QqIIII")
 # Greedy rows that take the greedy step (one after its min_tokens), and rows that keep their batches on the protobuf.
 GREEDY = [
     dict(temperature=0, max_tokens=24),
@@ -124,8 +126,10 @@ def test_a_greedy_step_the_service_refuses_is_invalid_argument_naming_the_field(
         assert remote_sampler.num_greedy_steps == 1
         step = dict(step_id=99, generation=remote_sampler.slots.generation, slot=0, dtype=0, rows=1, vocab=VOCAB)
         step.update(fields)
+        frame = GREEDY_STEP.pack(*step.values())
+        remote_sampler.step_channel.sock.sendall(struct.pack("<I", 1 << 31 | len(frame)) + frame)
         with pytest.raises(SamplerUnavailableError, match=f"INVALID_ARGUMENT: {re.escape(named)}"):
-            remote_sampler._exchange_on_channel(GREEDY_STEP.pack(*step.values()), True, None)
+            remote_sampler._stream_reply(30)
         remote_sampler.reset()
         # The service goes on: a new stream, and greedy steps on it.
         out, _ = remote_sampler.sample(requests, torch.arange(VOCAB, dtype=torch.float32).flip(0)[None], [])

@@ -11,10 +11,10 @@ so the engine knows it talks to the process it made the offer to. Each message i
 then the protobuf. A sampler that dies closes its end: the engine's wait ends at once (EOF), not at the deadline.
 
 A greedy step, whose rows all take the argmax of their raw logits (engine.sample.metadata.argmax_only), is a fixed
-frame instead: its length has GREEDY_FLAG set and it holds
-GREEDY_STEP (the slot and its generation, the logits' dtype and shape). The service answers it without its
-interpreter (kernels/cpu/greedy_steps.cpp) with the step id and each row's token, 8 bytes each; it says in the
-offer's answer (SampleResult.greedy_steps) whether it can.
+frame instead: its length has bit 31 set, and it holds the step id, the slot and its generation, the logits' dtype
+(an index into GREEDY_DTYPES) and shape. Both ends send and answer it outside their interpreters
+(kernels/cpu/greedy_steps.cpp, which has the layout); the answer is the step id and each row's token, 8 bytes each.
+The service says in the offer's answer (SampleResult.greedy_steps) whether it takes them.
 """
 
 import os
@@ -30,8 +30,6 @@ import torch
 from engine.grpc_policy import MAX_MESSAGE_BYTES
 
 _LENGTH = struct.Struct("<I")
-GREEDY_FLAG = 1 << 31
-GREEDY_STEP = struct.Struct("<QqIIII")  # step_id, generation, slot, dtype (an index into GREEDY_DTYPES), rows, vocab
 GREEDY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DIR_PREFIX = "llmmesh-step-"
 _SOCKET_NAME = "step"
@@ -49,12 +47,11 @@ class StepChannel:
         self.sock = sock
         self._buffer = bytearray(64 * 1024)
 
-    def send(self, data: bytes, timeout: float | None = None, greedy: bool = False) -> None:
-        """data: a protobuf, or (greedy) a GREEDY_STEP."""
+    def send(self, data: bytes, timeout: float | None = None) -> None:
         if len(data) > MAX_MESSAGE_BYTES:
             raise ValueError(f"a message of {len(data)} bytes is over the channel's {MAX_MESSAGE_BYTES}")
         self.sock.settimeout(timeout)
-        self.sock.sendall(_LENGTH.pack(len(data) | (GREEDY_FLAG if greedy else 0)) + data)
+        self.sock.sendall(_LENGTH.pack(len(data)) + data)
 
     def recv(self, timeout: float | None = None, length: int | None = None) -> memoryview:
         """The next message (valid until the next recv); TimeoutError past `timeout` seconds, ChannelClosedError

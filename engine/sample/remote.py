@@ -35,7 +35,7 @@ from google.protobuf.message import DecodeError
 
 from engine.grpc_policy import CHANNEL_OPTIONS
 from engine.request import RequestFailure
-from engine.sample.channel import GREEDY_DTYPES, GREEDY_STEP, ChannelClosedError, ChannelListener, StepChannel
+from engine.sample.channel import GREEDY_DTYPES, ChannelClosedError, ChannelListener, StepChannel
 from engine.sample.metadata import argmax_only
 from engine.sample.rejection_sampler import pad_token_rows
 from engine.sample.sampler import BatchSampler, LogprobsTensors, SamplerOutput, SamplerUnavailableError
@@ -48,6 +48,7 @@ from engine.sample.wire import (
     new_request_to_proto,
     serialize_with_tensors,
 )
+from kernels.cpu_ops import try_load
 from llmmesh.v1 import sampler_pb2
 
 logger = logging.getLogger("llmmesh.engine")
@@ -109,7 +110,8 @@ class RemoteSampler(BatchSampler):
         self._stream: _Stream | None = None
         self.slots: SharedSlots | None = None  # this stream's, when the service took them
         self.step_channel: StepChannel | None = None  # this stream's, when the service connected to it
-        self.greedy_steps = False  # the service answers greedy steps on the step channel
+        self.greedy_steps = False  # the service answers greedy steps on the step channel, and the kernels load here
+        self._greedy_views = None  # (the CPU kernels, the slots' headers, their data) for greedy steps
         self.num_greedy_steps = 0
         self._argmax_rows: list = []  # the last greedy step's requests, in order
         self._sent: dict[str, int] = {}  # request id -> output tokens the service has of it
@@ -185,6 +187,7 @@ class RemoteSampler(BatchSampler):
             self.slots.close()  # a sampler still reading keeps its own mapping; this side never writes it again
             self.slots = None
         self.greedy_steps = False
+        self._greedy_views = None
         self._argmax_rows = []
         self._sent.clear()
         self._seeded.clear()
@@ -223,7 +226,6 @@ class RemoteSampler(BatchSampler):
             msg.ClearField("trace_context")  # the offer is no step: the service traces none for it
             msg.shared_memory.CopyFrom(offer)
             reply = self._exchange(msg, None, None)
-            self.greedy_steps = reply.greedy_steps
             if reply.step_channel and listener is not None:
                 try:
                     self.step_channel = listener.accept(offer.token, self.timeout)
@@ -238,6 +240,9 @@ class RemoteSampler(BatchSampler):
             logger.info("the sampler at %s cannot share this host's memory: logits go as bytes", self.address)
             slots.close()
             return None
+        kernels = try_load() if reply.greedy_steps and self.step_channel is not None else None
+        if kernels is not None:
+            self.greedy_steps, self._greedy_views = True, (kernels, *slots.host_views())
         name = sampler_pb2.LogitsForm.Name(reply.logits_form)
         how = "steps over the step channel" if self.step_channel is not None else "steps over the stream"
         logger.info("the sampler at %s reads the logits in place (%s), %s", self.address, name, how)
@@ -268,23 +273,31 @@ class RemoteSampler(BatchSampler):
 
     def _greedy_step(self, logits: torch.Tensor, while_waiting) -> torch.Tensor | None:
         """The rows' tokens from a greedy step; None (the step goes the long way) when no slot is free or fits."""
-        shared = self.slots.write(logits)
-        if shared is None:
+        claimed = self.slots.claim(logits.numel() * logits.element_size())
+        if claimed is None:
             return None
-        slot, generation = shared
+        slot, generation = claimed
         self._step_id += 1
-        rows, vocab = logits.shape
-        step = GREEDY_STEP.pack(self._step_id, generation, slot, GREEDY_DTYPES.index(logits.dtype), rows, vocab)
-        data = self._exchange_on_channel(step, True, while_waiting)
-        if len(data) != 8 + 8 * rows or int.from_bytes(data[:8], "little") != self._step_id:
+        kernels, headers, data = self._greedy_views
+        fd, deadline = self.step_channel.sock.fileno(), time.monotonic() + self.timeout
+        if not kernels.send_greedy_step(fd, headers, data, slot, generation, logits.contiguous(), self._step_id):
+            self._channel_closed(deadline)
+        if while_waiting is not None:
+            while_waiting()
+        tokens, status = kernels.recv_greedy_answer(fd, self._step_id, len(logits), deadline - time.monotonic())
+        if status == 1:
+            self._channel_closed(deadline)
+        if status == 2:
+            raise SamplerUnavailableError(f"the sampler at {self.address} did not answer within {self.timeout:g} s")
+        if status == 3:
             raise SamplerUnavailableError(
-                f"the sampler at {self.address} answered a greedy step with {len(data)} bytes; expected step "
-                f"{self._step_id} and {rows} tokens"
+                f"the sampler at {self.address} answered greedy step {self._step_id} with another step's answer, "
+                f"or not with {len(logits)} tokens"
             )
         if not self.slots.released(slot, generation):
             raise SamplerUnavailableError(f"the sampler at {self.address} answered before releasing slot {slot}")
         self.num_greedy_steps += 1
-        return torch.frombuffer(bytearray(data[8:]), dtype=torch.int64)
+        return tokens
 
     def _write_slot(self, msg: sampler_pb2.SampleStep, logits: torch.Tensor) -> tuple[int, int] | None:
         """Logits into a free slot, named in msg; None (they go as bytes) without slots or one that fits."""
@@ -332,7 +345,7 @@ class RemoteSampler(BatchSampler):
         self, msg: sampler_pb2.SampleStep, prompt_logits, logits, while_waiting=None
     ) -> sampler_pb2.SampleResult:
         if self.step_channel is not None:
-            data = self._exchange_on_channel(_serialize((msg, logits, prompt_logits)), False, while_waiting)
+            data = self._exchange_on_channel(_serialize((msg, logits, prompt_logits)), while_waiting)
             try:
                 reply = sampler_pb2.SampleResult.FromString(data)
             except DecodeError as e:
@@ -369,11 +382,11 @@ class RemoteSampler(BatchSampler):
             raise SamplerUnavailableError(f"the sampler at {self.address} failed: {reply}")
         return reply
 
-    def _exchange_on_channel(self, data: bytes, greedy: bool, while_waiting) -> memoryview:
-        """Send a step (a protobuf, or a greedy step), return the answer (valid until the channel's next recv)."""
+    def _exchange_on_channel(self, data: bytes, while_waiting) -> memoryview:
+        """Send a step's protobuf, return the answer's (valid until the channel's next recv)."""
         deadline = time.monotonic() + self.timeout
         try:
-            self.step_channel.send(data, self.timeout, greedy)
+            self.step_channel.send(data, self.timeout)
             if while_waiting is not None:
                 while_waiting()
             data = self.step_channel.recv(max(0.0, deadline - time.monotonic()))
@@ -382,10 +395,13 @@ class RemoteSampler(BatchSampler):
                 f"the sampler at {self.address} did not answer within {self.timeout:g} s"
             ) from None
         except (ChannelClosedError, OSError):
-            # The service went, or ended the stream (a message it refused): the stream's status says which.
-            self._stream_reply(max(0.0, deadline - time.monotonic()))
-            raise SamplerUnavailableError(f"the sampler at {self.address} closed the step channel") from None
+            self._channel_closed(deadline)
         return data
+
+    def _channel_closed(self, deadline: float):
+        """The service went, or ended the stream (a message it refused): raise what the stream's status says."""
+        self._stream_reply(max(0.0, deadline - time.monotonic()))
+        raise SamplerUnavailableError(f"the sampler at {self.address} closed the step channel") from None
 
 
 def _serialize(item) -> bytes:

@@ -11,6 +11,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
 std::tuple<int64_t, std::string> serve_greedy_steps(int64_t fd, at::Tensor headers, at::Tensor data);
+bool send_greedy_step(int64_t fd, at::Tensor headers, at::Tensor data, int64_t slot, int64_t generation,
+                      const at::Tensor& logits, int64_t step_id);
+std::tuple<at::Tensor, int64_t> recv_greedy_answer(int64_t fd, int64_t step_id, int64_t rows, double timeout);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Causal attention over the paged KV cache, read in place");
@@ -19,5 +22,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE, in place on q and k");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up output");
   m.def("serve_greedy_steps", &serve_greedy_steps, "Answer a step channel's greedy steps until another frame comes",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("send_greedy_step", &send_greedy_step, "Write a greedy step's logits into its slot and send the step",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("recv_greedy_answer", &recv_greedy_answer, "Wait for a greedy step's tokens",
         py::call_guard<py::gil_scoped_release>());
 }
