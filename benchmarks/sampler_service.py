@@ -13,8 +13,9 @@ of each, and the ratio per round. Both runs give the same tokens (checked).
 Hop: RemoteSampler.sample against the in-process Sampler on the same random float32 logits [batch, vocab]
 (the same per-row settings as above), at each --hop-batches size: bytes on the wire per step, and ms per
 step (median over --hop-iters after warm-up; each iteration times every form in turn), with the logits as bytes
-over TCP loopback and over a Unix domain socket, and in shared memory with the step's message over the step
-channel (as the engine sends it) and over the stream on TCP loopback (as without the channel); plus the
+over TCP loopback and over a Unix domain socket, and in shared memory with the step over the step channel (as the
+engine sends it: a greedy step for greedy rows, else the protobuf) and over the stream on TCP loopback (as without
+the channel); plus the
 engine's own decode step at that batch (in-process sampling) and its scheduling, input-building and update
 parts, for the break-even, and the next step's allocation and input building that async scheduling does while
 the sampler samples.
