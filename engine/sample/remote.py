@@ -110,8 +110,8 @@ class RemoteSampler(BatchSampler):
         self._stream: _Stream | None = None
         self.slots: SharedSlots | None = None  # this stream's, when the service took them
         self.step_channel: StepChannel | None = None  # this stream's, when the service connected to it
-        self.greedy_steps = False  # the service answers greedy steps on the step channel, and the kernels load here
-        self._greedy_views = None  # (the CPU kernels, the slots' headers, their data) for greedy steps
+        # (the CPU kernels, the slots' headers, their data), when the service answers greedy steps on the channel
+        self._greedy_views = None
         self.num_greedy_steps = 0
         self._argmax_rows: list = []  # the last greedy step's requests, in order
         self._sent: dict[str, int] = {}  # request id -> output tokens the service has of it
@@ -122,7 +122,6 @@ class RemoteSampler(BatchSampler):
     def forget(self, request_ids) -> None:
         if self.fallback is not None:
             self.fallback.forget(request_ids)
-        self._argmax_rows = []
         for request_id in request_ids:
             if self._sent.pop(request_id, None) is not None:
                 self._seeded.discard(request_id)
@@ -186,7 +185,6 @@ class RemoteSampler(BatchSampler):
         if self.slots is not None:
             self.slots.close()  # a sampler still reading keeps its own mapping; this side never writes it again
             self.slots = None
-        self.greedy_steps = False
         self._greedy_views = None
         self._argmax_rows = []
         self._sent.clear()
@@ -242,7 +240,7 @@ class RemoteSampler(BatchSampler):
             return None
         kernels = try_load() if reply.greedy_steps and self.step_channel is not None else None
         if kernels is not None:
-            self.greedy_steps, self._greedy_views = True, (kernels, *slots.host_views())
+            self._greedy_views = (kernels, *slots.host_views())
         name = sampler_pb2.LogitsForm.Name(reply.logits_form)
         how = "steps over the step channel" if self.step_channel is not None else "steps over the stream"
         logger.info("the sampler at %s reads the logits in place (%s), %s", self.address, name, how)
@@ -253,8 +251,7 @@ class RemoteSampler(BatchSampler):
         a greedy step. Such rows need nothing of their requests on the service, so a request it has not seen stays
         unsent until a step of the long way (with a row that needs more) sends it whole."""
         if not (
-            self.greedy_steps
-            and self.step_channel is not None
+            self._greedy_views is not None
             and requests
             and not prompt_chunks
             and grammar is None
@@ -271,6 +268,10 @@ class RemoteSampler(BatchSampler):
             return True
         return False
 
+    @property
+    def greedy_steps(self) -> bool:
+        return self._greedy_views is not None
+
     def _greedy_step(self, logits: torch.Tensor, while_waiting) -> torch.Tensor | None:
         """The rows' tokens from a greedy step; None (the step goes the long way) when no slot is free or fits."""
         claimed = self.slots.claim(logits.numel() * logits.element_size())
@@ -285,7 +286,7 @@ class RemoteSampler(BatchSampler):
         if while_waiting is not None:
             while_waiting()
         tokens, status = kernels.recv_greedy_answer(fd, self._step_id, len(logits), deadline - time.monotonic())
-        if status == 1:
+        if status == 1:  # closed; 2: past the deadline; 3: not this step's answer
             self._channel_closed(deadline)
         if status == 2:
             raise SamplerUnavailableError(f"the sampler at {self.address} did not answer within {self.timeout:g} s")
@@ -345,13 +346,7 @@ class RemoteSampler(BatchSampler):
         self, msg: sampler_pb2.SampleStep, prompt_logits, logits, while_waiting=None
     ) -> sampler_pb2.SampleResult:
         if self.step_channel is not None:
-            data = self._exchange_on_channel(_serialize((msg, logits, prompt_logits)), while_waiting)
-            try:
-                reply = sampler_pb2.SampleResult.FromString(data)
-            except DecodeError as e:
-                raise SamplerUnavailableError(
-                    f"the sampler at {self.address} answered what does not decode: {e}"
-                ) from None
+            reply = self._exchange_on_channel(msg, prompt_logits, logits, while_waiting)
         else:
             self._stream.outbox.put((msg, logits, prompt_logits))
             if while_waiting is not None:
@@ -382,11 +377,10 @@ class RemoteSampler(BatchSampler):
             raise SamplerUnavailableError(f"the sampler at {self.address} failed: {reply}")
         return reply
 
-    def _exchange_on_channel(self, data: bytes, while_waiting) -> memoryview:
-        """Send a step's protobuf, return the answer's (valid until the channel's next recv)."""
+    def _exchange_on_channel(self, msg, prompt_logits, logits, while_waiting) -> sampler_pb2.SampleResult:
         deadline = time.monotonic() + self.timeout
         try:
-            self.step_channel.send(data, self.timeout)
+            self.step_channel.send(_serialize((msg, logits, prompt_logits)), self.timeout)
             if while_waiting is not None:
                 while_waiting()
             data = self.step_channel.recv(max(0.0, deadline - time.monotonic()))
@@ -396,7 +390,10 @@ class RemoteSampler(BatchSampler):
             ) from None
         except (ChannelClosedError, OSError):
             self._channel_closed(deadline)
-        return data
+        try:
+            return sampler_pb2.SampleResult.FromString(data)
+        except DecodeError as e:
+            raise SamplerUnavailableError(f"the sampler at {self.address} answered what does not decode: {e}") from None
 
     def _channel_closed(self, deadline: float):
         """The service went, or ended the stream (a message it refused): raise what the stream's status says."""

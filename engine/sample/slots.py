@@ -209,6 +209,8 @@ class SharedSlots:
                 f"generation {generation} of slot {slot} is not what the slot holds (generation {written})"
             )
 
+    # ---- both ----------------------------------------------------------------------------------------
+
     def host_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The headers as [num_slots, 8] int64 (written, reading, done, then the rest of the line) and the slots'
         data as [num_slots, slot_bytes] uint8, over the segment (kernels/cpu/greedy_steps.cpp works on them)."""
@@ -216,8 +218,6 @@ class SharedSlots:
         headers = torch.frombuffer(self.buffer, dtype=torch.int64, count=self.num_slots * line, offset=_TOKEN_BYTES)
         data = torch.frombuffer(self.buffer, dtype=torch.uint8, count=self.num_slots * self.slot_bytes, offset=_PAGE)
         return headers.view(self.num_slots, line), data.view(self.num_slots, self.slot_bytes)
-
-    # ---- both ----------------------------------------------------------------------------------------
 
     def _offset(self, slot: int) -> int:
         return _TOKEN_BYTES + slot * _SLOT_HEADER_BYTES
