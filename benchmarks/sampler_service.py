@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/sampler_service.py [--streams 1,32,128] [--rounds 3] [--output-len 64]
         [--sampling greedy|typical] [--hop-batches 1,64,256] [--hop-iters 20] [--skip-throughput] [--skip-hop]
-        [--serve-concurrency 1,32,64,256] [--step-parts 1,32,64,256] [--output-json PATH]
+        [--serve-concurrency 1,32,64,256] [--serve-control] [--step-parts 1,32,64,256] [--output-json PATH]
 
 Throughput: one offline LLM (SmolLM2, CPU) runs `streams` requests at once (prompts of 32 random token ids,
 `--output-len` tokens each, ignore_eos; --sampling greedy, or typical: temperature 0.7 / top_p 0.95 with a seed
@@ -30,7 +30,8 @@ Serve (--serve-concurrency): two meshes as `llmmesh serve --no-kv-store` starts 
 service and one with --no-sampler-service, both up at once; at each concurrency, `rounds` rounds alternate which
 goes first, each sending the same synthetic requests (32 prompt tokens, `--output-len` output tokens, greedy,
 ignore_eos; as many requests as the concurrency, at least 4) through the gateway all at once (benchmarks/serve.py's
-client); output tokens/s of each and the ratio per round.
+client); output tokens/s of each and the ratio per round. --serve-control: both meshes without the service (still
+labelled as above), to see what the comparison gives between two alike.
 """
 
 import argparse
@@ -322,9 +323,10 @@ def step_parts(llm, address, rows_list, rounds, output_len, seed) -> list[dict]:
     return results
 
 
-def serve_throughput(concurrencies, rounds, output_len, seed) -> list[dict]:
+def serve_throughput(concurrencies, rounds, output_len, seed, control=False) -> list[dict]:
     """`llmmesh serve --no-kv-store` with the sampler service against --no-sampler-service (both meshes up at
-    once), alternating which goes first each round."""
+    once), alternating which goes first each round. control: both meshes without the service (the first made
+    stands in for the service's), for the comparison's own spread."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import asyncio
 
@@ -336,7 +338,7 @@ def serve_throughput(concurrencies, rounds, output_len, seed) -> list[dict]:
     args = EngineArgs(kv_cache_memory="1GiB")
     tokenizer = Tokenizer.from_pretrained(prepare_model_dir(args.model))
     results = []
-    with Mesh(args, sampler=True) as with_sampler, Mesh(args, sampler=False) as without:
+    with Mesh(args, sampler=not control) as with_sampler, Mesh(args, sampler=False) as without:
         meshes = {"sampler service": with_sampler.address, "in process": without.address}
         for concurrency in concurrencies:
             requests = synthetic_requests(tokenizer, max(4, concurrency), (32, 32), (output_len, output_len), seed)
@@ -406,6 +408,9 @@ def main():
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-hop", action="store_true")
     ap.add_argument("--serve-concurrency", default="", help="e.g. 1,32,64,256: the mesh with and without the service")
+    ap.add_argument(
+        "--serve-control", action="store_true", help="both meshes without the service: what the comparison gives alike"
+    )
     ap.add_argument("--step-parts", default="", help="e.g. 1,32,64,256: a decode step's parts at these rows")
     ap.add_argument("--output-json", default="benchmarks/results/sampler_service.json")
     ap.add_argument("--serve-both", nargs=2, metavar=("PORT_FILE", "UDS"), help=argparse.SUPPRESS)
@@ -422,7 +427,7 @@ def main():
     }
     if args.serve_concurrency:
         concurrencies = [int(c) for c in args.serve_concurrency.split(",")]
-        report["serve"] = serve_throughput(concurrencies, args.rounds, args.output_len, args.seed)
+        report["serve"] = serve_throughput(concurrencies, args.rounds, args.output_len, args.seed, args.serve_control)
     if args.skip_throughput and args.skip_hop and not args.step_parts:
         return write_report(args.output_json, report)
     llm = LLM(kv_cache_memory="2GiB", max_num_seqs=256, seed=args.seed)
