@@ -30,12 +30,14 @@ Serve (--serve-concurrency): two meshes as `llmmesh serve --no-kv-store` starts 
 service and one with --no-sampler-service, both up at once; at each concurrency, `rounds` rounds alternate which
 goes first, each sending the same synthetic requests (32 prompt tokens, `--output-len` output tokens, greedy,
 ignore_eos; as many requests as the concurrency, at least 4) through the gateway all at once (benchmarks/serve.py's
-client); output tokens/s of each and the ratio per round. --serve-control: both meshes without the service (still
+client); output tokens/s of each and the ratio per round, and per pair of rounds (each mesh first once: the
+geometric mean of the two ratios, as the mesh that goes first in a round does worse). --serve-control: both meshes without the service (still
 labelled as above), to see what the comparison gives between two alike.
 """
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
@@ -363,6 +365,18 @@ def serve_throughput(concurrencies, rounds, output_len, seed, control=False) -> 
                     flush=True,
                 )
             row["median_ratio"] = statistics.median(row["ratios"])
+            # Whichever mesh goes first in a round does worse; a pair of rounds has each go first once, and its
+            # ratio (the geometric mean of the two) leaves the order out.
+            pairs = zip(row["ratios"][0::2], row["ratios"][1::2])
+            row["pair_ratios"] = [math.sqrt(a * b) for a, b in pairs]
+            if row["pair_ratios"]:
+                row["median_pair_ratio"] = statistics.median(row["pair_ratios"])
+                print(
+                    f"concurrency {concurrency:4d}: median of the rounds' ratios {row['median_ratio']:.3f}; of the "
+                    f"pairs' (each mesh first once) {row['median_pair_ratio']:.3f}; the service first "
+                    f"{statistics.median(row['ratios'][0::2]):.3f}, second {statistics.median(row['ratios'][1::2]):.3f}",
+                    flush=True,
+                )
             results.append(row)
     return results
 
