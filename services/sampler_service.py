@@ -9,9 +9,9 @@ gets its logits in place, in the engine's slots, instead of in the messages, and
 a step channel (engine.sample.channel) the service connects to it: that stream's steps then come and are
 answered over the Unix socket, sampled on a thread of the stream's own that waits on it, and the stream stays
 open, idle, until the engine goes; that thread answers the channel's greedy steps in the CPU kernels' loop
-(kernels/cpu/greedy_steps.cpp) and comes back to Python for any other step. Otherwise a step of a few rows is sampled on
-the event loop (a hand-off to a thread and back would cost more than it); larger ones on one worker thread, so the
-loop goes on parsing and answering other streams. A message that cannot be used ends its stream with
+(kernels/cpu/greedy_steps.cpp) and comes back to Python for any other step. Otherwise a step of a few rows is
+sampled on the event loop (a hand-off to a thread and back would cost more than it); larger ones on one worker
+thread, so the loop goes on parsing and answering other streams. A message that cannot be used ends its stream with
 INVALID_ARGUMENT naming the field; other streams and the service go on.
 
 `llmmesh sampler` runs with OMP_WAIT_POLICY=PASSIVE unless it is set (services/cli.py): the service shares the

@@ -26,6 +26,9 @@
 namespace {
 
 constexpr uint32_t GREEDY_FLAG = 1u << 31;
+// The frame's dtype field indexes this (engine/sample/channel.py's GREEDY_DTYPES).
+constexpr at::ScalarType DTYPES[] = {at::kFloat, at::kBFloat16, at::kHalf};
+constexpr uint32_t NUM_DTYPES = sizeof DTYPES / sizeof DTYPES[0];
 constexpr uint32_t MAX_ROWS = (64u << 20) / 8 - 1;  // the answer within the channel's 64 MiB (grpc_policy.py)
 
 struct GreedyStep {
@@ -89,27 +92,32 @@ void store(int64_t* p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
 // What is wrong with the step, or "" (it can be sampled from its slot).
 std::string check(const GreedyStep& s, int64_t num_slots, int64_t slot_bytes) {
-  static const int64_t itemsize[] = {4, 2, 2};
   if (s.slot >= num_slots)
     return "greedy step: slot must be in [0, " + std::to_string(num_slots) + "), got " + std::to_string(s.slot);
-  if (s.dtype > 2)
+  if (s.dtype >= NUM_DTYPES)
     return "greedy step: dtype must be 0 (float32), 1 (bfloat16) or 2 (float16), got " + std::to_string(s.dtype);
   if (s.rows == 0 || s.vocab == 0)
     return "greedy step: rows and vocab must be at least 1, got " + std::to_string(s.rows) + " and " +
            std::to_string(s.vocab);
   if (s.rows > MAX_ROWS)
     return "greedy step: rows must be at most " + std::to_string(MAX_ROWS) + ", got " + std::to_string(s.rows);
-  if (static_cast<int64_t>(s.rows) > slot_bytes / itemsize[s.dtype] / s.vocab)
+  if (static_cast<int64_t>(s.rows) > slot_bytes / static_cast<int64_t>(c10::elementSize(DTYPES[s.dtype])) / s.vocab)
     return "greedy step: " + std::to_string(s.rows) + " rows of " + std::to_string(s.vocab) +
            " logits do not fit a slot of " + std::to_string(slot_bytes) + " bytes";
   return "";
 }
 
+template <typename scalar_t>
+void argmax_of(const uint8_t* data, const GreedyStep& s, int64_t* ids) {
+  llmmesh_argmax::argmax_rows_of(reinterpret_cast<const scalar_t*>(data), s.rows, s.vocab, s.vocab, ids, false);
+}
+
 void argmax(const uint8_t* data, const GreedyStep& s, int64_t* ids) {
-  using llmmesh_argmax::argmax_rows_of;
-  if (s.dtype == 0) argmax_rows_of(reinterpret_cast<const float*>(data), s.rows, s.vocab, s.vocab, ids, false);
-  if (s.dtype == 1) argmax_rows_of(reinterpret_cast<const at::BFloat16*>(data), s.rows, s.vocab, s.vocab, ids, false);
-  if (s.dtype == 2) argmax_rows_of(reinterpret_cast<const at::Half*>(data), s.rows, s.vocab, s.vocab, ids, false);
+  switch (DTYPES[s.dtype]) {
+    case at::kFloat: return argmax_of<float>(data, s, ids);
+    case at::kBFloat16: return argmax_of<at::BFloat16>(data, s, ids);
+    default: return argmax_of<at::Half>(data, s, ids);
+  }
 }
 
 }  // namespace
@@ -160,9 +168,8 @@ std::tuple<int64_t, std::string> serve_greedy_steps(int64_t fd, at::Tensor heade
 // `written` to generation, and send the step; false when the channel is closed.
 bool send_greedy_step(int64_t fd, at::Tensor headers, at::Tensor data, int64_t slot, int64_t generation,
                       const at::Tensor& logits, int64_t step_id) {
-  static const at::ScalarType dtypes[] = {at::kFloat, at::kBFloat16, at::kHalf};
-  const auto* found = std::find(std::begin(dtypes), std::end(dtypes), logits.scalar_type());
-  TORCH_CHECK(found != std::end(dtypes), "logits must be float32, bfloat16 or float16");
+  const auto* found = std::find(std::begin(DTYPES), std::end(DTYPES), logits.scalar_type());
+  TORCH_CHECK(found != std::end(DTYPES), "logits must be float32, bfloat16 or float16");
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.nbytes() <= static_cast<size_t>(data.size(1)),
               "logits must be a contiguous [rows, vocab] block that fits a slot");
   TORCH_CHECK(0 <= slot && slot < data.size(0), "no such slot");
@@ -170,7 +177,7 @@ bool send_greedy_step(int64_t fd, at::Tensor headers, at::Tensor data, int64_t s
   at::from_blob(data.data_ptr<uint8_t>() + slot * data.size(1), logits.sizes(), logits.options()).copy_(logits);
   store(headers.data_ptr<int64_t>() + 8 * slot, generation);
   const GreedyStep s{static_cast<uint64_t>(step_id), generation, static_cast<uint32_t>(slot),
-                     static_cast<uint32_t>(found - std::begin(dtypes)), static_cast<uint32_t>(logits.size(0)),
+                     static_cast<uint32_t>(found - std::begin(DTYPES)), static_cast<uint32_t>(logits.size(0)),
                      static_cast<uint32_t>(logits.size(1))};
   char frame[4 + sizeof s];
   const uint32_t word = GREEDY_FLAG | sizeof s;
