@@ -65,10 +65,12 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 		npm ci --prefix $(NODE_DIR) --ignore-scripts --no-audit --no-fund && touch $(NODE_STAMP); \
 	else echo "node/npm missing: the Node.js interop test will be skipped"; fi
 
-# Lint and format first (ruff, configured in pyproject.toml): a noqa or fmt: skip in the code means something.
+# Lint, format and the layering contracts first (ruff and import-linter, configured in pyproject.toml): a noqa or
+# fmt: skip in the code means something.
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 # Start the mesh, stream a few generations through the gateway, stop it.

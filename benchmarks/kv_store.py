@@ -44,9 +44,9 @@ import time
 
 from engine.config import EngineArgs
 from engine.core import EngineCore
-from engine.kv.connector.kvstore_client import KVStoreClient, Staging
 from engine.request import Request, SamplingParams
 from llmmesh.v1 import kvstore_pb2
+from mesh.kvstore.client import KVStoreClient, Staging
 from services import client
 from services.block_reader import BlockReader
 from services.kvstore_service import DTYPES
@@ -133,7 +133,7 @@ def store_throughput(address: str, num_blocks: int = 256) -> dict:
     import hashlib
     import os
 
-    from engine.kv.connector.kvstore_client import KVLayout, KVStoreClient
+    from mesh.kvstore.client import KVLayout, KVStoreClient
 
     layout = KVLayout("0" * 64, "float32", (30, 2, 3, 16, 64))
     blocks = [(hashlib.sha256(b"bench%d" % i).digest(), os.urandom(layout.block_bytes)) for i in range(num_blocks)]

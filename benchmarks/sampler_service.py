@@ -53,9 +53,9 @@ from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from engine.request import Request
 from engine.sample.metadata import SamplingMetadata
-from engine.sample.remote import RemoteSampler
 from engine.sample.sampler import Sampler
-from engine.sample.wire import serialize_with_tensors
+from mesh.sampler.remote import RemoteSampler
+from mesh.sampler.wire import serialize_with_tensors
 from services.supervisor import Mesh, ServiceProcess
 
 FIRST_REGULAR_ID = 17
@@ -387,8 +387,8 @@ def serve_both(tcp_port_file: str, uds: str) -> None:
 
     import grpc
 
-    from engine.grpc_policy import MAX_MESSAGE_BYTES, SERVER_OPTIONS
     from llmmesh.v1 import sampler_pb2_grpc
+    from mesh.grpc_policy import MAX_MESSAGE_BYTES, SERVER_OPTIONS
     from services.sampler_service import SamplerServicer
 
     async def main():

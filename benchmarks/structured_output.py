@@ -30,9 +30,9 @@ from engine.request import Request, SamplingParams, StructuredOutputsParams
 from engine.sample.metadata import GrammarBitmask, SamplingMetadata
 from engine.sample.ops import apply_grammar_bitmask
 from engine.sample.sampler import Sampler
-from engine.sample.wire import grammar_bitmask_to_proto
 from engine.structured_output.manager import StructuredOutputManager
 from llmmesh.v1 import sampler_pb2
+from mesh.sampler.wire import grammar_bitmask_to_proto
 
 SCHEMA = {
     "type": "object",

@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import json
 import re
 import typing
 from dataclasses import dataclass
@@ -227,7 +228,8 @@ class EngineArgs:
             raise ValueError(f"cudagraph_capture_sizes must all be >= 1, got {self.cudagraph_capture_sizes}.")
         self._check_lora()
         if self.kv_transfer_config is not None:
-            self.get_kv_transfer_config()
+            # Written back resolved (a registered connector's module path in it), for processes that registered none.
+            self.kv_transfer_config = json.dumps(dataclasses.asdict(self.get_kv_transfer_config()))
             if not self.enable_prefix_caching:
                 raise ValueError(
                     "kv_transfer_config needs prefix caching: its blocks are named by their prefix hashes."

@@ -1,7 +1,7 @@
 """llmmesh.v1 messages <-> the engine library's Python types (the Gateway's and the Engine's protocol), in one place.
 
 The other protocols have their own modules: vLLM's VllmEngine in services/vllm_convert.py, the sampler's in
-engine/sample/wire.py.
+mesh/sampler/wire.py.
 """
 
 import time

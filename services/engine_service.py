@@ -13,9 +13,9 @@ from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.kv.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from engine.kv.connector.base import parse_json_object
-from engine.kv.connector.kvstore_connector import KVStoreConnector
 from engine.text.tokenizer import Tokenizer
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from mesh.kvstore.connector import KVStoreConnector
 from services import config
 from services.convert import request_output_to_llmmesh, sampling_params_from_llmmesh
 from services.engine_telemetry import EngineTelemetry, serve_request

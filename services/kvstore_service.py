@@ -36,10 +36,10 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from engine.kv.connector.kvstore_client import SEGMENT_PREFIX
 from engine.malloc import keep_freed_memory_in_process
-from engine.shared_memory import is_segment_name, open_segment
 from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
+from mesh.kvstore.wire import SEGMENT_PREFIX
+from mesh.shared_memory import is_segment_name, open_segment
 from services import config
 from services.block_reader import BlockReader
 from services.server import MAX_MESSAGE_BYTES, Server

@@ -4,9 +4,9 @@ One Sample stream per engine. Per stream the service keeps each request's sampli
 prompt and output tokens for penalties, min_tokens and bad words, and its seeded torch.Generator, made when it
 first samples, as the engine's ModelRunner makes it), updated by what each step says changed. A step runs the
 library's SamplingMetadata.from_requests and Sampler on the same rows in the same order as the engine would,
-so outputs are identical. A stream whose engine offers shared memory (engine.sample.slots) and can be mapped here
+so outputs are identical. A stream whose engine offers shared memory (mesh.sampler.slots) and can be mapped here
 gets its logits in place, in the engine's slots, instead of in the messages, and when the engine's offer names
-a step channel (engine.sample.channel) the service connects to it: that stream's steps then come and are
+a step channel (mesh.sampler.channel) the service connects to it: that stream's steps then come and are
 answered over the Unix socket, sampled on a thread of the stream's own that waits on it, and the stream stays
 open, idle, until the engine goes; that thread answers the channel's greedy steps in the CPU kernels' loop
 (kernels/cpu/greedy_steps.cpp) and comes back to Python for any other step. Otherwise a step of a few rows is
@@ -32,12 +32,14 @@ import torch
 from google.protobuf.message import DecodeError
 
 from engine.request import RequestFailure, SamplingParams
-from engine.sample.channel import ChannelClosedError, StepChannel, connect
 from engine.sample.metadata import MetadataCache, SamplingMetadata
 from engine.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, expand_positions
 from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
-from engine.sample.slots import SharedSlots
-from engine.sample.wire import (
+from kernels.cpu_ops import try_load
+from llmmesh.v1 import sampler_pb2, sampler_pb2_grpc
+from mesh.sampler.channel import ChannelClosedError, StepChannel, connect
+from mesh.sampler.slots import SharedSlots
+from mesh.sampler.wire import (
     LOGITS_DTYPES,
     check_wire_token_ids,
     drafts_from_proto,
@@ -47,8 +49,6 @@ from engine.sample.wire import (
     sampler_params_from_proto,
     tensor_from_proto,
 )
-from kernels.cpu_ops import try_load
-from llmmesh.v1 import sampler_pb2, sampler_pb2_grpc
 from services import config
 from services.server import Server
 from services.telemetry import Telemetry, set_error

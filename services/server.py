@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 logger = logging.getLogger("llmmesh.server")
 
-from engine.grpc_policy import CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, MAX_MESSAGE_BYTES, SERVER_OPTIONS  # noqa: E402, F401
+from mesh.grpc_policy import CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, MAX_MESSAGE_BYTES, SERVER_OPTIONS  # noqa: E402, F401
 from services.telemetry import Telemetry, instrument  # noqa: E402
 
 

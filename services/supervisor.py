@@ -301,7 +301,7 @@ class Mesh:
     "tokenizer", "detokenizer", "kvstore", "sampler"); the gateway's own are gateway_args.
 
     kv_connector_options: further kv_connector_extra_config for every engine's connector to the kvstore (load_policy,
-    store_decode_blocks, timeouts: engine/kv/connector/kvstore_connector.py).
+    store_decode_blocks, timeouts: mesh/kvstore/connector.py).
 
     prefill_engines > 0 disaggregates prefill (vLLM's P/D through the KV store, which it then needs): that many
     kv_producer engines ("prefill", "prefill-2"...) compute the prompts, and the num_engines others, kv_consumers,

@@ -14,7 +14,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.request import FinishReason, Request
-from engine.sample.remote import RemoteSampler
+from mesh.sampler.remote import RemoteSampler
 from services.client import collect, generate
 from services.supervisor import Mesh
 from test_models import COMMON

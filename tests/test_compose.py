@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.kv.connector.kvstore_connector import DEFAULTS
+from mesh.kvstore.connector import DEFAULTS
 from services import config
 from services.cli import build_parser
 

@@ -21,10 +21,10 @@ from conftest import SERVING, InProcessService, run_to_completion, wait_for_heal
 from engine import LLM, SamplingParams
 from engine.output_processor import OutputProcessor, RequestOutputKind
 from engine.request import Request
-from engine.sample.remote import RemoteSampler
 from engine.sample.sampler import LogprobsTensors
 from engine.sched.output import EngineCoreOutput
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from mesh.sampler.remote import RemoteSampler
 from services.engine_service import EngineServicer
 from services.engine_telemetry import RequestWatch
 

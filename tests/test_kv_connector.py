@@ -23,7 +23,7 @@ from engine.kv.connector.base import KVTransferConfig
 from engine.kv.connector.factory import get_connector_class
 from engine.kv.connector.shared_storage_connector import SharedStorageConnector, parse_extra_config
 from engine.request import Request, RequestStatus, SamplingParams
-from engine.shared_memory import SHM_DIR
+from mesh.shared_memory import SHM_DIR
 from services.supervisor import ServiceProcess, kv_transfer_config
 
 pytestmark = pytest.mark.slow

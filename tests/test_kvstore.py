@@ -14,9 +14,9 @@ import pytest
 import redis
 
 from conftest import NOT_SERVING, SERVING, InProcessService, undecodable, wait_for_health
-from engine.kv.connector.kvstore_client import Staging
-from engine.shared_memory import SHM_DIR
 from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
+from mesh.kvstore.client import Staging
+from mesh.shared_memory import SHM_DIR
 from services import kvstore_service
 from services.kvstore_service import GET_CHUNK_BYTES, SERVICE_NAME, block_key
 from services.server import CHANNEL_OPTIONS

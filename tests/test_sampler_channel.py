@@ -1,4 +1,4 @@
-"""The step channel (engine/sample/channel.py): with the logits in shared memory, each step's message and answer
+"""The step channel (mesh/sampler/channel.py): with the logits in shared memory, each step's message and answer
 go over a Unix socket the engine offers beside the slots. The same tokens and logprobs as over the stream and in
 process; a sampler killed mid-step ends the step with UNAVAILABLE at once and the engine goes on; a socket the
 sampler cannot use leaves the steps on the stream; a message the service refuses is INVALID_ARGUMENT naming the
@@ -17,15 +17,15 @@ import grpc
 import pytest
 import torch
 
-import engine.sample.remote as remote
+import mesh.sampler.remote as remote
 from conftest import SERVING, InProcessService, freeze, wait_for_health
 from engine import LLM, SamplingParams
 from engine.request import Request
-from engine.sample.channel import ChannelListener, connect
-from engine.sample.remote import RemoteSampler
 from engine.sample.sampler import LocalSampler, SamplerUnavailableError
-from engine.sample.slots import SharedSlots
 from llmmesh.v1 import sampler_pb2, sampler_pb2_grpc
+from mesh.sampler.channel import ChannelListener, connect
+from mesh.sampler.remote import RemoteSampler
+from mesh.sampler.slots import SharedSlots
 from services.supervisor import ServiceProcess
 from test_models import COMMON
 

@@ -30,12 +30,12 @@ from conftest import (
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from engine.request import Request
-from engine.sample.remote import RemoteSampler
 from engine.sample.sampler import LocalSampler, SamplerUnavailableError
-from engine.sample.slots import SharedSlots
-from engine.sample.wire import tensor_to_proto
-from engine.shared_memory import SHM_DIR
 from llmmesh.v1 import common_pb2, engine_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+from mesh.sampler.remote import RemoteSampler
+from mesh.sampler.slots import SharedSlots
+from mesh.sampler.wire import tensor_to_proto
+from mesh.shared_memory import SHM_DIR
 from services.client import collect, generate
 from services.supervisor import Mesh, ServiceProcess
 from test_models import COMMON
@@ -142,7 +142,7 @@ def test_a_slot_holds_a_speculative_step_of_every_request(sampler, tiny_llama_di
 
 def test_prompt_logprobs_split_over_several_messages(sampler, monkeypatch):
     """A prompt chunk larger than one message's worth goes in pieces, and joins back into the same logprobs."""
-    import engine.sample.remote as remote
+    import mesh.sampler.remote as remote
 
     llm = LLM(kv_cache_memory="64MiB")
     params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=4, logprobs=1)

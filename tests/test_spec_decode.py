@@ -18,10 +18,10 @@ from engine.models.random_model import save_random_smollm2_shaped
 from engine.request import Request, SamplingParams
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.rejection_sampler import DraftTokens, expand_positions
-from engine.sample.remote import RemoteSampler
 from engine.sample.sampler import Sampler
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram_proposer import NgramProposer
+from mesh.sampler.remote import RemoteSampler
 
 TINY = dict(
     vocab_size=64,
@@ -445,8 +445,8 @@ def test_the_sampler_service_gives_the_same_tokens(models):
 
 def wire_step(**fields):
     """A step of request "a" (greedy) with two drafts: three rows of logits over a vocabulary of 8."""
-    from engine.sample.wire import tensor_to_proto
     from llmmesh.v1 import sampler_pb2
+    from mesh.sampler.wire import tensor_to_proto
 
     good = dict(
         step_id=1,

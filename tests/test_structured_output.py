@@ -21,11 +21,11 @@ from conftest import SMOLLM2_BLOCK_BYTES, InProcessService, assert_no_leaks, run
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.request import Request, RequestStatus
 from engine.sample.metadata import GrammarBitmask, SamplingMetadata
-from engine.sample.remote import RemoteSampler
 from engine.sample.sampler import Sampler
-from engine.sample.wire import grammar_bitmask_from_proto, grammar_bitmask_to_proto
 from engine.sched.output import ModelRunnerOutput
 from llmmesh.v1 import common_pb2, sampler_pb2
+from mesh.sampler.remote import RemoteSampler
+from mesh.sampler.wire import grammar_bitmask_from_proto, grammar_bitmask_to_proto
 
 SCHEMAS = [
     {

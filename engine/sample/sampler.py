@@ -176,7 +176,7 @@ PromptChunk = tuple[torch.Tensor, int, torch.Tensor]
 
 class BatchSampler:
     """The model runner's sampler, one step at a time: in process (LocalSampler) or on the sampler service
-    (engine.sample.remote.RemoteSampler). Per-request state that lives across steps (seeded generators, token
+    (mesh.sampler.remote.RemoteSampler). Per-request state that lives across steps (seeded generators, token
     histories) is its own; forget() drops it when requests finish."""
 
     # The engine step's traceparent/tracestate (--collect-detailed-traces), for a sampler that makes calls.

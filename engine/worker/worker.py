@@ -30,6 +30,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import check_dtype, dtype_reason, load_weights, prepare_quantized_weights
 from engine.models.quantization import QUANTIZED_AT_LOAD, check_quantization, resolve_quantization
 from engine.request import Request, SamplingParams
+from engine.sample.factory import remote_sampler_class
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import BatchSampler, LocalSampler, Sampler
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -260,10 +261,8 @@ class Worker:
         local = LocalSampler(self.device)
         if not self.args.sampler_address:
             return local
-        from engine.sample.remote import RemoteSampler
-
         num_spec = spec.num_speculative_tokens if (spec := self.args.get_speculative_config()) else 0
-        return RemoteSampler(
+        return remote_sampler_class()(
             self.args.sampler_address,
             self.args.sampler_timeout,
             fallback=local if self.args.sampler_fallback else None,

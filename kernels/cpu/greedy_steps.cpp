@@ -1,4 +1,4 @@
-// Greedy steps on the step channel (engine/sample/channel.py): a step whose rows are all plain greedy (no logprobs,
+// Greedy steps on the step channel (mesh/sampler/channel.py): a step whose rows are all plain greedy (no logprobs,
 // penalties, bans, bias or grammar) goes as a fixed 36-byte frame naming the slot that holds its logits, and is
 // answered with each row's argmax (argmax.h). Both ends run here, the GIL released: after a forward pass has emptied
 // the caches, a step's Python costs about 0.2 ms on the service and 0.07 ms in the engine; this, a few microseconds.
@@ -6,7 +6,7 @@
 //
 // Request frame: u32 GREEDY_FLAG | 32, then u64 step_id, i64 generation, u32 slot, u32 dtype (0 float32,
 // 1 bfloat16, 2 float16), u32 rows, u32 vocab. Answer: u32 8 + 8 * rows, then u64 step_id and rows int64 ids.
-// The slot's header (written, reading, done) is kept as SharedSlots keeps it (engine/sample/slots.py).
+// The slot's header (written, reading, done) is kept as SharedSlots keeps it (mesh/sampler/slots.py).
 
 #include <errno.h>
 #include <poll.h>
@@ -26,7 +26,7 @@
 namespace {
 
 constexpr uint32_t GREEDY_FLAG = 1u << 31;
-// The frame's dtype field indexes this (engine/sample/channel.py's GREEDY_DTYPES).
+// The frame's dtype field indexes this (mesh/sampler/channel.py's GREEDY_DTYPES).
 constexpr at::ScalarType DTYPES[] = {at::kFloat, at::kBFloat16, at::kHalf};
 constexpr uint32_t NUM_DTYPES = sizeof DTYPES / sizeof DTYPES[0];
 constexpr uint32_t MAX_ROWS = (64u << 20) / 8 - 1;  // the answer within the channel's 64 MiB (grpc_policy.py)

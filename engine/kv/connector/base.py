@@ -66,6 +66,10 @@ class KVTransferConfig:
                 f"kv_connector must be one of {sorted(CONNECTORS)}, or a class in the module "
                 f"kv_connector_module_path names; got {config.kv_connector!r}."
             )
+        if module_path is None:
+            # A registered name resolves to its module here, so the config means the same in a process that
+            # registered nothing (a tensor-parallel rank).
+            config.kv_connector_module_path = CONNECTORS[config.kv_connector].split(":")[0]
         if config.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {list(KV_ROLES)}, got {config.kv_role!r}.")
         if not isinstance(config.kv_connector_extra_config, dict):

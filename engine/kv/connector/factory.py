@@ -5,11 +5,16 @@ import importlib
 from engine.kv.connector.base import KVConnectorBase, KVConnectorRole, KVTransferConfig
 from engine.kv.layout import KVLayout
 
-# name -> module:class, imported only when used (the scheduler-only config check needs no gRPC)
+# name -> module:class, imported only when used. The engine's own connectors are here; a package one floor up
+# registers its own by module path (register_connector), so the engine never names it.
 CONNECTORS = {
-    "KVStoreConnector": "engine.kv.connector.kvstore_connector:KVStoreConnector",
     "SharedStorageConnector": "engine.kv.connector.shared_storage_connector:SharedStorageConnector",
 }
+
+
+def register_connector(name: str, module_path: str, class_name: str) -> None:
+    """vLLM's KVConnectorFactory.register_connector: a connector known by name from now on in this process."""
+    CONNECTORS[name] = f"{module_path}:{class_name}"
 
 
 def get_connector_class(config: KVTransferConfig) -> type[KVConnectorBase]:

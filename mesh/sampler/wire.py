@@ -1,7 +1,7 @@
 """The sampler's wire form (llmmesh.v1.Sampler), shared by the engine's client and the sampler service.
 
 Tensors travel as raw row-major bytes with dtype and shape (or, for a service on the engine's host, in shared
-memory: engine.sample.slots); sampling parameters as SamplerParams.
+memory: mesh.sampler.slots); sampling parameters as SamplerParams.
 Everything read from the wire is checked here and a bad value raises ValueError naming its field.
 """
 

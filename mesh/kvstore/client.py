@@ -2,26 +2,14 @@
 
 import grpc
 
-from engine.grpc_policy import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
 from engine.kv.layout import KVLayout
-from engine.shared_memory import create_segment, unlink_segment
 from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
+from mesh.grpc_policy import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
+from mesh.kvstore.wire import SEGMENT_PREFIX, layout_to_proto
+from mesh.shared_memory import create_segment, unlink_segment
 
 # Blocks per Put message: well inside the message limit for any block that fits it at all.
 _MESSAGE_TARGET_BYTES = 8 * 2**20
-
-
-def layout_to_proto(layout: KVLayout) -> kvstore_pb2.BlockLayout:
-    return kvstore_pb2.BlockLayout(
-        fingerprint=layout.fingerprint,
-        dtype=layout.dtype,
-        shape=list(layout.shape),
-        num_layers=layout.num_layers,
-        block_size=layout.block_size,
-    )
-
-
-SEGMENT_PREFIX = "llmmesh-kv"  # a Staging segment's name: this, then 32 hex digits
 
 
 class Staging:

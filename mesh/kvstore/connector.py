@@ -37,9 +37,9 @@ from engine.kv.connector.base import (
     KVTransferConfig,
 )
 from engine.kv.connector.block_io import KVBlockIO
-from engine.kv.connector.kvstore_client import KVStoreClient, Staging
 from engine.kv.layout import KVLayout
 from engine.request import EngineCoreEventType
+from mesh.kvstore.client import KVStoreClient, Staging
 
 logger = logging.getLogger("llmmesh.engine.kv_connector")
 

@@ -1,7 +1,7 @@
 """The one gRPC policy of the mesh: message size and keepalive, for every server and every channel.
 
-It lives in engine/ because the engine's KV connector is a gRPC client too; the services import it
-from here (layers point one way: services -> engine).
+It lives one floor below the services because the engine's plug-ins (the kvstore connector, the remote sampler) are gRPC
+clients too (layers point one way: services -> mesh -> engine).
 """
 
 # Internal messages carry whole-vocabulary logprobs at most: lift gRPC's 4 MiB default.

@@ -10,13 +10,13 @@ SamplerUnavailableError, naming the other requests whose seeded generator is los
 them too: a seed must give in-process sampling's tokens or nothing), and the next step opens a new one. Given a
 fallback (--sampler-fallback: a LocalSampler), a step the service cannot serve samples there instead.
 
-With slot_bytes, each stream opens with an offer of shared memory (engine.sample.slots: host memory, or the
+With slot_bytes, each stream opens with an offer of shared memory (mesh.sampler.slots: host memory, or the
 GPU's through CUDA IPC): a service on this host takes it, and from then on a step's logits are written once into
 a slot and the message carries only the slot, its generation, dtype and shape. A service that cannot map it
 (another host, another user, another GPU), or an engine that cannot make it, keeps the bytes. A new stream
 makes a new segment.
 
-The offer also names a step channel (engine.sample.channel): a service that takes the slots and can connect to it
+The offer also names a step channel (mesh.sampler.channel): a service that takes the slots and can connect to it
 gets every later step and answers over that Unix socket, the engine thread writing and waiting itself, and the
 stream stays open, idle; a service that cannot keeps the stream for its steps. A new stream makes a new channel.
 Over the channel, a step whose rows all take their raw logits' argmax goes as a greedy step: the slot and the shape
@@ -33,14 +33,16 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from engine.grpc_policy import CHANNEL_OPTIONS
 from engine.request import RequestFailure
-from engine.sample.channel import GREEDY_DTYPES, ChannelClosedError, ChannelListener, StepChannel
 from engine.sample.metadata import argmax_only
 from engine.sample.rejection_sampler import pad_token_rows
 from engine.sample.sampler import BatchSampler, LogprobsTensors, SamplerOutput, SamplerUnavailableError
-from engine.sample.slots import SharedSlots
-from engine.sample.wire import (
+from kernels.cpu_ops import try_load
+from llmmesh.v1 import sampler_pb2
+from mesh.grpc_policy import CHANNEL_OPTIONS
+from mesh.sampler.channel import GREEDY_DTYPES, ChannelClosedError, ChannelListener, StepChannel
+from mesh.sampler.slots import SharedSlots
+from mesh.sampler.wire import (
     DTYPE_NAMES,
     drafts_to_proto,
     grammar_bitmask_to_proto,
@@ -48,8 +50,6 @@ from engine.sample.wire import (
     new_request_to_proto,
     serialize_with_tensors,
 )
-from kernels.cpu_ops import try_load
-from llmmesh.v1 import sampler_pb2
 
 logger = logging.getLogger("llmmesh.engine")
 

@@ -1,6 +1,6 @@
 """Logits through shared memory, for an engine and a sampler service on one host.
 
-The engine makes one segment per Sample stream (engine/shared_memory.py). It offers the segment's name when the
+The engine makes one segment per Sample stream (mesh/shared_memory.py). It offers the segment's name when the
 stream opens and unlinks it once the sampler has answered: from then on only the two processes' mappings keep it,
 nothing else can open it, and a new stream (after a sampler restart) gets a new one. A sampler on another host
 cannot open the name, declines, and the stream carries bytes.
@@ -23,8 +23,8 @@ import struct
 
 import torch
 
-from engine.shared_memory import create_segment, is_segment_name, open_segment, unlink_segment
 from llmmesh.v1 import sampler_pb2
+from mesh.shared_memory import create_segment, is_segment_name, open_segment, unlink_segment
 
 _PREFIX = "llmmesh-logits"  # a segment's name: this, then 32 hex digits
 _PAGE = mmap.PAGESIZE

@@ -3,7 +3,7 @@
 The engine makes a segment (owner-only, its space reserved when it is made: a full /dev/shm fails here, not as
 SIGBUS on a later write) and names it to the service, which maps it; the engine unlinks the name once the service
 has it, so only the two mappings keep it and nothing else can open it. Used for the sampler's logits slots
-(engine/sample/slots.py) and the kvstore's Get (engine/kv/connector/kvstore_client.py).
+(mesh/sampler/slots.py) and the kvstore's Get (mesh/kvstore/client.py).
 """
 
 import mmap

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from engine.grpc_policy import MAX_MESSAGE_BYTES
+from mesh.grpc_policy import MAX_MESSAGE_BYTES
 
 _LENGTH = struct.Struct("<I")
 GREEDY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
