@@ -4,8 +4,8 @@ It lives one floor below the services because the engine's plug-ins (the kvstore
 clients too (layers point one way: services -> mesh -> engine).
 """
 
-# Internal messages carry whole-vocabulary logprobs at most: lift gRPC's 4 MiB default.
-MAX_MESSAGE_BYTES = 64 * 2**20
+from engine.framing import MAX_MESSAGE_BYTES
+
 # One keepalive policy for every link: clients ping an idle connection every KEEPALIVE_TIME_MS, and
 # servers accept pings that often (a server that accepts fewer answers GOAWAY too_many_pings and breaks
 # every stream on the connection).
@@ -22,6 +22,7 @@ SERVER_OPTIONS = _KEEPALIVE + [
     ("grpc.http2.max_ping_strikes", 0),
 ]
 CHANNEL_OPTIONS = _KEEPALIVE + [
+    # gRPC's 4 MiB default lifted to the mesh's one limit: internal messages carry whole-vocabulary logprobs.
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     # gRPC's reconnect backoff grows to two minutes; a dependency restarted at the same address must be

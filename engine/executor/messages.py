@@ -9,22 +9,18 @@ the same SchedulerOutput over request states of its own (scheduler_output_from_w
 
 import dataclasses
 import json
-import struct
 import sys
 
-import numpy as np
 import torch
 
+from engine.framing import FRAME_LENGTH
 from engine.request import Request, SamplingParams
 from engine.sched.output import SchedulerOutput
-
-_HEADER = struct.Struct("<Q")
-# The largest message either side sends or accepts: a step's new prompts and grammar bitmask are far below it.
-MAX_MESSAGE_BYTES = 1 << 30
+from engine.serial_utils import tensor_from_bytes, tensor_to_bytes
 
 
 def encode(message: dict) -> bytes:
-    tensors: list[torch.Tensor] = []
+    tensors: list = []  # each one's bytes, in the order the header numbers them
 
     def walk(value):
         if value is None or isinstance(value, (bool, int, float, str)):
@@ -32,9 +28,12 @@ def encode(message: dict) -> bytes:
         if isinstance(value, bytes):
             return {"bytes": value.hex()}
         if isinstance(value, torch.Tensor):
-            tensors.append(value.detach().to("cpu").contiguous())
-            t = tensors[-1]
-            return {"tensor": len(tensors) - 1, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+            tensors.append(tensor_to_bytes(value))
+            return {
+                "tensor": len(tensors) - 1,
+                "dtype": str(value.dtype).removeprefix("torch."),
+                "shape": list(value.shape),
+            }
         if isinstance(value, (list, tuple, set)):
             return {"list": [walk(v) for v in value]}
         if isinstance(value, dict):  # keys of any kind (a store job's int id), so as pairs
@@ -46,35 +45,24 @@ def encode(message: dict) -> bytes:
         raise TypeError(f"cannot send a {type(value).__name__} to the other ranks")
 
     header = json.dumps(walk(message)).encode()
-    body = [t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors]
-    size = _HEADER.size + len(header) + sum(len(b) for b in body)
-    if size > MAX_MESSAGE_BYTES:
-        raise ValueError(f"a message of {size} bytes for the other ranks is over the limit of {MAX_MESSAGE_BYTES}")
-    return b"".join([_HEADER.pack(len(header)), header, *body])
+    return b"".join([FRAME_LENGTH.pack(len(header)), header, *tensors])  # the header framed, then the tensors
 
 
 def decode(data: bytes, device: torch.device) -> dict:
-    (n,) = _HEADER.unpack_from(data)
-    if n > len(data) - _HEADER.size:
+    (n,) = FRAME_LENGTH.unpack_from(data)
+    if n > len(data) - FRAME_LENGTH.size:
         raise ValueError(f"a message's header claims {n} bytes, more than the {len(data)} received")
-    header = json.loads(data[_HEADER.size : _HEADER.size + n])
-    offset = _HEADER.size + n
+    header = json.loads(data[FRAME_LENGTH.size : FRAME_LENGTH.size + n])
+    offset = FRAME_LENGTH.size + n
 
     def tensor(spec) -> torch.Tensor:
         nonlocal offset
         dtype = getattr(torch, spec["dtype"])
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"a message names no dtype {spec['dtype']!r}")
-        size = dtype.itemsize
-        for d in spec["shape"]:
-            size *= d
-        if not 0 <= size <= len(data) - offset:  # checked before anything of that size is allocated
-            raise ValueError(f"a message's tensor of shape {spec['shape']} is larger than the bytes received")
-        # Copied into torch's own (aligned) memory: kernels may read a tensor with aligned vector loads.
-        flat = torch.empty(size, dtype=torch.uint8)
-        flat.numpy()[:] = np.frombuffer(data, np.uint8, size, offset)
-        offset += size
-        return flat.view(dtype).reshape(spec["shape"]).to(device)
+        t = tensor_from_bytes(data, dtype, spec["shape"], offset)
+        offset += t.nbytes
+        return t.to(device)
 
     def walk(value):
         if not isinstance(value, dict):

@@ -23,7 +23,6 @@ import os
 import queue
 import secrets
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -34,14 +33,9 @@ import torch
 
 from engine.config import EngineArgs
 from engine.distributed.parallel_state import destroy_distributed, init_distributed, set_cpu_threads
-from engine.executor.messages import (
-    MAX_MESSAGE_BYTES,
-    decode,
-    encode,
-    scheduler_output_from_wire,
-    scheduler_output_to_wire,
-)
+from engine.executor.messages import decode, encode, scheduler_output_from_wire, scheduler_output_to_wire
 from engine.executor.uniproc import ExecutorDeadError, UniProcExecutor
+from engine.framing import recv_frame, send_frame
 from engine.kv.connector.base import KVConnectorOutput
 from engine.models.config import ModelConfig
 from engine.models.files import load_config
@@ -60,34 +54,7 @@ LOCAL_RANKS_ENV = "LLMMESH_TP_LOCAL_RANKS"
 TOKEN_ENV = "LLMMESH_TP_TOKEN"
 # torchrun's name: how many ranks share this host's cores (the executor sets it for the ranks it starts).
 LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
-_LENGTH = struct.Struct("<Q")
 _HELLO_BYTES = 4096  # a rank's first message, read before its token is checked
-
-
-def send_message(sock: socket.socket, data: bytes) -> None:
-    sock.sendall(_LENGTH.pack(len(data)) + data)
-
-
-def recv_message(sock: socket.socket, limit: int = MAX_MESSAGE_BYTES) -> bytes | None:
-    """One message, or None once the other end has closed; ValueError for one over limit bytes."""
-    head = _recv_exactly(sock, _LENGTH.size)
-    if head is None:
-        return None
-    (n,) = _LENGTH.unpack(head)
-    if n > limit:
-        raise ValueError(f"a message of {n} bytes is over the limit of {limit}")
-    return _recv_exactly(sock, n)
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
-    parts, left = [], n
-    while left:
-        part = sock.recv(min(left, 1 << 20))
-        if not part:
-            return None
-        parts.append(part)
-        left -= len(part)
-    return b"".join(parts)
 
 
 def free_port_pair(host: str = "127.0.0.1") -> int:
@@ -205,13 +172,13 @@ class MultiprocExecutor(UniProcExecutor):
         worker_args = dataclasses.replace(args, sampler_address=None)
         init = {"engine_args": dataclasses.asdict(worker_args), "model_dir": str(model_dir), "max_len": max_model_len}
         for conn in self.conns.values():
-            send_message(conn, json.dumps(init).encode())
+            send_frame(conn, json.dumps(init).encode())
         return local_ranks
 
     def _admit(self, conn: socket.socket, token: str) -> None:
         conn.settimeout(10.0)
         try:
-            hello = json.loads(recv_message(conn, _HELLO_BYTES) or b"null")
+            hello = json.loads(recv_frame(conn, _HELLO_BYTES) or b"null")
             rank = int(hello["rank"])
             if not hmac.compare_digest(str(hello["token"]), token) or not 0 < rank < self.world_size:
                 raise ValueError("a wrong token or rank")
@@ -230,7 +197,7 @@ class MultiprocExecutor(UniProcExecutor):
         ends the engine."""
         while True:
             try:
-                data = recv_message(conn)
+                data = recv_frame(conn)
                 reply = None if data is None else decode(data, torch.device("cpu"))
             except (OSError, ValueError):
                 reply = None
@@ -259,7 +226,7 @@ class MultiprocExecutor(UniProcExecutor):
     def _send(self, message: dict) -> None:
         data = encode(message)
         for conn in self.conns.values():
-            send_message(conn, data)
+            send_frame(conn, data)
 
     def execute_model(self, scheduler_output: SchedulerOutput, *args) -> ModelRunnerOutput:
         """Every rank runs the step; rank 0's output (args: as UniProcExecutor's). A failure of any rank ends the
@@ -330,7 +297,7 @@ class MultiprocExecutor(UniProcExecutor):
         self.closing = True
         for conn in self.conns.values():
             try:
-                send_message(conn, encode({"op": "shutdown"}))
+                send_frame(conn, encode({"op": "shutdown"}))
             except OSError:
                 pass
         for proc in self.procs.values():
@@ -355,8 +322,8 @@ def run_worker(rank: int) -> None:
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     sock = _connect((addr, port + 1))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    send_message(sock, json.dumps({"rank": rank, "token": os.environ.get(TOKEN_ENV, "")}).encode())
-    init = json.loads(recv_message(sock) or b"null")
+    send_frame(sock, json.dumps({"rank": rank, "token": os.environ.get(TOKEN_ENV, "")}).encode())
+    init = json.loads(recv_frame(sock) or b"null")
     if init is None:
         raise SystemExit(f"rank {rank}: rank 0 closed the connection at start")
     args = EngineArgs(**init["engine_args"])
@@ -368,15 +335,15 @@ def run_worker(rank: int) -> None:
     worker = Worker(args, load_config(model_dir), model_dir, init["max_len"])
     worker.load_model()
     states: dict[str, Request] = {}  # this rank's request states, kept up to date by each step's SchedulerOutput
-    while (data := recv_message(sock)) is not None:
+    while (data := recv_frame(sock)) is not None:
         message = decode(data, torch.device("cpu"))
         op = message["op"]
         if op == "execute_model":
             output = worker.execute_model(scheduler_output_from_wire(message["scheduler_output"], states))
             if output.kv_connector_output is not None:
-                send_message(sock, encode({"kv_connector_output": output.kv_connector_output}))
+                send_frame(sock, encode({"kv_connector_output": output.kv_connector_output}))
         elif op == "rpc":
-            send_message(sock, encode(_call(worker, message)))
+            send_frame(sock, encode(_call(worker, message)))
         elif op == "shutdown":
             break
         else:

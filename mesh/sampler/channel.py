@@ -7,8 +7,9 @@ each side. Over this socket the engine thread writes the message itself and wait
 
 The engine makes the socket in a new owner-only directory, names it in the shared-memory offer, and removes the
 name and the directory once the service has answered: the service connects and writes the offer's token first,
-so the engine knows it talks to the process it made the offer to. Each message is a 4-byte little-endian length,
-then the protobuf. A sampler that dies closes its end: the engine's wait ends at once (EOF), not at the deadline.
+so the engine knows it talks to the process it made the offer to. Each message is a frame of engine.framing (a
+4-byte little-endian length, then the protobuf). A sampler that dies closes its end: the engine's wait ends at
+once (EOF), not at the deadline.
 
 A greedy step, whose rows all take the argmax of their raw logits (engine.sample.metadata.argmax_only), is a fixed
 frame instead: its length has bit 31 set, and it holds the step id, the slot and its generation, the logits' dtype
@@ -21,15 +22,13 @@ import os
 import re
 import shutil
 import socket
-import struct
 import tempfile
 import time
 
 import torch
 
-from mesh.grpc_policy import MAX_MESSAGE_BYTES
+from engine.framing import FRAME_LENGTH, check_frame_length, frame
 
-_LENGTH = struct.Struct("<I")
 GREEDY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DIR_PREFIX = "llmmesh-step-"
 _SOCKET_NAME = "step"
@@ -41,17 +40,16 @@ class ChannelClosedError(Exception):
 
 
 class StepChannel:
-    """One connected end: send() a message, recv() the other end's; at most MAX_MESSAGE_BYTES each."""
+    """One connected end: send() a message, recv() the other end's; at most engine.framing.MAX_MESSAGE_BYTES each."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self._buffer = bytearray(64 * 1024)
 
     def send(self, data: bytes, timeout: float | None = None) -> None:
-        if len(data) > MAX_MESSAGE_BYTES:
-            raise ValueError(f"a message of {len(data)} bytes is over the channel's {MAX_MESSAGE_BYTES}")
+        data = frame(data)  # ValueError over the limit, before anything is sent
         self.sock.settimeout(timeout)
-        self.sock.sendall(_LENGTH.pack(len(data)) + data)
+        self.sock.sendall(data)
 
     def recv(self, timeout: float | None = None, length: int | None = None) -> memoryview:
         """The next message (valid until the next recv); TimeoutError past `timeout` seconds, ChannelClosedError
@@ -59,10 +57,9 @@ class StepChannel:
         were read already (by the service's greedy steps)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if length is None:
-            self._read_into(memoryview(self._buffer)[: _LENGTH.size], deadline)
-            (length,) = _LENGTH.unpack_from(self._buffer)
-        if length > MAX_MESSAGE_BYTES:
-            raise ValueError(f"the channel's message length must be at most {MAX_MESSAGE_BYTES}, got {length}")
+            self._read_into(memoryview(self._buffer)[: FRAME_LENGTH.size], deadline)
+            (length,) = FRAME_LENGTH.unpack_from(self._buffer)
+        check_frame_length(length)
         # A large message (prompt logits) gets a buffer of its own, not kept once read.
         buffer = self._buffer if length <= len(self._buffer) else bytearray(length)
         view = memoryview(buffer)[:length]

@@ -5,6 +5,7 @@ memory: mesh.sampler.slots); sampling parameters as SamplerParams.
 Everything read from the wire is checked here and a bad value raises ValueError naming its field.
 """
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +14,7 @@ from engine.request import SamplingParams
 from engine.sample.metadata import GrammarBitmask
 from engine.sample.rejection_sampler import DraftTokens
 from engine.sample.sampler import LogprobsTensors
+from engine.serial_utils import tensor_from_bytes, tensor_to_bytes
 from engine.spec_decode.config import MAX_SPECULATIVE_TOKENS
 from llmmesh.v1 import common_pb2, sampler_pb2
 
@@ -28,10 +30,7 @@ _OPTIONAL = ("temperature", "top_p", "repetition_penalty", "seed", "logprobs")
 
 def tensor_to_proto(t: torch.Tensor) -> sampler_pb2.Tensor:
     """One copy to host bytes (a device tensor comes to the host first)."""
-    t = t.detach().to("cpu").contiguous()
-    return sampler_pb2.Tensor(
-        dtype=DTYPE_NAMES[t.dtype], shape=t.shape, data=t.view(-1).view(torch.uint8).numpy().tobytes()
-    )
+    return sampler_pb2.Tensor(dtype=DTYPE_NAMES[t.dtype], shape=t.shape, data=tensor_to_bytes(t).tobytes())
 
 
 def _varint(n: int) -> bytes:
@@ -56,8 +55,7 @@ def serialize_with_tensors(msg, tensors: dict[str, torch.Tensor | None]) -> byte
     for name, t in tensors.items():
         if t is None:
             continue
-        t = t.detach().to("cpu").contiguous()
-        raw = t.view(-1).view(torch.uint8).numpy()
+        raw = tensor_to_bytes(t)
         header = sampler_pb2.Tensor(dtype=DTYPE_NAMES[t.dtype], shape=t.shape).SerializeToString()
         data_key = _length_delimited(data_number, raw.nbytes)
         parts += [
@@ -90,15 +88,10 @@ def tensor_from_proto(
 ) -> torch.Tensor:
     """A writable tensor of the message's bytes; ValueError naming field.dtype, field.shape or field.data."""
     dtype, shape = dtype_and_shape_from_proto(msg, field, dtypes, ndim)
-    numel = 1
-    for d in shape:
-        numel *= d
-    expected = numel * dtype.itemsize
+    expected = math.prod(shape) * dtype.itemsize
     if len(msg.data) != expected:
         raise ValueError(f"{field}.data holds {len(msg.data)} bytes; shape {shape} of {msg.dtype} needs {expected}")
-    if expected == 0:
-        return torch.empty(shape, dtype=dtype, device=device)
-    return torch.frombuffer(bytearray(msg.data), dtype=dtype).view(shape).to(device)
+    return tensor_from_bytes(msg.data, dtype, shape).to(device)
 
 
 def logprobs_tensors_to_proto(lp: LogprobsTensors) -> sampler_pb2.Logprobs:
@@ -161,7 +154,7 @@ def grammar_bitmask_to_proto(msg: sampler_pb2.SampleStep, grammar: GrammarBitmas
     """The step's grammar masks into msg: the rows they constrain and their packed bits."""
     if grammar is not None and grammar.rows:
         msg.grammar_rows.extend(grammar.rows)
-        msg.grammar_bitmask = grammar.bitmask.contiguous().numpy().tobytes()
+        msg.grammar_bitmask = tensor_to_bytes(grammar.bitmask).tobytes()
 
 
 def grammar_bitmask_from_proto(msg: sampler_pb2.SampleStep, num_rows: int, vocab_size: int) -> GrammarBitmask | None:
@@ -177,8 +170,7 @@ def grammar_bitmask_from_proto(msg: sampler_pb2.SampleStep, num_rows: int, vocab
         raise ValueError(
             f"grammar_bitmask holds {len(msg.grammar_bitmask)} bytes; {len(rows)} rows of {words} int32 need {expected}"
         )
-    bitmask = torch.frombuffer(bytearray(msg.grammar_bitmask), dtype=torch.int32)
-    return GrammarBitmask(rows, bitmask.view(len(rows), words))
+    return GrammarBitmask(rows, tensor_from_bytes(msg.grammar_bitmask, torch.int32, (len(rows), words)))
 
 
 def drafts_to_proto(msg: sampler_pb2.SampleStep, drafts: DraftTokens | None) -> None:
