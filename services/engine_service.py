@@ -11,8 +11,8 @@ from engine import LoRARequest
 from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
 from engine.core import EngineCore
+from engine.json_object import parse_json_object
 from engine.kv.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
-from engine.kv.connector.base import parse_json_object
 from engine.text.tokenizer import Tokenizer
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from mesh.kvstore.connector import KVStoreConnector

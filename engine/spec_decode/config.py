@@ -3,7 +3,7 @@
 import json
 from dataclasses import dataclass
 
-from engine.kv.connector.base import parse_json_object
+from engine.json_object import parse_json_object
 
 SPEC_METHODS = ("ngram", "draft_model")
 # Drafts per step at most: each one is a position every step verifies.

@@ -10,27 +10,13 @@ connector they run. Torch-free: the engine's config imports it.
 """
 
 import enum
-import json
 from dataclasses import dataclass, field
 
+from engine.json_object import parse_json_object
 from engine.kv.layout import KVLayout
 
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 CONFIG_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config", "kv_connector_module_path")
-
-
-def parse_json_object(text: str, name: str, keys) -> dict:
-    """text as a JSON object with none but these keys; ValueError naming `name` and the keys it allows."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{name} must be a JSON object: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{name} must be a JSON object.")
-    unknown = set(data) - set(keys)
-    if unknown:
-        raise ValueError(f"{name} has unknown keys {sorted(unknown)}; allowed: {', '.join(keys)}.")
-    return data
 
 
 class KVConnectorRole(enum.Enum):
