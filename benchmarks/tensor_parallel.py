@@ -16,16 +16,18 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from engine.config import EngineArgs
 from engine.core import EngineCore
-from engine.models.random_model import save_random_smollm2_shaped
 from engine.request import Request, SamplingParams
+from random_model import save_random_smollm2_shaped
 
 CONTEXT = 128
 

@@ -17,7 +17,7 @@ The default model, the embedded SmolLM2 GGUF, runs as its weights dequantized to
 once a run, in a temporary directory), on both sides: the engine would otherwise run its 4-bit codes, and
 transformers could not load them.
 
---random-weights uses a random model of SmolLM2-135M's shape (engine.models.random_model), for machines
+--random-weights uses a random model of SmolLM2-135M's shape (tests/random_model.py), for machines
 that cannot carry the real file: the same work per token, so the same speed.
 
 Engine host time per decode step: for each decode-only EngineCore.step of the timed run, its wall time
@@ -51,9 +51,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from engine import LLM, EngineArgs, SamplingParams
 from engine.config import DEFAULT_MODEL
-from engine.models.random_model import save_random_smollm2_shaped
+from random_model import save_random_smollm2_shaped
 
 PEERS = ("hf-static", "hf-cb", "hf-cb-req")
 FIRST_REGULAR_ID = 17  # SmolLM2's special tokens are ids 0..16

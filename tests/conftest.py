@@ -49,7 +49,7 @@ def smollm2_dir():
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A tiny random Llama of test_models.COMMON's shape, with a word-level tokenizer of "<i>" tokens."""
-    from engine.models.random_model import save_random_smollm2_shaped
+    from random_model import save_random_smollm2_shaped
     from test_models import COMMON
 
     path = tmp_path_factory.mktemp("tiny-llama")

@@ -3,6 +3,10 @@
 For machines that cannot carry the real weights (the GPU ones): the same architecture (30 layers, GQA 9/3,
 head_dim 64, vocabulary 49152) does the same work per token, so it serves benchmarks and exactness tests
 (greedy against transformers on the same weights). Its tokenizer maps id i to the word "<i>".
+
+Test support, so not in the product package: it sits beside the tests, which import it as they import
+test_models (pytest puts tests/ on the path), and the benchmarks that use it put tests/ on their path, as some
+already put their own folder there. Nothing is installed for it.
 """
 
 from pathlib import Path

@@ -14,8 +14,8 @@ from test_serve import SERVING_LINE, Serve
 
 from conftest import InProcessService
 from engine.config import EngineArgs
-from engine.models.random_model import save_random_smollm2_shaped
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
+from random_model import save_random_smollm2_shaped
 from services import client
 from services.cli import build_parser
 from services.routing import Router

@@ -13,7 +13,7 @@ import torch
 from conftest import HFReference, assert_no_leaks, run_greedy
 from engine.config import EngineArgs
 from engine.core import EngineCore
-from engine.models.random_model import save_random_smollm2_shaped
+from random_model import save_random_smollm2_shaped
 
 pytestmark = pytest.mark.gpu
 

@@ -17,7 +17,6 @@ from engine import LLM, EngineArgs, LoRARequest, SamplingParams
 from engine.async_llm import AsyncLLM
 from engine.core import EngineCore
 from engine.kv.hashing import extend_block_hashes
-from engine.models.random_model import save_random_smollm2_shaped
 from engine.request import Request
 from kernels.lora import (
     lora_cpu_kernel,
@@ -27,6 +26,7 @@ from kernels.lora import (
     lora_shrink,
     lora_shrink_ref,
 )
+from random_model import save_random_smollm2_shaped
 from test_models import COMMON
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -14,8 +14,8 @@ from test_telemetry import Receiver
 
 from conftest import InProcessService, wait_until
 from engine import LLM, EngineArgs, LoRARequest, SamplingParams
-from engine.models.random_model import save_random_smollm2_shaped
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from random_model import save_random_smollm2_shaped
 from services import client
 from services.cli import build_parser
 from services.gateway import Gateway

@@ -20,8 +20,8 @@ from test_serve import SERVING_LINE, Serve
 from conftest import HFReference, InProcessService, assert_greedy_matches, wait_until
 from engine.config import EngineArgs
 from engine.limits import RequestLimits
-from engine.models.random_model import save_random_smollm2_shaped
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from random_model import save_random_smollm2_shaped
 from services import client
 from services.dependencies import HEALTH_MISSES, Dependencies
 from services.gateway import Gateway

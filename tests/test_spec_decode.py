@@ -14,7 +14,6 @@ from scipy.stats import chisquare
 from conftest import HFReference, InProcessService, assert_greedy_matches, assert_no_leaks, run_to_completion
 from engine.config import EngineArgs
 from engine.core import EngineCore
-from engine.models.random_model import save_random_smollm2_shaped
 from engine.request import Request, SamplingParams
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.rejection_sampler import DraftTokens, expand_positions
@@ -22,6 +21,7 @@ from engine.sample.sampler import Sampler
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram_proposer import NgramProposer
 from mesh.sampler.remote import RemoteSampler
+from random_model import save_random_smollm2_shaped
 
 TINY = dict(
     vocab_size=64,

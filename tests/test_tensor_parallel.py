@@ -31,10 +31,10 @@ from engine.models.files import load_config
 from engine.models.linear import RowParallelLinear
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_weights
-from engine.models.random_model import save_random_smollm2_shaped
 from engine.request import Request, SamplingParams
 from engine.sched.output import SchedulerOutput
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
+from random_model import save_random_smollm2_shaped
 from services import client
 from services.supervisor import kv_transfer_config
 from test_models import COMMON
