@@ -9,10 +9,9 @@ def keep_freed_memory_in_process() -> None:
 
     glibc serves blocks over 32 MiB, or freed at the heap's top, from fresh pages, so a process that allocates
     megabytes again and again page-faults them in every time. On CPU every engine step allocates and frees
-    activations of megabytes (oneDNN's packing buffers too): measured on the offline benchmark, 3.4M minor faults
-    -> 0.8M (the KV cache's first touch), 12.9 s -> 7.4 s of system time, 56 s -> 50 s of wall time. The kvstore
-    copies a reload's blocks into fresh buffers: a copy of 94 MB takes 45 ms on new pages, 11 ms on reused ones.
-    vLLM asks CPU users to preload tcmalloc for the same reason; this needs nothing installed. Freed memory stays
+    activations of megabytes (oneDNN's packing buffers too), and the kvstore copies a reload's blocks into fresh
+    buffers: both spend system time on page faults that reused memory avoids (docs/benchmarks.md). vLLM asks CPU
+    users to preload tcmalloc for the same reason; this needs nothing installed. Freed memory stays
     this process's to reuse."""
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -11,7 +11,7 @@ dequantized weight wins (docs/benchmarks.md); engine/models/quantization.py choo
 that neither takes (GGUF's Q6_K) run on our CPU kernel for few rows, `group_gemv` (kernels/cpu/quant.cpp).
 Where the CPU has AVX512-VNNI, bfloat16 steps of up to 16 rows run codes in groups of 32 (GGUF's Q4_0, Q4_1,
 Q8_0; int4) on `int8_dot_linear` instead: the activations rounded to int8 per block of 32, as llama.cpp does,
-and integer dot products, about 4x PyTorch's int4 kernel at one row.
+and integer dot products, faster than PyTorch's int4 kernel at a few rows (docs/benchmarks.md).
 """
 
 import torch

@@ -16,8 +16,8 @@ On CPU with AVX512-VNNI, bfloat16 codes in groups of 32 (int4, GGUF's Q4_0, Q4_1
 kernels.quant's int8_dot_linear, activations rounded to int8 per block of 32. Otherwise the int8 and int4
 kernels (and ours for GGUF's Q8_0 and Q6_K groups, kernels.quant.group_gemv) compute
 in bfloat16 or float16 and pay off for a decode step's few rows; oneDNN on the dequantized weight is faster for
-more rows (docs/benchmarks.md), so a quantized layer keeps that too. A GGUF model in float32 runs the dequantized weights alone: the same values the file's
-dequantizer gives, on float32's fastest kernel.
+more rows (docs/benchmarks.md), so a quantized layer keeps that too. A GGUF model in float32 runs the dequantized
+weights alone: the same values the file's dequantizer gives, on float32's fastest kernel.
 """
 
 import torch
@@ -45,16 +45,13 @@ from kernels.quant import (
 INT4_GROUP_SIZE = 32
 # Most rows a CPU step runs on the int4/int8 kernels; above it oneDNN on the dequantized weight is faster.
 CPU_KERNEL_MAX_ROWS = 4
-# The same for int8_dot_linear, by its packed group's bytes: 4-bit codes (320) or 8-bit (576). One thread,
-# bfloat16, this model's shapes (docs/benchmarks.md): 4-bit ties oneDNN at about 16 rows, 8-bit at about 6.
+# The same for int8_dot_linear, by its packed group's bytes: 4-bit codes (320) or 8-bit (576), each where it stops
+# beating oneDNN (docs/benchmarks.md).
 INT8_DOT_MAX_ROWS = {320: 16, 576: 6}
 _QUANTIZED_ACT_DTYPES = (torch.bfloat16, torch.float16)
 # Most rows a CPU step runs on kernels.dense's dense_linear, by dtype and the packed tile's columns (oneDNN's layout
-# on this CPU); oneDNN's own kernel on the same packed weight takes larger steps (docs/benchmarks.md). bfloat16 in
-# tiles of 32 (a CPU with AMX, which oneDNN uses): 1.4-1.55x faster at 1-4 rows, 1.1x at 8, even at about 9. bfloat16
-# in tiles of 64 (no AMX): the products alone 1.3-1.5x at 1-16 rows and still 1.25x at 32, but the engine's decode
-# step 1.2x at 8 rows, 1.07x at 16 and 0.95x at 32. float32: 1.3-1.4x at 1-16 rows, 1.3x at 64, 1.07x at 128, even
-# at about 200.
+# on this CPU, tiles of 32 where it uses AMX): past them oneDNN's own kernel on the same packed weight, or the
+# engine's whole decode step, gains no more (docs/benchmarks.md).
 DENSE_MAX_ROWS = {(torch.bfloat16, 32): 8, (torch.bfloat16, 64): 16, (torch.float32, 64): 64}
 
 
@@ -89,11 +86,11 @@ def _register(layer: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """Float weights. On CPU the matmul goes through oneDNN with the weight packed once, after loading:
-    on this model's shapes it measured 1.3-1.9x faster than F.linear's MKL sgemm (vLLM's CPU backend does
-    the same, `dispatch_cpu_unquantized_gemm`). On a GPU, or where oneDNN cannot take the dtype, F.linear.
+    faster than F.linear's MKL sgemm on this model's shapes (vLLM's CPU backend does the same,
+    `dispatch_cpu_unquantized_gemm`). On a GPU, or where oneDNN cannot take the dtype, F.linear.
     In bfloat16 on a CPU with AVX512-BF16, or float32 with AVX-512, a step of up to DENSE_MAX_ROWS rows runs
     kernels.dense's dense_linear on oneDNN's packed weight itself (no second copy): it reads the weight near the
-    memory's rate, a batch-1 decode step of SmolLM2 about 1.3x faster (docs/benchmarks.md)."""
+    memory's rate, which a decode step's few rows are bound by (docs/benchmarks.md)."""
 
     def create_weights(self, layer, input_size, output_size):
         _register(layer, "weight", torch.empty(output_size, input_size))

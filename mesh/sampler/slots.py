@@ -49,7 +49,7 @@ class SharedSlots:
         self.next_slot = 0
         self.device_ring: torch.Tensor | None = None  # [num_slots * slot_bytes] uint8 on a CUDA device
         # slot -> (dtype, shape, the tensor over it): the sampler's next step of that shape takes it again (a new
-        # view costs about 0.04 ms a step once the engine's forward pass has emptied the caches)
+        # view is slow to make once the engine's forward pass has emptied the caches)
         self._views: dict[int, tuple] = {}
 
     # ---- the engine's side -------------------------------------------------------------------------
@@ -136,8 +136,8 @@ class SharedSlots:
             return None
         slot, generation = claimed
         if nbytes:
-            # On the host, torch's copy runs on the thread pool the forward pass has just left awake: 0.04 / 0.22 /
-            # 1.8 ms at 1 / 32 / 256 rows against one memcpy's 0.05 / 0.35 / 3.3 (docs/benchmarks.md).
+            # On the host, torch's copy runs on the thread pool the forward pass has just left awake: faster than one
+            # memcpy (docs/benchmarks.md).
             self._data(slot, logits.dtype, logits.shape).copy_(logits)
             if self.device_ring is not None:
                 torch.cuda.current_stream(self.device_ring.device).synchronize()  # done before the sampler reads it
