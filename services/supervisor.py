@@ -699,7 +699,7 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     }
 
 
-def add_kv_store_args(parser: argparse.ArgumentParser) -> None:
+def add_mesh_args(parser: argparse.ArgumentParser) -> None:
     add_cli_args(parser, MeshConfig)
 
 
@@ -726,12 +726,12 @@ def add_subcommands(subparsers) -> None:
     add_cli_args(p, ServeFlags, grouped=False)
     EngineArgs.add_cli_args(p)
     config.add_detailed_traces_arg(p)
-    add_kv_store_args(p)
+    add_mesh_args(p)
     kvstore_service.add_store_args(p)
     p.set_defaults(func=serve)
 
     p = subparsers.add_parser("demo", help="start the mesh, stream a few generations through it, stop it")
     EngineArgs.add_cli_args(p)
     add_cli_args(p, DemoConfig)
-    add_kv_store_args(p)
+    add_mesh_args(p)
     p.set_defaults(func=run_demo)
