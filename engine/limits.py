@@ -6,44 +6,41 @@ checks a request once, where it enters (the gateway, the engine's gRPC protocols
 the offline LLM trusts its caller and checks only the model's own limits.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
-# Each limit's --help text (docs/flags.md shows them too); every field of RequestLimits has one.
-FLAG_HELP = {
-    "max_n": "completions (n) one request may ask for",
-    "max_stop": "stop strings per request",
-    "max_stop_chars": "characters in one stop string",
-    "max_stop_token_ids": "stop_token_ids per request",
-    "max_bad_words": "bad_words per request",
-    "max_bad_word_chars": "characters in one of the bad_words",
-    "max_logit_bias": "logit_bias entries per request",
-    "max_allowed_token_ids": "allowed_token_ids per request",
-    "max_structured_output_chars": "characters in a structured-output constraint (a JSON schema, regex, grammar or "
-    "structural tag; a choice list's strings together): grammars compile from them",
-    "max_messages": "chat messages per request",
-    "max_prompt_chars": "characters of a prompt's text, or of all chat messages' content together",
-    "max_id_chars": "characters in a request id or a cache salt",
-    "max_batch": "requests in one TokenizeBatch, items in one detokenizer batch",
-    "max_open_requests": "requests open at once on one detokenizer stream",
-}
+from engine.config.utils import setting
 
 
 @dataclass
 class RequestLimits:
-    max_n: int = 128  # OpenAI's cap
-    max_stop: int = 64
-    max_stop_chars: int = 1024
-    max_stop_token_ids: int = 1024
-    max_bad_words: int = 1024
-    max_bad_word_chars: int = 1024
-    max_logit_bias: int = 1024
-    max_allowed_token_ids: int = 65536
-    max_structured_output_chars: int = 1 << 16
-    max_messages: int = 1024
-    max_prompt_chars: int = 1 << 20
-    max_id_chars: int = 256
-    max_batch: int = 1024
-    max_open_requests: int = 16384
+    """The caps a request is checked against where it enters a process (docs/api.md, request limits)."""
+
+    max_n: int = setting(128, help="completions (n) one request may ask for")  # OpenAI's cap
+    max_stop: int = setting(64, help="stop strings per request")
+    max_stop_chars: int = setting(1024, help="characters in one stop string")
+    max_stop_token_ids: int = setting(1024, help="stop_token_ids per request")
+    max_bad_words: int = setting(1024, help="bad_words per request")
+    max_bad_word_chars: int = setting(1024, help="characters in one of the bad_words")
+    max_logit_bias: int = setting(1024, help="logit_bias entries per request")
+    max_allowed_token_ids: int = setting(65536, help="allowed_token_ids per request")
+    max_structured_output_chars: int = setting(
+        1 << 16,
+        help="characters in a structured-output constraint (a JSON schema, regex, grammar or "
+        "structural tag; a choice list's strings together): grammars compile from them",
+    )
+    max_messages: int = setting(1024, help="chat messages per request")
+    max_prompt_chars: int = setting(
+        1 << 20, help="characters of a prompt's text, or of all chat messages' content together"
+    )
+    max_id_chars: int = setting(256, help="characters in a request id or a cache salt")
+    max_batch: int = setting(1024, help="requests in one TokenizeBatch, items in one detokenizer batch")
+    max_open_requests: int = setting(16384, help="requests open at once on one detokenizer stream")
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"--{f.name.replace('_', '-')} must be at least 1, got {getattr(self, f.name)}.")
 
     def check_count(self, field: str, count: int, limit_name: str) -> None:
         limit = getattr(self, limit_name)

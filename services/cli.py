@@ -15,6 +15,7 @@ if sys.argv[1:2] == ["sampler"]:
 if sys.argv[1:2] == ["engine"]:
     os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
+from engine.config.utils import add_cli_args
 from services import (
     client,
     config,
@@ -26,6 +27,7 @@ from services import (
     supervisor,
     tokenizer_service,
 )
+from services.settings import DemoConfig, EngineFlags, OfflineFlags
 from services.supervisor import DEMO_CHAT, DEMO_PROMPTS
 
 
@@ -64,28 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmmesh", description="llmmesh: an LLM inference server.")
     sub = parser.add_subparsers(dest="command", required=True)
     offline = sub.add_parser("run-offline", help="generate from a few prompts with the offline engine")
-    offline.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in demos")
-    offline.add_argument("--max-tokens", type=int, default=48, help="most tokens to generate per prompt")
-    offline.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    offline.add_argument(
-        "--sampling-seed", type=int, default=None, help="each request's sampling seed; unset: the engine's random state"
-    )
+    add_cli_args(offline, OfflineFlags, grouped=False)
     EngineArgs.add_cli_args(offline)
+    add_cli_args(offline, DemoConfig)
     offline.set_defaults(func=run_offline)
     engine = config.service_parser(
         sub, "engine", "serve an EngineCore over gRPC (llmmesh.v1.Engine and vllm.grpc.engine.VllmEngine)"
     )
     EngineArgs.add_cli_args(engine)
-    engine.add_argument(
-        "--lora-vllm-ports",
-        nargs="+",
-        default=None,
-        metavar="NAME=PORT",
-        help="serve each named LoRA adapter also as a model of its own, on vllm.grpc.engine.VllmEngine at PORT "
-        "(vLLM's protocol names no adapter in a request: a router that picks workers by model, smg, reaches the "
-        "adapter there); needs --enable-lora; the adapter may be loaded later, and the port answers NOT_FOUND "
-        "while it is not",
-    )
+    add_cli_args(engine, EngineFlags, grouped=False)
     config.add_limit_args(engine)
     config.add_detailed_traces_arg(engine)
     engine.set_defaults(func=run_engine)

@@ -10,11 +10,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from engine.config.utils import add_cli_args
 from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from services.config import DEFAULT_PORTS
-
-DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORTS['gateway']}"
-
+from services.settings import DEFAULT_ADDRESS, ChatFlags, ClientConfig, GenerateFlags  # noqa: F401 (the default address)
 
 # ---- the client ----------------------------------------------------------------------------------
 
@@ -182,27 +180,13 @@ def run_chat(args: argparse.Namespace) -> None:
     )
 
 
-def _add_client_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="the gateway's HOST:PORT")
-    parser.add_argument("--api-key", default=None, help="the key the gateway was started with (--api-key)")
-    parser.add_argument("--model", dest="request_model", default="", help="the model to ask for; empty: the served one")
-    parser.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
-    parser.add_argument("--temperature", type=float, default=None, help="default 1.0; 0: greedy")
-    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling's probability mass; default 1.0")
-    parser.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens; default: all")
-    parser.add_argument("--sampling-seed", type=int, default=None, help="the request's seed, for repeatable sampling")
-    parser.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-
-
 def add_subcommands(subparsers) -> None:
     p = subparsers.add_parser("generate", help="stream a completion from a running gateway")
-    p.add_argument("prompt", help="the prompt's text")
-    _add_client_args(p)
+    add_cli_args(p, GenerateFlags, grouped=False)
+    add_cli_args(p, ClientConfig)
     p.set_defaults(func=run_generate)
 
     p = subparsers.add_parser("chat", help="stream a chat reply from a running gateway")
-    p.add_argument("message", help="the user's message")
-    p.add_argument("--system", default=None, help="a system message to put first")
-    _add_client_args(p)
+    add_cli_args(p, ChatFlags, grouped=False)
+    add_cli_args(p, ClientConfig)
     p.set_defaults(func=run_chat)

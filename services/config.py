@@ -2,32 +2,23 @@
 
 Every parser of the `llmmesh` command goes through `apply_env` once it is built, so a flag `--max-n`
 reads LLMMESH_MAX_N whatever service defines it, and a variable means the same flag everywhere.
-The flags every service has (--host, --port, --shutdown-timeout, --log-level, and services.telemetry's
-tracing and metrics flags) are defined here.
+Every flag is declared once, on a field of a settings dataclass (services/settings.py, engine/config/), and
+its parser is built from those.
 """
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import re
 
 from engine.config import DEFAULT_MODEL  # noqa: F401 (the one name of the default model, for every service)
-from engine.limits import FLAG_HELP as LIMIT_HELP
+from engine.config.utils import add_cli_args, config_from
 from engine.limits import RequestLimits
 from services import telemetry
+from services.settings import DEFAULT_PORTS, EngineObservabilityConfig, ServerConfig
 
 ENV_PREFIX = "LLMMESH_"
-# Each service's own port, so the mesh runs on one machine with every default.
-DEFAULT_PORTS = {
-    "engine": 50051,
-    "tokenizer": 50052,
-    "detokenizer": 50053,
-    "kvstore": 50054,
-    "sampler": 50055,
-    "gateway": 8000,
-}
 
 
 def env_name(dest: str) -> str:
@@ -88,44 +79,24 @@ def help_suffix(action: argparse.Action) -> str:
 def service_parser(subparsers, name: str, help: str, port_of: str | None = None) -> argparse.ArgumentParser:
     """A service's subcommand with the flags every service has; --port defaults to that of `port_of`."""
     parser = subparsers.add_parser(name, help=help)
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORTS[port_of or name], help="0: any free port")
-    parser.add_argument(
-        "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight calls get to finish after SIGTERM"
-    )
-    parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="the lowest level logged"
-    )
+    add_cli_args(parser, ServerConfig)
+    parser.set_defaults(port=DEFAULT_PORTS[port_of or name])
     telemetry.add_args(parser)  # --otlp-traces-endpoint, --trace-sample-ratio, --metrics-port
     return parser
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
     """RequestLimits as flags (--max-n, --max-stop, ...)."""
-    group = parser.add_argument_group("request limits")
-    for f in dataclasses.fields(RequestLimits):
-        group.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=LIMIT_HELP.get(f.name))
+    add_cli_args(parser, RequestLimits)
 
 
 def add_detailed_traces_arg(parser: argparse.ArgumentParser) -> None:
     """The engine's --collect-detailed-traces (`llmmesh serve` passes it on to its engine)."""
-    parser.add_argument(
-        "--collect-detailed-traces",
-        nargs="?",
-        const="all",
-        default=None,
-        choices=["all", "model", "worker"],
-        help="(vLLM's flag) add each engine step to request traces: the tokens it produced, "
-        "its batch, its time in schedule, model and output processing",
-    )
+    add_cli_args(parser, EngineObservabilityConfig)
 
 
 def limits_from_args(args) -> RequestLimits:
-    limits = RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)})
-    for f in dataclasses.fields(RequestLimits):
-        if getattr(limits, f.name) < 1:
-            raise ValueError(f"--{f.name.replace('_', '-')} must be at least 1, got {getattr(limits, f.name)}.")
-    return limits
+    return config_from(RequestLimits, args)
 
 
 def setup_logging(level: str = "INFO") -> None:

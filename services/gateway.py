@@ -22,6 +22,7 @@ import uuid
 
 import grpc
 
+from engine.config.utils import add_cli_args
 from engine.limits import RequestLimits
 from engine.output_processor import RequestOutputKind, RequestState
 from engine.processor import Processor
@@ -32,8 +33,8 @@ from services import config
 from services.convert import sampling_params_from_llmmesh
 from services.dependencies import UNARY_TIMEOUT, Dependencies
 from services.errors import RequestError, dependency_error, internal, invalid, unavailable
-from services.routing import ROUTING_POLICIES
 from services.server import Server
+from services.settings import ChatTemplateConfig, GatewayConfig, GatewayFlags
 from services.telemetry import (
     CURRENT_SERVER_SPAN,
     SpanKind,
@@ -780,59 +781,14 @@ async def serve(args) -> None:
 
 def add_gateway_args(parser) -> None:
     """The gateway's own flags (not the addresses of its dependencies)."""
-    parser.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model name clients may ask for (default: the engines' --model, as in vLLM)",
-    )
-    parser.add_argument(
-        "--max-requests-in-flight",
-        type=int,
-        default=1024,
-        help="requests in flight past which new ones get RESOURCE_EXHAUSTED",
-    )
-    parser.add_argument("--api-key", default=None, help="require metadata 'authorization: Bearer KEY'")
-    parser.add_argument(
-        "--routing",
-        choices=ROUTING_POLICIES,
-        default=None,
-        help="how requests are spread over the engines: prefix-aware (where the prompt's KV blocks are, weighed "
-        "against load; the default with more than one engine), least-loaded (fewest in flight) or round-robin",
-    )
-    parser.add_argument(
-        "--prefill-timeout",
-        type=float,
-        default=30.0,
-        help="with disaggregated prefill: seconds a prefill engine may take over a prompt before the gateway gives "
-        "up on it and the decode engine computes the prompt itself (a hung prefill engine costs a request at most "
-        "this; one that fails its health checks is skipped until it passes them again)",
-    )
-    parser.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="pass a request's own chat template on to the tokenizer (which must trust it too)",
-    )
+    add_cli_args(parser, GatewayConfig)
+    add_cli_args(parser, ChatTemplateConfig)
     config.add_limit_args(parser)
 
 
 def add_subcommands(subparsers) -> None:
     p = config.service_parser(subparsers, "gateway", "run the public llmmesh.v1.Gateway service")
-    p.add_argument(
-        "--engine",
-        action="append",
-        default=None,
-        help="an engine address HOST:PORT (repeatable; in the environment, a comma-separated list)",
-    )
-    p.add_argument(
-        "--prefill-engine",
-        action="append",
-        default=None,
-        help="a kv_producer engine's HOST:PORT for disaggregated prefill (repeatable; in the environment, a "
-        "comma-separated list): each prompt is computed there and its KV blocks handed through the kvstore to the "
-        "--engine engines (kv_consumers), which decode",
-    )
-    p.add_argument("--tokenizer", default=None, help="the tokenizer service's HOST:PORT")
-    p.add_argument("--detokenizer", default=None, help="the detokenizer service's HOST:PORT")
+    add_cli_args(p, GatewayFlags, grouped=False)
     add_gateway_args(p)
     p.set_defaults(func=run)
 

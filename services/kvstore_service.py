@@ -36,6 +36,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from engine.config.utils import add_cli_args
 from engine.malloc import keep_freed_memory_in_process
 from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from mesh.kvstore.wire import SEGMENT_PREFIX
@@ -43,6 +44,7 @@ from mesh.shared_memory import is_segment_name, open_segment
 from services import config
 from services.block_reader import BlockReader
 from services.server import MAX_MESSAGE_BYTES, Server
+from services.settings import KVStoreConfig, KVStoreFlags
 
 logger = logging.getLogger("llmmesh.kvstore")
 
@@ -423,29 +425,12 @@ async def serve(args) -> None:
 
 def add_store_args(parser: argparse.ArgumentParser) -> None:
     """The kvstore's flags besides its Redis's address (`llmmesh serve` passes them on to its kvstore)."""
-    parser.add_argument(
-        "--redis-timeout",
-        type=float,
-        default=2.0,
-        help="seconds a Redis call or connection may take before the RPC answers UNAVAILABLE",
-    )
-    parser.add_argument(
-        "--max-blocks-per-request",
-        type=int,
-        default=65536,
-        help="block hashes in one Lookup, Get or Delete, or blocks in one Put message",
-    )
-    parser.add_argument(
-        "--max-block-bytes",
-        type=int,
-        default=MAX_MESSAGE_BYTES - 2**20,
-        help="the largest block a layout may describe (one block travels in one gRPC message)",
-    )
+    add_cli_args(parser, KVStoreConfig)
 
 
 def add_subcommands(subparsers) -> None:
     parser = config.service_parser(subparsers, "kvstore", "serve llmmesh.v1.KVStore (KV-cache blocks in Redis)")
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="redis://HOST:PORT/DB")
+    add_cli_args(parser, KVStoreFlags, grouped=False)
     add_store_args(parser)
 
     def run(args):

@@ -31,6 +31,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
+from engine.config.utils import add_cli_args
 from engine.request import RequestFailure, SamplingParams
 from engine.sample.metadata import MetadataCache, SamplingMetadata
 from engine.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, expand_positions
@@ -51,6 +52,7 @@ from mesh.sampler.wire import (
 )
 from services import config
 from services.server import Server
+from services.settings import SamplerFlags
 from services.telemetry import Telemetry, set_error
 
 SERVICE_NAME = sampler_pb2.DESCRIPTOR.services_by_name["Sampler"].full_name
@@ -386,12 +388,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
 
 def add_subcommands(subparsers) -> None:
     parser = config.service_parser(subparsers, "sampler", "serve llmmesh.v1.Sampler (one step's logits -> sampled ids)")
-    parser.add_argument(
-        "--device",
-        default="cpu",
-        help="where to sample: cpu, cuda, cuda:1 (seeded draws follow "
-        "the device's generator: use the engine's device to reproduce its in-process samples)",
-    )
+    add_cli_args(parser, SamplerFlags, grouped=False)
     # An engine's stream lasts as long as the engine: a drain would wait for it to its end.
     parser.set_defaults(func=lambda args: config.run(serve(args), args), shutdown_timeout=1.0)
 

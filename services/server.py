@@ -21,7 +21,9 @@ from grpc_reflection.v1alpha import reflection
 
 logger = logging.getLogger("llmmesh.server")
 
+from engine.config.utils import add_cli_args  # noqa: E402
 from mesh.grpc_policy import CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, MAX_MESSAGE_BYTES, SERVER_OPTIONS  # noqa: E402, F401
+from services.settings import HealthFlags  # noqa: E402
 from services.telemetry import Telemetry, instrument  # noqa: E402
 
 
@@ -275,7 +277,5 @@ def check_health(address: str, service: str = "", timeout: float = 2.0) -> bool:
 
 def add_subcommands(subparsers) -> None:
     parser = subparsers.add_parser("health", help="exit 0 when a service's gRPC health check says SERVING")
-    parser.add_argument("address", help="HOST:PORT")
-    parser.add_argument("--service", default="", help="a full service name; empty means the whole server")
-    parser.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    add_cli_args(parser, HealthFlags, grouped=False)
     parser.set_defaults(func=lambda args: sys.exit(0 if check_health(args.address, args.service, args.timeout) else 1))

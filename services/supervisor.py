@@ -24,10 +24,12 @@ import threading
 import time
 
 from engine.config import EngineArgs
+from engine.config.utils import add_cli_args
 from engine.limits import RequestLimits
 from services import client, config, kvstore_service
 from services.gateway import add_gateway_args
 from services.prometheus import scrape_config
+from services.settings import MAX_ENGINES, DemoConfig, MeshConfig, ServeFlags
 
 LISTENING = re.compile(r"llmmesh (\w+) listening on (\S+)")
 METRICS = re.compile(r"llmmesh (\w+) metrics on (\S+)")  # with --metrics-port (services.telemetry)
@@ -40,7 +42,6 @@ RESTART_BACKOFF_S = 0.25
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 300.0
 REDIS = "redis-server"  # Redis's name among the mesh's processes
-MAX_ENGINES = 64  # engine replicas `llmmesh serve --engines` starts at most
 
 
 # ---- running services as processes --------------------------------------------------------------
@@ -698,39 +699,13 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     }
 
 
-# Whether serve and demo (make run, make serve) run the KV store unless told --no-kv-store. Mesh itself
-# (tests, benchmarks) runs it only when asked: Mesh(..., kv_store=True).
-KV_STORE_DEFAULT = True
-
-
-def add_kv_store_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("KV store")
-    group.add_argument(
-        "--kv-store",
-        action=argparse.BooleanOptionalAction,
-        default=KV_STORE_DEFAULT,
-        help="run a redis-server and the kvstore, and the engine with its KV connector to them",
-    )
-    group.add_argument(
-        "--redis-maxmemory",
-        default="2gb",
-        help="the redis-server's maxmemory (it evicts least recently used blocks beyond it)",
-    )
+def add_mesh_args(parser: argparse.ArgumentParser) -> None:
+    add_cli_args(parser, MeshConfig)
 
 
 def kv_store_options(args: argparse.Namespace) -> dict:
     """Mesh's KV-store arguments as serve or demo was given them."""
     return {"kv_store": args.kv_store, "redis_maxmemory": args.redis_maxmemory}
-
-
-def add_sampler_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--sampler-service",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run the sampler as its own service, the engine sampling on it (--no-sampler-service: "
-        "the engine samples in process)",
-    )
 
 
 def sampler_options(args: argparse.Namespace) -> dict:
@@ -748,42 +723,15 @@ def add_subcommands(subparsers) -> None:
         f"{RESTART_WINDOW_S:g} s is in a crash loop, and serve stops the mesh and exits with code 1."
     )
     add_gateway_args(p)
-    p.add_argument(
-        "--engines",
-        type=int,
-        default=1,
-        help=f"engine replicas behind the gateway (at most {MAX_ENGINES}), sharing the KV store when it runs",
-    )
-    p.add_argument(
-        "--prefill-engines",
-        type=int,
-        default=0,
-        help="disaggregated prefill (vLLM's P/D): this many kv_producer engines compute each prompt and store its "
-        "KV blocks in the KV store, from which the decode engines load them (0: off)",
-    )
-    p.add_argument(
-        "--decode-engines",
-        type=int,
-        default=None,
-        help="with --prefill-engines: the kv_consumer engines that load the prompts' blocks and decode (default 1)",
-    )
+    add_cli_args(p, ServeFlags, grouped=False)
     EngineArgs.add_cli_args(p)
     config.add_detailed_traces_arg(p)
-    add_kv_store_args(p)
+    add_mesh_args(p)
     kvstore_service.add_store_args(p)
-    add_sampler_args(p)
-    p.add_argument(
-        "--prometheus-config",
-        metavar="FILE",
-        default=None,
-        help="once the mesh is up, write a Prometheus scrape configuration for every service's /metrics "
-        "to FILE (needs --metrics-port; each service then serves /metrics on a free port)",
-    )
     p.set_defaults(func=serve)
 
     p = subparsers.add_parser("demo", help="start the mesh, stream a few generations through it, stop it")
-    p.add_argument("--max-tokens", type=int, default=48, help="most tokens to generate per prompt")
     EngineArgs.add_cli_args(p)
-    add_kv_store_args(p)
-    add_sampler_args(p)
+    add_cli_args(p, DemoConfig)
+    add_mesh_args(p)
     p.set_defaults(func=run_demo)

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import contextvars
 import logging
-import os
 import socket
 import threading
 import time
@@ -29,6 +28,9 @@ from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from engine.config.utils import add_cli_args
+from services.settings import ObservabilityConfig
+
 logger = logging.getLogger("llmmesh.telemetry")
 
 PROPAGATOR = TraceContextTextMapPropagator()
@@ -37,25 +39,7 @@ CURRENT_SERVER_SPAN: contextvars.ContextVar = contextvars.ContextVar("llmmesh_se
 
 
 def add_args(parser) -> None:
-    group = parser.add_argument_group("observability")
-    group.add_argument(
-        "--otlp-traces-endpoint",
-        default=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
-        help="export traces over OTLP/gRPC to this collector (HOST:PORT or http://HOST:PORT); "
-        "default OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing",
-    )
-    group.add_argument(
-        "--trace-sample-ratio",
-        type=float,
-        default=1.0,
-        help="the fraction of requests traced (0..1) when the caller sent no sampled traceparent",
-    )
-    group.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus /metrics on this port (0: any free port); off when unset",
-    )
+    add_cli_args(parser, ObservabilityConfig)
 
 
 def epoch_ns(monotonic_s: float) -> int:

@@ -7,11 +7,13 @@ import asyncio
 import logging
 import time
 
+from engine.config.utils import add_cli_args
 from engine.limits import RequestLimits
 from engine.models.files import load_config, prepare_text_dir
 from engine.text import Tokenizer
 from services import config
 from services.server import Server
+from services.settings import TextModelConfig
 
 logger = logging.getLogger("llmmesh.text")
 
@@ -82,8 +84,6 @@ async def serve_text_service(name: str, service_name: str, add_servicer_to_serve
 
 def text_service_parser(subparsers, name: str, help: str):
     parser = config.service_parser(subparsers, name, help)
-    parser.add_argument(
-        "--model", default=config.DEFAULT_MODEL, help=f"HF model directory, .gguf file, or {config.DEFAULT_MODEL}"
-    )
+    add_cli_args(parser, TextModelConfig)
     config.add_limit_args(parser)
     return parser

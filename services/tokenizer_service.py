@@ -2,10 +2,12 @@
 
 import grpc
 
+from engine.config.utils import add_cli_args
 from engine.limits import RequestLimits
 from engine.output_processor import truncate_prompt
 from llmmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services import config
+from services.settings import ChatTemplateConfig
 from services.text_model import (
     TextModel,
     check_messages,
@@ -109,11 +111,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
 
 def add_subcommands(subparsers) -> None:
     parser = text_service_parser(subparsers, "tokenizer", "serve llmmesh.v1.Tokenizer (text and chat -> token ids)")
-    parser.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="let requests bring their own chat template (it runs inside this process)",
-    )
+    add_cli_args(parser, ChatTemplateConfig)
 
     def run(args):
         service = TokenizerService(config.limits_from_args(args), args.trust_request_chat_template)

@@ -1,10 +1,11 @@
 """EngineArgs and the `llmmesh` flags: names, environment defaults (LLMMESH_<FLAG>), memory sizes and validation."""
 
 import argparse
+import dataclasses
 
 import pytest
 
-from engine.config import EngineArgs, parse_int_list, parse_memory_size
+from engine.config import EngineArgs, LoRAConfig, SchedulerConfig, parse_int_list, parse_memory_size
 from services import client, config
 from services.cli import build_parser
 
@@ -165,3 +166,15 @@ def test_every_flag_reads_its_variable(monkeypatch):
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         EngineArgs(**kwargs)
+
+
+def test_engine_args_builds_the_composed_configs():
+    """EngineArgs is the flat front: its fields are the configs' own, and create_engine_config() builds them."""
+    config = EngineArgs(max_num_seqs=7, block_size=32, enable_lora=True, lora_modules=["a=/x"]).create_engine_config()
+    assert config.scheduler_config.max_num_seqs == 7 and config.cache_config.block_size == 32
+    assert config.lora_config.lora_modules == ["a=/x"] and config.model_config.model == EngineArgs().model
+    assert EngineArgs(**dataclasses.asdict(EngineArgs(max_num_seqs=7))) == EngineArgs(max_num_seqs=7)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="lora_dtype must be one of"):
+        LoRAConfig(lora_dtype="float32")

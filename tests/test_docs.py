@@ -62,6 +62,19 @@ def test_flags_doc_is_current():
         )
 
 
+def test_flags_doc_describes_each_group_once():
+    """A group of flags several commands take has one table, and each command that takes it links to it."""
+    text = (ROOT / "docs" / "flags.md").read_text()
+    sections = dict(re.findall(r"^## llmmesh (\S+)\n(.*?)(?=^## )", text, re.DOTALL | re.MULTILINE))
+    for name, parser in subcommands().items():
+        for group in parser._action_groups:
+            if group.title in flags_doc.OWN_GROUPS or not group._group_actions:
+                continue
+            assert text.count(f"\n### {group.title}\n") == 1, group.title
+            assert f"[{group.title}](#{group.title.lower()})" in sections[name], (name, group.title)
+    assert text.count("| `--max-n` |") == text.count("| `--block-size` |") == 1
+
+
 def test_help_shows_each_meaning_default_and_variable():
     for name, parser in subcommands().items():
         for action in parser._actions:

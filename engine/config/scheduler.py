@@ -1,0 +1,40 @@
+"""SchedulerConfig: what one engine step may hold and in which order requests are served."""
+
+from dataclasses import dataclass
+
+from engine.config.utils import check_choices, setting
+
+
+@dataclass
+class SchedulerConfig:
+    """The scheduler: each step's token and request budget, the queue's policy, chunked prefill and async
+    scheduling."""
+
+    max_num_batched_tokens: int = setting(2048, help="tokens scheduled in one step at most")
+    max_num_seqs: int = setting(256, help="requests running at once at most")
+    scheduling_policy: str = setting(
+        "fcfs",
+        choices=("fcfs", "priority"),
+        help="fcfs (first come, first served) or priority (lowest priority value first)",
+    )
+    long_prefill_token_threshold: int = setting(0, help="cap on one request's prefill chunk per step; 0: no cap")
+    watermark: float = setting(
+        0.0, help="share of the KV-cache blocks held back from new requests, so running ones can grow"
+    )
+    # vLLM's --async-scheduling: the next step is scheduled while this one's tokens are being sampled.
+    async_scheduling: bool = setting(
+        True,
+        help="allocate the next step's KV blocks, and build a step of decodes' inputs, while this step's tokens "
+        "are being sampled (on the sampler service, or on the device); outputs are the same either way",
+    )
+
+    def __post_init__(self):
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}.")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}.")
+        check_choices(self)
