@@ -19,11 +19,11 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
 from engine.core import EngineCore
 from engine.executor.uniproc import ExecutorDeadError
+from engine.kv.event_publisher import KVEventPublisher
 from engine.limits import RequestLimits
 from engine.lora.request import LoRARequest
 from engine.output_processor import OutputProcessor, RequestOutputKind
@@ -35,9 +35,6 @@ from engine.sample.sampler import SamplerUnavailableError
 logger = logging.getLogger("llmmesh.engine")
 
 _STOP = object()
-# KV event batches a subscriber may fall behind by; past it the oldest are dropped (and counted).
-KV_EVENT_QUEUE_SIZE = 1024
-SNAPSHOT_BLOCKS_PER_EVENT = 16384  # block hashes in one event of a new KV event subscriber's snapshot (512 KiB)
 
 
 class EngineRequestError(Exception):
@@ -90,11 +87,7 @@ class AsyncLLM:
         self.stats = None  # the core's SchedulerStats, replaced (not mutated) after every step
         self.dead: str | None = None  # why the engine thread stopped
         self.died = asyncio.Event()
-        # KV cache events (with --enable-kv-cache-events), numbered one batch per step, for subscribers.
-        self.kv_event_seq = 0
-        self.kv_event_history: deque[tuple[int, float, list]] = deque(maxlen=1024)
-        self.kv_event_subscribers: set[asyncio.Queue] = set()
-        self.kv_event_drops = 0  # batches dropped from subscribers that fell KV_EVENT_QUEUE_SIZE behind
+        self.kv_events = KVEventPublisher()  # with --enable-kv-cache-events
         # Called on the engine thread after every step with (core.last_step, the step's outputs): metrics and
         # detailed traces. None (the default) costs nothing.
         self.on_step: Callable | None = None
@@ -200,31 +193,27 @@ class AsyncLLM:
 
     def subscribe_kv_events(self) -> asyncio.Queue:
         """A queue of (seq, timestamp, events) batches from now on; unsubscribe_kv_events when done."""
-        queue_ = asyncio.Queue(maxsize=KV_EVENT_QUEUE_SIZE)
-        self.kv_event_subscribers.add(queue_)
-        return queue_
+        return self.kv_events.subscribe()
 
     async def subscribe_kv_events_from_snapshot(self) -> asyncio.Queue:
         """subscribe_kv_events, starting with the blocks cached before the first event (batches numbered 0:
-        AllBlocksCleared, then BlockStored of their hashes). The engine thread takes the snapshot and starts the
-        queue in one go, so the stream misses no block and repeats none."""
-        queue_ = asyncio.Queue(maxsize=KV_EVENT_QUEUE_SIZE)
+        AllBlocksCleared, then BlockStored of their hashes). The engine thread takes the snapshot and has the loop
+        start the queue before any later batch, so the stream misses no block and repeats none."""
+        subscribed = self.loop.create_future()
 
         def snapshot(core: EngineCore) -> None:
-            events = core.kv_cache_manager.snapshot_events(SNAPSHOT_BLOCKS_PER_EVENT)
-            self._call_soon(self._start_subscriber, queue_, [(0, time.time(), [event]) for event in events])
+            batches = KVEventPublisher.snapshot(core.kv_cache_manager)
+            self._call_soon(lambda: subscribed.set_result(self.kv_events.subscribe_from(batches)))
 
         await self._on_engine_thread(snapshot)
-        return queue_
-
-    def _start_subscriber(self, queue_: asyncio.Queue, batches: list) -> None:
-        """On the loop, before any batch the engine thread sends after the snapshot: the queue starts with it."""
-        for batch in batches[: queue_.maxsize]:
-            queue_.put_nowait(batch)
-        self.kv_event_subscribers.add(queue_)
+        return subscribed.result()
 
     def unsubscribe_kv_events(self, queue_: asyncio.Queue) -> None:
-        self.kv_event_subscribers.discard(queue_)
+        self.kv_events.unsubscribe(queue_)
+
+    @property
+    def kv_event_drops(self) -> int:
+        return self.kv_events.drops
 
     def call_hook(self, hook: Callable, *args):
         """A telemetry hook: what it raises is logged and counted, and goes no further (None is returned)."""
@@ -284,14 +273,7 @@ class AsyncLLM:
     def _deliver(self, step_end: float, outputs: list, failed: dict[str, str], kv_events: list) -> None:
         """On the loop, once per step: each request's stream gets one RequestOutput."""
         if kv_events:
-            self.kv_event_seq += 1
-            batch = (self.kv_event_seq, time.time(), kv_events)
-            self.kv_event_history.append(batch)
-            for subscriber in self.kv_event_subscribers:
-                if subscriber.full():  # a subscriber that does not keep up loses the oldest batch
-                    subscriber.get_nowait()
-                    self.kv_event_drops += 1
-                subscriber.put_nowait(batch)
+            self.kv_events.publish(kv_events)
         for engine_id, error in failed.items():
             state = self.output_processor.parent_of.get(engine_id)
             if state is not None:

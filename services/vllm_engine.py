@@ -197,7 +197,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         try:
             # Replay what the history still holds from the requested sequence number on.
             start = request.start_sequence_number
-            backlog = [b for b in engine.kv_event_history if start and b[0] >= start]
+            backlog = [b for b in engine.kv_events.history if start and b[0] >= start]
             for seq, timestamp, events in backlog:
                 yield kv_events_to_vllm(seq, timestamp, events)
             last = backlog[-1][0] if backlog else 0
