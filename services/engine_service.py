@@ -18,7 +18,8 @@ from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from mesh.kvstore.connector import KVStoreConnector
 from services import config
 from services.convert import request_output_to_llmmesh, sampling_params_from_llmmesh
-from services.engine_telemetry import EngineTelemetry, serve_request
+from services.engine_telemetry import EngineTelemetry
+from services.generate import serve_request
 from services.server import Server, llmmesh_version
 from services.vllm_engine import VLLM_ENGINE_SERVICE, VllmEngineServicer, vllm_engine_pb2_grpc
 

@@ -24,7 +24,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from engine.async_llm import AsyncLLM
 from engine.output_processor import RequestOutputKind
-from services.engine_telemetry import serve_request
+from services.generate import serve_request
 from services.server import llmmesh_version
 from services.vllm_convert import kv_events_to_vllm, request_output_to_vllm, sampling_params_from_vllm
 
