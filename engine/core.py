@@ -59,7 +59,7 @@ class EngineCore:
     def _start(self, args: EngineArgs) -> None:
         """The KV cache, the scheduler and what they need, over the started executor."""
         cfg = self.model_config
-        self.device, self.dtype = self.worker.device, self.worker.dtype
+        self.device, self.dtype = self.executor.device, self.executor.dtype
         self.num_blocks = self.executor.determine_num_available_blocks()
         self.executor.initialize_kv_cache(self.num_blocks)
         block_size = args.block_size
@@ -67,7 +67,7 @@ class EngineCore:
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s)",
             self.num_blocks, block_size, capacity,
-            self.num_blocks * self.worker.get_cache_block_size_bytes() / 2**30, self.worker.kv_cache_dtype,
+            self.num_blocks * self.executor.get_cache_block_size_bytes() / 2**30, self.executor.kv_cache_dtype,
         )  # fmt: skip
 
         # LoRA adapters loaded: name -> its request, and id -> the digest of its weights (its blocks' extra key).
@@ -88,7 +88,7 @@ class EngineCore:
         self.connector = None
         kv_transfer_config = args.get_kv_transfer_config()
         if kv_transfer_config is not None:  # the scheduler's half (the worker made its own with its KV cache)
-            layout = self.worker.kv_layout
+            layout = self.executor.get_kv_layout()
             self.connector = create_connector(
                 kv_transfer_config, KVConnectorRole.SCHEDULER, layout, kv_cache_manager=self.kv_cache_manager
             )
@@ -106,7 +106,7 @@ class EngineCore:
             connector=self.connector,
             structured_output_manager=self.structured_output_manager,
             num_spec_tokens=spec.num_speculative_tokens if (spec := args.get_speculative_config()) else 0,
-            num_lookahead_tokens=self.worker.drafter.num_lookahead_tokens if self.worker.drafter else 0,
+            num_lookahead_tokens=self.executor.num_lookahead_tokens,
             max_loras=args.max_loras if args.enable_lora else 0,
         )
         self._aborted: list[EngineCoreOutput] = []
@@ -115,7 +115,8 @@ class EngineCore:
 
     @property
     def worker(self) -> Worker:
-        """Rank 0's worker, in this process (the one that samples)."""
+        """Rank 0's worker, in this process, for tests that look inside it: the core itself goes through its
+        executor."""
         return self.executor.driver_worker
 
     # ---- the API the offline LLM and the gRPC engine service drive -------------
