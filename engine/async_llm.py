@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from engine.core import EngineCore
 from engine.executor.uniproc import ExecutorDeadError
+from engine.info import EngineInfo
 from engine.kv.event_publisher import KVEventPublisher
 from engine.limits import RequestLimits
 from engine.lora.request import LoRARequest
@@ -85,6 +86,7 @@ class AsyncLLM:
         self.streams: dict[str, RequestStream] = {}  # user request id -> its stream, until its last output
         self.processor: Processor | None = None  # admission, once the core is built
         self.stats = None  # the core's SchedulerStats, replaced (not mutated) after every step
+        self.info: EngineInfo | None = None  # the core's EngineInfo, once built; replaced when it changes
         self.dead: str | None = None  # why the engine thread stopped
         self.died = asyncio.Event()
         self.kv_events = KVEventPublisher()  # with --enable-kv-cache-events
@@ -326,6 +328,7 @@ class AsyncLLM:
             self.core.executor.on_failure = lambda reason: self.inbox.put(("executor_dead", reason))
             self.processor = Processor.for_engine(self.core, self.limits, self.tokenizer)
             self.stats = self.core.get_stats()
+            self.info = self.core.info
         except BaseException as e:  # noqa: BLE001 (loading failed or was interrupted: the caller of loaded() gets it)
             error = e if isinstance(e, Exception) else RuntimeError(f"loading the engine was interrupted: {e!r}")
             self.dead = f"{type(e).__name__}: {e}"
@@ -343,12 +346,13 @@ class AsyncLLM:
 
     def _call(self, core: EngineCore, call: Callable, done: asyncio.Future) -> None:
         """On the engine thread: run call(core) and settle `done` on the loop with its result or error."""
+        result = error = None
         try:
             result = call(core)
         except Exception as e:  # noqa: BLE001 (the caller gets it: a bad adapter never stops the engine)
-            self._call_soon(_settle, done, None, e)
-        else:
-            self._call_soon(_settle, done, result, None)
+            error = e
+        self.info = core.update_info()  # what the call changed (an adapter) shows before its caller goes on
+        self._call_soon(_settle, done, result, error)
 
     def _call_soon(self, callback, *args) -> bool:
         """Run callback on the event loop; False when the loop is closed and nobody listens any more."""
@@ -406,6 +410,7 @@ class AsyncLLM:
                     if self.on_step is not None:
                         self.call_hook(self.on_step, core.last_step, outputs)
             self.stats = core.get_stats()
+            self.info = core.update_info()
             kv_events = core.take_kv_events()  # always empty without --enable-kv-cache-events
             if (failed or outputs or kv_events) and not self._call_soon(
                 self._deliver, time.monotonic(), outputs, failed, kv_events

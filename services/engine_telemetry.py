@@ -121,8 +121,8 @@ class SchedulerCollector:
             for position, value in enumerate(spec.num_accepted_tokens_per_pos):
                 per_pos.add_metric([*labels, str(position)], value)
             yield per_pos
-        if engine.core.args.enable_lora:
-            yield self.lora_info(engine.core.args.max_loras, stats)
+        if engine.info.enable_lora:
+            yield self.lora_info(engine.info.max_loras, stats)
 
     def lora_info(self, max_loras: int, stats) -> GaugeMetricFamily:
         """vLLM's vllm:lora_requests_info: the adapters with requests running and waiting as labels (comma-separated
