@@ -19,11 +19,12 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
 from engine.core import EngineCore
 from engine.executor.uniproc import ExecutorDeadError
+from engine.info import EngineInfo
+from engine.kv.event_publisher import KVEventPublisher
 from engine.limits import RequestLimits
 from engine.lora.request import LoRARequest
 from engine.output_processor import OutputProcessor, RequestOutputKind
@@ -35,9 +36,6 @@ from engine.sample.sampler import SamplerUnavailableError
 logger = logging.getLogger("llmmesh.engine")
 
 _STOP = object()
-# KV event batches a subscriber may fall behind by; past it the oldest are dropped (and counted).
-KV_EVENT_QUEUE_SIZE = 1024
-SNAPSHOT_BLOCKS_PER_EVENT = 16384  # block hashes in one event of a new KV event subscriber's snapshot (512 KiB)
 
 
 class EngineRequestError(Exception):
@@ -88,13 +86,10 @@ class AsyncLLM:
         self.streams: dict[str, RequestStream] = {}  # user request id -> its stream, until its last output
         self.processor: Processor | None = None  # admission, once the core is built
         self.stats = None  # the core's SchedulerStats, replaced (not mutated) after every step
+        self.info: EngineInfo | None = None  # the core's EngineInfo, once built; replaced when it changes
         self.dead: str | None = None  # why the engine thread stopped
         self.died = asyncio.Event()
-        # KV cache events (with --enable-kv-cache-events), numbered one batch per step, for subscribers.
-        self.kv_event_seq = 0
-        self.kv_event_history: deque[tuple[int, float, list]] = deque(maxlen=1024)
-        self.kv_event_subscribers: set[asyncio.Queue] = set()
-        self.kv_event_drops = 0  # batches dropped from subscribers that fell KV_EVENT_QUEUE_SIZE behind
+        self.kv_events = KVEventPublisher()  # with --enable-kv-cache-events
         # Called on the engine thread after every step with (core.last_step, the step's outputs): metrics and
         # detailed traces. None (the default) costs nothing.
         self.on_step: Callable | None = None
@@ -200,31 +195,27 @@ class AsyncLLM:
 
     def subscribe_kv_events(self) -> asyncio.Queue:
         """A queue of (seq, timestamp, events) batches from now on; unsubscribe_kv_events when done."""
-        queue_ = asyncio.Queue(maxsize=KV_EVENT_QUEUE_SIZE)
-        self.kv_event_subscribers.add(queue_)
-        return queue_
+        return self.kv_events.subscribe()
 
     async def subscribe_kv_events_from_snapshot(self) -> asyncio.Queue:
         """subscribe_kv_events, starting with the blocks cached before the first event (batches numbered 0:
-        AllBlocksCleared, then BlockStored of their hashes). The engine thread takes the snapshot and starts the
-        queue in one go, so the stream misses no block and repeats none."""
-        queue_ = asyncio.Queue(maxsize=KV_EVENT_QUEUE_SIZE)
+        AllBlocksCleared, then BlockStored of their hashes). The engine thread takes the snapshot and has the loop
+        start the queue before any later batch, so the stream misses no block and repeats none."""
+        subscribed = self.loop.create_future()
 
         def snapshot(core: EngineCore) -> None:
-            events = core.kv_cache_manager.snapshot_events(SNAPSHOT_BLOCKS_PER_EVENT)
-            self._call_soon(self._start_subscriber, queue_, [(0, time.time(), [event]) for event in events])
+            batches = KVEventPublisher.snapshot(core.kv_cache_manager)
+            self._call_soon(lambda: subscribed.set_result(self.kv_events.subscribe_from(batches)))
 
         await self._on_engine_thread(snapshot)
-        return queue_
-
-    def _start_subscriber(self, queue_: asyncio.Queue, batches: list) -> None:
-        """On the loop, before any batch the engine thread sends after the snapshot: the queue starts with it."""
-        for batch in batches[: queue_.maxsize]:
-            queue_.put_nowait(batch)
-        self.kv_event_subscribers.add(queue_)
+        return subscribed.result()
 
     def unsubscribe_kv_events(self, queue_: asyncio.Queue) -> None:
-        self.kv_event_subscribers.discard(queue_)
+        self.kv_events.unsubscribe(queue_)
+
+    @property
+    def kv_event_drops(self) -> int:
+        return self.kv_events.drops
 
     def call_hook(self, hook: Callable, *args):
         """A telemetry hook: what it raises is logged and counted, and goes no further (None is returned)."""
@@ -284,14 +275,7 @@ class AsyncLLM:
     def _deliver(self, step_end: float, outputs: list, failed: dict[str, str], kv_events: list) -> None:
         """On the loop, once per step: each request's stream gets one RequestOutput."""
         if kv_events:
-            self.kv_event_seq += 1
-            batch = (self.kv_event_seq, time.time(), kv_events)
-            self.kv_event_history.append(batch)
-            for subscriber in self.kv_event_subscribers:
-                if subscriber.full():  # a subscriber that does not keep up loses the oldest batch
-                    subscriber.get_nowait()
-                    self.kv_event_drops += 1
-                subscriber.put_nowait(batch)
+            self.kv_events.publish(kv_events)
         for engine_id, error in failed.items():
             state = self.output_processor.parent_of.get(engine_id)
             if state is not None:
@@ -344,6 +328,7 @@ class AsyncLLM:
             self.core.executor.on_failure = lambda reason: self.inbox.put(("executor_dead", reason))
             self.processor = Processor.for_engine(self.core, self.limits, self.tokenizer)
             self.stats = self.core.get_stats()
+            self.info = self.core.info
         except BaseException as e:  # noqa: BLE001 (loading failed or was interrupted: the caller of loaded() gets it)
             error = e if isinstance(e, Exception) else RuntimeError(f"loading the engine was interrupted: {e!r}")
             self.dead = f"{type(e).__name__}: {e}"
@@ -361,12 +346,13 @@ class AsyncLLM:
 
     def _call(self, core: EngineCore, call: Callable, done: asyncio.Future) -> None:
         """On the engine thread: run call(core) and settle `done` on the loop with its result or error."""
+        result = error = None
         try:
             result = call(core)
         except Exception as e:  # noqa: BLE001 (the caller gets it: a bad adapter never stops the engine)
-            self._call_soon(_settle, done, None, e)
-        else:
-            self._call_soon(_settle, done, result, None)
+            error = e
+        self.info = core.update_info()  # what the call changed (an adapter) shows before its caller goes on
+        self._call_soon(_settle, done, result, error)
 
     def _call_soon(self, callback, *args) -> bool:
         """Run callback on the event loop; False when the loop is closed and nobody listens any more."""
@@ -424,6 +410,7 @@ class AsyncLLM:
                     if self.on_step is not None:
                         self.call_hook(self.on_step, core.last_step, outputs)
             self.stats = core.get_stats()
+            self.info = core.update_info()
             kv_events = core.take_kv_events()  # always empty without --enable-kv-cache-events
             if (failed or outputs or kv_events) and not self._call_soon(
                 self._deliver, time.monotonic(), outputs, failed, kv_events

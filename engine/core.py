@@ -3,13 +3,16 @@ this process, or one per tensor-parallel rank)."""
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
+from types import MappingProxyType
 
 from engine.config import EngineArgs
 from engine.executor import make_executor
+from engine.info import EngineInfo
 from engine.kv.connector.base import KVConnectorRole
 from engine.kv.connector.factory import create_connector
+from engine.kv.layout import KVLayout
 from engine.kv.manager import KVCacheManager
 from engine.lora.request import LoRARequest
 from engine.models.files import load_config
@@ -59,7 +62,7 @@ class EngineCore:
     def _start(self, args: EngineArgs) -> None:
         """The KV cache, the scheduler and what they need, over the started executor."""
         cfg = self.model_config
-        self.device, self.dtype = self.worker.device, self.worker.dtype
+        self.device, self.dtype = self.executor.device, self.executor.dtype
         self.num_blocks = self.executor.determine_num_available_blocks()
         self.executor.initialize_kv_cache(self.num_blocks)
         block_size = args.block_size
@@ -67,7 +70,7 @@ class EngineCore:
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s)",
             self.num_blocks, block_size, capacity,
-            self.num_blocks * self.worker.get_cache_block_size_bytes() / 2**30, self.worker.kv_cache_dtype,
+            self.num_blocks * self.executor.get_cache_block_size_bytes() / 2**30, self.executor.kv_cache_dtype,
         )  # fmt: skip
 
         # LoRA adapters loaded: name -> its request, and id -> the digest of its weights (its blocks' extra key).
@@ -86,9 +89,10 @@ class EngineCore:
         self.num_steps = 0
         self.last_step: StepStats | None = None
         self.connector = None
+        layout = None
         kv_transfer_config = args.get_kv_transfer_config()
         if kv_transfer_config is not None:  # the scheduler's half (the worker made its own with its KV cache)
-            layout = self.worker.kv_layout
+            layout = self.executor.get_kv_layout()
             self.connector = create_connector(
                 kv_transfer_config, KVConnectorRole.SCHEDULER, layout, kv_cache_manager=self.kv_cache_manager
             )
@@ -106,16 +110,67 @@ class EngineCore:
             connector=self.connector,
             structured_output_manager=self.structured_output_manager,
             num_spec_tokens=spec.num_speculative_tokens if (spec := args.get_speculative_config()) else 0,
-            num_lookahead_tokens=self.worker.drafter.num_lookahead_tokens if self.worker.drafter else 0,
+            num_lookahead_tokens=self.executor.num_lookahead_tokens,
             max_loras=args.max_loras if args.enable_lora else 0,
         )
         self._aborted: list[EngineCoreOutput] = []
+        self.info = self._make_info(layout)
         for lora_int_id, (name, path) in enumerate(args.get_lora_modules().items(), start=1):
             self.add_lora(LoRARequest(name, lora_int_id, path))
+        self.update_info()
+
+    def _make_info(self, kv_layout: KVLayout | None) -> EngineInfo:
+        """The snapshot's fixed part; update_info() adds the adapters and the connector's figures."""
+        args, cfg = self.args, self.model_config
+        return EngineInfo(
+            model=args.model,
+            model_dir=self.model_dir,
+            architecture=cfg.architecture,
+            vocab_size=cfg.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=tuple(cfg.eos_token_ids),
+            bos_token_id=cfg.bos_token_id,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_logprobs=args.max_logprobs,
+            block_size=args.block_size,
+            num_blocks=self.num_blocks,
+            attention_backend=self.executor.attention_backend,
+            enable_prefix_caching=args.enable_prefix_caching,
+            prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+            prefix_caching_hash_seed=args.prefix_caching_hash_seed,
+            enable_kv_cache_events=args.enable_kv_cache_events,
+            enable_lora=args.enable_lora,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            lora_adapters=MappingProxyType({}),
+            lora_digests=MappingProxyType({}),
+            kv_role=self.connector.config.kv_role if self.connector is not None else None,
+            kv_layout=kv_layout,
+            kv_connector_stats=None,
+        )
+
+    def update_info(self) -> EngineInfo:
+        """The snapshot for the services (self.info), replaced by a new one when the loaded adapters or the
+        connector's figures have changed since it was made. On the engine thread, after what may change them."""
+        info = self.info
+        stats = self.connector.get_kv_connector_stats() if self.connector is not None else None
+        loras_changed = self.lora_registry != info.lora_adapters or self.lora_digests != info.lora_digests
+        if loras_changed or stats != info.kv_connector_stats:
+            self.info = replace(
+                info,
+                lora_adapters=MappingProxyType(dict(self.lora_registry)),
+                lora_digests=MappingProxyType(dict(self.lora_digests)),
+                kv_connector_stats=stats,
+            )
+        return self.info
 
     @property
     def worker(self) -> Worker:
-        """Rank 0's worker, in this process (the one that samples)."""
+        """Rank 0's worker, in this process, for tests that look inside it: the core itself goes through its
+        executor."""
         return self.executor.driver_worker
 
     # ---- the API the offline LLM and the gRPC engine service drive -------------

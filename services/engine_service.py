@@ -15,10 +15,10 @@ from engine.json_object import parse_json_object
 from engine.kv.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from engine.text.tokenizer import Tokenizer
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from mesh.kvstore.connector import KVStoreConnector
 from services import config
 from services.convert import request_output_to_llmmesh, sampling_params_from_llmmesh
-from services.engine_telemetry import EngineTelemetry, serve_request
+from services.engine_telemetry import EngineTelemetry
+from services.generate import serve_request
 from services.server import Server, llmmesh_version
 from services.vllm_engine import VLLM_ENGINE_SERVICE, VllmEngineServicer, vllm_engine_pb2_grpc
 
@@ -73,10 +73,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def Generate(self, request: engine_pb2.EngineGenerateRequest, context):
         engine = await self.ready(context)
-        connector = engine.core.connector
         try:
-            kv_role = connector.config.kv_role if connector is not None else None
-            kv_transfer = parse_kv_transfer_params(request.kv_transfer_params, kv_role)
+            kv_transfer = parse_kv_transfer_params(request.kv_transfer_params, engine.info.kv_role)
             engine.limits.check_chars("lora_name", request.lora_name, "max_id_chars")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -118,36 +116,34 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return engine_pb2.AbortResponse(num_aborted=engine.abort(request.request_ids, request.stop_string))
 
     async def GetModelInfo(self, request, context):
-        core = (await self.ready(context)).core
-        args = core.args
+        info = (await self.ready(context)).info
         return engine_pb2.ModelInfo(
-            model=args.model,
-            architecture=core.model_config.architecture,
-            vocab_size=core.model_config.vocab_size,
-            max_model_len=core.max_model_len,
-            dtype=str(core.dtype).removeprefix("torch."),
-            eos_token_ids=core.model_config.eos_token_ids,
-            block_size=args.block_size,
-            enable_prefix_caching=args.enable_prefix_caching,
-            prefix_caching_hash_algo=args.prefix_caching_hash_algo,
-            prefix_caching_hash_seed=args.prefix_caching_hash_seed or "",
-            enable_kv_cache_events=args.enable_kv_cache_events,
-            enable_lora=args.enable_lora,
-            max_loras=args.max_loras,
-            max_lora_rank=args.max_lora_rank,
+            model=info.model,
+            architecture=info.architecture,
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            dtype=info.dtype,
+            eos_token_ids=info.eos_token_ids,
+            block_size=info.block_size,
+            enable_prefix_caching=info.enable_prefix_caching,
+            prefix_caching_hash_algo=info.prefix_caching_hash_algo,
+            prefix_caching_hash_seed=info.prefix_caching_hash_seed or "",
+            enable_kv_cache_events=info.enable_kv_cache_events,
+            enable_lora=info.enable_lora,
+            max_loras=info.max_loras,
+            max_lora_rank=info.max_lora_rank,
         )
 
     async def GetServerInfo(self, request, context):
-        core = (await self.ready(context)).core
-        args = core.args
+        info = (await self.ready(context)).info
         return engine_pb2.ServerInfo(
             version=llmmesh_version(),
-            block_size=args.block_size,
-            num_gpu_blocks=core.num_blocks,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_logprobs=args.max_logprobs,
-            device=str(core.device),
+            block_size=info.block_size,
+            num_gpu_blocks=info.num_blocks,
+            max_num_seqs=info.max_num_seqs,
+            max_num_batched_tokens=info.max_num_batched_tokens,
+            max_logprobs=info.max_logprobs,
+            device=info.device,
         )
 
     async def GetLoad(self, request, context):
@@ -156,14 +152,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         load = engine_pb2.Load(
             num_running=stats.num_running_reqs, num_waiting=stats.num_waiting_reqs, kv_cache_usage=stats.kv_cache_usage
         )
-        connector = engine.core.connector
-        if isinstance(connector, KVStoreConnector) and (cost := connector.cost.block_load_cost()) is not None:
-            load.kv_load_cost = cost
+        connector_stats = engine.info.kv_connector_stats
+        if connector_stats is not None and connector_stats.block_load_cost is not None:
+            load.kv_load_cost = connector_stats.block_load_cost
         return load
 
     async def SubscribeKvEvents(self, request, context):
         engine = await self.ready(context)
-        if not engine.core.args.enable_kv_cache_events:
+        if not engine.info.enable_kv_cache_events:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "KV cache events are off; start the engine with --enable-kv-cache-events",
@@ -188,7 +184,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def _lora_engine(self, context) -> AsyncLLM:
         engine = await self.ready(context)
-        if not engine.core.args.enable_lora:
+        if not engine.info.enable_lora:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "LoRA adapters are off; start the engine with --enable-lora"
             )
@@ -236,16 +232,16 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return common_pb2.UnloadLoraAdapterResponse()
 
     async def ListLoraAdapters(self, request, context):
-        engine = await self.ready(context)
+        info = (await self.ready(context)).info
         return engine_pb2.ListLoraAdaptersResponse(
             adapters=[
                 engine_pb2.LoraAdapter(
                     lora_name=a.lora_name,
                     lora_path=a.lora_path,
                     lora_int_id=a.lora_int_id,
-                    digest=engine.core.lora_digests.get(a.lora_int_id, b""),
+                    digest=info.lora_digests.get(a.lora_int_id, b""),
                 )
-                for a in engine.lora_registry.values()
+                for a in info.lora_adapters.values()
             ]
         )
 
@@ -306,8 +302,8 @@ async def serve(args) -> None:
         await s.start()  # health answers NOT_SERVING while the model loads
     engine = AsyncLLM(lambda: EngineCore(engine_args), config.limits_from_args(args))
     try:
-        core = await engine.loaded()
-        engine.set_tokenizer(await asyncio.to_thread(Tokenizer.from_pretrained, core.model_dir))
+        await engine.loaded()
+        engine.set_tokenizer(await asyncio.to_thread(Tokenizer.from_pretrained, engine.info.model_dir))
     except BaseException:
         engine.shutdown(timeout=0)
         for s in (*adapter_servers, server):

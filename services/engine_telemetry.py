@@ -13,14 +13,12 @@ step is an `engine_step` span (AsyncLLM.on_step_start / on_step), whose context 
 import logging
 import time
 
-import grpc
 from opentelemetry.trace import Link, Status, StatusCode
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.async_llm import EngineDeadError, EngineRequestError
 from engine.request import FinishReason
-from services.telemetry import CURRENT_SERVER_SPAN, Telemetry, epoch_ns, inject, lora_attributes
+from services.telemetry import Telemetry, epoch_ns, inject, lora_attributes
 
 logger = logging.getLogger("llmmesh.engine")
 
@@ -123,8 +121,8 @@ class SchedulerCollector:
             for position, value in enumerate(spec.num_accepted_tokens_per_pos):
                 per_pos.add_metric([*labels, str(position)], value)
             yield per_pos
-        if engine.core.args.enable_lora:
-            yield self.lora_info(engine.core.args.max_loras, stats)
+        if engine.info.enable_lora:
+            yield self.lora_info(engine.info.max_loras, stats)
 
     def lora_info(self, max_loras: int, stats) -> GaugeMetricFamily:
         """vLLM's vllm:lora_requests_info: the adapters with requests running and waiting as labels (comma-separated
@@ -395,52 +393,3 @@ class RequestWatch:
             len(state.prompt_token_ids),
             m.num_generation_tokens,
         )
-
-
-async def serve_request(
-    engine, observer: EngineTelemetry | None, context, request_id: str, add_request, lora_name: str = ""
-):
-    """One Generate call of either engine protocol: admit the request and yield its outputs, watched.
-
-    add_request(arrival, trace_headers) -> RequestStream admits it; its ValueError, NotImplementedError and
-    EngineDeadError end the call INVALID_ARGUMENT, UNIMPLEMENTED and UNAVAILABLE; a request the engine failed on
-    its own ends INVALID_ARGUMENT (its input), UNAVAILABLE (the sampler service) or INTERNAL (naming it). The
-    request's metrics and span start at its arrival, and its unfinished completions are aborted when the call
-    ends any way but finished (close_stream: their blocks are free before the next step). Callers iterate it
-    under contextlib.aclosing, so a cancelled call runs this cleanup at once, not when the generator is collected.
-    Telemetry goes through engine.call_hook: a hook that raises is counted, and the request goes on.
-    """
-    arrival = time.monotonic()
-    server_span = CURRENT_SERVER_SPAN.get()
-    watch = engine.call_hook(observer.watch, server_span, request_id, arrival, lora_name) if observer else None
-    stream = None
-    try:
-        try:
-            stream = add_request(arrival, watch.trace_headers if watch is not None else ())
-        except NotImplementedError as e:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(e))
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if watch is not None:
-            engine.call_hook(watch.admitted, stream.state)
-        async for out in stream:
-            if watch is not None:
-                engine.call_hook(watch.output, out)
-            yield out
-    except EngineDeadError as e:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-    except EngineRequestError as e:
-        code = (
-            grpc.StatusCode.UNAVAILABLE
-            if e.unavailable
-            else grpc.StatusCode.INVALID_ARGUMENT
-            if e.invalid_input
-            else grpc.StatusCode.INTERNAL
-        )
-        message = str(e) if str(e).startswith(f"request {request_id}") else f"request {request_id}: {e}"
-        await context.abort(code, message)
-    finally:
-        if stream is not None:
-            engine.close_stream(stream)
-        if watch is not None:
-            engine.call_hook(watch.end)

@@ -24,7 +24,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from engine.async_llm import AsyncLLM
 from engine.output_processor import RequestOutputKind
-from services.engine_telemetry import serve_request
+from services.generate import serve_request
 from services.server import llmmesh_version
 from services.vllm_convert import kv_events_to_vllm, request_output_to_vllm, sampling_params_from_vllm
 
@@ -86,7 +86,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 lora_request=lora_request,
             )
 
-        vocab = engine.core.model_config.vocab_size
+        vocab = engine.info.vocab_size
         async with contextlib.aclosing(
             serve_request(engine, self.owner.observer, context, request.request_id, add_request, self.lora_name)
         ) as outputs:
@@ -109,35 +109,34 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="loading the model")
         if engine.dead is not None:
             return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=engine.dead)
-        if self.lora_name and self.lora_name not in engine.lora_registry:
+        if self.lora_name and self.lora_name not in engine.info.lora_adapters:
             return vllm_engine_pb2.HealthCheckResponse(
                 healthy=False, message=f"LoRA adapter {self.lora_name!r} is not loaded"
             )
         return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="Health")
 
     async def GetModelInfo(self, request, context):
-        core = (await self._ready(context)).core
-        cfg = core.model_config
-        hf_config = json.loads((Path(core.model_dir) / "config.json").read_text())
+        info = (await self._ready(context)).info
+        hf_config = json.loads((info.model_dir / "config.json").read_text())
         return vllm_engine_pb2.GetModelInfoResponse(
-            model_path=str(core.model_dir),
+            model_path=str(info.model_dir),
             is_generation=True,
-            max_context_length=core.max_model_len,
-            vocab_size=cfg.vocab_size,
+            max_context_length=info.max_model_len,
+            vocab_size=info.vocab_size,
             supports_vision=False,
-            served_model_name=self.lora_name or core.args.model,
-            tokenizer_path=str(core.model_dir),
+            served_model_name=self.lora_name or info.model,
+            tokenizer_path=str(info.model_dir),
             model_type=hf_config.get("model_type", ""),
-            architectures=[cfg.architecture],
-            eos_token_ids=cfg.eos_token_ids,
+            architectures=[info.architecture],
+            eos_token_ids=info.eos_token_ids,
             pad_token_id=hf_config.get("pad_token_id") or 0,
-            bos_token_id=cfg.bos_token_id or 0,
-            max_req_input_len=core.max_model_len - 1,
+            bos_token_id=info.bos_token_id or 0,
+            max_req_input_len=info.max_model_len - 1,
         )
 
     async def GetServerInfo(self, request, context):
         engine = await self._ready(context)
-        core = engine.core
+        info = engine.info
         return vllm_engine_pb2.GetServerInfoResponse(
             active_requests=len(engine.streams),
             is_paused=False,
@@ -146,15 +145,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             server_type="vllm-grpc",
             data_parallel_size=1,
             kv_cache_dtype="auto",
-            block_size=core.args.block_size,
-            attention_backend=core.worker.attn_backend.name,
-            model_dtype=str(core.dtype),
-            max_num_seqs=core.args.max_num_seqs,
+            block_size=info.block_size,
+            attention_backend=info.attention_backend,
+            model_dtype=f"torch.{info.dtype}",
+            max_num_seqs=info.max_num_seqs,
         )
 
     def _scheduler_load(self, engine: AsyncLLM) -> vllm_engine_pb2.SchedulerLoad:
-        stats, core = engine.stats, engine.core
-        capacity = core.num_blocks * core.args.block_size
+        stats, info = engine.stats, engine.info
+        capacity = info.num_kv_cache_tokens
         return vllm_engine_pb2.SchedulerLoad(
             dp_rank=0,
             num_running_reqs=stats.num_running_reqs,
@@ -164,7 +163,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             max_total_num_tokens=capacity,
             token_usage=stats.kv_cache_usage,
             cache_hit_rate=stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1),
-            max_running_requests=core.args.max_num_seqs,
+            max_running_requests=info.max_num_seqs,
         )
 
     async def GetLoads(self, request, context):
@@ -178,7 +177,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def GetTokenizer(self, request, context):
         engine = await self._ready(context)
-        data = await asyncio.to_thread(tokenizer_zip, Path(engine.core.model_dir))
+        data = await asyncio.to_thread(tokenizer_zip, engine.info.model_dir)
         sha256 = hashlib.sha256(data).hexdigest()
         for start in range(0, len(data), TOKENIZER_CHUNK_BYTES):
             end = start + TOKENIZER_CHUNK_BYTES
@@ -186,7 +185,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def SubscribeKvEvents(self, request, context):
         engine = await self._ready(context)
-        if not engine.core.args.enable_kv_cache_events:
+        if not engine.info.enable_kv_cache_events:
             await context.abort(
                 grpc.StatusCode.UNIMPLEMENTED, "KV cache events are off; start the engine with --enable-kv-cache-events"
             )
@@ -197,7 +196,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         try:
             # Replay what the history still holds from the requested sequence number on.
             start = request.start_sequence_number
-            backlog = [b for b in engine.kv_event_history if start and b[0] >= start]
+            backlog = [b for b in engine.kv_events.history if start and b[0] >= start]
             for seq, timestamp, events in backlog:
                 yield kv_events_to_vllm(seq, timestamp, events)
             last = backlog[-1][0] if backlog else 0
@@ -214,7 +213,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             running_requests=stats.num_running_reqs,
             waiting_requests=stats.num_waiting_reqs,
             token_usage=stats.kv_cache_usage,
-            max_running_requests=engine.core.args.max_num_seqs,
+            max_running_requests=engine.info.max_num_seqs,
         )
 
     # ---- not offered --------------------------------------------------------------------

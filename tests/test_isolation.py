@@ -297,10 +297,10 @@ def test_a_kv_event_subscriber_that_falls_behind_loses_its_oldest_batches(servic
     """A subscriber that never reads holds at most KV_EVENT_QUEUE_SIZE batches; the rest are dropped and counted."""
     import asyncio
 
-    import engine.async_llm
+    import engine.kv.event_publisher
 
     engine_ = async_llm(service)
-    monkeypatch.setattr(engine.async_llm, "KV_EVENT_QUEUE_SIZE", 4)
+    monkeypatch.setattr(engine.kv.event_publisher, "KV_EVENT_QUEUE_SIZE", 4)
 
     async def deliver_ten():
         queue = engine_.subscribe_kv_events()

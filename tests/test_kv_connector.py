@@ -506,6 +506,20 @@ def test_frozen_kvstore_costs_a_deadline_not_a_hang(redis_server, prompts, refer
         kvstore.kill()
 
 
+def test_engine_info_carries_the_connector_figures(kvstore, prompts):
+    """The services read the connector through EngineInfo: its role, its layout, its typed stats with the load
+    cost the kvstore connector estimates (GetLoad's kv_load_cost)."""
+    engine = make_engine(kvstore.address)
+    run_greedy(engine, prompts[:1], 2)
+    settle(engine)
+    info = engine.update_info()
+    assert info.kv_role == "kv_both" and info.kv_layout == engine.connector.layout
+    assert info.kv_connector_stats.data == connector_stats(engine)
+    assert info.kv_connector_stats.block_load_cost == engine.connector.cost.block_load_cost() is not None
+    assert engine.update_info() is info  # nothing changed since
+    engine.shutdown()
+
+
 def test_load_or_recompute_follows_the_estimate(kvstore, prompts):
     """load_policy auto: with the measured prefill rate of a fast accelerator, loading no longer pays and the
     prefix is recomputed; with this CPU's own measurements, it loads."""

@@ -291,6 +291,25 @@ def test_lora_modules_at_start_and_off_without_enable_lora(tiny):
         plain.add_lora(lora(root, "qv-r1"))
 
 
+def test_engine_info_is_replaced_when_adapters_change(tiny):
+    """The services' snapshot: a new EngineInfo once an adapter is loaded or removed; the old one stays as it was."""
+    base, root, _, _ = tiny
+    llm = make_llm(base)
+    engine = llm.engine
+    empty = engine.info
+    assert engine.update_info() is empty and not empty.lora_adapters and empty.enable_lora
+    qv = lora(root, "qv-r1")
+    llm.add_lora(qv)
+    loaded = engine.update_info()
+    assert loaded is not empty and not empty.lora_adapters
+    assert dict(loaded.lora_adapters) == {"qv-r1": qv}
+    assert loaded.lora_digests[qv.lora_int_id] == engine.lora_digests[qv.lora_int_id]
+    with pytest.raises(AttributeError):
+        loaded.max_loras = 1  # frozen
+    llm.remove_lora("qv-r1")
+    assert not engine.update_info().lora_adapters and loaded.lora_adapters
+
+
 def test_tensor_parallel_adapters_give_the_single_device_output(tiny):
     """Two ranks, each with its part of every adapter (B by output rows in the column-parallel q/k/v and gate/up,
     A by input columns in the row-parallel o and down): a batch mixing the base model and two adapters is greedy

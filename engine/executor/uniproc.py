@@ -3,7 +3,10 @@
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from engine.config import EngineArgs
+from engine.kv.layout import KVLayout
 from engine.models.config import ModelConfig
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import Worker
@@ -22,6 +25,40 @@ class UniProcExecutor:
 
     def _make_driver_worker(self, args, model_config, model_dir, max_model_len) -> Worker:
         return Worker(args, model_config, model_dir, max_model_len)
+
+    # ---- what the engine core knows of its workers: rank 0's, as every rank runs the same model and settings ----
+
+    @property
+    def device(self) -> torch.device:
+        return self.driver_worker.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype."""
+        return self.driver_worker.dtype
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.driver_worker.kv_cache_dtype
+
+    @property
+    def attention_backend(self) -> str:
+        return self.driver_worker.attn_backend.name
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots a request needs past its tokens for speculative decoding's drafts; 0 without a drafter."""
+        drafter = self.driver_worker.drafter
+        return drafter.num_lookahead_tokens if drafter else 0
+
+    def get_kv_layout(self) -> KVLayout:
+        """What one KV block is outside the paged cache, for a KV connector."""
+        return self.driver_worker.kv_layout
+
+    def get_cache_block_size_bytes(self) -> int:
+        return self.driver_worker.get_cache_block_size_bytes()
+
+    # ---- running the workers ----------------------------------------------------------------------------
 
     def determine_num_available_blocks(self) -> int:
         return self.driver_worker.determine_num_available_blocks()

@@ -127,7 +127,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_blocks=self.kv_cache_manager.num_blocks,
             num_loading_reqs=len(self.loading),
-            kv_connector_stats=self.connector.get_kv_connector_stats() if self.connector is not None else None,
+            kv_connector_stats=self.connector.get_kv_connector_stats().data if self.connector is not None else None,
             spec_decoding_stats=self.spec_decoding_stats,
             **self._lora_adapter_counts(),
         )

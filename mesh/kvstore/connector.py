@@ -34,6 +34,7 @@ from engine.kv.connector.base import (
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorRole,
+    KVConnectorStats,
     KVTransferConfig,
 )
 from engine.kv.connector.block_io import KVBlockIO
@@ -380,6 +381,11 @@ class KVStoreConnector(KVConnectorBase):
 
     def has_pending_transfers(self) -> bool:
         return bool(self.load_jobs or self.store_holds)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats:
+        stats = super().get_kv_connector_stats()
+        stats.block_load_cost = self.cost.block_load_cost()
+        return stats
 
     def record_step_time(self, scheduler_output, seconds: float) -> None:
         """Prefill speed for the load-or-recompute estimate, from steps that are mostly prefill."""

@@ -93,6 +93,16 @@ class KVConnectorOutput:
         return not (self.finished_recving or self.finished_sending)
 
 
+@dataclass
+class KVConnectorStats:
+    """A connector's figures (vLLM's KVConnectorStats): `data`, its cumulative counters by name (tokens, blocks,
+    bytes), exported on /metrics (SchedulerStats.kv_connector_stats); and, for a connector that weighs loading
+    against recomputing, what loading a block costs over computing it (None until it knows)."""
+
+    data: dict[str, int] = field(default_factory=dict)
+    block_load_cost: float | None = None
+
+
 class KVConnectorBase:
     """Both roles' methods; an instance serves one role.
 
@@ -151,8 +161,9 @@ class KVConnectorBase:
         """Whether a transfer still holds blocks or a request: the engine steps until it ends."""
         return False
 
-    def get_kv_connector_stats(self) -> dict[str, int]:
-        return dict(self.stats)
+    def get_kv_connector_stats(self) -> KVConnectorStats:
+        """The figures so far, a copy the caller may keep."""
+        return KVConnectorStats(dict(self.stats))
 
     # ---- worker side ---------------------------------------------------------------------------
 
