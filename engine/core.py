@@ -85,6 +85,7 @@ class EngineCore:
         )
         self.num_steps = 0
         self.last_step: StepStats | None = None
+        self.step_trace_headers: tuple[tuple[str, str], ...] = ()  # set_step_trace_headers
         self.connector = None
         kv_transfer_config = args.get_kv_transfer_config()
         if kv_transfer_config is not None:  # the scheduler's half (the worker made its own with its KV cache)
@@ -151,11 +152,12 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         began = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        scheduler_output.trace_headers = self.step_trace_headers  # the step carries its span context to the sampler
         started = time.perf_counter()
         # Async scheduling: the next step's blocks are allocated (and a step of decodes has its inputs built) while
         # this step's tokens are being sampled.
-        ahead = partial(self.scheduler.schedule_ahead, scheduler_output) if self.args.async_scheduling else None
-        runner_output = self.executor.execute_model(scheduler_output, ahead)
+        while_waiting = partial(self.scheduler.schedule_ahead, scheduler_output) if self.args.async_scheduling else None
+        runner_output = self.executor.execute_model(scheduler_output, while_waiting)
         ran = time.perf_counter()
         if self.connector is not None:
             self.connector.record_step_time(scheduler_output, ran - started)  # for its own estimates
@@ -241,7 +243,7 @@ class EngineCore:
 
     def set_step_trace_headers(self, trace_headers: tuple[tuple[str, str], ...]) -> None:
         """The next step's span context (--collect-detailed-traces): its call to the sampler service joins it."""
-        self.worker.set_step_trace_headers(trace_headers)
+        self.step_trace_headers = trace_headers
 
     def has_unfinished_requests(self) -> bool:
         """Requests to step, or KV transfers whose end the engine must still see (blocks they hold)."""
