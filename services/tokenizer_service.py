@@ -3,7 +3,7 @@
 import grpc
 
 from engine.limits import RequestLimits
-from engine.output_processor import truncate_prompt
+from engine.processor import truncate_prompt
 from llmmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services import config
 from services.text_model import (
