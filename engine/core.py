@@ -86,7 +86,8 @@ class EngineCore:
         )
         self.num_steps = 0
         self.last_step: StepStats | None = None
-        self.step_trace_headers: tuple[tuple[str, str], ...] = ()  # set_step_trace_headers
+        # The steps' span context (set_step_trace_headers), which each step hands down with its SchedulerOutput.
+        self.step_trace_headers: tuple[tuple[str, str], ...] = ()
         self.connector = None
         kv_transfer_config = args.get_kv_transfer_config()
         if kv_transfer_config is not None:  # the scheduler's half (the worker made its own with its KV cache)
