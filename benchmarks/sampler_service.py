@@ -257,7 +257,7 @@ STEP_PARTS = {  # part -> (what it is called on, method): timed around each call
     "forward": ("model", "forward"),
     "logits": ("model", "compute_logits"),
     "sample": ("sampler", "sample"),
-    "ahead": ("runner", "_while_sampling"),
+    "ahead": ("runner", "_while_waiting"),
     # A greedy step's: the logits into their slot and the step sent; the wait for its answer.
     "send": ("kernels", "send_greedy_step"),
     "recv": ("kernels", "recv_greedy_answer"),

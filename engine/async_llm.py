@@ -139,17 +139,25 @@ class AsyncLLM:
         request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs the engine's tokenizer, which is not loaded.")
-        prompt_token_ids = self.processor.process_inputs(request_id, prompt_token_ids, params, cache_salt, lora_request)
+        requests = self.processor.process_inputs(
+            request_id,
+            prompt_token_ids,
+            params,
+            arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+            lora_request=lora_request,
+            trace_headers=trace_headers,
+            kv_transfer_params=kv_transfer_params,
+        )
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use by a running request.")
-        state = self.output_processor.add_request(request_id, None, prompt_token_ids, params, arrival_time, output_kind)
-        for r in state.engine_requests:
-            r.priority, r.cache_salt, r.eos_token_ids = priority, cache_salt or None, self.processor.eos_token_ids
-            r.trace_headers = trace_headers
-            r.kv_transfer_params = kv_transfer_params or {}
-            r.lora_request = lora_request
+        first = requests[0]
+        state = self.output_processor.add_request(
+            request_id, None, first.prompt_token_ids, params, first.arrival_time, output_kind, requests
+        )
         stream = self.streams[request_id] = RequestStream(request_id, state)
-        self.inbox.put(("add", state.engine_requests))
+        self.inbox.put(("add", requests))
         return stream
 
     # ---- LoRA adapters: loaded and unloaded on the engine thread, between steps ----------------------
@@ -157,6 +165,16 @@ class AsyncLLM:
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load and check an adapter (ValueError: what is wrong with it); False if it was loaded already."""
         return await self._on_engine_thread(lambda core: core.add_lora(lora_request))
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoRARequest:
+        """vLLM's load_lora_adapter: add_lora under the next free adapter id, handed out on the engine thread."""
+
+        def load(core: EngineCore) -> LoRARequest:
+            lora_request = core.lora_registry.new_request(lora_name, lora_path)
+            core.add_lora(lora_request)
+            return lora_request
+
+        return await self._on_engine_thread(load)
 
     async def remove_lora(self, lora_int_id_or_name: int | str) -> bool:
         """Unload an adapter by id or name; False if none such is loaded; ValueError while requests use it."""
@@ -172,18 +190,7 @@ class AsyncLLM:
 
     def lora_request_named(self, lora_name: str) -> LoRARequest | None:
         """A request's adapter by name (None for the base model); LookupError naming the loaded ones when unknown."""
-        if not lora_name:
-            return None
-        lora = self.lora_registry.get(lora_name)
-        if lora is not None:
-            return lora
-        if not self.core.args.enable_lora:
-            raise LookupError(
-                f"lora_name {lora_name[:256]!r}: this engine serves no LoRA adapters (start it with --enable-lora)"
-            )
-        names = sorted(self.lora_registry)
-        loaded = ", ".join(names[:32]) + (" ..." if len(names) > 32 else "")
-        raise LookupError(f"lora_name {lora_name[:256]!r}: no such LoRA adapter; loaded: {loaded or 'none'}")
+        return self.processor.resolve_lora(lora_name)
 
     async def _on_engine_thread(self, call: Callable):
         """call(core) on the engine thread between two steps; what it returns or raises."""

@@ -14,6 +14,7 @@ from engine.kv.connector.base import KVConnectorRole
 from engine.kv.connector.factory import create_connector
 from engine.kv.layout import KVLayout
 from engine.kv.manager import KVCacheManager
+from engine.lora.registry import LoRARegistry
 from engine.lora.request import LoRARequest
 from engine.models.files import load_config
 from engine.models.loader import prepare_model_dir
@@ -74,8 +75,8 @@ class EngineCore:
         )  # fmt: skip
 
         # LoRA adapters loaded: name -> its request, and id -> the digest of its weights (its blocks' extra key).
-        self.lora_registry: dict[str, LoRARequest] = {}
-        self.lora_digests: dict[int, bytes] = {}
+        self.lora_registry = LoRARegistry(args.enable_lora)
+        self.lora_digests = self.lora_registry.digests
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks,
             block_size,
@@ -88,6 +89,8 @@ class EngineCore:
         )
         self.num_steps = 0
         self.last_step: StepStats | None = None
+        # The steps' span context (set_step_trace_headers), which each step hands down with its SchedulerOutput.
+        self.step_trace_headers: tuple[tuple[str, str], ...] = ()
         self.connector = None
         layout = None
         kv_transfer_config = args.get_kv_transfer_config()
@@ -115,8 +118,8 @@ class EngineCore:
         )
         self._aborted: list[EngineCoreOutput] = []
         self.info = self._make_info(layout)
-        for lora_int_id, (name, path) in enumerate(args.get_lora_modules().items(), start=1):
-            self.add_lora(LoRARequest(name, lora_int_id, path))
+        for name, path in args.get_lora_modules().items():
+            self.add_lora(self.lora_registry.new_request(name, path))
         self.update_info()
 
     def _make_info(self, kv_layout: KVLayout | None) -> EngineInfo:
@@ -182,6 +185,7 @@ class EngineCore:
         if self.has_request(request.request_id):
             raise ValueError(f"request_id {request.request_id!r} is already in use.")
         lora = request.lora_request
+        # Checked at admission; this catches an adapter unloaded since, while the request waited for this thread.
         if lora is not None and self.lora_registry.get(lora.lora_name) != lora:
             raise ValueError(f"lora_request: adapter {lora.lora_name!r} (id {lora.lora_int_id}) is not loaded.")
         if request.structured_output_request is not None:
@@ -206,11 +210,12 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         began = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        scheduler_output.trace_headers = self.step_trace_headers  # the step carries its span context to the sampler
         started = time.perf_counter()
         # Async scheduling: the next step's blocks are allocated (and a step of decodes has its inputs built) while
         # this step's tokens are being sampled.
-        ahead = partial(self.scheduler.schedule_ahead, scheduler_output) if self.args.async_scheduling else None
-        runner_output = self.executor.execute_model(scheduler_output, ahead)
+        while_waiting = partial(self.scheduler.schedule_ahead, scheduler_output) if self.args.async_scheduling else None
+        runner_output = self.executor.execute_model(scheduler_output, while_waiting)
         ran = time.perf_counter()
         if self.connector is not None:
             self.connector.record_step_time(scheduler_output, ran - started)  # for its own estimates
@@ -257,29 +262,19 @@ class EngineCore:
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load and check an adapter (ValueError: what is wrong with it); False if it is loaded already."""
-        if not self.args.enable_lora:
-            raise ValueError("LoRA adapters need an engine started with --enable-lora.")
-        name, lora_int_id = lora_request.lora_name, lora_request.lora_int_id
-        if self.lora_registry.get(name) == lora_request:
+        if not self.lora_registry.check_new(lora_request):
             return False
-        if name in self.lora_registry:
-            loaded = self.lora_registry[name]
-            raise ValueError(f"lora_request: an adapter named {name!r} is loaded already (id {loaded.lora_int_id}).")
-        if lora_int_id in self.lora_digests:
-            raise ValueError(f"lora_request: lora_int_id {lora_int_id} is taken by another adapter.")
         try:  # on every tensor-parallel rank; one that refuses it leaves it on none
-            self.lora_digests[lora_int_id] = self.executor.collective_rpc("add_lora", (lora_request,))[0]
+            digest = self.executor.collective_rpc("add_lora", (lora_request,))[0]
         except ValueError:
-            self.executor.collective_rpc("remove_lora", (lora_int_id,))
+            self.executor.collective_rpc("remove_lora", (lora_request.lora_int_id,))
             raise
-        self.lora_registry[name] = lora_request
+        self.lora_registry.add(lora_request, digest)
         return True
 
     def remove_lora(self, lora_int_id_or_name: int | str) -> bool:
         """Unload an adapter (by id or name); False if none such is loaded. ValueError while requests use it."""
-        lora = next(
-            (r for r in self.lora_registry.values() if lora_int_id_or_name in (r.lora_int_id, r.lora_name)), None
-        )
+        lora = self.lora_registry.find(lora_int_id_or_name)
         if lora is None:
             return False
         in_flight = self.scheduler.requests_with_lora(lora.lora_int_id)
@@ -288,7 +283,7 @@ class EngineCore:
                 f"LoRA adapter {lora.lora_name!r} has {in_flight} request(s) in flight; unload it once they end."
             )
         self.executor.collective_rpc("remove_lora", (lora.lora_int_id,))
-        del self.lora_registry[lora.lora_name], self.lora_digests[lora.lora_int_id]
+        self.lora_registry.remove(lora)
         return True
 
     def list_loras(self) -> set[int]:
@@ -296,7 +291,7 @@ class EngineCore:
 
     def set_step_trace_headers(self, trace_headers: tuple[tuple[str, str], ...]) -> None:
         """The next step's span context (--collect-detailed-traces): its call to the sampler service joins it."""
-        self.worker.set_step_trace_headers(trace_headers)
+        self.step_trace_headers = trace_headers
 
     def has_unfinished_requests(self) -> bool:
         """Requests to step, or KV transfers whose end the engine must still see (blocks they hold)."""

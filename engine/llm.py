@@ -1,6 +1,5 @@
 """The offline API, following vllm.LLM: generate() and chat() over an in-process EngineCore."""
 
-import itertools
 import time
 from collections.abc import Sequence
 
@@ -25,7 +24,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_pretrained(self.engine.model_dir)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.processor = Processor.for_engine(self.engine, tokenizer=self.tokenizer)
-        self._counter = itertools.count()
+        self._num_requests = 0  # request ids so far: the next is str(_num_requests)
 
     def get_tokenizer(self):
         """The Hugging Face tokenizer, as vllm.LLM returns it."""
@@ -70,23 +69,24 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries, expected one per prompt ({len(prompts)}).")
         loras = self._as_lora_list(lora_request, len(prompts))
-        # Check every request before adding any, so a bad one leaves the engine untouched.
-        inputs = []
-        for prompt, sp, lora in zip(prompts, params, loras):
+        # Check and build every request before adding any, so a bad one leaves the engine untouched.
+        now, built = time.monotonic(), []
+        for i, (prompt, sp, lora) in enumerate(zip(prompts, params, loras)):
             text, token_ids = self._tokenize(prompt)
-            self.processor.process_lora(lora)
-            self.processor.process_params(sp)
-            inputs.append((text, self.processor.process_prompt(token_ids, sp)))
+            request_id = str(self._num_requests + i)
+            requests = self.processor.process_inputs(
+                request_id, token_ids, sp, now, priority[i] if priority else 0, lora_request=lora
+            )
+            built.append((request_id, text, requests))
+        self._num_requests += len(prompts)
 
         index: dict[str, int] = {}
-        now = time.monotonic()
-        for i, ((text, token_ids), sp) in enumerate(zip(inputs, params)):
-            request_id = str(next(self._counter))
+        for i, ((request_id, text, requests), sp) in enumerate(zip(built, params)):
             index[request_id] = i
-            state = self.output_processor.add_request(request_id, text, token_ids, sp, now)
-            for request in state.engine_requests:
-                request.priority = priority[i] if priority else 0
-                request.lora_request = loras[i]
+            self.output_processor.add_request(
+                request_id, text, requests[0].prompt_token_ids, sp, now, engine_requests=requests
+            )
+            for request in requests:
                 self.engine.add_request(request)
         return self._run_engine(index, use_tqdm)
 

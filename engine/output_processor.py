@@ -2,15 +2,16 @@
 
 One implementation, used everywhere a request's outputs are gathered: the offline LLM and the engine
 service (through AsyncLLM) feed it EngineCoreOutputs and detokenize in process; the gateway feeds it the
-engine's messages and the detokenizer service's text. Either way the same code fans a request out to n
-engine requests, ends a completion at a stop string (the caller aborts its engine request, and outputs
-still in flight for it are dropped), and keeps the request's timings.
+engine's messages and the detokenizer service's text. Either way the same code gathers a request's n
+completions (the engine requests the Processor built), ends a completion at a stop string (the caller aborts
+its engine request, and outputs still in flight for it are dropped), and keeps the request's timings.
 """
 
 import enum
 import time
 
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.processor import child_request_id, fan_out
 from engine.request import EngineCoreEventType, FinishReason, Request, RequestFailure, SamplingParams
 from engine.text.detokenizer import RequestDetokenizer
 
@@ -20,40 +21,6 @@ _KV_TRANSFERS = {
     EngineCoreEventType.KV_LOADED: "kv_loaded",
     EngineCoreEventType.KV_STORE_STARTED: "kv_store_started",
 }
-
-
-def child_request_id(index: int, parent_id: str) -> str:
-    return f"{index}_{parent_id}"
-
-
-def truncate_prompt(prompt_token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """truncate_prompt_tokens: keep the end of the prompt, as vLLM does (-1: as much as the model takes)."""
-    if keep is None:
-        return prompt_token_ids
-    return prompt_token_ids[-(max_model_len if keep == -1 else keep) :]
-
-
-def fan_out(request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time=None) -> list[Request]:
-    """The engine requests behind one user request: itself when n == 1, else n children `i_<id>`.
-
-    vLLM's rule: child i of a seeded request draws with seed + i. Only the first child asks for
-    prompt logprobs, so the others can share the prompt's cached blocks.
-    """
-    if params.n == 1:
-        return [Request(request_id, prompt_token_ids, params, arrival_time=arrival_time)]
-    return [
-        Request(
-            child_request_id(index, request_id),
-            prompt_token_ids,
-            params.clone(
-                n=1,
-                seed=None if params.seed is None else params.seed + index,
-                prompt_logprobs=params.prompt_logprobs if index == 0 else None,
-            ),
-            arrival_time=arrival_time,
-        )
-        for index in range(params.n)
-    ]
 
 
 def logprob_dicts(tensors, token_text) -> list[dict[int, Logprob]]:
@@ -135,7 +102,7 @@ class RequestState:
         self._prompt_logprobs_sent = 0
         self.num_cached_tokens = 0
         self.error: RequestFailure | None = None  # the request failed on its own (its outputs end "error")
-        self.engine_requests: list[Request] = []  # what the engine runs (OutputProcessor.add_request fills it)
+        self.engine_requests: list[Request] = []  # what the engine runs (OutputProcessor.add_request sets it)
         with_logprobs = params.logprobs is not None
         self.completions = [
             CompletionState(i, request_id if params.n == 1 else child_request_id(i, request_id), with_logprobs)
@@ -249,12 +216,16 @@ class OutputProcessor:
         params: SamplingParams,
         arrival_time=None,
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+        engine_requests: list[Request] | None = None,
     ) -> RequestState:
-        """Track a user request; its engine_requests are the n requests to add to the engine."""
+        """Track a user request and the n engine requests behind it: those Processor.process_inputs built, or
+        (None) plain ones, for a caller that drives the engine by hand."""
         if request_id in self.request_states:
             raise ValueError(f"request_id {request_id!r} is already in use by a running request.")
         state = RequestState(request_id, prompt, prompt_token_ids, params, arrival_time, output_kind)
-        state.engine_requests = fan_out(request_id, prompt_token_ids, params, state.metrics.arrival_time)
+        if engine_requests is None:
+            engine_requests = fan_out(request_id, prompt_token_ids, params, state.metrics.arrival_time)
+        state.engine_requests = engine_requests
         taken = [c.engine_request_id for c in state.completions if c.engine_request_id in self.parent_of]
         if taken:
             raise ValueError(f"request_id {request_id!r} clashes with the running engine request {taken[0]!r}.")

@@ -3,15 +3,58 @@ Processor).
 
 It checks a request against the configured limits (RequestLimits) and the model (vocabulary, length, KV cache
 size, --max-logprobs), refuses what can never work (a grammar that does not compile too), tokenizes bad words,
-truncates the prompt, fills in the EOS ids and resolves a request's LoRA adapter among those loaded. The offline LLM, AsyncLLM (both engine protocols) and the gateway
-all admit through it; the gateway has no tokenizer or grammar compiler in process and knows the model from the
-engines' ModelInfo, so it checks everything but the bad words' tokens and the grammars, which the engine checks. Every refusal is a ValueError naming the field and what it allows.
+truncates the prompt, resolves a request's LoRA adapter in the engine's LoRARegistry, and builds the engine
+Requests, complete (the n children of one request, its EOS ids, priority, cache salt, adapter, trace context and KV
+transfer parameters): nothing changes them after. The offline LLM and AsyncLLM (both engine protocols) admit
+through it, and the gateway checks through it: the gateway has no tokenizer or grammar compiler in process and knows
+the model from the engines' ModelInfo, so it checks everything but the bad words' tokens and the grammars, which
+the engine checks. Every refusal is a ValueError naming the field and what it allows.
 """
 
+import time
+
 from engine.limits import RequestLimits
+from engine.lora.registry import LoRARegistry
 from engine.lora.request import LoRARequest
-from engine.output_processor import truncate_prompt
-from engine.request import SamplingParams
+from engine.request import Request, SamplingParams
+
+
+def child_request_id(index: int, parent_id: str) -> str:
+    return f"{index}_{parent_id}"
+
+
+def truncate_prompt(prompt_token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """truncate_prompt_tokens: keep the end of the prompt, as vLLM does (-1: as much as the model takes)."""
+    if keep is None:
+        return prompt_token_ids
+    return prompt_token_ids[-(max_model_len if keep == -1 else keep) :]
+
+
+def fan_out(
+    request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float, **fields
+) -> list[Request]:
+    """The engine requests behind one user request: itself when n == 1, else n children `i_<id>`; fields: the rest
+    of each Request (priority, cache salt...).
+
+    vLLM's rule: child i of a seeded request draws with seed + i. Only the first child asks for
+    prompt logprobs, so the others can share the prompt's cached blocks.
+    """
+    if params.n == 1:
+        return [Request(request_id, prompt_token_ids, params, arrival_time=arrival_time, **fields)]
+    return [
+        Request(
+            child_request_id(index, request_id),
+            prompt_token_ids,
+            params.clone(
+                n=1,
+                seed=None if params.seed is None else params.seed + index,
+                prompt_logprobs=params.prompt_logprobs if index == 0 else None,
+            ),
+            arrival_time=arrival_time,
+            **fields,
+        )
+        for index in range(params.n)
+    ]
 
 
 class Processor:
@@ -25,7 +68,7 @@ class Processor:
         kv_capacity_tokens: int | None = None,
         tokenizer=None,
         structured_output_manager=None,
-        lora_registry: dict[str, LoRARequest] | None = None,
+        lora_registry: LoRARegistry | None = None,
     ):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -36,8 +79,8 @@ class Processor:
         self.tokenizer = tokenizer  # engine.text.Tokenizer; None: bad words are tokenized further in
         # Parses grammars (xgrammar); None: they are checked further in (the gateway imports no xgrammar).
         self.structured_output_manager = structured_output_manager
-        # The engine's loaded adapters by name (EngineCore.lora_registry, kept current); None: LoRA is off.
-        self.lora_registry = lora_registry
+        # The engine's loaded adapters (EngineCore.lora_registry, kept current); None: LoRA is off.
+        self.lora_registry = LoRARegistry(enable_lora=False) if lora_registry is None else lora_registry
 
     @classmethod
     def for_engine(cls, core, limits: RequestLimits | None = None, tokenizer=None) -> "Processor":
@@ -51,7 +94,7 @@ class Processor:
             core.num_blocks * core.args.block_size,
             tokenizer,
             core.structured_output_manager,
-            core.lora_registry if core.args.enable_lora else None,
+            core.lora_registry,
         )
 
     def check_ids(self, request_id: str, cache_salt: str | None) -> None:
@@ -83,23 +126,14 @@ class Processor:
             if bad:
                 raise ValueError(f"bad_words: token ids must be in [0, {self.vocab_size}), got {bad[:3]}.")
 
+    def resolve_lora(self, lora_name: str) -> LoRARequest | None:
+        """A request's adapter by the name a client gave (None for the base model); LookupError when unknown."""
+        return self.lora_registry.resolve(lora_name)
+
     def process_lora(self, lora_request: LoRARequest | None) -> None:
         """The adapter must be one the engine has loaded, under this name and id."""
-        if lora_request is None:
-            return
-        if self.lora_registry is None:
-            raise ValueError("lora_request: this engine serves no LoRA adapters (start it with --enable-lora).")
-        loaded = self.lora_registry.get(lora_request.lora_name)
-        if loaded is None:
-            names = ", ".join(sorted(self.lora_registry)) or "none"
-            raise ValueError(
-                f"lora_request: unknown LoRA adapter {lora_request.lora_name!r}; loaded adapters: {names}."
-            )
-        if loaded != lora_request:
-            raise ValueError(
-                f"lora_request: adapter {lora_request.lora_name!r} is loaded as id {loaded.lora_int_id} from "
-                f"{loaded.lora_path}, not as id {lora_request.lora_int_id} from {lora_request.lora_path}."
-            )
+        if lora_request is not None:
+            self.lora_registry.check(lora_request)
 
     def process_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt after truncate_prompt_tokens, if the model and the KV cache can ever run it."""
@@ -130,11 +164,29 @@ class Processor:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
-    ) -> list[int]:
-        """Everything above, in the order a client's mistakes are best reported; the prompt to run."""
+        trace_headers: tuple[tuple[str, str], ...] = (),
+        kv_transfer_params: dict | None = None,
+    ) -> list[Request]:
+        """Everything above, in the order a client's mistakes are best reported; the engine requests to run.
+        trace_headers: the request span's traceparent/tracestate, for the calls the engine makes for it.
+        kv_transfer_params: vLLM's, already checked by the caller, for the KV connector."""
         self.check_ids(request_id, cache_salt)
         self.process_lora(lora_request)
         self.process_params(params)
-        return self.process_prompt(prompt_token_ids, params)
+        prompt_token_ids = self.process_prompt(prompt_token_ids, params)
+        return fan_out(
+            request_id,
+            prompt_token_ids,
+            params,
+            time.monotonic() if arrival_time is None else arrival_time,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            cache_salt=cache_salt or None,
+            lora_request=lora_request,
+            trace_headers=trace_headers,
+            kv_transfer_params=kv_transfer_params or {},
+        )

@@ -320,6 +320,8 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        trace_headers: tuple[tuple[str, str], ...] = (),
+        kv_transfer_params: dict | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -332,10 +334,10 @@ class Request:
         self.lora_request = lora_request
         # W3C traceparent/tracestate of the request's span (vLLM's trace_headers), as gRPC metadata: the calls the
         # engine makes for this request (the KV store's) join its trace. Empty when it is not traced.
-        self.trace_headers: tuple[tuple[str, str], ...] = ()
+        self.trace_headers = trace_headers
         # vLLM's kv_transfer_params with disaggregated prefill: do_remote_prefill makes the KV connector load what the
         # store holds of the prompt, whatever its own load-or-recompute estimate says.
-        self.kv_transfer_params: dict = {}
+        self.kv_transfer_params: dict = kv_transfer_params or {}
 
         # Its grammar and matcher (StructuredOutputManager.grammar_init compiles it); None without structured outputs.
         self.structured_output_request = (

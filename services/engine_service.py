@@ -7,7 +7,6 @@ import logging
 
 import grpc
 
-from engine import LoRARequest
 from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
 from engine.core import EngineCore
@@ -206,12 +205,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 await context.abort(
                     grpc.StatusCode.ALREADY_EXISTS, f"lora_name {name!r}: an adapter of that name is loaded"
                 )
-            lora_int_id = max((lora.lora_int_id for lora in engine.lora_registry.values()), default=0) + 1
             try:
-                await engine.add_lora(LoRARequest(name, lora_int_id, path))
+                lora = await engine.load_lora_adapter(name, path)
             except ValueError as e:  # a bad adapter: the message names what is wrong with it
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lora_path {path[:256]!r}: {e}")
-        logger.info("LoRA adapter %s loaded from %s (id %d)", name, path, lora_int_id)
+        logger.info("LoRA adapter %s loaded from %s (id %d)", name, path, lora.lora_int_id)
         return common_pb2.LoadLoraAdapterResponse()
 
     async def UnloadLoraAdapter(self, request: common_pb2.UnloadLoraAdapterRequest, context):

@@ -4,7 +4,7 @@ import grpc
 
 from engine.config.utils import add_cli_args
 from engine.limits import RequestLimits
-from engine.output_processor import truncate_prompt
+from engine.processor import truncate_prompt
 from llmmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services import config
 from services.settings import ChatTemplateConfig

@@ -5,7 +5,8 @@ import math
 import pytest
 
 from engine.limits import RequestLimits
-from engine.output_processor import OutputProcessor, RequestOutputKind, RequestState, child_request_id
+from engine.output_processor import OutputProcessor, RequestOutputKind, RequestState
+from engine.processor import child_request_id
 from engine.request import EngineCoreEvent, EngineCoreEventType, FinishReason, SamplingParams
 from engine.sched.output import EngineCoreOutput
 

@@ -66,9 +66,9 @@ class UniProcExecutor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.driver_worker.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput, while_sampling=None) -> ModelRunnerOutput:
-        """while_sampling: called while the step's tokens are being sampled (async scheduling)."""
-        return self.driver_worker.execute_model(scheduler_output, while_sampling)
+    def execute_model(self, scheduler_output: SchedulerOutput, while_waiting=None) -> ModelRunnerOutput:
+        """while_waiting: called while the step's tokens are being sampled (async scheduling)."""
+        return self.driver_worker.execute_model(scheduler_output, while_waiting)
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
         """Worker.<method>(*args, **kwargs) on every rank (here the one); the results in rank order."""

@@ -179,9 +179,6 @@ class BatchSampler:
     (mesh.sampler.remote.RemoteSampler). Per-request state that lives across steps (seeded generators, token
     histories) is its own; forget() drops it when requests finish."""
 
-    # The engine step's traceparent/tracestate (--collect-detailed-traces), for a sampler that makes calls.
-    trace_headers: tuple[tuple[str, str], ...] = ()
-
     def sample(
         self,
         requests: list,
@@ -190,13 +187,15 @@ class BatchSampler:
         grammar: GrammarBitmask | None = None,
         drafts: DraftTokens | None = None,
         while_waiting: Callable[[], None] | None = None,
+        trace_headers: tuple[tuple[str, str], ...] = (),
     ) -> tuple[SamplerOutput | None, list[LogprobsTensors]]:
         """Row i of logits samples for requests[i], within its grammar's mask if it has one; also each prompt
         chunk's logprobs. None without rows. With drafts, the rows are the requests' verified positions (and
         grammar's rows are positions too), and the rejection sampler decides (Sampler.__call__).
 
         while_waiting (async scheduling) is called once the step is handed over and before its tokens are
-        awaited: while the service samples, or, in process, while the device does (on a CPU: after)."""
+        awaited: while the service samples, or, in process, while the device does (on a CPU: after).
+        trace_headers: the engine step's span context (--collect-detailed-traces), for a sampler that makes calls."""
         raise NotImplementedError
 
     def forget(self, request_ids) -> None:
@@ -218,7 +217,7 @@ class LocalSampler(BatchSampler):
         for request_id in request_ids:
             self.generators.pop(request_id, None)
 
-    def sample(self, requests, logits, prompt_chunks, grammar=None, drafts=None, while_waiting=None):
+    def sample(self, requests, logits, prompt_chunks, grammar=None, drafts=None, while_waiting=None, trace_headers=()):
         prompt_logprobs = [gather_logprobs(compute_logprobs(lg), k, targets) for lg, k, targets in prompt_chunks]
         output = None if logits is None else self._sample_rows(requests, logits, grammar, drafts)
         if while_waiting is not None:

@@ -29,6 +29,8 @@ class SchedulerOutput:
     # Speculative decoding: request_id -> the drafts scheduled for verification after its last token (the
     # request's num_scheduled_tokens counts them). Requests without drafts are absent.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The step span's traceparent/tracestate (--collect-detailed-traces): the step's sampler calls join its trace.
+    trace_headers: tuple[tuple[str, str], ...] = ()
 
     @property
     def is_empty(self) -> bool:

@@ -137,14 +137,14 @@ class ModelRunner:
         return [slot_of.get(r.lora_request.lora_int_id, -1) if r.lora_request else -1 for r in requests]
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput, while_sampling=None) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput, while_waiting=None) -> ModelRunnerOutput:
         """Sampled tokens (and any logprobs) per scheduled request, in so.scheduled_requests order.
 
         Rows that are mid-prefill get []: they are not sampled, so a seeded request's
         generator advances only when it really emits a token. With speculative decoding a request's drafts are
         verified in this one forward pass (logits at each of its drafts and after them), the rejection sampler
-        keeps what the target model agrees with, and the drafter proposes the next drafts. while_sampling is
-        called while the step's tokens are being sampled (BatchSampler.sample's while_waiting).
+        keeps what the target model agrees with, and the drafter proposes the next drafts. while_waiting (async
+        scheduling) is called while the step's tokens are being sampled (as BatchSampler.sample's).
         """
         for request_id in so.finished_req_ids:
             self.prompt_logprobs_in_progress.pop(request_id, None)
@@ -154,8 +154,8 @@ class ModelRunner:
         self.device_wait_s = 0.0
         if so.is_empty:
             return ModelRunnerOutput([])
-        if while_sampling is not None:
-            while_sampling = partial(self._while_sampling, so, while_sampling)
+        if while_waiting is not None:
+            while_waiting = partial(self._while_waiting, so, while_waiting)
         requests, order, rows, size, input_ids, positions, metadata, logits_indices = self.prepare_inputs(so)
         if size is None:
             hidden = self.model(input_ids, positions, metadata, self.kv_caches)
@@ -180,7 +180,8 @@ class ModelRunner:
             [c for _, c in prompt_chunks],
             grammar_rows(so, sampled_requests, drafts),
             drafts,
-            while_sampling,
+            while_waiting,
+            so.trace_headers,
         )
         output.sample_s = time.perf_counter() - sample_started
         for (chunks, _), result in zip(prompt_chunks, prompt_logprobs):
@@ -206,7 +207,7 @@ class ModelRunner:
             )
         return output
 
-    def _while_sampling(self, so: SchedulerOutput, schedule_ahead) -> None:
+    def _while_waiting(self, so: SchedulerOutput, schedule_ahead) -> None:
         """The engine's work for the next step while this one's tokens are sampled: its blocks, then its inputs."""
         next_step = schedule_ahead()
         if next_step is not None:

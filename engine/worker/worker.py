@@ -272,10 +272,6 @@ class Worker:
             device=self.device,
         )
 
-    def set_step_trace_headers(self, trace_headers: tuple[tuple[str, str], ...]) -> None:
-        """The next step's span context (--collect-detailed-traces): its sampler's calls join it."""
-        self.model_runner.sampler.trace_headers = trace_headers
-
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
@@ -338,11 +334,11 @@ class Worker:
         connector.register_kv_caches(self.kv_caches)
         return connector
 
-    def execute_model(self, scheduler_output: SchedulerOutput, while_sampling=None) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput, while_waiting=None) -> ModelRunnerOutput:
         meta = scheduler_output.kv_connector_metadata
         if self.connector is not None:
             self.connector.start_load_kv(meta)
-        output = self.model_runner.execute_model(scheduler_output, while_sampling)
+        output = self.model_runner.execute_model(scheduler_output, while_waiting)
         if self.connector is not None:
             self.connector.wait_for_save(meta)
             # With nothing to run, wait briefly for a transfer to end instead of spinning.

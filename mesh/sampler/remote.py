@@ -127,28 +127,28 @@ class RemoteSampler(BatchSampler):
                 self._seeded.discard(request_id)
                 self._finished.append(request_id)
 
-    def sample(self, requests, logits, prompt_chunks, grammar=None, drafts=None, while_waiting=None):
+    def sample(self, requests, logits, prompt_chunks, grammar=None, drafts=None, while_waiting=None, trace_headers=()):
         try:
-            return self._sample(requests, logits, prompt_chunks, grammar, drafts, while_waiting)
+            return self._sample(requests, logits, prompt_chunks, grammar, drafts, while_waiting, trace_headers)
         except SamplerUnavailableError as e:
             if self.fallback is None:
                 raise
             logger.warning("%s; sampling this step in process", e)
             return self.fallback.sample(requests, logits, prompt_chunks, grammar, drafts)
 
-    def _sample(self, requests, logits, prompt_chunks, grammar, drafts, while_waiting):
+    def _sample(self, requests, logits, prompt_chunks, grammar, drafts, while_waiting, trace_headers):
         try:
             if self._stream is None:
                 self._stream = _Stream(self.channel)
                 self.slots = self._offer_shared_memory()
-            if self._takes_greedy_step(requests, logits, prompt_chunks, grammar, drafts):
+            if self._takes_greedy_step(requests, logits, prompt_chunks, grammar, drafts, trace_headers):
                 sampled = self._greedy_step(logits, while_waiting)
                 if sampled is not None:
                     return SamplerOutput(sampled, None, {}), []
             pieces = list(_split_prompt_chunks(prompt_chunks))
             batches = _pack(pieces)
-            replies = [self._exchange(*self._prompt_message(batch), None) for batch in batches[:-1]]
-            last, prompt_logits = self._prompt_message(batches[-1])
+            replies = [self._exchange(*self._prompt_message(batch, trace_headers), None) for batch in batches[:-1]]
+            last, prompt_logits = self._prompt_message(batches[-1], trace_headers)
             self._add_rows(last, requests)
             grammar_bitmask_to_proto(last, grammar)
             drafts_to_proto(last, drafts)
@@ -220,8 +220,7 @@ class RemoteSampler(BatchSampler):
             except OSError as e:  # no room for a socket's name under the temporary directory
                 logger.warning("no step channel for the sampler (%s): steps go over the stream", e)
         try:
-            msg, _ = self._prompt_message([])
-            msg.ClearField("trace_context")  # the offer is no step: the service traces none for it
+            msg, _ = self._prompt_message([], ())  # the offer is no step: the service traces none for it
             msg.shared_memory.CopyFrom(offer)
             reply = self._exchange(msg, None, None)
             if reply.step_channel and listener is not None:
@@ -246,7 +245,7 @@ class RemoteSampler(BatchSampler):
         logger.info("the sampler at %s reads the logits in place (%s), %s", self.address, name, how)
         return slots
 
-    def _takes_greedy_step(self, requests, logits, prompt_chunks, grammar, drafts) -> bool:
+    def _takes_greedy_step(self, requests, logits, prompt_chunks, grammar, drafts, trace_headers) -> bool:
         """Every row takes its raw logits' argmax, and there is nothing else to tell the service: the step can go as
         a greedy step. Such rows need nothing of their requests on the service, so a request it has not seen stays
         unsent until a step of the long way (with a row that needs more) sends it whole."""
@@ -257,7 +256,7 @@ class RemoteSampler(BatchSampler):
             and grammar is None
             and drafts is None
             and not self._finished
-            and not self.trace_headers
+            and not trace_headers
             and logits.dtype in GREEDY_DTYPES
         ):
             return False
@@ -312,11 +311,11 @@ class RemoteSampler(BatchSampler):
             )
         return shared
 
-    def _prompt_message(self, pieces) -> tuple[sampler_pb2.SampleStep, torch.Tensor | None]:
+    def _prompt_message(self, pieces, trace_headers) -> tuple[sampler_pb2.SampleStep, torch.Tensor | None]:
         self._step_id += 1
         msg = sampler_pb2.SampleStep(step_id=self._step_id, finished_request_ids=self._finished)
-        if self.trace_headers:
-            msg.trace_context.update(self.trace_headers)
+        if trace_headers:
+            msg.trace_context.update(trace_headers)
         self._finished = []
         if pieces:
             msg.prompt_num_logprobs.extend(k for _, _, k, _ in pieces)
