@@ -138,7 +138,7 @@ class Telemetry:
         if self.metrics_port is not None and self.metrics_server is None:
             self.metrics_server = serve_metrics(self.registry, self.metrics_host, self.metrics_port)
             self.metrics_port = self.metrics_server.server_port
-            # On stdout before the "listening on" line, for whoever started the process (services.supervisor).
+            # On stdout before the "listening on" line, for whoever started the process (services/service_process.py).
             print(f"llmmesh {self.service} metrics on {self.metrics_host}:{self.metrics_port}", flush=True)
 
     def count(self, prefix: str, counters) -> None:

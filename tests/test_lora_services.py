@@ -19,7 +19,7 @@ from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gat
 from services import client
 from services.cli import build_parser
 from services.gateway import Gateway
-from services.supervisor import engine_flags
+from services.local_mesh import engine_flags
 from test_models import COMMON
 
 KV = "16MiB"
