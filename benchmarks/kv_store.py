@@ -49,7 +49,7 @@ from llmmesh.v1 import kvstore_pb2
 from mesh.kvstore.client import KVStoreClient, Staging
 from services import client
 from services.block_reader import BlockReader
-from services.kvstore_service import DTYPES
+from services.kvstore_layout import DTYPES
 from services.local_mesh import Mesh, kv_transfer_config
 from services.redis_server import RedisServer
 from services.service_process import ServiceProcess

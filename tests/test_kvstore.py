@@ -18,7 +18,8 @@ from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from mesh.kvstore.client import Staging
 from mesh.shared_memory import SHM_DIR
 from services import kvstore_service
-from services.kvstore_service import GET_CHUNK_BYTES, SERVICE_NAME, block_key
+from services.kvstore_layout import block_key
+from services.kvstore_service import GET_CHUNK_BYTES, SERVICE_NAME
 from services.local_mesh import kv_transfer_config
 from services.redis_server import RedisServer
 from services.server import CHANNEL_OPTIONS
