@@ -22,7 +22,8 @@ from grpc_reflection.v1alpha import reflection
 logger = logging.getLogger("llmmesh.server")
 
 from mesh.grpc_policy import CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, MAX_MESSAGE_BYTES, SERVER_OPTIONS  # noqa: E402, F401
-from services.telemetry import Telemetry, instrument  # noqa: E402
+from services.handler_telemetry import instrument  # noqa: E402
+from services.telemetry import Telemetry  # noqa: E402
 
 
 def channel(address: str) -> grpc.aio.Channel:
