@@ -3,7 +3,8 @@
 A monitor checks every dependency's gRPC health twice a second and keeps the gateway's own health in
 step (NOT_SERVING until all answer); with prefix-aware routing it also reads each healthy engine's GetLoad then,
 and follows each engine's KV events (services/routing.py chooses the engine). With no healthy engine, requests
-fail at once with UNAVAILABLE rather than wait on a dead one.
+fail at once with UNAVAILABLE rather than wait on a dead one. The gateway calls its dependencies through the
+methods of Dependencies alone, each named for what it does, and never reads its stubs, router or health sets.
 """
 
 import asyncio
