@@ -274,10 +274,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         return await self._unary(context, tokenize)
 
     async def Detokenize(self, request, context):
-        async def detokenize():
-            return await self.deps.detokenize(request)
-
-        return await self._unary(context, detokenize)
+        return await self._unary(context, lambda: self.deps.detokenize(request))
 
 
 # ---- the process ---------------------------------------------------------------------------------
