@@ -27,7 +27,7 @@ from engine.text import RequestDetokenizer, Tokenizer
 from llmmesh.v1 import detokenizer_pb2 as pb
 from llmmesh.v1 import detokenizer_pb2_grpc
 from services.server import CHANNEL_OPTIONS
-from services.supervisor import ServiceProcess
+from services.service_process import ServiceProcess
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog while the cat watches from the window sill. ",

@@ -15,7 +15,7 @@ rounds of each variant and of cold/variant. A --dtypes entry is the model's dtyp
 another KV cache dtype (float32:fp8: float32 compute, fp8 blocks in the cache and the store); the same prefixes
 for every entry of one model dtype.
 
-Reload part: the same reload through `llmmesh serve`'s processes (services.supervisor.Mesh with the KV store), one
+Reload part: the same reload through `llmmesh serve`'s processes (services.local_mesh.Mesh with the KV store), one
 mesh per --dtypes entry, its engine's pool just large enough for one prompt. Each round, through the gateway and
 with token ids: cold (prefix + suffix: recompute; its blocks go to the store); another prompt of the same length,
 which evicts the prefix from the pool; reload while storing (the prefix + another suffix, loaded from the store
@@ -26,7 +26,7 @@ alone), the same MGET received in place as the kvstore receives it (services/blo
 kvstore's Get, carried as bytes and through shared memory as the engine's loads are. Reported: per-round times and
 medians, cold/reload, and reload over the bytes alone (and over the read in place).
 
-Mesh part: two copies of `llmmesh serve`'s processes (services.supervisor.Mesh) up at once, one with the
+Mesh part: two copies of `llmmesh serve`'s processes (services.local_mesh.Mesh) up at once, one with the
 store and one without. Conversations advance turn by turn in lockstep (turn 1 of every conversation, then
 turn 2...), each turn the whole history plus a new user message, greedy, so the pool (--pool-blocks)
 evicts a conversation's blocks before its next turn. Each turn goes to both meshes back to back, the order
@@ -49,8 +49,10 @@ from llmmesh.v1 import kvstore_pb2
 from mesh.kvstore.client import KVStoreClient, Staging
 from services import client
 from services.block_reader import BlockReader
-from services.kvstore_service import DTYPES
-from services.supervisor import Mesh, RedisServer, ServiceProcess, kv_transfer_config
+from services.kvstore_layout import DTYPES
+from services.local_mesh import Mesh, kv_transfer_config
+from services.redis_server import RedisServer
+from services.service_process import ServiceProcess
 
 FIRST_REGULAR_ID = 17  # SmolLM2's special tokens are ids 0..16
 SUFFIX = 16

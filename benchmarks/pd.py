@@ -4,7 +4,7 @@
         [--long-prompts 4] [--long-prompt-len 1536] [--long-output-len 16] [--long-interval 3.0]
         [--rounds 2] [--dtype float32] [--output-json PATH]
 
-Two meshes (services.supervisor.Mesh, `llmmesh serve`'s processes with its KV store), one at a time so each has
+Two meshes (services.local_mesh.Mesh, `llmmesh serve`'s processes with its KV store), one at a time so each has
 the machine's cores to itself, the order alternating by round:
 - P/D: one kv_producer engine computes each prompt and stores its blocks in the kvstore; one kv_consumer engine
   loads them and decodes (`llmmesh serve --prefill-engines 1 --decode-engines 1`);
@@ -36,7 +36,7 @@ from serve import FIRST_REGULAR_ID, BenchRequest, one_request, stats_ms
 
 from engine.config import EngineArgs
 from llmmesh.v1 import gateway_pb2_grpc
-from services.supervisor import Mesh
+from services.local_mesh import Mesh
 
 VOCAB = 49152  # SmolLM2's
 

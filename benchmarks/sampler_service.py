@@ -56,7 +56,8 @@ from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import Sampler
 from mesh.sampler.remote import RemoteSampler
 from mesh.sampler.wire import serialize_with_tensors
-from services.supervisor import Mesh, ServiceProcess
+from services.local_mesh import Mesh
+from services.service_process import ServiceProcess
 
 FIRST_REGULAR_ID = 17
 

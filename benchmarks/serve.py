@@ -355,7 +355,8 @@ async def run_conversations(address: str, conversations, reply_len: int, model: 
 def run_routing(args, engine_args: EngineArgs, tokenizer: Tokenizer) -> None:
     """The same kind of workload through a gateway per routing policy over --engines replicas, and through a
     gateway in front of the first engine alone; new prompts for each, so no run finds another's prefixes."""
-    from services.supervisor import Mesh, ServiceProcess
+    from services.local_mesh import Mesh
+    from services.service_process import ServiceProcess
 
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     print(f"machine: {machine}; {args.conversations} conversations of {args.turns} turns at once")
@@ -472,7 +473,7 @@ def main():
     mesh = None
     address = args.address
     if args.launch:
-        from services.supervisor import Mesh
+        from services.local_mesh import Mesh
 
         gateway_args = [
             "--max-requests-in-flight",

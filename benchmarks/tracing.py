@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/tracing.py [--num-prompts 64] [--max-concurrency 32] [--rounds 3]
         [--input-len 32 256] [--output-len 64 128] [--collect-detailed-traces] [--output-json PATH] [engine flags]
 
-Two meshes (`llmmesh serve`'s processes, services.supervisor.Mesh) start on loopback: one with every service
+Two meshes (`llmmesh serve`'s processes, services.local_mesh.Mesh) start on loopback: one with every service
 exporting spans (--otlp-traces-endpoint, --trace-sample-ratio 1) to an OTLP/gRPC sink in this process (a real
 grpc server taking TraceService/Export; it counts the bytes and spans' requests without decoding them, as a
 collector on another machine would cost this one nothing), and one with tracing off, as by default. Rounds
@@ -28,7 +28,7 @@ from serve import median_over_rounds, print_table, run_mesh, summarize, syntheti
 from engine.config import EngineArgs
 from engine.models.loader import prepare_model_dir
 from engine.text.tokenizer import Tokenizer
-from services.supervisor import Mesh
+from services.local_mesh import Mesh
 
 
 class OtlpSink:

@@ -3,7 +3,8 @@
 A monitor checks every dependency's gRPC health twice a second and keeps the gateway's own health in
 step (NOT_SERVING until all answer); with prefix-aware routing it also reads each healthy engine's GetLoad then,
 and follows each engine's KV events (services/routing.py chooses the engine). With no healthy engine, requests
-fail at once with UNAVAILABLE rather than wait on a dead one.
+fail at once with UNAVAILABLE rather than wait on a dead one. The gateway calls its dependencies through the
+methods of Dependencies alone, each named for what it does, and never reads its stubs, router or health sets.
 """
 
 import asyncio
@@ -14,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.limits import RequestLimits
-from llmmesh.v1 import detokenizer_pb2_grpc, engine_pb2, engine_pb2_grpc, tokenizer_pb2_grpc
+from llmmesh.v1 import common_pb2, detokenizer_pb2_grpc, engine_pb2, engine_pb2_grpc, tokenizer_pb2_grpc
 from services.detokenizer_client import DetokenizerStream
 from services.errors import RequestError, dependency_error, unavailable
 from services.routing import Routed, Router
@@ -30,6 +31,13 @@ HEALTH_TIMEOUT = 1.0
 HEALTH_MISSES = 3
 KV_EVENTS_RETRY_S = 1.0  # s before subscribing again to an engine's KV events after its stream ended
 KV_EVENTS_OFF_RETRY_S = 30.0  # ... after the engine said its KV events are off
+LORA_LOAD_TIMEOUT = 60.0  # s an engine may take to read a LoRA adapter from its directory
+# How an engine that is going away ends a call before its first message: UNAVAILABLE (stopped, unreachable), or
+# CANCELLED for a call that reached its server as the server began to stop (gRPC cancels calls not yet handled).
+# The gateway's own cancel raises asyncio.CancelledError instead, and the engine never answers CANCELLED itself.
+ENGINE_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+# An engine out of reach for now: gone, or late past the call's deadline.
+ENGINE_DOWN = (*ENGINE_GONE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class Dependencies:
@@ -218,6 +226,101 @@ class Dependencies:
             raise unavailable(f"no engine is healthy (engines: {', '.join(self.engines)})")
         return self.router.route(candidates, prompt_ids, cache_salt, lora_key)
 
+    def any_healthy_engine(self, exclude=()) -> bool:
+        """Whether some engine not excluded is healthy."""
+        return bool(self.healthy_engines.difference(exclude))
+
+    def disaggregated(self) -> bool:
+        """Whether prefill engines compute the prompts (vLLM's disaggregated prefill)."""
+        return bool(self.prefill_engines)
+
+    def generate(self, address: str, request: engine_pb2.EngineGenerateRequest, timeout, metadata):
+        """Open a Generate call on an engine."""
+        return self.engines[address].Generate(request, timeout=timeout, metadata=metadata)
+
+    def prefill(self, address: str, request: engine_pb2.EngineGenerateRequest, time_remaining, metadata):
+        """Open a Generate call on a prefill engine: a hung one costs at most --prefill-timeout (or the time the
+        client has left)."""
+        timeout = self.prefill_timeout
+        if time_remaining is not None:
+            timeout = min(timeout, time_remaining)
+        return self.prefill_engines[address].Generate(request, timeout=timeout, metadata=metadata)
+
+    def first_token(self, routed: Routed) -> None:
+        """A routed request's prefill is done: it decodes from now on."""
+        self.router.first_token(routed)
+
+    def release(self, routed: Routed) -> None:
+        """A routed request ended, however."""
+        self.router.release(routed)
+
+    def mark_down(self, address: str) -> None:
+        """No new requests for this engine until its next health check. Its blocks stay in the router's index: if
+        it restarted, its KV event stream ended and took them."""
+        self.healthy_engines.discard(address)
+
+    def mark_prefill_down(self, address: str) -> None:
+        """No prefills on this prefill engine until its next health check."""
+        self.healthy_prefill_engines.discard(address)
+
+    def model_name(self) -> str:
+        """The engines' model; "" until their ModelInfo is in."""
+        return self.model_info.model if self.model_info is not None else ""
+
+    def lora_adapter_paths(self) -> dict[str, str]:
+        """The LoRA adapters some engine has: name -> path (vLLM lists them as models beside the base model)."""
+        return {name: a.lora_path for adapters in self.lora_adapters.values() for name, a in adapters.items()}
+
+    async def load_lora_adapter(self, request: common_pb2.LoadLoraAdapterRequest):
+        return await self._on_every_engine("LoadLoraAdapter", request)
+
+    async def unload_lora_adapter(self, request: common_pb2.UnloadLoraAdapterRequest):
+        return await self._on_every_engine("UnloadLoraAdapter", request)
+
+    async def _on_every_engine(self, method: str, request):
+        """vLLM's load/unload_lora_adapter on every engine (prefill engines too), all or nothing: where some already
+        had it (ALREADY_EXISTS) or lacked it (NOT_FOUND) and the others did it, that is done; where an engine refuses
+        (an unload while the adapter runs there, say), the engines that did it are undone (the adapter loaded again
+        from the path each had, or unloaded) and the first refusal is the answer, naming its engine. The adapters'
+        list is read again either way."""
+        stubs = {**self.engines, **self.prefill_engines}
+
+        async def call(address, method, request):
+            try:
+                return await getattr(stubs[address], method)(request, timeout=LORA_LOAD_TIMEOUT)
+            except grpc.aio.AioRpcError as e:
+                return e
+
+        def undo(address) -> tuple[str, object]:
+            if method == "LoadLoraAdapter":
+                return "UnloadLoraAdapter", common_pb2.UnloadLoraAdapterRequest(lora_name=request.lora_name)
+            load = common_pb2.LoadLoraAdapterRequest(lora_name=request.lora_name, lora_path=paths[address])
+            return "LoadLoraAdapter", load
+
+        paths = {}  # an unload's adapter path on each engine, to load it again there if another engine refuses
+        if method == "UnloadLoraAdapter":
+            listed = await asyncio.gather(
+                *(call(a, "ListLoraAdapters", engine_pb2.ListLoraAdaptersRequest()) for a in stubs)
+            )
+            for address, reply in zip(stubs, listed):
+                for adapter in [] if isinstance(reply, grpc.aio.AioRpcError) else reply.adapters:
+                    if adapter.lora_name == request.lora_name:
+                        paths[address] = adapter.lora_path
+        replies = dict(zip(stubs, await asyncio.gather(*(call(a, method, request) for a in stubs))))
+        errors = {a: r for a, r in replies.items() if isinstance(r, grpc.aio.AioRpcError)}
+        benign = (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND)
+        refusals = {a: e for a, e in errors.items() if e.code() not in benign}
+        if refusals:
+            done = [a for a in replies if a not in errors and (method == "LoadLoraAdapter" or a in paths)]
+            await asyncio.gather(*(call(a, *undo(a)) for a in done))
+        await self.read_lora_adapters()
+        if refusals or len(errors) == len(replies):
+            address, e = next(iter((refusals or errors).items()))
+            if e.code() in ENGINE_DOWN:
+                raise unavailable(f"the engine at {address} is unavailable: {e.details()}")
+            raise RequestError(e.code(), f"engine {address}: {e.details()}")
+        return next(r for r in replies.values() if not isinstance(r, grpc.aio.AioRpcError))
+
     def detokenizer_stream(self) -> DetokenizerStream:
         if self.detokenizer is None or self.detokenizer.error is not None:
             self.detokenizer = DetokenizerStream(self.detokenizer_stub, self.detokenizer_address, self.max_batch)
@@ -226,6 +329,12 @@ class Dependencies:
     async def tokenize(self, request, metadata=()):
         try:
             return await self.tokenizer.Tokenize(request, timeout=UNARY_TIMEOUT, metadata=metadata)
+        except grpc.aio.AioRpcError as e:
+            raise dependency_error("tokenizer", self.tokenizer_address, e) from None
+
+    async def detokenize(self, request):
+        try:
+            return await self.tokenizer.Detokenize(request, timeout=UNARY_TIMEOUT)
         except grpc.aio.AioRpcError as e:
             raise dependency_error("tokenizer", self.tokenizer_address, e) from None
 

@@ -1,9 +1,9 @@
 """llmmesh.v1.KVStore: KV-cache blocks in Redis, a thin adapter over redis-py's asyncio client.
 
 A block lives under `kv:{fingerprint}:{block hash in hex}` as a small header (magic, version, dtype, shape,
-layer count, block size, data length, CRC-32C of the data) followed by the raw bytes; nothing is pickled. A
-value whose header does not match the layout asked for, or whose checksum fails, is deleted, counted and
-treated as missing. Redis is a cache (allkeys-lru): any block may vanish at any time.
+layer count, block size, data length, CRC-32C of the data) followed by the raw bytes (services/kvstore_layout.py);
+nothing is pickled. A value whose header does not match the layout asked for, or whose checksum fails, is
+deleted, counted and treated as missing. Redis is a cache (allkeys-lru): any block may vanish at any time.
 
 Every RPC takes a few round trips whatever its number of blocks: Lookup one pipelined EXISTS, Put one
 pipelined EXISTS and one pipelined SET per message, Delete one DEL. Get pipelines one MGET a chunk of at most
@@ -20,17 +20,13 @@ import contextlib
 import functools
 import inspect
 import logging
-import math
 import mmap
-import re
-import struct
 import time
 from collections import OrderedDict
 from urllib.parse import urlsplit
 
 import grpc
 import redis.asyncio as aioredis
-from crc32c import crc32c  # the CPU's CRC32 instruction: several times zlib's CRC-32 on KV blocks
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -43,6 +39,7 @@ from mesh.kvstore.wire import SEGMENT_PREFIX
 from mesh.shared_memory import is_segment_name, open_segment
 from services import config
 from services.block_reader import BlockReader
+from services.kvstore_layout import Layout, block_key, check_fingerprint
 from services.server import MAX_MESSAGE_BYTES, Server
 from services.settings import KVStoreConfig, KVStoreFlags
 
@@ -50,80 +47,13 @@ logger = logging.getLogger("llmmesh.kvstore")
 
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
 
-# name -> (code in the header, bytes): the KV cache dtypes (engine.kv.layout.DTYPE_SIZES)
-DTYPES = {"float32": (1, 4), "float16": (2, 2), "bfloat16": (3, 2), "float8_e4m3fn": (4, 1), "float8_e5m2": (5, 1)}
-MAGIC, VERSION = b"LMKV", 2  # version 1 checked its blocks with zlib's CRC-32
-MAX_DIMS = 8
 HASH_BYTES = 32
-FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 GET_CHUNK_BYTES = 4 * 2**20  # one MGET, and one GetResponse, holds at most this much (or one block)
 HEALTH_INTERVAL = 0.5  # s between PINGs
 COUNTERS = ("hits", "misses", "corrupt_blocks", "redis_errors", "blocks_stored", "bytes_in", "bytes_out")
 REDIS_ERRORS = (RedisError, OSError)
 MAX_SEGMENTS = 16  # engines' segments kept mapped (the oldest is let go: its engine then offers a new one)
 SEGMENT_IDLE_S = 300.0  # a segment no Get used for this long is let go (its engine may be gone: its memory with it)
-_CRC = struct.Struct("<I")
-
-
-def block_key(fingerprint: str, block_hash: bytes) -> str:
-    return f"kv:{fingerprint}:{block_hash.hex()}"
-
-
-def check_fingerprint(fingerprint: str, field: str) -> str:
-    if not FINGERPRINT.fullmatch(fingerprint):
-        raise ValueError(f"{field} must be 64 lowercase hex characters (a sha256 digest); got {fingerprint[:80]!r}")
-    return fingerprint
-
-
-class Layout:
-    """A checked BlockLayout: the header every value stored under it starts with, and its data size."""
-
-    def __init__(self, layout: kvstore_pb2.BlockLayout, max_block_bytes: int):
-        self.fingerprint = check_fingerprint(layout.fingerprint, "layout.fingerprint")
-        if layout.dtype not in DTYPES:
-            raise ValueError(f"layout.dtype must be one of {', '.join(DTYPES)}; got {layout.dtype[:32]!r}")
-        shape = list(layout.shape)
-        if not 1 <= len(shape) <= MAX_DIMS:
-            raise ValueError(f"layout.shape must have 1 to {MAX_DIMS} dimensions; got {len(shape)}")
-        for i, dim in enumerate(shape):
-            if dim < 1:
-                raise ValueError(f"layout.shape[{i}] must be at least 1; got {dim}")
-        code, itemsize = DTYPES[layout.dtype]
-        self.nbytes = math.prod(shape) * itemsize  # a Python int of at most 8 dims: nothing is allocated
-        if self.nbytes > max_block_bytes:
-            raise ValueError(
-                f"layout.shape {shape} of {layout.dtype} is {self.nbytes} bytes a block; at most "
-                f"{max_block_bytes} are allowed (--max-block-bytes)"
-            )
-        for name in ("num_layers", "block_size"):
-            if getattr(layout, name) < 1:
-                raise ValueError(f"layout.{name} must be at least 1; got 0")
-        self.header = struct.pack(
-            f"<4sBBB{len(shape)}IIIQ",
-            MAGIC,
-            VERSION,
-            code,
-            len(shape),
-            *shape,
-            layout.num_layers,
-            layout.block_size,
-            self.nbytes,
-        )
-
-    def key(self, block_hash: bytes) -> str:
-        return block_key(self.fingerprint, block_hash)
-
-    @property
-    def prefix_bytes(self) -> int:
-        """The bytes of a stored value before its data: the header and the checksum."""
-        return len(self.header) + _CRC.size
-
-    def encode(self, data: bytes) -> bytes:
-        return b"".join((self.header, _CRC.pack(crc32c(data)), data))
-
-    def check(self, prefix: bytes, data: memoryview) -> bool:
-        """Whether a value's prefix is this layout's header with the checksum of its data."""
-        return prefix.startswith(self.header) and _CRC.unpack_from(prefix, len(self.header))[0] == crc32c(data)
 
 
 class Segments:

@@ -23,8 +23,9 @@ logger = logging.getLogger("llmmesh.server")
 
 from engine.config.utils import add_cli_args  # noqa: E402
 from mesh.grpc_policy import CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, MAX_MESSAGE_BYTES, SERVER_OPTIONS  # noqa: E402, F401
+from services.handler_telemetry import instrument  # noqa: E402
 from services.settings import HealthFlags  # noqa: E402
-from services.telemetry import Telemetry, instrument  # noqa: E402
+from services.telemetry import Telemetry  # noqa: E402
 
 
 def channel(address: str) -> grpc.aio.Channel:

@@ -8,27 +8,23 @@ provider exists, handlers are not wrapped, `tracer` is None and every span helpe
 Context travels as W3C `traceparent`/`tracestate` in gRPC metadata: `inject()` gives the metadata for an
 outgoing call, `server_span()` starts a server span under the caller's context. The mesh never touches the
 global OpenTelemetry state (several services can share one process in tests): each Telemetry has its own
-tracer provider and its own Prometheus registry.
+tracer provider and its own Prometheus registry. The registry is served by services/metrics_server.py, and
+services/handler_telemetry.py wraps every handler of a server with a span and a count.
 """
 
-import asyncio
 import contextlib
 import contextvars
 import logging
-import socket
-import threading
 import time
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client import CollectorRegistry, Counter
 
 from engine.config.utils import add_cli_args
+from services.metrics_server import DictCounters, serve_metrics
 from services.settings import ObservabilityConfig
 
 logger = logging.getLogger("llmmesh.telemetry")
@@ -122,13 +118,13 @@ class Telemetry:
         if self.metrics_port is not None and self.metrics_server is None:
             self.metrics_server = serve_metrics(self.registry, self.metrics_host, self.metrics_port)
             self.metrics_port = self.metrics_server.server_port
-            # On stdout before the "listening on" line, for whoever started the process (services.supervisor).
+            # On stdout before the "listening on" line, for whoever started the process (services/service_process.py).
             print(f"llmmesh {self.service} metrics on {self.metrics_host}:{self.metrics_port}", flush=True)
 
     def count(self, prefix: str, counters) -> None:
         """Export a service's own cumulative counters (a dict, read at scrape) as `<prefix><name>_total`."""
         if self.metrics_port is not None:
-            self.registry.register(_DictCounters(prefix, counters))
+            self.registry.register(DictCounters(prefix, counters))
 
     def shutdown(self) -> None:
         """Export what is left (spans end with the requests, before the server stops) and stop serving metrics."""
@@ -213,66 +209,6 @@ class Telemetry:
         )
 
 
-class _DictCounters:
-    def __init__(self, prefix: str, counters: dict):
-        self.prefix, self.counters = prefix, counters
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        for name, value in self.counters.items():
-            yield CounterMetricFamily(
-                f"{self.prefix}{name}", f"{self.prefix}{name} since the service started", value=value
-            )
-
-
-# ---- /metrics -----------------------------------------------------------------------------------------
-
-
-def metrics_app(registry):
-    """prometheus_client's /metrics app for the registry, with our names (vllm:*, llmmesh:*) kept for every scraper.
-
-    The library's OpenMetrics encoder escapes sample names with the label-name characters, which lack the colon,
-    unless the scraper allows UTF-8 names (https://github.com/prometheus/client_python/issues/1177): Prometheus 2.x,
-    which asks for OpenMetrics without an `escaping` parameter, would store vllm_prompt_tokens_total. The classic
-    text encoder keeps every legal metric name, colons included, and every Prometheus reads it. So the library's
-    negotiation is offered OpenMetrics only when the scraper allows UTF-8 names (Prometheus 3.x by default)."""
-    app = make_wsgi_app(registry)
-
-    def metrics(environ, start_response):
-        offers = environ.get("HTTP_ACCEPT", "").split(",")
-        environ["HTTP_ACCEPT"] = ",".join(offer for offer in offers if _offer_keeps_names(offer))
-        return app(environ, start_response)
-
-    return metrics
-
-
-def _offer_keeps_names(offer: str) -> bool:
-    media_type, *parameters = (part.strip() for part in offer.split(";"))
-    return media_type != "application/openmetrics-text" or "escaping=allow-utf-8" in parameters
-
-
-class _MetricsServer(ThreadingWSGIServer):
-    """prometheus_client's threaded WSGI server, on IPv4 or IPv6 as its host is."""
-
-    def __init__(self, address, handler):
-        self.address_family = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0][0]
-        super().__init__(address, handler)
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format, *args):  # no log line per scrape
-        pass
-
-
-def serve_metrics(registry, host: str, port: int) -> _MetricsServer:
-    """The registry's /metrics on host:port (0: a free port), served by a daemon thread until shutdown()."""
-    server = make_server(host, port, metrics_app(registry), _MetricsServer, handler_class=_QuietHandler)
-    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
-    return server
-
-
 def inject(span) -> tuple:
     """gRPC metadata carrying span's context (traceparent, tracestate) to the next service; () without a span."""
     if span is None:
@@ -280,85 +216,6 @@ def inject(span) -> tuple:
     carrier: dict[str, str] = {}
     PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
     return tuple(carrier.items())
-
-
-# ---- every handler of a server: a span for traced callers, and a count by status code ----------------
-
-
-def _code_of(context, error: BaseException | None) -> grpc.StatusCode:
-    if error is None:
-        return grpc.StatusCode.OK
-    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-        return grpc.StatusCode.CANCELLED
-    code = context.code()
-    return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
-
-
-class _Call:
-    """One RPC's span (if its caller is traced) and its count, ended with the RPC's status."""
-
-    def __init__(self, telemetry: Telemetry, method: str, context):
-        self.telemetry, self.method, self.context = telemetry, method, context
-        service, _, name = method.lstrip("/").rpartition("/")
-        self.service_name, self.method_name = service, name
-        self.span = telemetry.server_span(
-            f"{service}/{name}",
-            context.invocation_metadata(),
-            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
-        )
-        if self.span is not None:
-            CURRENT_SERVER_SPAN.set(self.span)
-
-    def end(self, error: BaseException | None) -> None:
-        code = _code_of(self.context, error)
-        if self.telemetry.grpc_handled is not None:
-            self.telemetry.grpc_handled.labels(self.service_name, self.method_name, code.name).inc()
-        if self.span is not None:
-            if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
-                # The caller ended the call (a stop string, a client gone): no fault of this server, so no error
-                # status (OpenTelemetry's RPC conventions for server spans), only the code.
-                self.span.set_attribute("rpc.grpc.status_code", code.value[0])
-            else:
-                set_error(self.span, code, self.context.details() or str(error or ""))
-            self.span.end()
-
-
-def instrument(handler: grpc.RpcMethodHandler | None, method: str, telemetry: Telemetry):
-    """The handler with a server span and a status-code count around each call; as is when telemetry is off."""
-    if handler is None or not telemetry.active:
-        return handler
-    if handler.unary_unary or handler.stream_unary:
-        attr = "unary_unary" if handler.unary_unary else "stream_unary"
-        inner = getattr(handler, attr)
-
-        async def unary(request, context):
-            call = _Call(telemetry, method, context)
-            try:
-                response = await inner(request, context)
-            except BaseException as e:
-                call.end(e)
-                raise
-            call.end(None)
-            return response
-
-        return handler._replace(**{attr: unary})
-    attr = "unary_stream" if handler.unary_stream else "stream_stream"
-    inner = getattr(handler, attr)
-
-    async def stream(request, context):
-        call = _Call(telemetry, method, context)
-        try:
-            # Closed here, not left to the garbage collector, when the call ends early (cancelled, client gone):
-            # the handler's own cleanup (an engine request's abort) runs before the span ends.
-            async with contextlib.aclosing(inner(request, context)) as responses:
-                async for response in responses:
-                    yield response
-        except BaseException as e:
-            call.end(e)
-            raise
-        call.end(None)
-
-    return handler._replace(**{attr: stream})
 
 
 # ---- the GenAI semantic conventions (and vLLM's latency attributes) on a request's root span ---------------

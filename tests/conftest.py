@@ -201,7 +201,7 @@ class InProcessService:
 
     The service's own command runs (the same parser, LLMMESH_* variables and serve()), on a thread with its own
     event loop, so a test's blocking gRPC calls can reach it. stop() does what SIGTERM does: the server drains
-    and serve() returns. For tests that need a server but no kill or signal; services.supervisor.ServiceProcess
+    and serve() returns. For tests that need a server but no kill or signal; services.service_process.ServiceProcess
     runs the same command as a process for those that do."""
 
     def __init__(self, service: str, flags=(), timeout: float = 600.0):
@@ -325,9 +325,9 @@ def undecodable(message_type, seed: int = 0) -> bytes:
 
 @pytest.fixture
 def redis_server():
-    """A fresh, empty `redis-server` of this test's own (services.supervisor.RedisServer) on a free loopback port:
+    """A fresh, empty `redis-server` of this test's own (services.redis_server.RedisServer) on a free loopback port:
     `.url`, `.port`; `.kill()` then `.start()` brings it back, empty, on the same port. Stopped after the test."""
-    from services.supervisor import RedisServer
+    from services.redis_server import RedisServer
 
     with RedisServer(maxmemory="256mb") as server:
         yield server

@@ -16,7 +16,7 @@ from engine.core import EngineCore
 from engine.request import FinishReason, Request
 from mesh.sampler.remote import RemoteSampler
 from services.client import collect, generate
-from services.supervisor import Mesh
+from services.local_mesh import Mesh
 from test_models import COMMON
 
 BLOCK_BYTES = 2 * COMMON["num_hidden_layers"] * 16 * COMMON["num_key_value_heads"] * 16 * 4  # float32, 16 tokens

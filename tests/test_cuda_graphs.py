@@ -13,7 +13,7 @@ from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request, SamplingParams
 from engine.worker.cuda_graphs import CUDAGraphs, InputBuffers, use_cudagraphs
-from services.supervisor import engine_flags
+from services.local_mesh import engine_flags
 
 BLOCK = 4
 CPU = torch.device("cpu")

@@ -18,8 +18,9 @@ from llmmesh.v1 import engine_pb2, engine_pb2_grpc
 from random_model import save_random_smollm2_shaped
 from services import client
 from services.cli import build_parser
+from services.local_mesh import Mesh, kv_transfer_config
 from services.routing import Router
-from services.supervisor import Mesh, disaggregated_engines, kv_transfer_config
+from services.supervisor import disaggregated_engines
 from test_models import COMMON
 
 BLOCK = 16

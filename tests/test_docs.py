@@ -24,7 +24,7 @@ from engine.config import EngineArgs
 from llmmesh.v1 import gateway_pb2  # noqa: F401 (its descriptors, for the gateway examples)
 from services import client, config, flags_doc
 from services.cli import build_parser, main
-from services.supervisor import Mesh
+from services.local_mesh import Mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]

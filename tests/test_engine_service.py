@@ -17,7 +17,7 @@ from conftest import NOT_SERVING, SERVING, InProcessService, assert_no_leaks, un
 from engine import LLM, SamplingParams
 from engine.async_llm import AsyncLLM, EngineRequestError
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from services.supervisor import ServiceProcess
+from services.service_process import ServiceProcess
 
 KV_CACHE_MEMORY = "256MiB"
 

@@ -56,7 +56,7 @@ from llmmesh.v1 import (
     gateway_pb2_grpc,
     tokenizer_pb2_grpc,
 )
-from services.supervisor import Mesh
+from services.local_mesh import Mesh
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from engine.core import EngineCore
 from engine.llm import LLM
 from engine.request import SamplingParams
 from kernels.reference import paged_attention_ref, reshape_and_cache_ref, to_cache_dtype
-from services.supervisor import kv_transfer_config
+from services.local_mesh import kv_transfer_config
 from test_models import save_random_model
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -24,7 +24,8 @@ from engine.kv.connector.factory import get_connector_class
 from engine.kv.connector.shared_storage_connector import SharedStorageConnector, parse_extra_config
 from engine.request import Request, RequestStatus, SamplingParams
 from mesh.shared_memory import SHM_DIR
-from services.supervisor import ServiceProcess, kv_transfer_config
+from services.local_mesh import kv_transfer_config
+from services.service_process import ServiceProcess
 
 pytestmark = pytest.mark.slow
 
@@ -334,7 +335,7 @@ def test_kvstore_killed_mid_run_and_back(redis_server, prompts, references):
 def test_eviction_under_maxmemory(prompts, references):
     """Redis with room for a few blocks only: it evicts as blocks arrive; loads find short runs or none, and
     every output is unchanged."""
-    from services.supervisor import RedisServer
+    from services.redis_server import RedisServer
 
     with RedisServer(maxmemory="3mb") as small, InProcessService("kvstore", ["--redis-url", small.url]) as kvstore:
         engine = make_engine(kvstore.address)
@@ -455,7 +456,7 @@ def test_two_engines_behind_one_gateway_share_the_store(prompts):
 
     from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
     from services import client
-    from services.supervisor import Mesh
+    from services.local_mesh import Mesh
 
     prompt = prompts[0]
     num_full = (len(prompt) - 1) // 16 * 16

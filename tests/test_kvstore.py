@@ -18,9 +18,12 @@ from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from mesh.kvstore.client import Staging
 from mesh.shared_memory import SHM_DIR
 from services import kvstore_service
-from services.kvstore_service import GET_CHUNK_BYTES, SERVICE_NAME, block_key
+from services.kvstore_layout import block_key
+from services.kvstore_service import GET_CHUNK_BYTES, SERVICE_NAME
+from services.local_mesh import kv_transfer_config
+from services.redis_server import RedisServer
 from services.server import CHANNEL_OPTIONS
-from services.supervisor import RedisServer, ServiceProcess, kv_transfer_config
+from services.service_process import ServiceProcess
 
 FP = hashlib.sha256(b"smollm2 float32 block 16").hexdigest()
 OTHER_FP = hashlib.sha256(b"smollm2 bfloat16 block 16").hexdigest()

@@ -19,7 +19,7 @@ from random_model import save_random_smollm2_shaped
 from services import client
 from services.cli import build_parser
 from services.gateway import Gateway
-from services.supervisor import engine_flags
+from services.local_mesh import engine_flags
 from test_models import COMMON
 
 KV = "16MiB"

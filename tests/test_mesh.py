@@ -14,7 +14,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, tokenizer_pb2
 from services.client import chat, collect, gateway_stub, generate
-from services.supervisor import Mesh
+from services.local_mesh import Mesh
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,9 @@ import redis
 
 from engine.config import EngineArgs
 from services.client import collect, generate
+from services.local_mesh import Mesh
 from services.prometheus import scrape_config
-from services.supervisor import Mesh, free_port
+from services.service_process import free_port
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = [

@@ -25,8 +25,9 @@ from random_model import save_random_smollm2_shaped
 from services import client
 from services.dependencies import HEALTH_MISSES, Dependencies
 from services.gateway import Gateway
+from services.local_mesh import Mesh
 from services.routing import INDEX_ENTRY_BYTES, STORE, EngineLoad, KVBlockIndex, Router, engine_cost
-from services.supervisor import Mesh, free_port
+from services.service_process import free_port
 from test_models import COMMON
 
 # A tiny Llama: conversations of a few hundred tokens, and a LONG_TOKENS generation.

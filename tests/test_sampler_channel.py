@@ -26,7 +26,7 @@ from llmmesh.v1 import sampler_pb2, sampler_pb2_grpc
 from mesh.sampler.channel import ChannelListener, connect
 from mesh.sampler.remote import RemoteSampler
 from mesh.sampler.slots import SharedSlots
-from services.supervisor import ServiceProcess
+from services.service_process import ServiceProcess
 from test_models import COMMON
 
 VOCAB = COMMON["vocab_size"]

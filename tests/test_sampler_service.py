@@ -37,7 +37,8 @@ from mesh.sampler.slots import SharedSlots
 from mesh.sampler.wire import tensor_to_proto
 from mesh.shared_memory import SHM_DIR
 from services.client import collect, generate
-from services.supervisor import Mesh, ServiceProcess
+from services.local_mesh import Mesh
+from services.service_process import ServiceProcess
 from test_models import COMMON
 
 POEM = "Write a short poem about the sea, the wind, the gulls, the fishing boats coming home at dusk, " * 2

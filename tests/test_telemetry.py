@@ -20,7 +20,7 @@ from engine.config import EngineArgs
 from llmmesh.v1 import gateway_pb2
 from services.client import collect, gateway_stub, generate, sampling_params
 from services.engine_telemetry import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
-from services.supervisor import Mesh
+from services.local_mesh import Mesh
 
 pytestmark = pytest.mark.slow
 

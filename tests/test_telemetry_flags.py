@@ -8,7 +8,8 @@ import pytest
 
 from services import telemetry
 from services.cli import build_parser
-from services.telemetry import CURRENT_SERVER_SPAN, Telemetry, instrument
+from services.handler_telemetry import instrument
+from services.telemetry import CURRENT_SERVER_SPAN, Telemetry
 
 
 def args_of(*argv):

@@ -36,7 +36,7 @@ from engine.sched.output import SchedulerOutput
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
 from random_model import save_random_smollm2_shaped
 from services import client
-from services.supervisor import kv_transfer_config
+from services.local_mesh import kv_transfer_config
 from test_models import COMMON
 
 BLOCK = 16

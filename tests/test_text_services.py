@@ -13,7 +13,7 @@ from engine.models.loader import load_config
 from engine.text import Tokenizer
 from engine.text.detokenizer import REPLACEMENT_CHAR
 from llmmesh.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
-from services.supervisor import ServiceProcess
+from services.service_process import ServiceProcess
 
 PROMPT = "Please repeat the following text exactly:\n"
 HARD_TEXTS = {  # characters whose UTF-8 bytes SmolLM2 splits over several tokens
