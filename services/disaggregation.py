@@ -7,14 +7,10 @@ import grpc
 
 from llmmesh.v1 import common_pb2, engine_pb2
 from services.dependencies import ENGINE_DOWN
+from services.kv_transfer_params import REMOTE_DECODE_PARAMS, REMOTE_PREFILL_PARAMS
 from services.telemetry import inject
 
 logger = logging.getLogger("llmmesh.gateway")
-
-# vLLM's kv_transfer_params for disaggregated prefill: to the kv_producer, and to the kv_consumer when the producer
-# answered nothing (it failed: the consumer loads what is in the kvstore and computes the rest).
-REMOTE_DECODE_PARAMS = '{"do_remote_decode":true}'
-REMOTE_PREFILL_PARAMS = '{"do_remote_prefill":true}'
 
 
 async def remote_prefill(call) -> None:

@@ -2,7 +2,6 @@
 
 import asyncio
 import contextlib
-import json
 import logging
 
 import grpc
@@ -10,7 +9,6 @@ import grpc
 from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
 from engine.core import EngineCore
-from engine.json_object import parse_json_object
 from engine.kv.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from engine.text.tokenizer import Tokenizer
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -18,40 +16,14 @@ from services import config
 from services.convert import request_output_to_llmmesh, sampling_params_from_llmmesh
 from services.engine_telemetry import EngineTelemetry
 from services.generate import serve_request
+from services.kv_transfer_params import REMOTE_PREFILL_PARAMS, parse_kv_transfer_params
 from services.server import Server, llmmesh_version
 from services.vllm_engine import VLLM_ENGINE_SERVICE, VllmEngineServicer, vllm_engine_pb2_grpc
 
 logger = logging.getLogger("llmmesh.engine")
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
-# vLLM's kv_transfer_params keys this engine reads, and what a kv_producer answers (the kv_consumer finds the blocks
-# in the shared kvstore by their hashes, so nothing else needs to travel).
-KV_TRANSFER_KEYS = ("do_remote_decode", "do_remote_prefill")
-MAX_KV_TRANSFER_PARAMS_CHARS = 1024
-REMOTE_PREFILL_PARAMS = json.dumps({"do_remote_prefill": True, "do_remote_decode": False}, separators=(",", ":"))
 MAX_LORA_PATH_CHARS = 4096  # PATH_MAX
-
-
-def parse_kv_transfer_params(text: str, kv_role: str | None) -> dict:
-    """EngineGenerateRequest.kv_transfer_params -> its flags; ValueError naming the field and what it allows."""
-    if not text:
-        return {}
-    if len(text) > MAX_KV_TRANSFER_PARAMS_CHARS:
-        raise ValueError(f"kv_transfer_params: at most {MAX_KV_TRANSFER_PARAMS_CHARS} characters, got {len(text)}.")
-    params = parse_json_object(text, "kv_transfer_params", KV_TRANSFER_KEYS)
-    for key, value in params.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"kv_transfer_params.{key} must be true or false, got {value!r}.")
-    if params.get("do_remote_decode") and kv_role != "kv_producer":
-        raise ValueError(
-            f"kv_transfer_params.do_remote_decode needs an engine with kv_role kv_producer; this one's is {kv_role}."
-        )
-    if params.get("do_remote_prefill") and kv_role not in ("kv_consumer", "kv_both"):
-        raise ValueError(
-            "kv_transfer_params.do_remote_prefill needs an engine with kv_role kv_consumer or kv_both; "
-            f"this one's is {kv_role}."
-        )
-    return params
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
