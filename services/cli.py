@@ -5,13 +5,13 @@ import os
 import sys
 import time
 
-# The sampler shares its host's cores with the engine: its OpenMP threads sleep between steps instead of spinning
-# (spinning ones took a core from the engine's next forward pass: 5.4 ms became 8.7 ms at one request). OpenMP
-# reads the policy once, when torch loads, so it is set before the imports below load torch.
+# The sampler shares its host's cores with the engine: its OpenMP threads sleep between steps instead of spinning,
+# which would take a core from the engine's next forward pass. OpenMP reads the policy once, when torch loads, so
+# it is set before the imports below load torch.
 if sys.argv[1:2] == ["sampler"]:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The engine's threads spin 100,000 times after a parallel region, not libgomp's default 300,000, so that a sampler
-# on the same host gets a core sooner while it samples; 30,000 or fewer slowed the forward pass itself.
+# on the same host gets a core sooner while it samples; far fewer would slow the forward pass itself.
 if sys.argv[1:2] == ["engine"]:
     os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
