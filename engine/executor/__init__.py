@@ -4,10 +4,10 @@ to its executor, which runs it on one worker in this process, or on one worker p
 from pathlib import Path
 
 from engine.config import EngineArgs
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 
 
-def make_executor(args: EngineArgs, model_config: ModelConfig, model_dir: Path, max_model_len: int):
+def make_executor(args: EngineArgs, model_config: ModelArchConfig, model_dir: Path, max_model_len: int):
     """The executor for args.tensor_parallel_size, with the model loaded on every rank."""
     if args.tensor_parallel_size == 1:
         from engine.executor.uniproc import UniProcExecutor

@@ -37,7 +37,7 @@ from engine.executor.messages import decode, encode, scheduler_output_from_wire,
 from engine.executor.uniproc import ExecutorDeadError, UniProcExecutor
 from engine.framing import recv_frame, send_frame
 from engine.kv.connector.base import KVConnectorOutput
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.models.files import load_config
 from engine.models.llama import check_tensor_parallel_size
 from engine.request import Request
@@ -101,7 +101,7 @@ class KVOutputAggregator:
 
 
 class MultiprocExecutor(UniProcExecutor):
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, model_dir: Path, max_model_len: int):
+    def __init__(self, args: EngineArgs, model_config: ModelArchConfig, model_dir: Path, max_model_len: int):
         size = args.tensor_parallel_size
         check_tensor_parallel_size(model_config, size)  # before any process starts
         self.world_size = size

@@ -7,7 +7,7 @@ import torch
 
 from engine.config import EngineArgs
 from engine.kv.layout import KVLayout
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import Worker
 
@@ -17,7 +17,7 @@ class ExecutorDeadError(RuntimeError):
 
 
 class UniProcExecutor:
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, model_dir: Path, max_model_len: int):
+    def __init__(self, args: EngineArgs, model_config: ModelArchConfig, model_dir: Path, max_model_len: int):
         self.driver_worker = self._make_driver_worker(args, model_config, model_dir, max_model_len)
         self.driver_worker.load_model()
         # Called (from another thread) with the reason once a rank is gone, so an idle engine learns of it too.

@@ -24,7 +24,7 @@ from engine.kv.manager import cdiv
 from engine.lora.manager import LoRAModelManager
 from engine.lora.request import LoRARequest
 from engine.malloc import keep_freed_memory_in_process
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.models.linear import process_weights_after_loading
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import check_dtype, dtype_reason, load_weights, prepare_quantized_weights
@@ -55,7 +55,7 @@ def resolve_device(device: str, rank: int = 0, world_size: int = 1) -> torch.dev
 
 
 class Worker:
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, model_dir: Path, max_model_len: int):
+    def __init__(self, args: EngineArgs, model_config: ModelArchConfig, model_dir: Path, max_model_len: int):
         """With tensor parallelism, built once this process joined the group (engine.distributed): the model's
         layers and the KV cache take this rank's shard."""
         self.args = args
