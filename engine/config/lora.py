@@ -48,6 +48,10 @@ class LoRAConfig:
             raise ValueError("lora_modules needs enable_lora (--enable-lora).")
         parse_lora_modules(self.lora_modules)
 
+    def get_lora_modules(self) -> dict[str, str]:
+        """--lora-modules as adapter name -> PEFT directory."""
+        return parse_lora_modules(self.lora_modules)
+
 
 def parse_lora_modules(entries: list[str] | None) -> dict[str, str]:
     """--lora-modules as adapter name -> PEFT directory."""
