@@ -5,10 +5,10 @@ the flat front with vLLM's names that the offline LLM's keywords and the engine'
 import argparse
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from engine.config.cache import CacheConfig
-from engine.config.lora import LoRAConfig, parse_lora_modules
+from engine.config.lora import LoRAConfig
 from engine.config.model import DEFAULT_MODEL, MAX_CUDAGRAPH_CAPTURE_SIZE, ModelConfig
 from engine.config.parallel import ParallelConfig
 from engine.config.sampler import SamplerConfig
@@ -129,8 +129,7 @@ class EngineArgs(_ConfigFields):
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "EngineArgs":
         """The flat settings of composed configs: what crosses a process boundary as JSON."""
-        subconfigs = (getattr(config, f.name) for f in dataclasses.fields(EngineConfig))
-        values = {f.name: getattr(c, f.name) for c in subconfigs if type(c) in _CONFIGS for f in dataclasses.fields(c)}
+        values = {f.name: getattr(c, f.name) for c in vars(config).values() if type(c) in _CONFIGS for f in fields(c)}
         spec, kv = config.speculative_config, config.kv_transfer_config
         return cls(
             **values,
@@ -139,10 +138,11 @@ class EngineArgs(_ConfigFields):
         )
 
     def get_lora_modules(self) -> dict[str, str]:
-        """--lora-modules as adapter name -> PEFT directory."""
-        return parse_lora_modules(self.lora_modules)
+        """LoRAConfig.get_lora_modules() of these settings."""
+        return config_from(LoRAConfig, self).get_lora_modules()
 
     def get_cudagraph_capture_sizes(self) -> list[int]:
+        """EngineConfig.get_cudagraph_capture_sizes() of these settings."""
         return self.create_engine_config().get_cudagraph_capture_sizes()
 
     def get_kv_transfer_config(self) -> KVTransferConfig | None:

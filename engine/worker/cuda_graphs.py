@@ -23,7 +23,7 @@ from engine.config import EngineArgs, EngineConfig
 def use_cudagraphs(config: EngineConfig | EngineArgs, device: torch.device, backend: AttentionBackend) -> bool:
     """Graphs need a CUDA device, a backend whose launches depend only on shapes, and sizes to capture;
     --enforce-eager turns them off, and so does --enable-lora (a step's adapter segments are host data)."""
-    if isinstance(config, EngineArgs):
+    if isinstance(config, EngineArgs):  # the flat settings, as a caller without the composed configs has them
         config = config.create_engine_config()
     return (
         device.type == "cuda"
