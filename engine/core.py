@@ -3,11 +3,11 @@ this process, or one per tensor-parallel rank)."""
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from types import MappingProxyType
 
-from engine.config import EngineArgs
+from engine.config import EngineArgs, EngineConfig
 from engine.executor import make_executor
 from engine.info import EngineInfo
 from engine.kv.connector.base import KVConnectorRole
@@ -42,31 +42,38 @@ class StepStats:
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs):
-        self.args = args
-        self.model_dir = prepare_model_dir(args.model, args.download_dir)
+    def __init__(self, config: EngineConfig | EngineArgs):
+        """From the composed configs, or from the flat EngineArgs (the offline LLM's keywords, the engine's flags)
+        that make them."""
+        if isinstance(config, EngineArgs):
+            self.args, self.config = config, config.create_engine_config()
+        else:
+            self.args, self.config = EngineArgs.from_engine_config(config), config
+        model = self.config.model_config
+        self.model_dir = prepare_model_dir(model.model, model.download_dir)
+        # The checkpoint's architecture; self.config.model_config holds the settings it runs with.
         self.model_config = cfg = load_config(self.model_dir)
-        self.max_model_len = args.max_model_len or cfg.max_position_embeddings
+        self.max_model_len = model.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={self.max_model_len} is larger than the model's "
                 f"max_position_embeddings={cfg.max_position_embeddings}."
             )
 
-        self.executor = make_executor(args, cfg, self.model_dir, self.max_model_len)
+        self.executor = make_executor(self.config, cfg, self.model_dir, self.max_model_len)
         try:
-            self._start(args)
+            self._start(self.config)
         except BaseException:
             self.executor.shutdown()  # its tensor-parallel ranks end with it
             raise
 
-    def _start(self, args: EngineArgs) -> None:
+    def _start(self, config: EngineConfig) -> None:
         """The KV cache, the scheduler and what they need, over the started executor."""
-        cfg = self.model_config
+        cfg, cache, sched, lora = self.model_config, config.cache_config, config.scheduler_config, config.lora_config
         self.device, self.dtype = self.executor.device, self.executor.dtype
         self.num_blocks = self.executor.determine_num_available_blocks()
         self.executor.initialize_kv_cache(self.num_blocks)
-        block_size = args.block_size
+        block_size = cache.block_size
         capacity = self.num_blocks * block_size
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s)",
@@ -75,16 +82,16 @@ class EngineCore:
         )  # fmt: skip
 
         # LoRA adapters loaded: name -> its request, and id -> the digest of its weights (its blocks' extra key).
-        self.lora_registry = LoRARegistry(args.enable_lora)
+        self.lora_registry = LoRARegistry(lora.enable_lora)
         self.lora_digests = self.lora_registry.digests
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks,
             block_size,
-            enable_caching=args.enable_prefix_caching,
-            hash_algo=args.prefix_caching_hash_algo,
-            hash_seed=args.prefix_caching_hash_seed,
-            watermark=args.watermark,
-            enable_kv_cache_events=args.enable_kv_cache_events,
+            enable_caching=cache.enable_prefix_caching,
+            hash_algo=cache.prefix_caching_hash_algo,
+            hash_seed=cache.prefix_caching_hash_seed,
+            watermark=sched.watermark,
+            enable_kv_cache_events=cache.enable_kv_cache_events,
             lora_digests=self.lora_digests,
         )
         self.num_steps = 0
@@ -93,7 +100,7 @@ class EngineCore:
         self.step_trace_headers: tuple[tuple[str, str], ...] = ()
         self.connector = None
         layout = None
-        kv_transfer_config = args.get_kv_transfer_config()
+        kv_transfer_config = config.kv_transfer_config
         if kv_transfer_config is not None:  # the scheduler's half (the worker made its own with its KV cache)
             layout = self.executor.get_kv_layout()
             self.connector = create_connector(
@@ -105,28 +112,36 @@ class EngineCore:
         # A request can never grow past the whole pool, so that is its length cap too.
         self.scheduler = Scheduler(
             self.kv_cache_manager,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs,
             max_model_len=min(self.max_model_len, capacity),
-            scheduling_policy=args.scheduling_policy,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            scheduling_policy=sched.scheduling_policy,
+            long_prefill_token_threshold=sched.long_prefill_token_threshold,
             connector=self.connector,
             structured_output_manager=self.structured_output_manager,
-            num_spec_tokens=spec.num_speculative_tokens if (spec := args.get_speculative_config()) else 0,
+            num_spec_tokens=spec.num_speculative_tokens if (spec := config.speculative_config) else 0,
             num_lookahead_tokens=self.executor.num_lookahead_tokens,
-            max_loras=args.max_loras if args.enable_lora else 0,
+            max_loras=lora.max_loras if lora.enable_lora else 0,
         )
         self._aborted: list[EngineCoreOutput] = []
         self.info = self._make_info(layout)
-        for name, path in args.get_lora_modules().items():
+        for name, path in lora.get_lora_modules().items():
             self.add_lora(self.lora_registry.new_request(name, path))
         self.update_info()
 
     def _make_info(self, kv_layout: KVLayout | None) -> EngineInfo:
         """The snapshot's fixed part; update_info() adds the adapters and the connector's figures."""
-        args, cfg = self.args, self.model_config
+        config, cfg = self.config, self.model_config
+        # The settings the snapshot shows under their own names (block_size, max_num_seqs, enable_lora, ...).
+        shown = {f.name for f in fields(EngineInfo)}
+        settings = {
+            f.name: getattr(c, f.name)
+            for c in (config.cache_config, config.scheduler_config, config.lora_config)
+            for f in fields(c)
+            if f.name in shown
+        }
         return EngineInfo(
-            model=args.model,
+            model=config.model_config.model,
             model_dir=self.model_dir,
             architecture=cfg.architecture,
             vocab_size=cfg.vocab_size,
@@ -135,24 +150,15 @@ class EngineCore:
             bos_token_id=cfg.bos_token_id,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_logprobs=args.max_logprobs,
-            block_size=args.block_size,
+            max_logprobs=config.model_config.max_logprobs,
             num_blocks=self.num_blocks,
             attention_backend=self.executor.attention_backend,
-            enable_prefix_caching=args.enable_prefix_caching,
-            prefix_caching_hash_algo=args.prefix_caching_hash_algo,
-            prefix_caching_hash_seed=args.prefix_caching_hash_seed,
-            enable_kv_cache_events=args.enable_kv_cache_events,
-            enable_lora=args.enable_lora,
-            max_loras=args.max_loras,
-            max_lora_rank=args.max_lora_rank,
             lora_adapters=MappingProxyType({}),
             lora_digests=MappingProxyType({}),
             kv_role=self.connector.config.kv_role if self.connector is not None else None,
             kv_layout=kv_layout,
             kv_connector_stats=None,
+            **settings,
         )
 
     def update_info(self) -> EngineInfo:
@@ -214,7 +220,11 @@ class EngineCore:
         started = time.perf_counter()
         # Async scheduling: the next step's blocks are allocated (and a step of decodes has its inputs built) while
         # this step's tokens are being sampled.
-        while_waiting = partial(self.scheduler.schedule_ahead, scheduler_output) if self.args.async_scheduling else None
+        while_waiting = (
+            partial(self.scheduler.schedule_ahead, scheduler_output)
+            if self.config.scheduler_config.async_scheduling
+            else None
+        )
         runner_output = self.executor.execute_model(scheduler_output, while_waiting)
         ran = time.perf_counter()
         if self.connector is not None:

@@ -9,7 +9,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import EngineArgs, parse_int_list
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request, SamplingParams
 from engine.worker.cuda_graphs import CUDAGraphs, InputBuffers, use_cudagraphs
@@ -117,7 +117,7 @@ def test_padding_rows_write_nothing_and_attend_to_nothing():
 
 
 def tiny_model(backend):
-    config = ModelConfig(
+    config = ModelArchConfig(
         architecture="LlamaForCausalLM",
         vocab_size=512,
         hidden_size=64,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.models import files, loader
-from engine.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
+from engine.models.config import ModelArchConfig, ModelLoadError, UnsupportedModelError
 from engine.models.files import DEFAULT_MODEL, load_config, load_tokenizer, prepare_text_dir, resolve_model
 from engine.models.loader import check_dtype, cpu_native_bf16, dtype_reason, load_weights, prepare_model_dir
 
@@ -67,17 +67,19 @@ def test_broken_config_json_names_the_file(tmp_path):
 def test_config_normalises_hf_variants():
     base = _tiny_llama_config().to_dict()
     base.pop("rope_parameters", None)
-    c = ModelConfig.from_hf_config({**base, "eos_token_id": 7, "rope_theta": 5e5})
+    c = ModelArchConfig.from_hf_config({**base, "eos_token_id": 7, "rope_theta": 5e5})
     assert c.eos_token_ids == [7] and c.rope_theta == 5e5 and c.rope_scaling is None and c.head_dim == 8
-    c = ModelConfig.from_hf_config({**base, "eos_token_id": [1, 2], "rope_scaling": {"type": "linear", "factor": 2.0}})
+    c = ModelArchConfig.from_hf_config(
+        {**base, "eos_token_id": [1, 2], "rope_scaling": {"type": "linear", "factor": 2.0}}
+    )
     assert c.eos_token_ids == [1, 2] and c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     # transformers >= 5 style
     llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
-    c = ModelConfig.from_hf_config({**base, "rope_parameters": llama3, "dtype": "bfloat16"})
+    c = ModelArchConfig.from_hf_config({**base, "rope_parameters": llama3, "dtype": "bfloat16"})
     assert c.rope_theta == 5e5 and c.rope_scaling["rope_type"] == "llama3" and "rope_theta" not in c.rope_scaling
     assert c.torch_dtype == "bfloat16"
-    q = ModelConfig.from_hf_config({**base, "architectures": ["Qwen2ForCausalLM"]})
+    q = ModelArchConfig.from_hf_config({**base, "architectures": ["Qwen2ForCausalLM"]})
     assert q.attention_bias and q.architecture == "Qwen2ForCausalLM"
 
 
@@ -322,7 +324,7 @@ def test_synthetic_llama_gguf_unpermutes_and_reads_llama3_rope(tmp_path):
     _write_gguf(tmp_path / "m.gguf", "llama", tensors)
 
     config, weights = _convert_synthetic(tmp_path / "m.gguf")
-    mc = ModelConfig.from_hf_config(config)
+    mc = ModelArchConfig.from_hf_config(config)
     assert mc.architecture == "LlamaForCausalLM" and not mc.tie_word_embeddings and not mc.attention_bias
     assert (mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.vocab_size) == (4, 2, 64, 10)
     assert mc.bos_token_id == 5 and mc.eos_token_ids == [6, 7] and mc.max_position_embeddings == 4096
@@ -339,7 +341,7 @@ def test_synthetic_qwen2_gguf_keeps_bias_and_layout(tmp_path):
     hf = _hf_layer(rng, bias=True)
     _write_gguf(tmp_path / "q.gguf", "qwen2", {_gguf_name(k): v for k, v in hf.items()})
     config, weights = _convert_synthetic(tmp_path / "q.gguf")
-    mc = ModelConfig.from_hf_config(config)
+    mc = ModelArchConfig.from_hf_config(config)
     assert mc.architecture == "Qwen2ForCausalLM" and mc.attention_bias
     for name, expected in hf.items():  # llama.cpp does not permute qwen2's q/k
         assert torch.equal(weights[name], torch.from_numpy(expected)), name

@@ -5,10 +5,10 @@ the flat front with vLLM's names that the offline LLM's keywords and the engine'
 import argparse
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from engine.config.cache import CacheConfig
-from engine.config.lora import LoRAConfig, parse_lora_modules
+from engine.config.lora import LoRAConfig
 from engine.config.model import DEFAULT_MODEL, MAX_CUDAGRAPH_CAPTURE_SIZE, ModelConfig
 from engine.config.parallel import ParallelConfig
 from engine.config.sampler import SamplerConfig
@@ -78,6 +78,15 @@ class EngineConfig:
         if self.kv_transfer_config is not None and not self.cache_config.enable_prefix_caching:
             raise ValueError("kv_transfer_config needs prefix caching: its blocks are named by their prefix hashes.")
 
+    def get_cudagraph_capture_sizes(self) -> list[int]:
+        """The decode batch sizes that get a CUDA graph, ascending; none above max_num_seqs or the token budget."""
+        sched = self.scheduler_config
+        limit = min(sched.max_num_seqs, sched.max_num_batched_tokens)
+        sizes = self.model_config.cudagraph_capture_sizes
+        if sizes is None:
+            sizes = [1, 2, 4, *range(8, MAX_CUDAGRAPH_CAPTURE_SIZE + 1, 8)]
+        return sorted({s for s in sizes if s <= limit})
+
 
 # The composed configs whose fields EngineArgs has, flat, in the order of their flags' groups.
 _CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, SamplerConfig, LoRAConfig)
@@ -117,17 +126,24 @@ class EngineArgs(_ConfigFields):
             kv_transfer_config=self.get_kv_transfer_config(),
         )
 
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> "EngineArgs":
+        """The flat settings of composed configs: what crosses a process boundary as JSON."""
+        values = {f.name: getattr(c, f.name) for c in vars(config).values() if type(c) in _CONFIGS for f in fields(c)}
+        spec, kv = config.speculative_config, config.kv_transfer_config
+        return cls(
+            **values,
+            speculative_config=None if spec is None else spec.to_dict(),
+            kv_transfer_config=None if kv is None else json.dumps(dataclasses.asdict(kv)),
+        )
+
     def get_lora_modules(self) -> dict[str, str]:
-        """--lora-modules as adapter name -> PEFT directory."""
-        return parse_lora_modules(self.lora_modules)
+        """LoRAConfig.get_lora_modules() of these settings."""
+        return config_from(LoRAConfig, self).get_lora_modules()
 
     def get_cudagraph_capture_sizes(self) -> list[int]:
-        """The decode batch sizes that get a CUDA graph, ascending; none above max_num_seqs or the token budget."""
-        limit = min(self.max_num_seqs, self.max_num_batched_tokens)
-        sizes = self.cudagraph_capture_sizes
-        if sizes is None:
-            sizes = [1, 2, 4, *range(8, MAX_CUDAGRAPH_CAPTURE_SIZE + 1, 8)]
-        return sorted({s for s in sizes if s <= limit})
+        """EngineConfig.get_cudagraph_capture_sizes() of these settings."""
+        return self.create_engine_config().get_cudagraph_capture_sizes()
 
     def get_kv_transfer_config(self) -> KVTransferConfig | None:
         return None if self.kv_transfer_config is None else KVTransferConfig.from_json(self.kv_transfer_config)

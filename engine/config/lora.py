@@ -46,7 +46,11 @@ class LoRAConfig:
         check_choices(self)
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora).")
-        parse_lora_modules(self.lora_modules)
+        self.get_lora_modules()  # checks the entries
+
+    def get_lora_modules(self) -> dict[str, str]:
+        """--lora-modules as adapter name -> PEFT directory."""
+        return parse_lora_modules(self.lora_modules)
 
 
 def parse_lora_modules(entries: list[str] | None) -> dict[str, str]:

@@ -3,16 +3,16 @@ to its executor, which runs it on one worker in this process, or on one worker p
 
 from pathlib import Path
 
-from engine.config import EngineArgs
-from engine.models.config import ModelConfig
+from engine.config import EngineConfig
+from engine.models.config import ModelArchConfig
 
 
-def make_executor(args: EngineArgs, model_config: ModelConfig, model_dir: Path, max_model_len: int):
-    """The executor for args.tensor_parallel_size, with the model loaded on every rank."""
-    if args.tensor_parallel_size == 1:
+def make_executor(config: EngineConfig, model_config: ModelArchConfig, model_dir: Path, max_model_len: int):
+    """The executor for config.parallel_config.tensor_parallel_size, with the model loaded on every rank."""
+    if config.parallel_config.tensor_parallel_size == 1:
         from engine.executor.uniproc import UniProcExecutor
 
-        return UniProcExecutor(args, model_config, model_dir, max_model_len)
+        return UniProcExecutor(config, model_config, model_dir, max_model_len)
     from engine.executor.multiproc import MultiprocExecutor
 
-    return MultiprocExecutor(args, model_config, model_dir, max_model_len)
+    return MultiprocExecutor(config, model_config, model_dir, max_model_len)

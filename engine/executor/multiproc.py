@@ -31,13 +31,13 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineArgs
+from engine.config import EngineArgs, EngineConfig
 from engine.distributed.parallel_state import destroy_distributed, init_distributed, set_cpu_threads
 from engine.executor.messages import decode, encode, scheduler_output_from_wire, scheduler_output_to_wire
 from engine.executor.uniproc import ExecutorDeadError, UniProcExecutor
 from engine.framing import recv_frame, send_frame
 from engine.kv.connector.base import KVConnectorOutput
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.models.files import load_config
 from engine.models.llama import check_tensor_parallel_size
 from engine.request import Request
@@ -101,8 +101,8 @@ class KVOutputAggregator:
 
 
 class MultiprocExecutor(UniProcExecutor):
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, model_dir: Path, max_model_len: int):
-        size = args.tensor_parallel_size
+    def __init__(self, config: EngineConfig, model_config: ModelArchConfig, model_dir: Path, max_model_len: int):
+        size = config.parallel_config.tensor_parallel_size
         check_tensor_parallel_size(model_config, size)  # before any process starts
         self.world_size = size
         self.dead: str | None = None
@@ -118,21 +118,21 @@ class MultiprocExecutor(UniProcExecutor):
         self.master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         self.master_port = int(os.environ.get("MASTER_PORT") or free_port_pair(self.master_addr))
         try:
-            local_ranks = self._start_ranks(args, model_dir, max_model_len)
+            local_ranks = self._start_ranks(config, model_dir, max_model_len)
             for rank, conn in self.conns.items():
                 self.replies[rank] = queue.SimpleQueue()
                 threading.Thread(target=self._read, args=(rank, conn), name=f"tp-rank-{rank}", daemon=True).start()
-            device = resolve_device(args.device, 0, size)
+            device = resolve_device(config.model_config.device, 0, size)
             if device.type == "cpu":
                 set_cpu_threads(1 + len(local_ranks))
             init_distributed(0, size, device, self.master_addr, self.master_port)
-            super().__init__(args, model_config, model_dir, max_model_len)
+            super().__init__(config, model_config, model_dir, max_model_len)
         except BaseException:
             self.shutdown()
             raise
         logger.info("Tensor parallel: %d ranks, meeting at %s:%d", size, self.master_addr, self.master_port)
 
-    def _start_ranks(self, args: EngineArgs, model_dir: Path, max_model_len: int) -> list[int]:
+    def _start_ranks(self, config: EngineConfig, model_dir: Path, max_model_len: int) -> list[int]:
         """Start this host's ranks, wait until every rank has connected, and send each what to load; the ranks
         started here."""
         local = os.environ.get(LOCAL_RANKS_ENV)
@@ -168,8 +168,9 @@ class MultiprocExecutor(UniProcExecutor):
                 except TimeoutError:
                     continue
                 self._admit(conn, token)
-        # The other ranks load what this one loads: the same resolved model directory; they sample nowhere.
-        worker_args = dataclasses.replace(args, sampler_address=None)
+        # The other ranks load what this one loads: the same resolved model directory; they sample nowhere. The
+        # settings go as the flat EngineArgs, JSON, and each rank composes its EngineConfig from them.
+        worker_args = dataclasses.replace(EngineArgs.from_engine_config(config), sampler_address=None)
         init = {"engine_args": dataclasses.asdict(worker_args), "model_dir": str(model_dir), "max_len": max_model_len}
         for conn in self.conns.values():
             send_frame(conn, json.dumps(init).encode())
@@ -326,13 +327,14 @@ def run_worker(rank: int) -> None:
     init = json.loads(recv_frame(sock) or b"null")
     if init is None:
         raise SystemExit(f"rank {rank}: rank 0 closed the connection at start")
-    args = EngineArgs(**init["engine_args"])
+    config = EngineArgs(**init["engine_args"]).create_engine_config()
     model_dir = Path(init["model_dir"])
-    device = resolve_device(args.device, rank, args.tensor_parallel_size)
+    size = config.parallel_config.tensor_parallel_size
+    device = resolve_device(config.model_config.device, rank, size)
     if device.type == "cpu":
         set_cpu_threads(int(os.environ.get(LOCAL_WORLD_SIZE_ENV) or 1))
-    init_distributed(rank, args.tensor_parallel_size, device, addr, port)
-    worker = Worker(args, load_config(model_dir), model_dir, init["max_len"])
+    init_distributed(rank, size, device, addr, port)
+    worker = Worker(config, load_config(model_dir), model_dir, init["max_len"])
     worker.load_model()
     states: dict[str, Request] = {}  # this rank's request states, kept up to date by each step's SchedulerOutput
     while (data := recv_frame(sock)) is not None:

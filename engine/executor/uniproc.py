@@ -5,9 +5,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineArgs
+from engine.config import EngineConfig
 from engine.kv.layout import KVLayout
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import Worker
 
@@ -17,14 +17,14 @@ class ExecutorDeadError(RuntimeError):
 
 
 class UniProcExecutor:
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, model_dir: Path, max_model_len: int):
-        self.driver_worker = self._make_driver_worker(args, model_config, model_dir, max_model_len)
+    def __init__(self, config: EngineConfig, model_config: ModelArchConfig, model_dir: Path, max_model_len: int):
+        self.driver_worker = self._make_driver_worker(config, model_config, model_dir, max_model_len)
         self.driver_worker.load_model()
         # Called (from another thread) with the reason once a rank is gone, so an idle engine learns of it too.
         self.on_failure: Callable[[str], None] | None = None
 
-    def _make_driver_worker(self, args, model_config, model_dir, max_model_len) -> Worker:
-        return Worker(args, model_config, model_dir, max_model_len)
+    def _make_driver_worker(self, config, model_config, model_dir, max_model_len) -> Worker:
+        return Worker(config, model_config, model_dir, max_model_len)
 
     # ---- what the engine core knows of its workers: rank 0's, as every rank runs the same model and settings ----
 

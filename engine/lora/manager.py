@@ -14,7 +14,7 @@ import torch
 from engine.lora.layers import LinearWithLoRA, LoRAMapping
 from engine.lora.peft import LoRAModel, load_peft_adapter
 from engine.lora.request import LoRARequest
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from kernels.lora import lora_kernel_meta
 
 # The model's packed layers and the PEFT modules they hold, in output order: (attribute path, modules).
@@ -28,7 +28,7 @@ _WRAPPED = (
 
 class LoRAModelManager:
     def __init__(
-        self, model, cfg: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int, lora_dtype: str
+        self, model, cfg: ModelArchConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int, lora_dtype: str
     ):
         self.cfg = cfg
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras

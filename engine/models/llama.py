@@ -16,7 +16,7 @@ from torch.nn.parameter import UninitializedParameter
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.distributed.parallel_state import divide, get_tp_size
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.models.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabEmbedding, tie_weights
 from engine.models.quantization import get_embedding_method, get_linear_method
 
@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: ModelArchConfig) -> torch.Tensor:
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
@@ -64,7 +64,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Hugging Face's rotate-half RoPE with a precomputed cos/sin table."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelArchConfig):
         super().__init__()
         inv_freq = rope_inv_freq(config)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
@@ -91,7 +91,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     ops = None  # as RMSNorm's
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, quantization: str | None = None):
+    def __init__(self, config: ModelArchConfig, backend: AttentionBackend, quantization: str | None = None):
         super().__init__()
         # This rank's heads and KV heads (check_tensor_parallel_size: they divide by the ranks).
         self.num_heads = config.num_attention_heads // get_tp_size()
@@ -124,7 +124,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     ops = None  # as RMSNorm's
 
-    def __init__(self, config: ModelConfig, quantization: str | None = None):
+    def __init__(self, config: ModelArchConfig, quantization: str | None = None):
         super().__init__()
         method = get_linear_method(quantization)
         size = config.intermediate_size
@@ -139,7 +139,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, quantization: str | None = None):
+    def __init__(self, config: ModelArchConfig, backend: AttentionBackend, quantization: str | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, backend, quantization)
@@ -158,7 +158,7 @@ def _cat_rows(shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([s.repeat_interleave(width // s.shape[-1], dim=-1) if width else s for s in shards], dim=0)
 
 
-def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
+def check_tensor_parallel_size(config: ModelArchConfig, size: int) -> None:
     """A start-up error unless the heads, KV heads and MLP width split evenly over `size` ranks."""
     divide(config.num_attention_heads, size, "the model's attention heads (num_attention_heads)")
     divide(config.num_key_value_heads, size, "the model's KV heads (num_key_value_heads)")
@@ -166,7 +166,7 @@ def check_tensor_parallel_size(config: ModelConfig, size: int) -> None:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, quantization: str | None = None):
+    def __init__(self, config: ModelArchConfig, backend: AttentionBackend, quantization: str | None = None):
         super().__init__()
         check_tensor_parallel_size(config, get_tp_size())
         self.config = config

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.models.config import ModelConfig, ModelLoadError
+from engine.models.config import ModelArchConfig, ModelLoadError
 from engine.models.files import (  # noqa: F401 (DEFAULT_MODEL and load_config re-exported for the engine's callers)
     DEFAULT_MODEL,
     build_dir,
@@ -49,7 +49,7 @@ def prepare_model_dir(model: str, cache_dir: str | Path | None = None) -> Path:
     return build_dir(converted_dir(path, cache_dir), lambda tmp: _convert_gguf(path, tmp))
 
 
-def prepare_quantized_weights(model_dir: Path, quantization: str, config: ModelConfig, cache_dir=None) -> Path:
+def prepare_quantized_weights(model_dir: Path, quantization: str, config: ModelArchConfig, cache_dir=None) -> Path:
     """A directory of `model_dir`'s weights with every linear layer's quantized by `quantization` (int8,
     int4), built once into the cache, so later starts load the codes instead of quantizing again."""
     return build_dir(
@@ -58,7 +58,7 @@ def prepare_quantized_weights(model_dir: Path, quantization: str, config: ModelC
     )
 
 
-def _quantize_weights(model_dir: Path, quantization: str, config: ModelConfig, out: Path) -> None:
+def _quantize_weights(model_dir: Path, quantization: str, config: ModelArchConfig, out: Path) -> None:
     logger.info("quantizing %s's linear layers to %s in %s", model_dir, quantization, out)
     method = get_linear_method(quantization)
     weight_map: dict[str, str] = {}
@@ -362,6 +362,6 @@ def _convert_gguf(path: Path, out: Path) -> None:
     logger.info("converting %s to a Hugging Face directory in %s", path, out)
     reader = open_gguf(path)
     config = gguf_config(reader, path)
-    ModelConfig.from_hf_config(config)  # the engine must be able to use what we write
+    ModelArchConfig.from_hf_config(config)  # the engine must be able to use what we write
     _write_weights(reader, config, out)
     write_text_files(reader, path, config, out)

@@ -1,7 +1,7 @@
 """SpeculativeConfig: vLLM's --speculative-config, checked when the engine starts."""
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from engine.json_object import parse_json_object
 
@@ -43,6 +43,10 @@ class SpeculativeConfig:
             if name in value:
                 raise ValueError(f"speculative_config.{name} is for method ngram only.")
         return cls(method, k, model=model)
+
+    def to_dict(self) -> dict:
+        """The fields from_json takes back: those of this method (the others are unset: None or 0)."""
+        return {k: v for k, v in asdict(self).items() if v}
 
 
 def _int(value: dict, name: str, default: int | None, low: int, high: int) -> int:

@@ -15,6 +15,7 @@ import logging
 import torch
 
 from engine.attention.backend import AttentionMetadata
+from engine.config import EngineConfig
 from engine.models.files import load_config
 from engine.models.linear import process_weights_after_loading
 from engine.models.llama import LlamaForCausalLM
@@ -29,11 +30,19 @@ DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15 >> 2
 
 
 class DraftModelProposer:
-    def __init__(self, config: SpeculativeConfig, target_vocab_size: int, args, device, dtype, attn_backend):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        target_vocab_size: int,
+        engine_config: EngineConfig,
+        device,
+        dtype,
+        attn_backend,
+    ):
         self.k = config.num_speculative_tokens
-        self.device, self.dtype, self.block_size = device, dtype, args.block_size
+        self.device, self.dtype, self.block_size = device, dtype, engine_config.cache_config.block_size
         self.attn_backend = attn_backend
-        model_dir = prepare_model_dir(config.model, args.download_dir)
+        model_dir = prepare_model_dir(config.model, engine_config.model_config.download_dir)
         self.config = cfg = load_config(model_dir)
         if cfg.vocab_size != target_vocab_size:
             raise ValueError(

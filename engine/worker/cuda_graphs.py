@@ -17,17 +17,20 @@ import numpy as np
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.config import EngineArgs, EngineConfig
 
 
-def use_cudagraphs(args, device: torch.device, backend: AttentionBackend) -> bool:
+def use_cudagraphs(config: EngineConfig | EngineArgs, device: torch.device, backend: AttentionBackend) -> bool:
     """Graphs need a CUDA device, a backend whose launches depend only on shapes, and sizes to capture;
     --enforce-eager turns them off, and so does --enable-lora (a step's adapter segments are host data)."""
+    if isinstance(config, EngineArgs):  # the flat settings, as a caller without the composed configs has them
+        config = config.create_engine_config()
     return (
         device.type == "cuda"
-        and not args.enforce_eager
-        and not args.enable_lora
+        and not config.model_config.enforce_eager
+        and not config.lora_config.enable_lora
         and backend.cudagraph_support
-        and bool(args.get_cudagraph_capture_sizes())
+        and bool(config.get_cudagraph_capture_sizes())
     )
 
 

@@ -15,7 +15,7 @@ import torch
 
 from engine.attention.backend import AttentionMetadata, resolve_kv_cache_dtype
 from engine.attention.selector import get_attn_backend
-from engine.config import EngineArgs, parse_memory_size
+from engine.config import EngineConfig, parse_memory_size
 from engine.distributed.parallel_state import destroy_distributed, get_tp_rank, get_tp_size
 from engine.kv.connector.base import KVConnectorBase, KVConnectorRole
 from engine.kv.connector.factory import create_connector
@@ -24,7 +24,7 @@ from engine.kv.manager import cdiv
 from engine.lora.manager import LoRAModelManager
 from engine.lora.request import LoRARequest
 from engine.malloc import keep_freed_memory_in_process
-from engine.models.config import ModelConfig
+from engine.models.config import ModelArchConfig
 from engine.models.linear import process_weights_after_loading
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import check_dtype, dtype_reason, load_weights, prepare_quantized_weights
@@ -55,30 +55,33 @@ def resolve_device(device: str, rank: int = 0, world_size: int = 1) -> torch.dev
 
 
 class Worker:
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, model_dir: Path, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_config: ModelArchConfig, model_dir: Path, max_model_len: int):
         """With tensor parallelism, built once this process joined the group (engine.distributed): the model's
-        layers and the KV cache take this rank's shard."""
-        self.args = args
+        layers and the KV cache take this rank's shard. model_config is the checkpoint's architecture; the settings
+        it runs with are config.model_config."""
+        self.config = config
+        self.cache_config, self.scheduler_config = config.cache_config, config.scheduler_config
+        settings = config.model_config
         self.model_config = model_config
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.rank, self.world_size = get_tp_rank(), get_tp_size()
-        self.device = resolve_device(args.device, self.rank, self.world_size)
+        self.device = resolve_device(settings.device, self.rank, self.world_size)
         self.num_kv_heads = model_config.num_key_value_heads // self.world_size  # this rank's, in its KV cache
-        self.dtype = check_dtype(args.dtype, self.device.type)
-        self.quantization = resolve_quantization(args.quantization, model_config.quantization)
+        self.dtype = check_dtype(settings.dtype, self.device.type)
+        self.quantization = resolve_quantization(settings.quantization, model_config.quantization)
         check_quantization(self.quantization, self.dtype, self.device)
         logger.info(
             "Computing in %s (%s); quantization: %s",
             str(self.dtype).removeprefix("torch."),
-            dtype_reason(args.dtype, self.device, self.dtype),
+            dtype_reason(settings.dtype, self.device, self.dtype),
             self.quantization or "none",
         )
         if self.device.type == "cpu":
             keep_freed_memory_in_process()
-        torch.manual_seed(args.seed)
-        self.attn_backend = get_attn_backend(args.attention_backend, args.block_size, self.device.type)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
+        torch.manual_seed(settings.seed)
+        self.attn_backend = get_attn_backend(settings.attention_backend, self.cache_config.block_size, self.device.type)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.dtype)
         self.attn_backend.check_kv_cache_dtype(self.kv_cache_dtype, self.device)
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -86,8 +89,8 @@ class Worker:
         self.lora_manager: LoRAModelManager | None = None  # with --enable-lora, once the model is loaded
         self.connector: KVConnectorBase | None = None  # the worker's half of the KV connector, with the KV cache
         # With tensor parallelism every rank runs every step eagerly (no collectives are captured in graphs).
-        self.use_cudagraphs = self.world_size == 1 and use_cudagraphs(args, self.device, self.attn_backend)
-        if self.device.type == "cuda" and args.kv_cache_memory is None:
+        self.use_cudagraphs = self.world_size == 1 and use_cudagraphs(config, self.device, self.attn_backend)
+        if self.device.type == "cuda" and self.cache_config.kv_cache_memory is None:
             self._snapshot_gpu_memory()
 
     def _snapshot_gpu_memory(self) -> None:
@@ -99,11 +102,11 @@ class Worker:
         self.free_at_start, self.total_memory = torch.cuda.mem_get_info(self.device)
         self.torch_reserved_at_start = torch.cuda.memory_reserved(self.device)
         self.torch_allocated_at_start = torch.cuda.memory_allocated(self.device)
-        wanted = self.args.gpu_memory_utilization * self.total_memory
+        wanted = self.cache_config.gpu_memory_utilization * self.total_memory
         if self.free_at_start < wanted:
             raise ValueError(
                 f"Free device memory ({self.free_at_start / GiB:.2f} of {self.total_memory / GiB:.2f} GiB) is less than "
-                f"--gpu-memory-utilization {self.args.gpu_memory_utilization} asks for ({wanted / GiB:.2f} GiB): "
+                f"--gpu-memory-utilization {self.cache_config.gpu_memory_utilization} asks for ({wanted / GiB:.2f} GiB): "
                 "something else uses the device. Lower --gpu-memory-utilization or free the device."
             )
 
@@ -113,7 +116,7 @@ class Worker:
         weights_dir, dequantized = self.model_dir, self.quantization != self.model_config.quantization
         if self.quantization in QUANTIZED_AT_LOAD:  # quantized once (a GGUF's dequantized tensors too), then cached
             weights_dir = prepare_quantized_weights(
-                self.model_dir, self.quantization, self.model_config, self.args.download_dir
+                self.model_dir, self.quantization, self.model_config, self.config.model_config.download_dir
             )
             dequantized = False
         model.load_weights(load_weights(weights_dir, dequantized=dequantized))
@@ -127,15 +130,15 @@ class Worker:
                 self.model.use_cpu_ops(load())
             except Exception as e:  # noqa: BLE001 (a machine that cannot build them still runs, on torch ops)
                 logger.warning("The C++ CPU kernels are unavailable (%s); the model's layers run on torch ops", e)
-        a = self.args
-        if a.enable_lora:  # wraps the loaded layers
+        lora = self.config.lora_config
+        if lora.enable_lora:  # wraps the loaded layers
             self.lora_manager = LoRAModelManager(
                 self.model,
                 self.model_config,
-                a.max_loras,
-                a.max_lora_rank,
-                a.max_cpu_loras or a.max_loras,
-                a.lora_dtype,
+                lora.max_loras,
+                lora.max_lora_rank,
+                lora.max_cpu_loras or lora.max_loras,
+                lora.lora_dtype,
             )
 
     def add_lora(self, lora_request: LoRARequest) -> bytes:
@@ -149,14 +152,14 @@ class Worker:
         """K and V of one block across every layer."""
         cfg = self.model_config
         element = self.kv_cache_dtype.itemsize
-        return 2 * cfg.num_hidden_layers * self.args.block_size * self.num_kv_heads * cfg.head_dim * element
+        return 2 * cfg.num_hidden_layers * self.cache_config.block_size * self.num_kv_heads * cfg.head_dim * element
 
     def determine_num_available_blocks(self) -> int:
         """How many KV blocks fit: the configured budget, or on a GPU what profiling leaves free."""
-        if self.device.type == "cuda" and self.args.kv_cache_memory is None:
+        if self.device.type == "cuda" and self.cache_config.kv_cache_memory is None:
             budget = self._profile_gpu_kv_budget()
         else:
-            budget = parse_memory_size(self.args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
+            budget = parse_memory_size(self.cache_config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
         # A draft model keeps its own KV in the same blocks: the budget pays for both.
         block_bytes = self.get_cache_block_size_bytes() + (self.drafter.kv_cache_block_bytes if self.drafter else 0)
         num_blocks = budget // block_bytes
@@ -176,9 +179,9 @@ class Worker:
         workspaces, kernel modules: the growth of the device's used memory that torch did not reserve), and
         the model runner with its CUDA graphs (measured by making one over a throwaway cache: the real graphs
         must be captured against the real cache, which is sized from this)."""
-        cfg, bs, dev = self.model_config, self.args.block_size, self.device
+        cfg, bs, dev = self.model_config, self.cache_config.block_size, self.device
         torch.cuda.reset_peak_memory_stats(dev)  # from here: loading's temporaries (float32 weights) are gone
-        n = min(self.args.max_num_batched_tokens, self.max_model_len)
+        n = min(self.scheduler_config.max_num_batched_tokens, self.max_model_len)
         shape = self.attn_backend.get_kv_cache_shape(cdiv(n, bs), bs, self.num_kv_heads, cfg.head_dim)
         caches = [
             (torch.zeros(shape, dtype=self.kv_cache_dtype, device=dev),) * 2 for _ in range(cfg.num_hidden_layers)
@@ -195,7 +198,7 @@ class Worker:
             seq_lens_cpu=[n],
         )
         hidden = self.model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), metadata, caches)
-        logits = self.model.compute_logits(hidden[-min(n, self.args.max_num_seqs) :])
+        logits = self.model.compute_logits(hidden[-min(n, self.scheduler_config.max_num_seqs) :])
         # Sampling every row at its costliest (penalties, a top-p sort, logprobs): float32 copies of the logits.
         params = SamplingParams(presence_penalty=0.5, repetition_penalty=1.1, top_p=0.9, logprobs=1)
         dummy = [Request(str(i), [0], params) for i in range(len(logits))]
@@ -211,10 +214,10 @@ class Worker:
         runner, runner_bytes = self._make_model_runner(caches)
         del runner, caches
         torch.cuda.empty_cache()
-        share = int(self.total_memory * self.args.gpu_memory_utilization)
+        share = int(self.total_memory * self.cache_config.gpu_memory_utilization)
         budget = share - weights_and_activations - outside_torch - runner_bytes
         summary = (
-            f"--gpu-memory-utilization {self.args.gpu_memory_utilization} of {self.total_memory / GiB:.2f} GiB is "
+            f"--gpu-memory-utilization {self.cache_config.gpu_memory_utilization} of {self.total_memory / GiB:.2f} GiB is "
             f"{share / GiB:.2f} GiB: weights and peak activations take {weights_and_activations / GiB:.2f} GiB, "
             f"memory outside torch's allocator {outside_torch / GiB:.2f} GiB, the runner's input buffers and CUDA "
             f"graphs {runner_bytes / GiB:.2f} GiB, "
@@ -230,7 +233,7 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's K and V cache, then the runner that reads and writes them."""
-        cfg, bs = self.model_config, self.args.block_size
+        cfg, bs = self.model_config, self.cache_config.block_size
         shape = self.attn_backend.get_kv_cache_shape(num_blocks, bs, self.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             (
@@ -247,28 +250,29 @@ class Worker:
 
     def _make_drafter(self) -> NgramProposer | DraftModelProposer | None:
         """Speculative decoding's proposer (--speculative-config), or None. A draft model is loaded here."""
-        config = self.args.get_speculative_config()
+        config = self.config.speculative_config
         if config is None:
             return None
         if config.method == "ngram":
             return NgramProposer(config)
         vocab = self.model_config.vocab_size
-        return DraftModelProposer(config, vocab, self.args, self.device, self.dtype, self.attn_backend)
+        return DraftModelProposer(config, vocab, self.config, self.device, self.dtype, self.attn_backend)
 
     def _make_sampler(self) -> BatchSampler:
         """In process, or on the sampler service at --sampler-address (falling back here with --sampler-fallback; the
         logits in shared memory when the service is on this host)."""
         local = LocalSampler(self.device)
-        if not self.args.sampler_address:
+        sampler = self.config.sampler_config
+        if not sampler.sampler_address:
             return local
-        num_spec = spec.num_speculative_tokens if (spec := self.args.get_speculative_config()) else 0
+        num_spec = spec.num_speculative_tokens if (spec := self.config.speculative_config) else 0
         return remote_sampler_class()(
-            self.args.sampler_address,
-            self.args.sampler_timeout,
-            fallback=local if self.args.sampler_fallback else None,
+            sampler.sampler_address,
+            sampler.sampler_timeout,
+            fallback=local if sampler.sampler_fallback else None,
             # A step's logits at most, float32 (the widest logits dtype): the size of a shared-memory slot. With
             # speculative decoding a request has a row for each draft and one after them.
-            slot_bytes=self.args.max_num_seqs * (1 + num_spec) * self.model_config.vocab_size * 4,
+            slot_bytes=self.scheduler_config.max_num_seqs * (1 + num_spec) * self.model_config.vocab_size * 4,
             device=self.device,
         )
 
@@ -282,22 +286,22 @@ class Worker:
 
     def _make_model_runner(self, kv_caches, sampler: BatchSampler | None = None) -> tuple[ModelRunner, int]:
         """A runner over these caches, with its CUDA graphs captured if they are used; and the device memory it took."""
-        a, dev = self.args, self.device
+        cache, sched, dev = self.cache_config, self.scheduler_config, self.device
         free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
         runner = ModelRunner(
             self.model,
             kv_caches,
-            a.block_size,
+            cache.block_size,
             dev,
-            a.max_num_batched_tokens,
-            a.max_num_seqs,
+            sched.max_num_batched_tokens,
+            sched.max_num_seqs,
             self.max_model_len,
             sampler,
             self.lora_manager,
             is_driver=self.rank == 0,
         )
         if self.use_cudagraphs:
-            began, sizes = time.perf_counter(), a.get_cudagraph_capture_sizes()
+            began, sizes = time.perf_counter(), self.config.get_cudagraph_capture_sizes()
             runner.capture_cudagraphs(sizes)
             logger.info(
                 "Captured %d CUDA graphs (decode batches of %s) in %.1f s",
@@ -313,13 +317,19 @@ class Worker:
         fingerprint of everything that makes blocks interchangeable between engines."""
         cfg = self.model_config
         dtype = str(self.kv_cache_dtype).removeprefix("torch.")
-        shape = (cfg.num_hidden_layers, 2, self.num_kv_heads, self.args.block_size, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, 2, self.num_kv_heads, self.cache_config.block_size, cfg.head_dim)
         # The same checkpoint quantized another way, or computing in another dtype, computes other K and V values.
         compute = str(self.dtype).removeprefix("torch.")
         weights = f"{weights_digest(self.model_dir)}/{self.quantization or 'unquantized'}/{compute}"
         shards = tuple(
             model_fingerprint(
-                weights, dtype, self.attn_backend.name, shape, self.args.prefix_caching_hash_algo, rank, self.world_size
+                weights,
+                dtype,
+                self.attn_backend.name,
+                shape,
+                self.cache_config.prefix_caching_hash_algo,
+                rank,
+                self.world_size,
             )
             for rank in range(self.world_size)
         )
@@ -327,7 +337,7 @@ class Worker:
 
     def _make_kv_connector(self) -> KVConnectorBase | None:
         """The worker's half of the connector --kv-transfer-config names, over this worker's KV cache."""
-        config = self.args.get_kv_transfer_config()
+        config = self.config.kv_transfer_config
         if config is None:
             return None
         connector = create_connector(config, KVConnectorRole.WORKER, self.kv_layout)
