@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_kernels_triton import MIXED, SHARED, make_batch
 
-from engine.models.llama import RMSNorm, apply_rotary
+from engine.models.layers import RMSNorm, apply_rotary
 from kernels.cpu_ops import load
 from kernels.reference import paged_attention_ref, reshape_and_cache_ref
 

@@ -80,11 +80,11 @@ def test_cpu_linear_layers_run_packed_and_keep_only_shared_weights():
     import torch.nn.functional as F
     from torch import nn
 
-    from engine.models.linear import Linear, VocabEmbedding, process_weights_after_loading, tie_weights
+    from engine.models.linear import Linear, VocabParallelEmbedding, process_weights_after_loading, tie_weights
 
     torch.manual_seed(0)
     model = nn.Module()
-    model.embed = VocabEmbedding(40, 24)
+    model.embed = VocabParallelEmbedding(40, 24)
     model.proj = Linear(24, 24, bias=True)
     model.head = Linear(24, 40, bias=False)
     tie_weights(model.head, model.embed)

@@ -39,7 +39,7 @@ from engine.framing import recv_frame, send_frame
 from engine.kv.connector.base import KVConnectorOutput
 from engine.models.config import ModelArchConfig
 from engine.models.files import load_config
-from engine.models.llama import check_tensor_parallel_size
+from engine.models.linear import check_tensor_parallel_size
 from engine.request import Request
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import Worker, resolve_device

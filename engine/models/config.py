@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+from engine.models.registry import ModelRegistry
 
 # Older or hand-written configs may lack "architectures" but name a model_type.
 _MODEL_TYPE_TO_ARCH = {
@@ -49,9 +49,9 @@ class ModelArchConfig:
     def from_hf_config(cls, d: dict) -> "ModelArchConfig":
         archs = d.get("architectures") or []
         arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(d.get("model_type", ""), d.get("model_type"))
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if not ModelRegistry.is_supported(arch):
             raise UnsupportedModelError(
-                f"unsupported model architecture {arch!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+                f"unsupported model architecture {arch!r}; supported: {', '.join(ModelRegistry.get_supported_archs())}"
             )
 
         def need(key):

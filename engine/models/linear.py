@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.distributed.parallel_state import all_gather, all_reduce, divide, get_tp_rank, get_tp_size
+from engine.models.config import ModelArchConfig
 from engine.models.quantization import (
     QuantizeMethodBase,
     UnquantizedEmbeddingMethod,
@@ -90,7 +91,7 @@ def _vocab_shard(tensor: torch.Tensor, rank: int, rows: int) -> torch.Tensor:
     return part.contiguous()
 
 
-class VocabEmbedding(nn.Module):
+class VocabParallelEmbedding(nn.Module):
     """vLLM's VocabParallelEmbedding: each rank holds ceil(vocab / ranks) rows; a token looks up on the rank that has it, zeros elsewhere, and
     one all-reduce sums them."""
 
@@ -116,7 +117,7 @@ class VocabEmbedding(nn.Module):
 
 
 class ParallelLMHead(Linear):
-    """The output projection over the vocabulary split as VocabEmbedding's; the logits are gathered, so
+    """The output projection over the vocabulary split as VocabParallelEmbedding's; the logits are gathered, so
     every rank ends with all of them."""
 
     def __init__(self, input_size: int, vocab_size: int, quant_method=None):
@@ -131,7 +132,7 @@ class ParallelLMHead(Linear):
         return all_gather(logits)[..., : self.vocab_size] if self.tp_size > 1 else logits
 
 
-def tie_weights(lm_head: Linear, embedding: VocabEmbedding) -> None:
+def tie_weights(lm_head: Linear, embedding: VocabParallelEmbedding) -> None:
     """The output projection reads the embedding's parameters (whatever its method made of them)."""
     for name, param in embedding.named_parameters(recurse=False):
         setattr(lm_head, name, param)
@@ -141,8 +142,15 @@ def process_weights_after_loading(model: nn.Module, dtype: torch.dtype) -> None:
     """Every layer's method turns its loaded weights into its kernel's form in `dtype`; then the rest (norms,
     biases) is cast."""
     for module in model.modules():
-        if isinstance(module, (Linear, VocabEmbedding)):
+        if isinstance(module, (Linear, VocabParallelEmbedding)):
             module.quant_method.process_weights_after_loading(module, dtype)
         if isinstance(module, RowParallelLinear) and module.tp_rank > 0:
             module.bias = None
     model.to(dtype)
+
+
+def check_tensor_parallel_size(config: ModelArchConfig, size: int) -> None:
+    """A start-up error unless the heads, KV heads and MLP width split evenly over `size` ranks."""
+    divide(config.num_attention_heads, size, "the model's attention heads (num_attention_heads)")
+    divide(config.num_key_value_heads, size, "the model's KV heads (num_key_value_heads)")
+    divide(config.intermediate_size, size, "the model's MLP width (intermediate_size)")

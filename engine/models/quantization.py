@@ -1,6 +1,6 @@
 """Quantization methods: the only code that knows a layer's weight format (vLLM's QuantizeMethodBase).
 
-A Linear or VocabEmbedding owns no weights of its own: its method creates the parameters a checkpoint
+A Linear or VocabParallelEmbedding owns no weights of its own: its method creates the parameters a checkpoint
 fills (create_weights), turns them into what its kernel reads once they are loaded
 (process_weights_after_loading), and computes with them (apply). Wrapping a layer (LoRA) or sharding it
 (tensor parallelism) goes through the same three calls.

@@ -18,8 +18,8 @@ from engine.attention.backend import AttentionMetadata
 from engine.config import EngineConfig
 from engine.models.files import load_config
 from engine.models.linear import process_weights_after_loading
-from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_weights, prepare_model_dir
+from engine.models.registry import ModelRegistry
 from engine.sample.rejection_sampler import DraftTokens
 from engine.spec_decode.config import SpeculativeConfig
 
@@ -50,7 +50,7 @@ class DraftModelProposer:
                 f"target's ({target_vocab_size} tokens): drafts are the target's token ids."
             )
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, attn_backend, cfg.quantization)
+            model = ModelRegistry.resolve_model_cls(cfg.architecture)(cfg, attn_backend, cfg.quantization)
         model.load_weights(load_weights(model_dir))
         process_weights_after_loading(model, dtype)
         self.model = model.eval()

@@ -26,9 +26,9 @@ from engine.lora.request import LoRARequest
 from engine.malloc import keep_freed_memory_in_process
 from engine.models.config import ModelArchConfig
 from engine.models.linear import process_weights_after_loading
-from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import check_dtype, dtype_reason, load_weights, prepare_quantized_weights
 from engine.models.quantization import QUANTIZED_AT_LOAD, check_quantization, resolve_quantization
+from engine.models.registry import ModelRegistry
 from engine.request import Request, SamplingParams
 from engine.sample.factory import remote_sampler_class
 from engine.sample.metadata import SamplingMetadata
@@ -83,7 +83,7 @@ class Worker:
         self.attn_backend = get_attn_backend(settings.attention_backend, self.cache_config.block_size, self.device.type)
         self.kv_cache_dtype = resolve_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.dtype)
         self.attn_backend.check_kv_cache_dtype(self.kv_cache_dtype, self.device)
-        self.model: LlamaForCausalLM | None = None
+        self.model: torch.nn.Module | None = None  # the architecture's class in engine/models/, from ModelRegistry
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model_runner: ModelRunner | None = None
         self.lora_manager: LoRAModelManager | None = None  # with --enable-lora, once the model is loaded
@@ -112,7 +112,8 @@ class Worker:
 
     def load_model(self) -> None:
         with torch.device(self.device):
-            model = LlamaForCausalLM(self.model_config, self.attn_backend, self.quantization)
+            model_cls = ModelRegistry.resolve_model_cls(self.model_config.architecture)
+            model = model_cls(self.model_config, self.attn_backend, self.quantization)
         weights_dir, dequantized = self.model_dir, self.quantization != self.model_config.quantization
         if self.quantization in QUANTIZED_AT_LOAD:  # quantized once (a GGUF's dequantized tensors too), then cached
             weights_dir = prepare_quantized_weights(

@@ -1,0 +1,140 @@
+"""The layers a decoder family is built from, in vLLM's names: RMSNorm, the rotary embedding (get_rope), the gated
+MLP, and Attention (the call into the attention backend). The weight-bearing linear, embedding and LM-head layers,
+with their tensor-parallel split and quantization methods, are engine/models/linear.py's.
+
+Each computes what Hugging Face's layers compute, in the same order, so float32 output matches it token for token.
+A layer with an `ops` attribute runs on the C++ CPU kernels (kernels/cpu/layers.cpp) once use_cpu_ops() sets it;
+those differ from the torch code here by float rounding only.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.models.linear import ColumnParallelLinear, RowParallelLinear
+from engine.models.quantization import get_linear_method
+
+
+class RMSNorm(nn.Module):
+    ops = None  # the CPU kernels, when the model runs on them
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------- rotary embedding
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    scaling = rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"Unsupported rope_scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}.")
+
+
+class RotaryEmbedding(nn.Module):
+    """Hugging Face's rotate-half RoPE with a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, base, rope_scaling)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # Plain attributes, not buffers: model.to(dtype) must not round them (HF keeps them float32).
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [tokens, head_dim] for this step's positions, looked up once and shared by every layer."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def get_rope(head_dim: int, max_position: int, base: float, rope_scaling: dict | None) -> RotaryEmbedding:
+    """The rotary embedding for a rope_scaling dict (None or rope_type "default": plain RoPE)."""
+    return RotaryEmbedding(head_dim, max_position, base, rope_scaling)
+
+
+def apply_rotary(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # over the heads
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------- attention and MLP
+
+
+class Attention(nn.Module):
+    """Attention over the paged KV cache: writes this step's k and v, attends q to the cache through the backend.
+    q, k and v are [tokens, heads, head_dim] of this rank's heads, rotary already applied."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale = scale
+        self.backend = backend
+
+    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
+        return self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """vLLM's SiluAndMul: silu(gate) * up over the fused [gate | up] halves."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class MLP(nn.Module):
+    """gate/up/down with SiLU-and-mul; gate and up fused in one column-parallel layer."""
+
+    ops = None  # as RMSNorm's
+
+    def __init__(self, hidden_size: int, intermediate_size: int, quantization: str | None = None):
+        super().__init__()
+        method = get_linear_method(quantization)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], False, method)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, method)
+
+    def forward(self, x):
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(self.ops.silu_and_mul(gate_up) if self.ops is not None else silu_and_mul(gate_up))
+
+
+def use_cpu_ops(model: nn.Module, ops) -> None:
+    """Run every layer that has CPU kernels (those with an `ops` attribute) on them instead of torch ops."""
+    for module in model.modules():
+        if hasattr(module, "ops"):
+            module.ops = ops

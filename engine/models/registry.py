@@ -1,0 +1,34 @@
+"""vLLM's ModelRegistry: each Hugging Face `architectures` name maps to the module under engine/models/ and the class
+that implements it. Modules are imported on first use, so reading a config (here, in the tokenizer's services...)
+imports no model code."""
+
+import importlib
+
+# architecture -> (module in engine/models/, class). One file a family; a variant that differs only in its config
+# fields shares its family's class.
+_MODELS = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+}
+
+
+class ModelRegistry:
+    @staticmethod
+    def get_supported_archs() -> list[str]:
+        return sorted(_MODELS)
+
+    @staticmethod
+    def is_supported(architecture: str) -> bool:
+        return architecture in _MODELS
+
+    @staticmethod
+    def resolve_model_cls(architecture: str) -> type:
+        """The model class for an architecture the config check already accepted."""
+        if architecture not in _MODELS:
+            raise ValueError(
+                f"unsupported model architecture {architecture!r}; "
+                f"supported: {', '.join(ModelRegistry.get_supported_archs())}"
+            )
+        module, cls = _MODELS[architecture]
+        return getattr(importlib.import_module(f"engine.models.{module}"), cls)
