@@ -1,4 +1,10 @@
-"""The few model hyper-parameters the engine needs, read from a Hugging Face config.json dict."""
+"""The few model hyper-parameters the engine needs, read from a Hugging Face config.json dict.
+
+Nothing is silently ignored: every field of the supported families' Hugging Face config classes is either read here
+(USED_FIELDS) or on the reviewed list of fields with no effect on the output (NO_EFFECT_FIELDS), and a value the
+engine does not implement is refused at start-up with a message naming the field (tests/test_model_config.py walks
+the classes).
+"""
 
 from dataclasses import dataclass
 
@@ -10,6 +16,65 @@ _MODEL_TYPE_TO_ARCH = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
+
+
+# The rope types layers.get_rope implements.
+ROPE_TYPES = ("default", "linear", "llama3")
+
+# The config.json fields from_hf_config reads.
+USED_FIELDS = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "mlp_bias",
+        "attention_bias",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "sliding_window",
+        "use_sliding_window",
+        "max_window_layers",
+        "layer_types",
+        "bos_token_id",
+        "eos_token_id",
+        "torch_dtype",
+        "dtype",
+        "quantization_config",
+    }
+)
+
+# Reviewed: fields that do not change what the model computes at inference. Adding one here is a claim about the
+# output; a field that does change it belongs in from_hf_config, read or refused.
+NO_EFFECT_FIELDS = frozenset(
+    {
+        "_name_or_path",
+        "transformers_version",
+        "use_cache",  # Hugging Face's own KV cache; the engine has its paged one
+        "initializer_range",  # random initialisation, before the checkpoint's weights are loaded
+        "attention_dropout",  # training only
+        "pretraining_tp",  # transformers no longer reads it (it once split matmuls to mimic pretraining rounding)
+        "pad_token_id",  # batches are flat, never padded
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "chunk_size_feed_forward",  # memory only: the same result a chunk at a time
+        "is_encoder_decoder",  # False for these decoder-only classes
+        "id2label",  # sequence-classification heads
+        "label2id",
+        "problem_type",
+    }
+)
 
 
 class ModelLoadError(ValueError):
@@ -44,6 +109,10 @@ class ModelArchConfig:
     torch_dtype: str | None
     # The checkpoint's own quantization (config.json's quantization_config.quant_method): "gguf" for a converted GGUF.
     quantization: str | None = None
+    # The window of the model's sliding-window layers (a query attends to the last sliding_window tokens there);
+    # None when every layer attends to the whole context. Until sliding-window attention is implemented the engine
+    # serves at most this many tokens a sequence, where the two are the same.
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf_config(cls, d: dict) -> "ModelArchConfig":
@@ -60,6 +129,7 @@ class ModelArchConfig:
             return d[key]
 
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        layers = int(need("num_hidden_layers"))
         # transformers >= 5 writes rope settings as one "rope_parameters" dict instead of rope_theta/rope_scaling.
         rope_params = dict(d.get("rope_parameters") or {})
         rope_theta = d.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
@@ -69,8 +139,14 @@ class ModelArchConfig:
             rope_scaling = dict(rope_scaling)
             # Old configs say "type"; the engine reads "rope_type".
             rope_scaling.setdefault("rope_type", rope_scaling.pop("type", "default"))
+            if rope_scaling["rope_type"] not in ROPE_TYPES:
+                raise ModelLoadError(
+                    f"rope_scaling type {rope_scaling['rope_type']!r} is not implemented; "
+                    f"supported: {', '.join(ROPE_TYPES)}"
+                )
             if rope_scaling["rope_type"] == "default":
                 rope_scaling = None
+        _refuse_unimplemented(d)
 
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else [int(x) for x in (eos if isinstance(eos, list) else [eos])]
@@ -80,7 +156,7 @@ class ModelArchConfig:
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(d.get("head_dim") or hidden // heads),
@@ -95,4 +171,35 @@ class ModelArchConfig:
             eos_token_ids=eos_ids,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             quantization=(d.get("quantization_config") or {}).get("quant_method"),
+            sliding_window=_sliding_window(d, arch, layers),
         )
+
+
+def _refuse_unimplemented(d: dict) -> None:
+    """A start-up error for a config value that changes the computation in a way the engine does not implement."""
+    if d.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"hidden_act={d['hidden_act']!r} is not implemented; the MLP supports 'silu'")
+    if d.get("mlp_bias"):
+        raise ModelLoadError(f"mlp_bias={d['mlp_bias']!r} is not implemented; the MLP has no biases")
+    unknown = set(d.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ModelLoadError(
+            f"layer_types holds {sorted(unknown)}, not implemented; supported: full_attention, sliding_attention"
+        )
+
+
+def _sliding_window(d: dict, arch: str, num_layers: int) -> int | None:
+    """The window of the model's sliding-window layers, as transformers reads it; None where every layer attends
+    to the whole context (Llama has no window; Qwen2 slides only with use_sliding_window, on the layers from
+    max_window_layers on)."""
+    window = d.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        return int(window) if window else None
+    if arch != "Qwen2ForCausalLM" or not d.get("use_sliding_window") or not window:
+        return None
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        slides = int(d.get("max_window_layers", num_layers)) < num_layers
+    else:
+        slides = "sliding_attention" in layer_types
+    return int(window) if slides else None

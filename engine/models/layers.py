@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.models.config import ROPE_TYPES
 from engine.models.linear import ColumnParallelLinear, RowParallelLinear
 from engine.models.quantization import get_linear_method
 
@@ -36,8 +37,6 @@ class RMSNorm(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- rotary embedding
-
-ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:

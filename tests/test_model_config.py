@@ -1,0 +1,122 @@
+"""Nothing in a supported family's config is silently ignored: every field is read or reviewed as having no effect,
+an unimplemented value is refused at start-up, and a sliding window caps the engine's length (until sliding-window
+attention exists, the engine serves only sequences that fit in the window, where the two are the same)."""
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from conftest import HFReference, assert_greedy_matches, assert_no_leaks, run_greedy
+from engine.config import EngineArgs
+from engine.core import EngineCore
+from engine.models.config import NO_EFFECT_FIELDS, USED_FIELDS, ModelArchConfig, ModelLoadError
+from engine.models.registry import ModelRegistry
+from test_models import COMMON
+
+FAMILIES = {
+    "LlamaForCausalLM": "LlamaConfig",
+    "MistralForCausalLM": "MistralConfig",
+    "Qwen2ForCausalLM": "Qwen2Config",
+}
+
+
+def hf_config(arch: str, **extra):
+    import transformers
+
+    return getattr(transformers, FAMILIES[arch])(**{**COMMON, **extra})
+
+
+def test_every_supported_architecture_has_its_config_class_walked():
+    assert sorted(FAMILIES) == ModelRegistry.get_supported_archs()
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_every_config_field_is_used_or_reviewed(arch):
+    import transformers
+
+    cls = getattr(transformers, FAMILIES[arch])
+    fields = {f.name for f in dataclasses.fields(cls)} | set(cls().to_dict())
+    unreviewed = fields - USED_FIELDS - NO_EFFECT_FIELDS
+    assert not unreviewed, (
+        f"{cls.__name__} has fields the engine neither reads nor lists as having no effect: {sorted(unreviewed)}"
+    )
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("hidden_act", "gelu"),
+        ("mlp_bias", True),
+        ("layer_types", ["full_attention", "chunked_attention"]),
+        ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    ],
+)
+def test_an_unimplemented_value_is_refused_naming_the_field(field, value):
+    d = {**hf_config("LlamaForCausalLM").to_dict(), "architectures": ["LlamaForCausalLM"], field: value}
+    d.pop("rope_parameters", None)
+    with pytest.raises(ModelLoadError, match=field):
+        ModelArchConfig.from_hf_config(d)
+
+
+@pytest.mark.parametrize(
+    "arch, extra, window",
+    [
+        ("MistralForCausalLM", dict(sliding_window=32), 32),
+        ("MistralForCausalLM", dict(sliding_window=None), None),
+        ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1), 32),
+        # Qwen2's window only where use_sliding_window is on, and only on the layers from max_window_layers on.
+        ("Qwen2ForCausalLM", dict(use_sliding_window=False, sliding_window=32), None),
+        ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=32, max_window_layers=2), None),
+        ("LlamaForCausalLM", dict(), None),
+    ],
+)
+def test_sliding_window_is_read_as_transformers_reads_it(arch, extra, window):
+    config = hf_config(arch, **extra)
+    d = {**config.to_dict(), "architectures": [arch]}
+    assert ModelArchConfig.from_hf_config(d).sliding_window == window
+    # Qwen2's older configs carry no layer_types: max_window_layers says which layers slide.
+    d.pop("layer_types", None)
+    if arch == "Qwen2ForCausalLM" and extra["use_sliding_window"]:
+        d["sliding_window"] = 32  # transformers drops it from the dict where no layer slides
+    assert ModelArchConfig.from_hf_config(d).sliding_window == window
+
+
+def save_sliding_model(tmp_path, arch, **extra):
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch, **extra), dtype=torch.float32).eval()
+    path = tmp_path / arch
+    model.save_pretrained(path)
+    return path, model
+
+
+def test_a_sliding_window_caps_the_length_and_output_is_the_models(tmp_path, caplog):
+    path, hf_model = save_sliding_model(tmp_path, "MistralForCausalLM", sliding_window=32)
+    with caplog.at_level(logging.INFO, logger="llmmesh.engine"):
+        engine = EngineCore(EngineArgs(model=str(path), kv_cache_memory="8MiB", block_size=8))
+    assert engine.max_model_len == 32 and "sliding_window=32" in caplog.text
+    prompt = torch.randint(3, 512, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = run_greedy(engine, [prompt], 12)[0]
+    ref_tokens, ref_logits = HFReference(hf_model).greedy(prompt, 12)
+    assert len(ours) == 12  # prompt and output fill the window, and no more
+    assert assert_greedy_matches(ours, ref_tokens, ref_logits, "mistral within its window")
+    assert_no_leaks(engine)
+
+
+def test_a_max_model_len_above_the_window_is_refused(tmp_path):
+    path, _ = save_sliding_model(
+        tmp_path, "Qwen2ForCausalLM", use_sliding_window=True, sliding_window=32, max_window_layers=1
+    )
+    with pytest.raises(ValueError, match="sliding_window=32"):
+        EngineCore(EngineArgs(model=str(path), kv_cache_memory="8MiB", block_size=8, max_model_len=64))
+    engine = EngineCore(EngineArgs(model=str(path), kv_cache_memory="8MiB", block_size=8, max_model_len=24))
+    assert engine.max_model_len == 24
+
+
+def test_qwen2_without_use_sliding_window_is_not_capped(tmp_path):
+    path, _ = save_sliding_model(tmp_path, "Qwen2ForCausalLM", use_sliding_window=False, sliding_window=32)
+    engine = EngineCore(EngineArgs(model=str(path), kv_cache_memory="8MiB", block_size=8))
+    assert engine.max_model_len == COMMON["max_position_embeddings"]
