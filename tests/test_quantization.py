@@ -76,7 +76,7 @@ def test_gguf_k_quant_blocks_hold_exactly_ggufs_values(kind):
 
 def test_fused_shards_of_different_group_sizes_keep_their_values():
     """q/k in Q4_K (groups of 32) and v in Q6_K (groups of 16) fuse into one qkv layer of groups of 16."""
-    from engine.models.llama import _cat_rows
+    from engine.models.utils import _cat_rows
 
     q = quantize_int4(torch.randn(8, 64), 32)
     v = quantize_int8(torch.randn(4, 64), 16)

@@ -10,7 +10,6 @@ rounding only, which the correctness suite holds to Hugging Face as well.
 
 import torch
 from torch import nn
-from torch.nn.parameter import UninitializedParameter
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.distributed.parallel_state import get_tp_size
@@ -25,10 +24,11 @@ from engine.models.linear import (
     tie_weights,
 )
 from engine.models.quantization import get_embedding_method, get_linear_method
+from engine.models.utils import load_fused_weights
 
 
 class LlamaAttention(nn.Module):
-    ops = None  # the CPU kernels' RoPE, when the model runs on them (layers.RMSNorm's)
+    ops = None  # the CPU kernels, for RoPE, once layers.use_cpu_ops sets them
 
     def __init__(self, config: ModelArchConfig, backend: AttentionBackend, quantization: str | None = None):
         super().__init__()
@@ -70,13 +70,6 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x, kv_cache, metadata, cos_sin):
         x = x + self.self_attn(self.input_layernorm(x), kv_cache, metadata, cos_sin)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-def _cat_rows(shards: list[torch.Tensor]) -> torch.Tensor:
-    """Stack fused shards' rows. Quantization scales of different group sizes (GGUF's Q4_K beside Q6_K) are
-    repeated to the finest first, which keeps every weight's value."""
-    width = max(s.shape[-1] for s in shards) if shards[0].dim() == 2 else None
-    return torch.cat([s.repeat_interleave(width // s.shape[-1], dim=-1) if width else s for s in shards], dim=0)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -122,50 +115,5 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def load_weights(self, weights) -> None:
-        """Copy Hugging Face–named tensors in, fusing q/k/v and gate/up as they arrive; each layer keeps its
-        rank's part of a full tensor (a fused layer, of each part)."""
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-
-        def shard(name: str, tensor: torch.Tensor) -> torch.Tensor:
-            module = modules.get(name.rpartition(".")[0])
-            return module.shard(tensor, name) if hasattr(module, "shard") else tensor
-
-        shards: dict[str, dict[int, torch.Tensor]] = {}
-        loaded = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            parts = name.split(".")
-            fused = self._FUSED.get(parts[-2]) if len(parts) >= 2 else None
-            if fused is not None:
-                fused_name = ".".join(parts[:-2] + [fused[0], parts[-1]])
-                group = shards.setdefault(fused_name, {})
-                group[fused[1]] = shard(fused_name, tensor)
-                if len(group) == (3 if fused[0] == "qkv_proj" else 2):
-                    self._copy(params, fused_name, _cat_rows([group[i] for i in sorted(group)]))
-                    loaded.add(fused_name)
-                    del shards[fused_name]
-                continue
-            self._copy(params, name, shard(name, tensor))
-            loaded.add(name)
-        # A GGUF layer has parameters for both of the forms a tensor may arrive in; its method checks one came.
-        optional = {n for n, p in params.items() if isinstance(p, UninitializedParameter)}
-        missing = set(params) - loaded - optional - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
-        if missing or shards:
-            raise ValueError(f"Checkpoint is missing weights: {sorted(missing | set(shards))[:8]}")
-
-    @staticmethod
-    def _copy(params, name, tensor):
-        if name not in params:
-            raise ValueError(f"Checkpoint has an unexpected weight {name!r}")
-        param = params[name]
-        if isinstance(param, UninitializedParameter):  # its shape and dtype are the checkpoint's
-            param.materialize(tensor.shape, dtype=tensor.dtype)
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(f"Weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(tensor)
+        """Copy Hugging Face–named tensors in, fusing q/k/v and gate/up as they arrive."""
+        load_fused_weights(self, weights, self._FUSED, self.config.tie_word_embeddings)
