@@ -45,19 +45,20 @@ def test_every_config_field_is_used_or_reviewed(arch):
 
 
 @pytest.mark.parametrize(
-    "field, value",
+    "field, value, shown",
     [
-        ("hidden_act", "gelu"),
-        ("mlp_bias", True),
-        ("layer_types", ["full_attention", "chunked_attention"]),
-        ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+        ("hidden_act", "gelu", "gelu"),
+        ("mlp_bias", True, "True"),
+        ("layer_types", ["full_attention", "chunked_attention"], "chunked_attention"),
+        ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, "yarn"),
     ],
 )
-def test_an_unimplemented_value_is_refused_naming_the_field(field, value):
+def test_an_unimplemented_value_is_refused_naming_the_field_and_value(field, value, shown):
     d = {**hf_config("LlamaForCausalLM").to_dict(), "architectures": ["LlamaForCausalLM"], field: value}
     d.pop("rope_parameters", None)
-    with pytest.raises(ModelLoadError, match=field):
+    with pytest.raises(ModelLoadError, match=field) as refused:
         ModelArchConfig.from_hf_config(d)
+    assert shown in str(refused.value)
 
 
 @pytest.mark.parametrize(
