@@ -1,5 +1,5 @@
 """vLLM's ModelRegistry: each Hugging Face `architectures` name maps to the module under engine/models/ and the class
-that implements it. Modules are imported on first use, so reading a config (here, in the tokenizer's services...)
+that implements it. Modules are imported on first use, so reading a config
 imports no model code."""
 
 import importlib
