@@ -59,21 +59,6 @@ class EngineCore:
                 f"max_model_len={self.max_model_len} is larger than the model's "
                 f"max_position_embeddings={cfg.max_position_embeddings}."
             )
-        window = cfg.sliding_window
-        if window is not None and self.max_model_len > window:
-            # Sliding-window attention is not implemented yet: within the window it equals full attention, so the
-            # engine serves only sequences that fit in it (vLLM's --disable-sliding-window).
-            if model.max_model_len is not None:
-                raise ValueError(
-                    f"max_model_len={self.max_model_len} is larger than the model's sliding_window={window}: "
-                    "sliding-window attention is not implemented, so sequences are limited to the window."
-                )
-            logger.info(
-                "max_model_len is capped at the model's sliding_window=%d (sliding-window attention is not "
-                "implemented; within the window it equals full attention)",
-                window,
-            )
-            self.max_model_len = window
 
         self.executor = make_executor(self.config, cfg, self.model_dir, self.max_model_len)
         try:

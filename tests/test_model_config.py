@@ -1,9 +1,7 @@
 """Nothing in a supported family's config is silently ignored: every field is read or reviewed as having no effect,
-an unimplemented value is refused at start-up, and a sliding window caps the engine's length (until sliding-window
-attention exists, the engine serves only sequences that fit in the window, where the two are the same)."""
+an unimplemented value is refused at start-up, and sliding-window layers attend as the model's do."""
 
 import dataclasses
-import logging
 
 import pytest
 import torch
@@ -11,7 +9,7 @@ import torch
 from conftest import HFReference, assert_greedy_matches, assert_no_leaks, run_greedy
 from engine.config import EngineArgs
 from engine.core import EngineCore
-from engine.models.config import NO_EFFECT_FIELDS, USED_FIELDS, ModelArchConfig, ModelLoadError
+from engine.models.config import FAMILY_FIELDS, NO_EFFECT_FIELDS, USED_FIELDS, ModelArchConfig, ModelLoadError
 from engine.models.registry import ModelRegistry
 from test_models import COMMON
 
@@ -38,7 +36,7 @@ def test_every_config_field_is_used_or_reviewed(arch):
 
     cls = getattr(transformers, FAMILIES[arch])
     fields = {f.name for f in dataclasses.fields(cls)} | set(cls().to_dict())
-    unreviewed = fields - USED_FIELDS - NO_EFFECT_FIELDS
+    unreviewed = fields - USED_FIELDS - FAMILY_FIELDS.get(arch, frozenset()) - NO_EFFECT_FIELDS
     assert not unreviewed, (
         f"{cls.__name__} has fields the engine neither reads nor lists as having no effect: {sorted(unreviewed)}"
     )
@@ -94,30 +92,45 @@ def save_sliding_model(tmp_path, arch, **extra):
     return path, model
 
 
-def test_a_sliding_window_caps_the_length_and_output_is_the_models(tmp_path, caplog):
-    path, hf_model = save_sliding_model(tmp_path, "MistralForCausalLM", sliding_window=32)
-    with caplog.at_level(logging.INFO, logger="llmmesh.engine"):
-        engine = EngineCore(EngineArgs(model=str(path), kv_cache_memory="8MiB", block_size=8))
-    assert engine.max_model_len == 32 and "sliding_window=32" in caplog.text
-    prompt = torch.randint(3, 512, (20,), generator=torch.Generator().manual_seed(1)).tolist()
-    ours = run_greedy(engine, [prompt], 12)[0]
-    ref_tokens, ref_logits = HFReference(hf_model).greedy(prompt, 12)
-    assert len(ours) == 12  # prompt and output fill the window, and no more
-    assert assert_greedy_matches(ours, ref_tokens, ref_logits, "mistral within its window")
+@pytest.mark.parametrize(
+    "arch, extra",
+    [
+        ("MistralForCausalLM", dict(sliding_window=16)),
+        # Qwen2: full attention on layer 0, a window on layer 1.
+        ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    ],
+)
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_sliding_window_attention_past_the_window_is_the_models(tmp_path, arch, extra, backend):
+    """Prompt and output run well past the window, through chunked prefill and prefix-cache hits, and the engine
+    still matches the model: each sliding layer sees only the last `sliding_window` keys."""
+    path, hf_model = save_sliding_model(tmp_path, arch, **extra)
+    engine = EngineCore(
+        EngineArgs(
+            model=str(path), kv_cache_memory="8MiB", block_size=8, attention_backend=backend, max_num_batched_tokens=24
+        )
+    )
+    assert engine.max_model_len == COMMON["max_position_embeddings"]
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (40, 7)]
+    prompts.append(prompts[0][:32] + prompts[1])  # a prefix-cache hit past the window
+    for prompt, ours in zip(prompts, run_greedy(engine, prompts, 20)):
+        ref_tokens, ref_logits = HFReference(hf_model).greedy(prompt, 20)
+        assert_greedy_matches(ours, ref_tokens, ref_logits, f"{arch} past its window")
     assert_no_leaks(engine)
 
 
-def test_a_max_model_len_above_the_window_is_refused(tmp_path):
-    path, _ = save_sliding_model(
-        tmp_path, "Qwen2ForCausalLM", use_sliding_window=True, sliding_window=32, max_window_layers=1
-    )
-    with pytest.raises(ValueError, match="sliding_window=32"):
-        EngineCore(EngineArgs(model=str(path), kv_cache_memory="8MiB", block_size=8, max_model_len=64))
-    engine = EngineCore(EngineArgs(model=str(path), kv_cache_memory="8MiB", block_size=8, max_model_len=24))
-    assert engine.max_model_len == 24
+def test_an_attention_backend_without_sliding_windows_is_refused_by_name(tmp_path):
+    path, _ = save_sliding_model(tmp_path, "MistralForCausalLM", sliding_window=16)
+    from engine.attention.selector import _BACKENDS
+
+    lacking = [name for name, cls in _BACKENDS.items() if "sliding_window" not in cls.features]
+    for name in lacking:
+        with pytest.raises(ValueError, match=f"--attention-backend {name} does not implement sliding_window"):
+            EngineCore(EngineArgs(model=str(path), kv_cache_memory="8MiB", block_size=8, attention_backend=name))
 
 
-def test_qwen2_without_use_sliding_window_is_not_capped(tmp_path):
+def test_qwen2_without_use_sliding_window_is_full_attention(tmp_path):
     path, _ = save_sliding_model(tmp_path, "Qwen2ForCausalLM", use_sliding_window=False, sliding_window=32)
     engine = EngineCore(EngineArgs(model=str(path), kv_cache_memory="8MiB", block_size=8))
-    assert engine.max_model_len == COMMON["max_position_embeddings"]
+    assert engine.model_config.sliding_window is None and not engine.model_config.layer_types

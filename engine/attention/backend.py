@@ -44,6 +44,8 @@ class AttentionBackend:
     name = "base"
     # Whether a step can be captured in a CUDA graph: launches that depend only on tensor shapes.
     cudagraph_support = False
+    # What forward() implements beyond causal attention: "sliding_window", "logits_soft_cap".
+    features: frozenset[str] = frozenset()
 
     def kv_cache_dtypes(self, device: torch.device) -> tuple[torch.dtype, ...]:
         """The KV cache dtypes it reads on this device (and writes from any model dtype)."""
@@ -76,5 +78,7 @@ class AttentionBackend:
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # (K, V), each of get_kv_cache_shape()
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # attend to the last sliding_window keys only (None: all)
+        logits_soft_cap: float | None = None,  # scores become cap * tanh(score / cap) before the softmax
     ) -> torch.Tensor:
         raise NotImplementedError

@@ -20,7 +20,17 @@ class CpuAttentionBackend(AttentionBackend):
         self.block_size = block_size
         self._ops = load()
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        kv_cache,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window=None,
+        logits_soft_cap=None,
+    ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         n = metadata.num_actual_tokens
         key, value = to_cache_dtype(key[:n], k_cache.dtype), to_cache_dtype(value[:n], v_cache.dtype)

@@ -21,8 +21,21 @@ def resolve_backend_name(name: str, device_type: str) -> str:
     return _AUTO.get(device_type, "torch") if name == "auto" else name
 
 
-def get_attn_backend(name: str, block_size: int, device_type: str) -> AttentionBackend:
+def get_attn_backend(
+    name: str, block_size: int, device_type: str, needs: frozenset[str] = frozenset()
+) -> AttentionBackend:
+    """The backend `name` names, which must implement what the model needs (AttentionBackend.features)."""
     resolved = resolve_backend_name(name, device_type)
+    missing = needs - _BACKENDS[resolved].features
+    if missing and name != "auto":
+        able = [n for n, cls in _BACKENDS.items() if needs <= cls.features]
+        raise ValueError(
+            f"--attention-backend {name} does not implement {', '.join(sorted(missing))}, which this model's "
+            f"layers use; backends that do: {', '.join(able)}"
+        )
+    if missing:
+        logger.info("The %s attention backend lacks %s; using the torch backend", resolved, ", ".join(sorted(missing)))
+        return TorchAttentionBackend(block_size)
     try:
         return _BACKENDS[resolved](block_size)
     except Exception as e:

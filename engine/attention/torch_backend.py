@@ -8,6 +8,7 @@ padded tokens as possible.
 
 import bisect
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -64,34 +65,57 @@ class PrefillRow:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    features = frozenset({"sliding_window", "logits_soft_cap"})
 
     def __init__(self, block_size: int):
         self.block_size = block_size
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        """Groups, block tables and masks for the step; every layer reuses them."""
+        """Plans are made per sliding window (None: full attention) by the first layer that needs one."""
+        metadata.plan = {}
+
+    def _plan(self, metadata: AttentionMetadata, window: int | None):
+        """Groups, block tables and masks for the step; every layer of the same window reuses them. A key at
+        position k is visible to a query at q when k <= q and, in a window W, k > q - W (Hugging Face's rule)."""
         bs, dev, nd = self.block_size, metadata.block_table.device, metadata.num_decodes
         decodes = []
         for rows in decode_groups(metadata.seq_lens_cpu[:nd], bs) if nd else []:
             index = torch.tensor(rows, device=dev)
             max_len = max(metadata.seq_lens_cpu[r] for r in rows)
-            positions = torch.arange(-(max_len // -bs) * bs, device=dev)
-            mask = (positions[None, :] < metadata.seq_lens[index, None])[None, :, None, :]
-            decodes.append(DecodeGroup(index, metadata.block_table[index, : -(max_len // -bs)], mask))
+            positions = torch.arange(-(max_len // -bs) * bs, device=dev)[None, :]
+            seq_lens = metadata.seq_lens[index, None]
+            mask = positions < seq_lens
+            if window is not None:
+                mask &= positions >= seq_lens - window
+            decodes.append(DecodeGroup(index, metadata.block_table[index, : -(max_len // -bs)], mask[None, :, None, :]))
         prefills = []
         for i in range(nd, len(metadata.seq_lens_cpu)):
             start, end = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
             seq_len = metadata.seq_lens_cpu[i]
             num_cached = seq_len - (end - start)
-            if num_cached == 0:
+            if num_cached == 0 and window is None:
                 prefills.append(PrefillRow(start, end, None, None))
                 continue
-            q_pos = torch.arange(num_cached, seq_len, device=dev)
-            mask = torch.arange(seq_len, device=dev)[None, :] <= q_pos[:, None]
-            prefills.append(PrefillRow(start, end, metadata.block_table[i, : -(seq_len // -bs)], mask))
-        metadata.plan = (decodes, prefills)
+            q_pos = torch.arange(num_cached, seq_len, device=dev)[:, None]
+            k_pos = torch.arange(seq_len, device=dev)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            blocks = metadata.block_table[i, : -(seq_len // -bs)] if num_cached else None
+            prefills.append(PrefillRow(start, end, blocks, mask))
+        return decodes, prefills
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        kv_cache,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ):
         k_cache, v_cache = kv_cache
         num_kv_heads, _, block_size, head_dim = k_cache.shape
         n = metadata.num_actual_tokens
@@ -107,35 +131,60 @@ class TorchAttentionBackend(AttentionBackend):
         key, value = key.to(query.dtype), value.to(query.dtype)
 
         output = torch.empty_like(query)
-        decodes, prefills = metadata.plan
+        if metadata.plan is None:
+            metadata.plan = {}
+        if sliding_window not in metadata.plan:
+            metadata.plan[sliding_window] = self._plan(metadata, sliding_window)
+        decodes, prefills = metadata.plan[sliding_window]
+        attend = F.scaled_dot_product_attention if logits_soft_cap is None else partial(soft_capped, logits_soft_cap)
         for group in decodes:
-            self._decode(query, output, k_cache, v_cache, group, scale)
+            self._decode(query, output, k_cache, v_cache, group, scale, attend)
         for row in prefills:
-            self._prefill(query, key, value, output, k_cache, v_cache, row, scale)
+            self._prefill(query, key, value, output, k_cache, v_cache, row, scale, attend)
         return output
 
     @staticmethod
-    def _decode(query, output, k_cache, v_cache, group: DecodeGroup, scale):
+    def _decode(query, output, k_cache, v_cache, group: DecodeGroup, scale, attend):
         """One query token per request. GQA is folded: a KV head's G query heads act as G queries."""
         num_kv_heads, _, _, head_dim = k_cache.shape
         rows, num_heads = len(group.index), query.shape[1]
         k = k_cache[:, group.table].flatten(2, 3).to(query.dtype)  # [kv_heads, R, L, D]
         v = v_cache[:, group.table].flatten(2, 3).to(query.dtype)
         q = query[group.index].view(rows, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)  # [kv_heads, R, G, D]
+        out = attend(q, k, v, attn_mask=group.mask, scale=scale)  # [kv_heads, R, G, D]
         output[group.index] = out.transpose(0, 1).reshape(rows, num_heads, head_dim)
 
     @staticmethod
-    def _prefill(query, key, value, output, k_cache, v_cache, row: PrefillRow, scale):
+    def _prefill(query, key, value, output, k_cache, v_cache, row: PrefillRow, scale, attend):
         q = query[row.start : row.end].transpose(0, 1)  # [heads, q_len, D]
         if row.blocks is None:
-            # A whole prompt in this step: attend over the fresh K/V, plain causal.
+            # A whole prompt in this step: attend over the fresh K/V (plain causal when there is no mask).
             k, v = key[row.start : row.end].transpose(0, 1), value[row.start : row.end].transpose(0, 1)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            if row.mask is None and attend is F.scaled_dot_product_attention:
+                out = attend(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                mask = row.mask if row.mask is not None else causal_mask(row.end - row.start, q.device)
+                out = attend(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         else:
             # A later chunk or a prefix-cache hit: read the cached context from the pages.
             seq_len = row.mask.shape[1]
             k = k_cache[:, row.blocks].flatten(1, 2)[:, :seq_len].to(q.dtype)
             v = v_cache[:, row.blocks].flatten(1, 2)[:, :seq_len].to(q.dtype)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=row.mask, scale=scale, enable_gqa=True)
+            out = attend(q, k, v, attn_mask=row.mask, scale=scale, enable_gqa=True)
         output[row.start : row.end] = out.transpose(0, 1)
+
+
+def causal_mask(n: int, device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+def soft_capped(cap: float, q, k, v, attn_mask, scale: float, enable_gqa: bool = False):
+    """Attention with Gemma 2's logit soft-capping, cap * tanh(scores / cap), in Hugging Face's order: scale, cap,
+    mask, softmax in float32. q [..., Hq, L, D] against k and v [..., Hkv, S, D]; attn_mask broadcasts over [L, S]."""
+    if k.shape[-3] != q.shape[-3]:  # GQA: each KV head serves a run of query heads
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)

@@ -30,7 +30,17 @@ class TritonAttentionBackend(AttentionBackend):
             return tuple(d for d in dtypes if d != torch.float8_e4m3fn)
         return dtypes
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        kv_cache,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window=None,
+        logits_soft_cap=None,
+    ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         key, value = to_cache_dtype(key, k_cache.dtype), to_cache_dtype(value, v_cache.dtype)
         self._reshape_and_cache(key, value, k_cache, v_cache, metadata.slot_mapping)

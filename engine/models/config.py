@@ -1,12 +1,12 @@
 """The few model hyper-parameters the engine needs, read from a Hugging Face config.json dict.
 
 Nothing is silently ignored: every field of the supported families' Hugging Face config classes is either read here
-(USED_FIELDS) or on the reviewed list of fields with no effect on the output (NO_EFFECT_FIELDS), and a value the
+(USED_FIELDS), by its family's model file (FAMILY_FIELDS), or on the reviewed list of fields with no effect on the output (NO_EFFECT_FIELDS), and a value the
 engine does not implement is refused at start-up with a message naming the field (tests/test_model_config.py walks
 the classes).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.models.registry import ModelRegistry
 
@@ -53,6 +53,12 @@ USED_FIELDS = frozenset(
         "quantization_config",
     }
 )
+
+# Fields only some families read, by architecture: their model file reads them from ModelArchConfig.hf_config.
+FAMILY_FIELDS: dict[str, frozenset[str]] = {}
+
+# The MLP activations (hidden_act) each family implements; silu where a family is not listed.
+HIDDEN_ACTS: dict[str, tuple[str, ...]] = {}
 
 # Reviewed: fields that do not change what the model computes at inference. Adding one here is a claim about the
 # output; a field that does change it belongs in from_hf_config, read or refused.
@@ -110,9 +116,23 @@ class ModelArchConfig:
     # The checkpoint's own quantization (config.json's quantization_config.quant_method): "gguf" for a converted GGUF.
     quantization: str | None = None
     # The window of the model's sliding-window layers (a query attends to the last sliding_window tokens there);
-    # None when every layer attends to the whole context. Until sliding-window attention is implemented the engine
-    # serves at most this many tokens a sequence, where the two are the same.
+    # None when every layer attends to the whole context.
     sliding_window: int | None = None
+    # Each layer's attention, "full_attention" or "sliding_attention" (empty: every layer full).
+    layer_types: tuple[str, ...] = ()
+    # The whole config.json, for the fields only some families read (FAMILY_FIELDS).
+    hf_config: dict = field(default_factory=dict, repr=False)
+
+    def attention_features(self) -> frozenset[str]:
+        """What the layers ask of the attention backend beyond causal attention (AttentionBackend.features)."""
+        features = {"sliding_window"} if self.sliding_window is not None else set()
+        if self.hf_config.get("attn_logit_softcapping"):
+            features.add("logits_soft_cap")
+        return frozenset(features)
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window layer `layer` attends in; None: the whole context."""
+        return self.sliding_window if self.layer_types and self.layer_types[layer] == "sliding_attention" else None
 
     @classmethod
     def from_hf_config(cls, d: dict) -> "ModelArchConfig":
@@ -146,7 +166,8 @@ class ModelArchConfig:
                 )
             if rope_scaling["rope_type"] == "default":
                 rope_scaling = None
-        _refuse_unimplemented(d)
+        _refuse_unimplemented(d, arch)
+        window, layer_types = _sliding_window(d, arch, layers)
 
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else [int(x) for x in (eos if isinstance(eos, list) else [eos])]
@@ -171,14 +192,17 @@ class ModelArchConfig:
             eos_token_ids=eos_ids,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             quantization=(d.get("quantization_config") or {}).get("quant_method"),
-            sliding_window=_sliding_window(d, arch, layers),
+            sliding_window=window,
+            layer_types=layer_types,
+            hf_config=d,
         )
 
 
-def _refuse_unimplemented(d: dict) -> None:
+def _refuse_unimplemented(d: dict, arch: str) -> None:
     """A start-up error for a config value that changes the computation in a way the engine does not implement."""
-    if d.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"hidden_act={d['hidden_act']!r} is not implemented; the MLP supports 'silu'")
+    acts = HIDDEN_ACTS.get(arch, ("silu",))
+    if d.get("hidden_act", acts[0]) not in acts:
+        raise ModelLoadError(f"hidden_act={d['hidden_act']!r} is not implemented; the MLP supports {', '.join(acts)}")
     if d.get("mlp_bias"):
         raise ModelLoadError(f"mlp_bias={d['mlp_bias']!r} is not implemented; the MLP has no biases")
     unknown = set(d.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
@@ -188,18 +212,21 @@ def _refuse_unimplemented(d: dict) -> None:
         )
 
 
-def _sliding_window(d: dict, arch: str, num_layers: int) -> int | None:
-    """The window of the model's sliding-window layers, as transformers reads it; None where every layer attends
-    to the whole context (Llama has no window; Qwen2 slides only with use_sliding_window, on the layers from
-    max_window_layers on)."""
+def _sliding_window(d: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """The window of the model's sliding-window layers and each layer's type, as transformers reads them: a config's
+    layer_types where it has them; else every layer slides when there is a window (Mistral, Phi-3), but Qwen2 slides
+    only with use_sliding_window, and then on the layers from max_window_layers on."""
     window = d.get("sliding_window")
-    if arch == "MistralForCausalLM":
-        return int(window) if window else None
-    if arch != "Qwen2ForCausalLM" or not d.get("use_sliding_window") or not window:
-        return None
+    if not window or (arch == "Qwen2ForCausalLM" and not d.get("use_sliding_window")):
+        return None, ()
     layer_types = d.get("layer_types")
     if layer_types is None:
-        slides = int(d.get("max_window_layers", num_layers)) < num_layers
-    else:
-        slides = "sliding_attention" in layer_types
-    return int(window) if slides else None
+        first = int(d.get("max_window_layers", num_layers)) if arch == "Qwen2ForCausalLM" else 0
+        layer_types = ["full_attention"] * first + ["sliding_attention"] * (num_layers - first)
+    if len(layer_types) != num_layers:
+        raise ModelLoadError(
+            f"layer_types has {len(layer_types)} entries; the model has num_hidden_layers={num_layers}"
+        )
+    if "sliding_attention" not in layer_types:
+        return None, ()
+    return int(window), tuple(layer_types)

@@ -98,16 +98,29 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class Attention(nn.Module):
     """Attention over the paged KV cache: writes this step's k and v, attends q to the cache through the backend.
-    q, k and v are [tokens, heads, head_dim] of this rank's heads, rotary already applied."""
+    q, k and v are [tokens, heads, head_dim] of this rank's heads, rotary already applied.
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, backend: AttentionBackend):
+    sliding_window: a query sees only the last sliding_window keys (itself included); logits_soft_cap: scores are
+    capped as cap * tanh(score / cap) before the softmax (Gemma 2)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        backend: AttentionBackend,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.backend = backend
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
-        return self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        return self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.sliding_window, self.logits_soft_cap)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

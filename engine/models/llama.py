@@ -30,7 +30,9 @@ from engine.models.utils import load_fused_weights
 class LlamaAttention(nn.Module):
     ops = None  # the CPU kernels, for RoPE, once layers.use_cpu_ops sets them
 
-    def __init__(self, config: ModelArchConfig, backend: AttentionBackend, quantization: str | None = None):
+    def __init__(
+        self, config: ModelArchConfig, backend: AttentionBackend, quantization: str | None = None, layer: int = 0
+    ):
         super().__init__()
         # This rank's heads and KV heads (check_tensor_parallel_size: they divide by the ranks).
         self.num_heads = config.num_attention_heads // get_tp_size()
@@ -44,7 +46,14 @@ class LlamaAttention(nn.Module):
             config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias, method
         )
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, False, method)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, backend)
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            backend,
+            config.layer_sliding_window(layer),
+        )
 
     def forward(self, x, kv_cache, metadata: AttentionMetadata, cos_sin):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -60,10 +69,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig, backend: AttentionBackend, quantization: str | None = None):
+    def __init__(
+        self, config: ModelArchConfig, backend: AttentionBackend, quantization: str | None = None, layer: int = 0
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend, quantization)
+        self.self_attn = LlamaAttention(config, backend, quantization, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, quantization)
 
@@ -81,7 +92,7 @@ class LlamaForCausalLM(nn.Module):
             config.vocab_size, config.hidden_size, get_embedding_method(quantization)
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, quantization) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, quantization, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = get_rope(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)

@@ -80,7 +80,12 @@ class Worker:
         if self.device.type == "cpu":
             keep_freed_memory_in_process()
         torch.manual_seed(settings.seed)
-        self.attn_backend = get_attn_backend(settings.attention_backend, self.cache_config.block_size, self.device.type)
+        self.attn_backend = get_attn_backend(
+            settings.attention_backend,
+            self.cache_config.block_size,
+            self.device.type,
+            model_config.attention_features(),
+        )
         self.kv_cache_dtype = resolve_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.dtype)
         self.attn_backend.check_kv_cache_dtype(self.kv_cache_dtype, self.device)
         self.model: torch.nn.Module | None = None  # the architecture's class in engine/models/, from ModelRegistry
