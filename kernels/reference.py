@@ -22,11 +22,15 @@ def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
         v_cache[:, slot // block_size, slot % block_size] = to_cache_dtype(value[i], v_cache.dtype)
 
 
-def paged_attention_ref(query, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale) -> torch.Tensor:
+def paged_attention_ref(
+    query, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, sliding_window=None, logits_soft_cap=None
+) -> torch.Tensor:
     """Causal attention of each request's query tokens over its first seq_len cached tokens.
 
     query [num_tokens, num_heads, head_dim]; caches [num_kv_heads, num_blocks, block_size, head_dim];
-    block_table [num_reqs, max_blocks]. Rows of no request are left zero.
+    block_table [num_reqs, max_blocks]. Rows of no request are left zero. With sliding_window W, the query at
+    position q sees keys q - W + 1..q only; with logits_soft_cap c, a score s becomes c * tanh(s / c).
+    Keys outside every window are still read, so they must be finite here.
     """
     num_heads, head_dim = query.shape[1:]
     num_kv_heads, _, block_size, _ = k_cache.shape
@@ -42,7 +46,13 @@ def paged_attention_ref(query, k_cache, v_cache, query_start_loc, seq_lens, bloc
         v = v_cache[:, blocks].flatten(1, 2)[:, :seq_len].float().repeat_interleave(group, 0)
         q = query[start:end].float().transpose(0, 1)  # [H, Q, D]
         scores = q @ k.transpose(1, 2) * scale
-        q_pos = torch.arange(seq_len - (end - start), seq_len)
-        scores.masked_fill_(torch.arange(seq_len)[None, :] > q_pos[:, None], float("-inf"))
+        if logits_soft_cap is not None:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+        q_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
+        k_pos = torch.arange(seq_len)[None, :]
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
         out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1)
     return out.to(query.dtype)

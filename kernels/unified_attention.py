@@ -2,7 +2,10 @@
 
 Decodes, prefill chunks and prefix-cache hits are the same thing here: request r's query rows
 query_start_loc[r]:query_start_loc[r+1] are the last ones of its seq_lens[r] tokens, and each attends
-causally to the keys before it, read in place from the paged cache through the block table.
+causally to the keys before it, read in place from the paged cache through the block table. With a
+sliding window W a query at position q sees keys q - W + 1..q only, and each program's key loop starts
+at its first query's window (what lies before is never read); with a logit soft-cap c each score s
+becomes c * tanh(s / c) before the softmax.
 
 Each program takes BLOCK_Q query tokens of one request and one KV head, with all GROUP query heads
 that share it (BLOCK_M = BLOCK_Q * GROUP rows), so each K/V tile is loaded once for the group. Keys come
@@ -24,6 +27,12 @@ MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
 
 
 @triton.jit
+def _tanh(x):
+    # tanh from exp2 (the interpreter has no libdevice): exp2 overflowing to inf still gives 1.
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+
+
+@triton.jit
 def _unified_attention_kernel(
     out_ptr,
     q_ptr,
@@ -32,7 +41,8 @@ def _unified_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_table_ptr,
-    scale_log2,  # softmax scale * log2(e): the kernel uses exp2
+    qk_scale,  # softmax scale * log2(e) (the kernel uses exp2); with a soft-cap, scale / cap
+    soft_cap_log2,  # the soft-cap * log2(e)
     num_reqs,
     stride_qt,
     stride_qh,
@@ -46,6 +56,8 @@ def _unified_attention_kernel(
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # 0: none
+    USE_SOFT_CAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -91,9 +103,13 @@ def _unified_attention_kernel(
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     # Causal: no row here sees past this block's last query token.
     kv_end = tl.minimum(seq_len, num_cached + first_q + BLOCK_Q)
+    # Sliding window: no row here sees before the first query token's window.
+    kv_start = 0
+    if SLIDING_WINDOW > 0:
+        kv_start = tl.maximum(num_cached + first_q - SLIDING_WINDOW + 1, 0)
     cache_head = kv_head.to(tl.int64) * stride_ch
     block_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    for start in range(0, kv_end, TILE):
+    for start in range(kv_start, kv_end, TILE):
         pos = start + tl.arange(0, TILE)
         key_ok = pos < kv_end
         block = tl.load(block_row + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
@@ -103,8 +119,13 @@ def _unified_attention_kernel(
         # In the query's dtype (float32 with DOT_F32): a cache of another dtype (--kv-cache-dtype) is converted here.
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
-        s = tl.where(row_ok[:, None] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        if USE_SOFT_CAP:
+            s = soft_cap_log2 * _tanh(s)
+        visible = row_ok[:, None] & (pos[None, :] <= q_pos[:, None])
+        if SLIDING_WINDOW > 0:
+            visible &= pos[None, :] > q_pos[:, None] - SLIDING_WINDOW
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a masked row: keep exp2 finite, its p is 0
         p = tl.exp2(s - m_new[:, None])
@@ -119,10 +140,13 @@ def _unified_attention_kernel(
     tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-def unified_attention(out, query, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale) -> None:
+def unified_attention(
+    out, query, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, sliding_window=None, soft_cap=None
+) -> None:
     """out[rows of request r] = causal attention of those query rows over the request's first seq_lens[r]
-    cached tokens. query/out [num_tokens, num_heads, head_dim]; caches [num_kv_heads, num_blocks,
-    block_size, head_dim]; block_table [num_reqs, max_blocks]. Rows of no request are not written."""
+    cached tokens (the last sliding_window of them, where given), each score s made soft_cap * tanh(s / soft_cap)
+    where given. query/out [num_tokens, num_heads, head_dim]; caches [num_kv_heads, num_blocks, block_size,
+    head_dim]; block_table [num_reqs, max_blocks]. Rows of no request are not written."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
     num_reqs = seq_lens.shape[0]
@@ -138,6 +162,11 @@ def unified_attention(out, query, k_cache, v_cache, query_start_loc, seq_lens, b
     # float32 inputs use exact float32 dots, not TF32.
     dot_f32 = query.device.type == "cpu" or query.dtype == torch.float32
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    assert sliding_window is None or sliding_window > 0
+    assert soft_cap is None or soft_cap > 0
+    # With a soft-cap the dot is scaled by scale / cap, so that tanh takes it as it is, then by cap * log2(e).
+    qk_scale = scale * math.log2(math.e) if soft_cap is None else scale / soft_cap
+    soft_cap_log2 = (soft_cap or 0.0) * math.log2(math.e)
     _unified_attention_kernel[grid](
         out,
         query,
@@ -146,7 +175,8 @@ def unified_attention(out, query, k_cache, v_cache, query_start_loc, seq_lens, b
         query_start_loc,
         seq_lens,
         block_table,
-        scale * math.log2(math.e),
+        qk_scale,
+        soft_cap_log2,
         num_reqs,
         query.stride(0),
         query.stride(1),
@@ -160,6 +190,8 @@ def unified_attention(out, query, k_cache, v_cache, query_start_loc, seq_lens, b
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
+        SLIDING_WINDOW=sliding_window or 0,
+        USE_SOFT_CAP=soft_cap is not None,
         BLOCK_M=block_m,
         TILE=TILE,
         DOT_F32=dot_f32,

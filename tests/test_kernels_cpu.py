@@ -5,7 +5,7 @@ The cpu backend and the layers end to end are in test_correctness.py, against Hu
 
 import pytest
 import torch
-from test_kernels_triton import MIXED, SHARED, make_batch
+from test_kernels_triton import LONG, MIXED, SHARED, backend_step, hide_outside_windows, make_batch
 
 from engine.models.layers import RMSNorm, apply_rotary
 from kernels.cpu_ops import load
@@ -16,11 +16,13 @@ ops = load()
 HEADS = [(4, 1), (9, 3), (2, 2)]
 
 
-def check_attention(requests, block_size, num_heads, num_kv_heads, head_dim, dtype, tol, share=None):
+def check_attention(
+    requests, block_size, num_heads, num_kv_heads, head_dim, dtype, tol, share=None, window=None, cap=None
+):
     batch = make_batch(requests, block_size, num_heads, num_kv_heads, head_dim, dtype, "cpu", share)
     scale = head_dim**-0.5
-    out = ops.paged_attention(*batch, scale)
-    ref = paged_attention_ref(*(t.float() if t.is_floating_point() else t for t in batch), scale)
+    out = ops.paged_attention(*batch, scale, window, cap)
+    ref = paged_attention_ref(*(t.float() if t.is_floating_point() else t for t in batch), scale, window, cap)
     # The reference is zero for padding requests and the row of no request, and NaN (holes) never passes.
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
@@ -61,7 +63,75 @@ def test_paged_attention_splits_few_items_by_key_range(requests, heads, dtype):
     check_attention(requests, 16, *heads, 64, dtype, tol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
-def test_paged_attention_runs_on_every_thread_count():
+# MIXED's contexts are 0 to 50 keys: windows of the query alone, smaller than most contexts and equal to some (16,
+# 40), larger than all. The scores have about unit variance, so a cap of 2 bites.
+@pytest.mark.parametrize("cap", [None, 2.0])
+@pytest.mark.parametrize("window", [1, 16, 40, 1000])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_paged_attention_sliding_window_and_soft_cap(block_size, heads, window, cap):
+    check_attention(MIXED, block_size, *heads, 64, torch.float32, tol=1e-5, share=SHARED, window=window, cap=cap)
+
+
+def test_paged_attention_soft_cap_alone_in_half():
+    check_attention(MIXED, 16, 9, 3, 64, torch.bfloat16, tol=1e-2, share=SHARED, cap=2.0)
+
+
+# Few items split by key range within the window: a reload's 16 rows, decodes (a part of 2, a window that leaves one
+# part), a chunk in two tiles whose rows' windows start apart, two requests of which one is shorter than the window.
+@pytest.mark.parametrize(
+    "requests,heads,window,cap",
+    [
+        ([(16, 2064)], (9, 3), 1000, None),
+        ([(1, 1000)], (9, 3), 600, 2.0),
+        ([(1, 600)], (4, 1), 300, None),
+        ([(100, 700)], (4, 1), 300, 2.0),
+        ([(3, 3000), (1, 40)], (2, 2), 1024, None),
+    ],
+)
+def test_paged_attention_splits_the_window_by_key_range(requests, heads, window, cap):
+    check_attention(requests, 16, *heads, 64, torch.float32, tol=1e-5, window=window, cap=cap)
+
+
+# Block size 16: windows of the query alone, starting inside a block (24) and at a block's start (32); a decode and a
+# chunk alone, each split by key range within its window.
+@pytest.mark.parametrize(
+    "requests,heads,window",
+    [
+        (LONG, (9, 3), 1),
+        (LONG, (9, 3), 24),
+        (LONG, (9, 3), 32),
+        ([(1, 5000)], (4, 1), 1000),
+        ([(40, 3000)], (4, 1), 700),
+    ],
+)
+def test_paged_attention_reads_nothing_before_the_window(requests, heads, window):
+    """Keys before every window of a request are NaN and its blocks wholly before them a placeholder: the output is
+    the same, finite."""
+    batch = make_batch(requests, 16, *heads, 64, torch.float32, "cpu")
+    out = ops.paged_attention(*batch, 0.125, window, 2.0)
+    hidden = ops.paged_attention(*hide_outside_windows(batch, requests, window), 0.125, window, 2.0)
+    assert torch.equal(hidden, out)
+    torch.testing.assert_close(out, paged_attention_ref(*batch, 0.125, window, 2.0), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,cap", [(8, 2.0), (20, None)])
+def test_cpu_backend_passes_window_and_cap(window, cap):
+    from engine.attention.cpu_backend import CpuAttentionBackend
+
+    ours, torch_out = backend_step(CpuAttentionBackend(16), window, cap, "cpu")
+    torch.testing.assert_close(ours, torch_out, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_refuses_a_window_or_cap_of_zero():
+    batch = make_batch(MIXED, 16, 9, 3, 64, torch.float32, "cpu", SHARED)
+    for window, cap in ((0, None), (None, 0.0)):
+        with pytest.raises(RuntimeError, match="must be positive"):
+            ops.paged_attention(*batch, 0.125, window, cap)
+
+
+@pytest.mark.parametrize("window,cap", [(None, None), (700, 2.0)])
+def test_paged_attention_runs_on_every_thread_count(window, cap):
     """The work split by cost must cover every item once, whatever the number of threads, and a batch split by key
     range gives the same answer on any number of threads."""
     threads = torch.get_num_threads()
@@ -73,7 +143,7 @@ def test_paged_attention_runs_on_every_thread_count():
             outs = []
             for n in (1, 3, 7):
                 torch.set_num_threads(n)
-                outs.append(ops.paged_attention(*batch, 0.125))
+                outs.append(ops.paged_attention(*batch, 0.125, window, cap))
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

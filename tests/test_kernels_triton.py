@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from conftest import HFReference, assert_greedy_matches, assert_no_leaks, run_greedy
+from engine.attention.backend import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from kernels.reference import paged_attention_ref, reshape_and_cache_ref
@@ -65,14 +67,64 @@ def make_batch(requests, block_size, num_heads, num_kv_heads, head_dim, dtype, d
     return tuple(t.to(device) for t in tensors)
 
 
-def check_attention(requests, block_size, num_heads, num_kv_heads, head_dim, dtype, device, tol, share=None):
+# (sliding window, soft-cap) against MIXED's contexts of 0 to 50 keys: the query alone, windows smaller than most
+# contexts and equal to some (16, 40), larger than all. The scores have about unit variance, so a cap of 2 bites.
+WINDOW_CAPS = [(1, None), (16, None), (40, 2.0), (1000, None), (None, 2.0), (16, 2.0)]
+
+# Decodes, a whole prompt, a chunk after its cached prefix and a long chunk, contexts many blocks past the window.
+LONG = [(1, 300), (1, 37), (1, 16), (20, 200), (5, 5), (71, 150), (1, 0)]
+
+
+def hide_outside_windows(batch, requests, window):
+    """The batch with every key that no query of its request sees in a window of `window` turned NaN, and the block
+    table's entries for the blocks wholly before the window pointed at a NaN placeholder block: a kernel that reads
+    any of them shows it. No blocks may be shared (a request would hide another's keys)."""
+    query, k_cache, v_cache, qsl, seq_lens, table = (t.clone() for t in batch)
+    block_size = k_cache.shape[2]
+    nan_block = torch.full_like(k_cache[:, :1], float("nan"))
+    k_cache, v_cache = torch.cat([k_cache, nan_block], 1), torch.cat([v_cache, nan_block], 1)
+    for r, (q_len, seq_len) in enumerate(requests):
+        first = max(0, seq_len - q_len + 1 - window)  # the first key its first query sees
+        partial = table[r, first // block_size]
+        k_cache[:, partial, : first % block_size] = float("nan")
+        v_cache[:, partial, : first % block_size] = float("nan")
+        table[r, : first // block_size] = k_cache.shape[1] - 1
+    return query, k_cache, v_cache, qsl, seq_lens, table
+
+
+def backend_step(backend, window, cap, device):
+    """One step of a mixed batch (decodes, a prompt, a chunk after its cached prefix) through backend.forward and
+    through the torch backend's: (ours, torch's) outputs."""
+    requests = [(1, 37), (1, 1), (1, 16), (5, 5), (7, 40), (19, 50)]
+    query, k_cache, v_cache, qsl, seq_lens, table = make_batch(requests, 16, 6, 2, 16, torch.float32, device)
+    # The torch backend reads whole blocks: no NaN past a sequence's end.
+    k_cache, v_cache = k_cache.nan_to_num(0), v_cache.nan_to_num(0)
+    n = int(qsl[-1])
+    gen = torch.Generator().manual_seed(2)
+    key, value = (torch.randn(n, 2, 16, generator=gen).to(device) for _ in range(2))
+    pos = torch.cat([torch.arange(s - q, s) for q, s in requests])
+    req = torch.cat([torch.full((q,), r) for r, (q, _) in enumerate(requests)])
+    slots = (table.cpu()[req, pos // 16] * 16 + pos % 16).to(device)
+    outs = []
+    for attn in (backend, TorchAttentionBackend(16)):
+        metadata = AttentionMetadata(n, slots, qsl, seq_lens, table, 3, qsl.tolist(), seq_lens.tolist())
+        attn.prepare(metadata)
+        caches = k_cache.clone(), v_cache.clone()
+        outs.append(attn.forward(query[:n], key, value, caches, metadata, 0.25, window, cap))
+    return outs
+
+
+def check_attention(
+    requests, block_size, num_heads, num_kv_heads, head_dim, dtype, device, tol, share=None, window=None, cap=None
+):
     query, k_cache, v_cache, qsl, seq_lens, block_table = make_batch(
         requests, block_size, num_heads, num_kv_heads, head_dim, dtype, device, share
     )
     scale = head_dim**-0.5
     out = torch.zeros_like(query)
-    unified_attention(out, query, k_cache, v_cache, qsl, seq_lens, block_table, scale)
-    ref = paged_attention_ref(*(t.cpu() for t in (query, k_cache, v_cache, qsl, seq_lens, block_table)), scale)
+    unified_attention(out, query, k_cache, v_cache, qsl, seq_lens, block_table, scale, window, cap)
+    batch = (t.cpu() for t in (query, k_cache, v_cache, qsl, seq_lens, block_table))
+    ref = paged_attention_ref(*batch, scale, window, cap)
     # The reference is zero for padding requests and the row of no request, and NaN never passes.
     torch.testing.assert_close(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
 
@@ -95,6 +147,37 @@ def test_unified_attention_half(device, dtype):
 def test_unified_attention_odd_head_dim_and_many_queries(device):
     # head_dim 24 pads to 32; a 40-token chunk spans several query blocks of one request.
     check_attention([(1, 9), (40, 70), (3, 3)], 8, 4, 2, 24, torch.float32, device, tol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window,cap", WINDOW_CAPS)
+def test_unified_attention_sliding_window_and_soft_cap(device, window, cap):
+    check_attention(MIXED, 16, 6, 2, 16, torch.float32, device, tol=1e-5, share=SHARED, window=window, cap=cap)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [1, 24, 32])
+def test_unified_attention_reads_nothing_before_the_window(device, window):
+    """Keys before every window of a request are NaN and its blocks wholly before them a placeholder: the output is
+    the same, finite. MQA; block size 16, so a window of 24 starts inside a block and one of 32 at a block's start."""
+    batch = make_batch(LONG, 16, 4, 1, 16, torch.float32, device)
+    hidden = hide_outside_windows(batch, LONG, window)
+    outs = []
+    for b in (batch, hidden):
+        outs.append(torch.zeros_like(b[0]))
+        unified_attention(outs[-1], *b, 0.25, window, 2.0)
+    assert torch.equal(outs[0], outs[1])
+    ref = paged_attention_ref(*(t.cpu() for t in batch), 0.25, window, 2.0)
+    torch.testing.assert_close(outs[1].cpu(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window,cap", [(8, 2.0), (20, None)])
+def test_triton_backend_passes_window_and_cap(device, window, cap):
+    from engine.attention.triton_backend import TritonAttentionBackend
+
+    ours, torch_out = backend_step(TritonAttentionBackend(16), window, cap, device)
+    torch.testing.assert_close(ours, torch_out, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

@@ -1,8 +1,8 @@
 """Attention backend on the Triton kernels (kernels/): one reshape_and_cache and one unified_attention
 launch per layer, for the whole mixed batch, reading K/V in place through the block table.
 
-Every launch depends only on tensor shapes, and prepare() has nothing to do, so a step can be captured
-in a CUDA graph and replayed with new metadata contents.
+Every launch depends only on tensor shapes (and on a layer's window and soft-cap, fixed), and prepare()
+has nothing to do, so a step can be captured in a CUDA graph and replayed with new metadata contents.
 """
 
 import torch
@@ -14,6 +14,7 @@ from kernels.reference import to_cache_dtype
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     cudagraph_support = True
+    features = frozenset({"sliding_window", "logits_soft_cap"})
 
     def __init__(self, block_size: int):
         # Imported here, so that the selector imports on machines without triton.
@@ -38,14 +39,13 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache,
         metadata: AttentionMetadata,
         scale: float,
-        sliding_window=None,
-        logits_soft_cap=None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         key, value = to_cache_dtype(key, k_cache.dtype), to_cache_dtype(value, v_cache.dtype)
         self._reshape_and_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
         output = torch.empty_like(query)
-        self._unified_attention(
-            output, query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table, scale
-        )
+        batch = metadata.query_start_loc, metadata.seq_lens, metadata.block_table
+        self._unified_attention(output, query, k_cache, v_cache, *batch, scale, sliding_window, logits_soft_cap)
         return output

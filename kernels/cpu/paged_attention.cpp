@@ -2,7 +2,12 @@
 //
 // The batch and cache contract is kernels/__init__.py's: caches [num_kv_heads, num_blocks, block_size,
 // head_dim]; request r owns query rows query_start_loc[r]:query_start_loc[r+1], its last one at position
-// seq_lens[r] - 1, each row attending causally to keys 0..its position.
+// seq_lens[r] - 1, each row attending causally to keys 0..its position, or with a sliding window W to the last W of
+// them (keys position - W + 1..position, its own included, as Hugging Face's models do). With a logit soft-cap c,
+// each score s (after the scale) becomes c * tanh(s / c) before the softmax (Gemma 2).
+//
+// A work item reads only the keys its rows' windows hold: blocks wholly before them are never read (they may
+// already hold another request's tokens), so a decode costs its window, not its context.
 //
 // One work item is (request, kv head, tile of query rows): the kv head's query heads are handled together, so each
 // K/V row is read once for all of them. A one-row tile (a decode) reads K/V in place, a dot product per key and
@@ -30,6 +35,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -136,7 +142,7 @@ inline void prefetch(const T* p, int64_t n) {
 
 struct Item {
   int64_t req, kv_head, row, rows, len;  // query tokens row..row+rows-1; len: keys the last one sees
-  int64_t key0, key1;                    // the keys this item reads: all (0, len), or a part's range
+  int64_t key0, key1;                    // the keys it reads: its rows' windows (0..len without), or a part's range
   int64_t part;                          // a part's first query among the partial sums; -1: a whole item
 };
 
@@ -152,6 +158,12 @@ inline SoftmaxSums softmax_unnormalized(float* s, int64_t n) {
   const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, n);
   at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, s, s, n);
   return {mx, at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n)};
+}
+
+// cap * tanh(s) of s[0..n): Gemma 2's soft-capping, on scores already divided by the cap (the query was scaled by
+// scale / cap, which saves a division per score).
+inline void soft_cap(float* s, int64_t n, float cap) {
+  at::vec::map([cap](Vec x) { return x.tanh() * Vec(cap); }, s, s, n);
 }
 
 // Query i of an item: its output row (normalized, whole items) or its partial sums (parts).
@@ -175,8 +187,8 @@ inline void finish_query(const Item& it, int64_t i, int64_t group, int64_t head_
 template <typename T, typename C>
 void attend_tile(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, const C* k_base, const C* v_base,
                  int64_t cs0, int64_t cs1, int64_t cs2, int64_t block_size, const int64_t* blocks, int64_t group,
-                 int64_t head_dim, double scale, T* o_base, int64_t os0, int64_t os1, float* partials,
-                 std::vector<float>& keys, std::vector<float>& values, std::vector<float>& scores,
+                 int64_t head_dim, double scale, int64_t window, float cap, T* o_base, int64_t os0, int64_t os1,
+                 float* partials, std::vector<float>& keys, std::vector<float>& values, std::vector<float>& scores,
                  std::vector<float>& buf) {
   const int64_t len = it.key1 - it.key0, nq = it.rows * group, h0 = it.kv_head * group;
   keys.resize(len * head_dim);
@@ -213,10 +225,15 @@ void attend_tile(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, cons
   at::mm_out(s_mat, o_mat, matrix(keys, len, head_dim).t());  // scores = q . keys^T
   std::vector<SoftmaxSums> sums(nq);
   for (int64_t i = 0; i < nq; ++i) {
-    // Causal: row j sees keys 0..it.len - it.rows + j, of which this item holds key0..key1-1.
-    const int64_t seen = std::clamp<int64_t>(it.len - it.rows + 1 + i / group - it.key0, 0, len);
+    // Row j, at position p = it.len - it.rows + j, sees keys p - window + 1..p (0..p without a window), of which
+    // this item holds key0..key1-1: columns first..seen-1.
+    const int64_t p = it.len - it.rows + i / group;
+    const int64_t first = window > 0 ? std::clamp<int64_t>(p + 1 - window - it.key0, 0, len) : 0;
+    const int64_t seen = std::clamp<int64_t>(p + 1 - it.key0, 0, len);
     float* s = scores.data() + i * len;
-    sums[i] = softmax_unnormalized(s, seen);
+    if (cap > 0) soft_cap(s + first, seen - first, cap);
+    sums[i] = softmax_unnormalized(s + first, seen - first);
+    std::fill(s, s + first, 0.f);
     std::fill(s + seen, s + len, 0.f);
   }
   at::mm_out(o_mat, s_mat, matrix(values, len, head_dim));  // out = p . values, over the queries
@@ -257,7 +274,7 @@ void merge_parts(const std::vector<Item>& items, const std::vector<std::pair<int
 template <typename T, typename C>
 void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* table,
             int64_t table_stride, const std::vector<Item>& items, int64_t begin, int64_t end, double scale,
-            at::Tensor& out, float* partials) {
+            int64_t window, float cap, at::Tensor& out, float* partials) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(2), group = num_heads / k_cache.size(0);
   const T* q_base = query.data_ptr<T>();
@@ -286,7 +303,7 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
     }
     if (it.rows > 1) {
       attend_tile<T, C>(it, q_base, qs0, qs1, k_base, v_base, cs0, cs1, cs2, block_size, blocks, group, head_dim,
-                        scale, o_base, os0, os1, partials, keys, values, tile_scores, buf);
+                        scale, window, cap, o_base, os0, os1, partials, keys, values, tile_scores, buf);
       continue;
     }
     for (int64_t g = 0; g < group; ++g) {
@@ -306,7 +323,11 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
       for (int64_t g = 0; g < group; ++g)
         scores[g * len + pos - it.key0] = dot(q.data() + g * head_dim, k, head_dim);
     }
-    for (int64_t g = 0; g < group; ++g) sums[g] = softmax_unnormalized(scores.data() + g * len, len);
+    // One row: its window is the item's keys, all seen.
+    for (int64_t g = 0; g < group; ++g) {
+      if (cap > 0) soft_cap(scores.data() + g * len, len, cap);
+      sums[g] = softmax_unnormalized(scores.data() + g * len, len);
+    }
     // Pass 2: weighted sum of V rows.
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t pos = it.key0; pos < it.key1; ++pos) {
@@ -355,8 +376,14 @@ void dispatch_cache_type(at::ScalarType type, F&& f) {
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                           const at::Tensor& block_table, double scale) {
+                           const at::Tensor& block_table, double scale, std::optional<int64_t> sliding_window,
+                           std::optional<double> logits_soft_cap) {
   check_batch(query, k_cache, v_cache, query_start_loc, seq_lens, block_table);
+  TORCH_CHECK(sliding_window.value_or(1) > 0 && logits_soft_cap.value_or(1) > 0,
+              "sliding_window and logits_soft_cap must be positive (or None)");
+  const int64_t window = sliding_window.value_or(0);
+  const float cap = logits_soft_cap.value_or(0);
+  if (cap > 0) scale /= cap;  // see soft_cap
   const int64_t num_reqs = seq_lens.numel(), num_kv_heads = k_cache.size(0);
   const int64_t* starts = query_start_loc.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -375,7 +402,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
     for (int64_t h = 0; h < num_kv_heads; ++h)
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t j0 = n * t / tiles, j1 = n * (t + 1) / tiles, len = lens[r] - n + j1;
-        items.push_back({r, h, starts[r] + j0, j1 - j0, len, 0, std::max<int64_t>(len, 0), -1});
+        // The first row's window starts the keys any row of the tile sees.
+        const int64_t key0 = window > 0 ? std::max<int64_t>(0, lens[r] - n + j0 + 1 - window) : 0;
+        items.push_back({r, h, starts[r] + j0, j1 - j0, len, key0, std::max<int64_t>(len, 0), -1});
       }
   }
   // Too few items to share among threads: each long one becomes parts over ranges of its keys.
@@ -385,7 +414,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
     const int64_t wanted = (kMinItems + items.size() - 1) / items.size();
     std::vector<Item> parts;
     for (const Item& it : items) {
-      const int64_t n = std::min(wanted, it.len / kMinPartKeys);
+      const int64_t keys = it.key1 - it.key0, n = std::min(wanted, keys / kMinPartKeys);
       if (n < 2) {
         parts.push_back(it);
         continue;
@@ -393,8 +422,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
       split.push_back({int64_t(parts.size()), n});
       for (int64_t p = 0; p < n; ++p) {
         Item part = it;
-        part.key0 = it.len * p / n;
-        part.key1 = it.len * (p + 1) / n;
+        part.key0 = it.key0 + keys * p / n;
+        part.key1 = it.key0 + keys * (p + 1) / n;
         part.part = num_partial_queries;
         num_partial_queries += it.rows * (query.size(1) / num_kv_heads);
         parts.push_back(part);
@@ -415,7 +444,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
       at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
         for (int64_t p = p0; p < p1; ++p)
           attend<scalar_t, cache_t>(query, k_cache, v_cache, block_table.data_ptr<int64_t>(), block_table.stride(0),
-                                    items, boundary(p), boundary(p + 1), scale, out, partials.data());
+                                    items, boundary(p), boundary(p + 1), scale, window, cap, out, partials.data());
       });
     });
     if (!split.empty())
