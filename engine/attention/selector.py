@@ -27,15 +27,12 @@ def get_attn_backend(
     """The backend `name` names, which must implement what the model needs (AttentionBackend.features)."""
     resolved = resolve_backend_name(name, device_type)
     missing = needs - _BACKENDS[resolved].features
-    if missing and name != "auto":
+    if missing:
         able = [n for n, cls in _BACKENDS.items() if needs <= cls.features]
         raise ValueError(
             f"--attention-backend {name} does not implement {', '.join(sorted(missing))}, which this model's "
             f"layers use; backends that do: {', '.join(able)}"
         )
-    if missing:
-        logger.info("The %s attention backend lacks %s; using the torch backend", resolved, ", ".join(sorted(missing)))
-        return TorchAttentionBackend(block_size)
     try:
         return _BACKENDS[resolved](block_size)
     except Exception as e:
