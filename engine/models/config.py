@@ -6,9 +6,12 @@ engine does not implement is refused at start-up with a message naming the field
 the classes).
 """
 
+import logging
 from dataclasses import dataclass, field
 
 from engine.models.registry import ModelRegistry
+
+logger = logging.getLogger(__name__)
 
 # Older or hand-written configs may lack "architectures" but name a model_type.
 _MODEL_TYPE_TO_ARCH = {
@@ -182,8 +185,17 @@ class ModelArchConfig:
             # (Phi-3's prepare_inputs_for_generation drops its cache there), which paged, prefix-cached KV cannot
             # do: the engine serves LongRoPE models up to that length, where the short factors are exact. The
             # attention factor stays the one of the full context.
-            rope_scaling.setdefault("factor", max_position / rope_scaling["original_max_position_embeddings"])
-            max_position = min(max_position, rope_scaling["original_max_position_embeddings"])
+            original = rope_scaling["original_max_position_embeddings"]
+            rope_scaling.setdefault("factor", max_position / original)
+            if max_position > original:
+                logger.warning(
+                    "LongRoPE (rope_type longrope) is served up to original_max_position_embeddings=%d of the "
+                    "model's max_position_embeddings=%d: past it transformers recomputes the whole sequence with "
+                    "the long factors, which the engine does not implement",
+                    original,
+                    max_position,
+                )
+            max_position = min(max_position, original)
         _refuse_unimplemented(d, arch)
         window, layer_types = _sliding_window(d, arch, layers)
 

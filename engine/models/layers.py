@@ -62,7 +62,8 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None, max_pos
     if rope_type == "dynamic":
         # Dynamic NTK raises the base once a forward pass reaches past max_position_embeddings (transformers then
         # recomputes inv_freq for the new length). The engine never runs a position there (max_model_len is at most
-        # max_position_embeddings), so transformers' own value at that length holds for every sequence served.
+        # max_position_embeddings), so transformers' own value at that length (its formula at seq_len =
+        # max_position_embeddings, in its order of operations) holds for every sequence served.
         factor = scaling["factor"]
         base = base * ((factor * max_position / max_position) - (factor - 1)) ** (head_dim / (head_dim - 2))
         return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
