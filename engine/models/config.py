@@ -6,20 +6,29 @@ engine does not implement is refused at start-up with a message naming the field
 the classes).
 """
 
+import logging
 from dataclasses import dataclass, field
 
 from engine.models.registry import ModelRegistry
+
+logger = logging.getLogger(__name__)
 
 # Older or hand-written configs may lack "architectures" but name a model_type.
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
 # The rope types layers.get_rope implements.
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+
+# Rope types that stretch the original context: the length they stretch (original_max_position_embeddings) is
+# max_position_embeddings where a config does not say.
+_ROPE_TYPES_WITH_ORIGINAL_LEN = ("llama3", "yarn", "longrope")
 
 # The config.json fields from_hf_config reads.
 USED_FIELDS = frozenset(
@@ -40,6 +49,7 @@ USED_FIELDS = frozenset(
         "rope_theta",
         "rope_scaling",
         "rope_parameters",
+        "partial_rotary_factor",
         "max_position_embeddings",
         "tie_word_embeddings",
         "sliding_window",
@@ -55,7 +65,10 @@ USED_FIELDS = frozenset(
 )
 
 # Fields only some families read, by architecture: their model file reads them from ModelArchConfig.hf_config.
-FAMILY_FIELDS: dict[str, frozenset[str]] = {}
+FAMILY_FIELDS: dict[str, frozenset[str]] = {
+    # Phi-3 keeps LongRoPE's pretraining length outside its rope parameters (from_hf_config moves it in).
+    "Phi3ForCausalLM": frozenset({"original_max_position_embeddings"}),
+}
 
 # The MLP activations (hidden_act) each family implements; silu where a family is not listed.
 HIDDEN_ACTS: dict[str, tuple[str, ...]] = {}
@@ -79,6 +92,8 @@ NO_EFFECT_FIELDS = frozenset(
         "id2label",  # sequence-classification heads
         "label2id",
         "problem_type",
+        "resid_pdrop",  # Phi-3's dropouts: training only
+        "embd_pdrop",
     }
 )
 
@@ -156,9 +171,7 @@ class ModelArchConfig:
         rope_params.pop("rope_theta", None)
         rope_scaling = d.get("rope_scaling") or rope_params or None
         if rope_scaling is not None:
-            rope_scaling = dict(rope_scaling)
-            # Old configs say "type"; the engine reads "rope_type".
-            rope_scaling.setdefault("rope_type", rope_scaling.pop("type", "default"))
+            rope_scaling = _rope_scaling(d, arch, dict(rope_scaling))
             if rope_scaling["rope_type"] not in ROPE_TYPES:
                 raise ModelLoadError(
                     f"rope_scaling type {rope_scaling['rope_type']!r} is not implemented; "
@@ -166,6 +179,23 @@ class ModelArchConfig:
                 )
             if rope_scaling["rope_type"] == "default":
                 rope_scaling = None
+        max_position = int(d.get("max_position_embeddings", 2048))
+        if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
+            # transformers recomputes a whole sequence with the long factors once it grows past the original length
+            # (Phi-3's prepare_inputs_for_generation drops its cache there), which paged, prefix-cached KV cannot
+            # do: the engine serves LongRoPE models up to that length, where the short factors are exact. The
+            # attention factor stays the one of the full context.
+            original = rope_scaling["original_max_position_embeddings"]
+            rope_scaling.setdefault("factor", max_position / original)
+            if max_position > original:
+                logger.warning(
+                    "LongRoPE (rope_type longrope) is served up to original_max_position_embeddings=%d of the "
+                    "model's max_position_embeddings=%d: past it transformers recomputes the whole sequence with "
+                    "the long factors, which the engine does not implement",
+                    original,
+                    max_position,
+                )
+            max_position = min(max_position, original)
         _refuse_unimplemented(d, arch)
         window, layer_types = _sliding_window(d, arch, layers)
 
@@ -184,7 +214,7 @@ class ModelArchConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_position,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases (its config has no flag for it); Llama may opt in.
             attention_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
@@ -198,11 +228,31 @@ class ModelArchConfig:
         )
 
 
+def _rope_scaling(d: dict, arch: str, rope_scaling: dict) -> dict:
+    """The rope parameters as transformers standardizes them: "rope_type" (old configs say "type"; Phi-3's "su" and
+    "yarn" are its LongRoPE), and the original context length where the type stretches one."""
+    rope_type = rope_scaling.pop("type", None)
+    rope_scaling.setdefault("rope_type", rope_type or "default")
+    if arch == "Phi3ForCausalLM" and rope_scaling["rope_type"] in ("su", "yarn"):
+        rope_scaling["rope_type"] = "longrope"
+    rope_scaling.pop("partial_rotary_factor", None)  # _refuse_unimplemented checks it is 1
+    if rope_scaling["rope_type"] in _ROPE_TYPES_WITH_ORIGINAL_LEN:
+        # Phi-3's own field wins over the one in its rope parameters, as in transformers.
+        original = d.get("original_max_position_embeddings") if arch == "Phi3ForCausalLM" else None
+        original = original or rope_scaling.get("original_max_position_embeddings")
+        rope_scaling["original_max_position_embeddings"] = int(original or d.get("max_position_embeddings", 2048))
+    return rope_scaling
+
+
 def _refuse_unimplemented(d: dict, arch: str) -> None:
     """A start-up error for a config value that changes the computation in a way the engine does not implement."""
     acts = HIDDEN_ACTS.get(arch, ("silu",))
     if d.get("hidden_act", acts[0]) not in acts:
         raise ModelLoadError(f"hidden_act={d['hidden_act']!r} is not implemented; the MLP supports {', '.join(acts)}")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ModelLoadError(f"partial_rotary_factor={partial!r} is not implemented; RoPE turns the whole head")
     if d.get("mlp_bias"):
         raise ModelLoadError(f"mlp_bias={d['mlp_bias']!r} is not implemented; the MLP has no biases")
     unknown = set(d.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
@@ -214,14 +264,15 @@ def _refuse_unimplemented(d: dict, arch: str) -> None:
 
 def _sliding_window(d: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     """The window of the model's sliding-window layers and each layer's type, as transformers reads them: a config's
-    layer_types where it has them; else every layer slides when there is a window (Mistral, Phi-3), but Qwen2 slides
-    only with use_sliding_window, and then on the layers from max_window_layers on."""
+    layer_types where it has them; else every layer slides when there is a window (Mistral, Phi-3), but Qwen2 and Qwen3
+    slide only with use_sliding_window, and then on the layers from max_window_layers on."""
     window = d.get("sliding_window")
-    if not window or (arch == "Qwen2ForCausalLM" and not d.get("use_sliding_window")):
+    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    if not window or (qwen and not d.get("use_sliding_window")):
         return None, ()
     layer_types = d.get("layer_types")
     if layer_types is None:
-        first = int(d.get("max_window_layers", num_layers)) if arch == "Qwen2ForCausalLM" else 0
+        first = int(d.get("max_window_layers", num_layers)) if qwen else 0
         layer_types = ["full_attention"] * first + ["sliding_attention"] * (num_layers - first)
     if len(layer_types) != num_layers:
         raise ModelLoadError(
