@@ -127,14 +127,14 @@ def test_sliding_window_attention_past_the_window_is_the_models(tmp_path, arch, 
     assert_no_leaks(engine)
 
 
-def test_an_attention_backend_without_sliding_windows_is_refused_by_name(tmp_path):
-    path, _ = save_sliding_model(tmp_path, "MistralForCausalLM", sliding_window=16)
-    from engine.attention.selector import _BACKENDS
+@pytest.mark.parametrize("name", ["auto", "torch", "cpu"])
+def test_an_attention_backend_lacking_a_feature_the_model_needs_is_refused_by_name(name):
+    from engine.attention.selector import get_attn_backend
 
-    lacking = [name for name, cls in _BACKENDS.items() if "sliding_window" not in cls.features]
-    for name in lacking:
-        with pytest.raises(ValueError, match=f"--attention-backend {name} does not implement sliding_window"):
-            EngineCore(EngineArgs(model=str(path), kv_cache_memory="8MiB", block_size=8, attention_backend=name))
+    for needs in ({"sliding_window"}, {"logits_soft_cap"}):
+        assert get_attn_backend(name, 8, "cpu", frozenset(needs)) is not None
+    with pytest.raises(ValueError, match="does not implement chunked_local_attention"):
+        get_attn_backend(name, 8, "cpu", frozenset({"sliding_window", "chunked_local_attention"}))
 
 
 def test_qwen2_without_use_sliding_window_is_full_attention(tmp_path):

@@ -31,7 +31,7 @@ def get_attn_backend(
         able = [n for n, cls in _BACKENDS.items() if needs <= cls.features]
         raise ValueError(
             f"--attention-backend {name} does not implement {', '.join(sorted(missing))}, which this model's "
-            f"layers use; backends that do: {', '.join(able)}"
+            f"layers use; backends that do: {', '.join(able) or 'none'}"
         )
     try:
         return _BACKENDS[resolved](block_size)
