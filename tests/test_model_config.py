@@ -17,6 +17,8 @@ FAMILIES = {
     "LlamaForCausalLM": "LlamaConfig",
     "MistralForCausalLM": "MistralConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
+    "Gemma2ForCausalLM": "Gemma2Config",
+    "Gemma3ForCausalLM": "Gemma3TextConfig",
 }
 
 

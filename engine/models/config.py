@@ -71,8 +71,12 @@ FAMILY_FIELDS: dict[str, frozenset[str]] = {
     "Gemma2ForCausalLM": _GEMMA2_FIELDS,
     # rope_local_base_freq: the sliding layers' rope base in configs older than the per-layer-type rope_parameters;
     # sliding_window_pattern: one full layer in that many where a config has no layer_types.
+    # attn_logit_softcapping: transformers' Gemma 3 attention never applies it, and neither does the engine's.
     "Gemma3ForCausalLM": _GEMMA2_FIELDS | {"rope_local_base_freq", "sliding_window_pattern"},
 }
+
+# The families whose attention applies attn_logit_softcapping.
+SOFT_CAPPED_ATTENTION = ("Gemma2ForCausalLM",)
 
 # transformers' defaults for the family fields a config.json may leave out; ModelArchConfig.hf_config has them.
 _GEMMA_DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256}
@@ -159,7 +163,7 @@ class ModelArchConfig:
     def attention_features(self) -> frozenset[str]:
         """What the layers ask of the attention backend beyond causal attention (AttentionBackend.features)."""
         features = {"sliding_window"} if self.sliding_window is not None else set()
-        if self.hf_config.get("attn_logit_softcapping"):
+        if self.architecture in SOFT_CAPPED_ATTENTION and self.hf_config.get("attn_logit_softcapping"):
             features.add("logits_soft_cap")
         return frozenset(features)
 

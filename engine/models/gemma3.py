@@ -1,7 +1,8 @@
 """Gemma 3 text decoder (Gemma3ForCausalLM): Gemma 2 (gemma2.py) with an RMSNorm over each head's q and k before
 RoPE, and a rope of their own for the sliding-window layers (five to each full layer): the full layers' rope is the
-model's (rope_theta, rope_scaling), the sliding layers' plain RoPE on their own base. Soft-capping applies only where
-the config sets it (Gemma 3's set neither).
+model's (rope_theta, rope_scaling), the sliding layers' plain RoPE on their own base. The final logits are soft-capped
+where final_logit_softcapping is set; the attention scores never are, whatever attn_logit_softcapping says, as in
+transformers' Gemma 3 (Gemma 3's configs set neither).
 """
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
@@ -15,6 +16,7 @@ class Gemma3Attention(Gemma2Attention):
         self, config: ModelArchConfig, backend: AttentionBackend, quantization: str | None = None, layer: int = 0
     ):
         super().__init__(config, backend, quantization, layer)
+        self.attn.logits_soft_cap = None  # transformers' Gemma 3 reads attn_logit_softcapping but never applies it
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
 
