@@ -146,7 +146,11 @@ def test_gemma2_fields_left_out_take_transformers_defaults():
 
 @pytest.mark.parametrize(
     "field, value, shown",
-    [("hidden_activation", "gelu", "gelu"), ("use_bidirectional_attention", True, "True")],
+    [
+        ("hidden_activation", "gelu", "gelu"),
+        ("use_bidirectional_attention", True, "True"),
+        ("sliding_window", None, "None"),
+    ],
 )
 def test_gemma2_unimplemented_values_are_refused(field, value, shown):
     with pytest.raises(ModelLoadError, match=field) as refused:

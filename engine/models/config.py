@@ -266,10 +266,13 @@ def _sliding_window(d: dict, arch: str, num_layers: int) -> tuple[int | None, tu
     layer_types where it has them; else every layer slides when there is a window (Mistral, Phi-3), but Qwen2 slides
     only with use_sliding_window, and then on the layers from max_window_layers on; Gemma in a fixed pattern."""
     window = d.get("sliding_window")
+    gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+    if gemma and not window:  # transformers cannot run these without one either
+        raise ModelLoadError(f"sliding_window={window!r} is not implemented; Gemma's sliding layers need a window")
     if not window or (arch == "Qwen2ForCausalLM" and not d.get("use_sliding_window")):
         return None, ()
     layer_types = d.get("layer_types")
-    if layer_types is None and arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+    if layer_types is None and gemma:
         # Gemma: every pattern-th layer is full, the others slide (Gemma 2 alternates; Gemma 3 has a pattern of 6).
         pattern = 2 if arch == "Gemma2ForCausalLM" else int(d.get("sliding_window_pattern", 6))
         layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
