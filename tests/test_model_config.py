@@ -19,6 +19,8 @@ FAMILIES = {
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
     "Phi3ForCausalLM": "Phi3Config",
+    "Gemma2ForCausalLM": "Gemma2Config",
+    "Gemma3ForCausalLM": "Gemma3TextConfig",
 }
 
 
