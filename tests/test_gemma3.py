@@ -106,8 +106,12 @@ def test_gemma3_sliding_layers_rope_is_their_own():
     assert local is not full
     # Position 1's angles are the inverse frequencies: base 10000 unscaled, and base 1e6 slowed 8 times.
     head_dim = config.head_dim
-    assert local.cos[1, : head_dim // 2].allclose(rope_inv_freq(head_dim, 10_000.0, None).cos())
-    assert full.cos[1, : head_dim // 2].allclose((rope_inv_freq(head_dim, 1_000_000.0, None) / 8).cos())
+    assert local.cos[1, : head_dim // 2].allclose(
+        rope_inv_freq(head_dim, 10_000.0, None, config.max_position_embeddings).cos()
+    )
+    assert full.cos[1, : head_dim // 2].allclose(
+        (rope_inv_freq(head_dim, 1_000_000.0, None, config.max_position_embeddings) / 8).cos()
+    )
 
 
 @pytest.mark.parametrize(
