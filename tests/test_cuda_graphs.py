@@ -2,6 +2,7 @@
 the padding of a decode batch to a captured size. The graphs themselves run in tests/test_gpu.py."""
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -131,7 +132,8 @@ def test_padding_rows_write_nothing_and_attend_to_nothing():
     assert logits_indices.tolist() == fresh[3].tolist() == [0, 1, 2]
 
 
-def tiny_model(backend):
+def tiny_config(**fields) -> ModelArchConfig:
+    """A tiny Llama architecture (fields: what differs)."""
     config = ModelArchConfig(
         architecture="LlamaForCausalLM",
         vocab_size=512,
@@ -151,6 +153,11 @@ def tiny_model(backend):
         eos_token_ids=[],
         torch_dtype=None,
     )
+    return dataclasses.replace(config, **fields)
+
+
+def tiny_model(backend):
+    config = tiny_config()
     torch.manual_seed(0)
     model = LlamaForCausalLM(config, backend).eval()
     for weight in model.parameters():  # layers allocate their weights empty, for a loader to fill
