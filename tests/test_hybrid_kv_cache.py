@@ -270,3 +270,31 @@ def test_a_kv_connector_is_refused_for_a_model_of_several_groups(tmp_path):
     )
     with pytest.raises(ValueError, match="--kv-transfer-config.*2 groups"):
         EngineCore(EngineArgs(model=str(path), kv_cache_memory="1MiB", block_size=BLOCK, kv_transfer_config=config))
+
+
+@pytest.mark.parametrize("arch", sorted(HYBRID))
+def test_a_draft_model_shares_the_first_groups_blocks(tmp_path, arch):
+    """The target as its own draft: its KV lives in group 0's blocks (Qwen2's full group, Mistral's one window
+    group, which keeps all a draft of the same window needs); every draft is kept and the output is the model's."""
+    path, hf_model = save_sliding_model(tmp_path, arch, **HYBRID[arch])
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    engine = EngineCore(
+        EngineArgs(model=str(path), kv_cache_memory="1MiB", block_size=BLOCK, speculative_config=json.dumps(spec))
+    )
+    prompt = torch.randint(3, 512, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    (ours,) = run_greedy(engine, [prompt], 40)
+    ref_tokens, ref_logits = HFReference(hf_model).greedy(prompt, 40)
+    assert_greedy_matches(ours, ref_tokens, ref_logits, f"{arch} drafting for itself")
+    stats = engine.scheduler.spec_decoding_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert_no_leaks(engine)
+
+
+def test_a_draft_that_needs_more_than_a_window_group_keeps_is_refused(tmp_path):
+    path, _ = save_sliding_model(tmp_path, "MistralForCausalLM", **HYBRID["MistralForCausalLM"])
+    draft, _ = save_sliding_model(tmp_path / "draft", "Qwen2ForCausalLM", use_sliding_window=False)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="speculative_config.model: every layer of the target model attends in a"):
+        EngineCore(
+            EngineArgs(model=str(path), kv_cache_memory="1MiB", block_size=BLOCK, speculative_config=json.dumps(spec))
+        )
