@@ -2,9 +2,9 @@
 
 Its KV cache has the target's blocks: the same block ids, so the scheduler's block tables (and the step's
 attention metadata) serve both; with several KV cache groups, the first group's (full attention where the target
-has any: the worker refuses a draft whose layers need more context than that group keeps). Every step it runs over the target's whole flat batch (prompt chunks and verified
-drafts alike), so its cache follows the target's; KV written for rejected drafts is overwritten later, as the
-target's is. After the rejection sampler, k single-token passes propose k drafts per request, into the lookahead
+has any: the worker refuses a draft whose layers need more context than that group keeps). Every step it runs over
+the target's whole flat batch (prompt chunks and verified drafts alike), so its cache follows the target's; KV
+written for rejected drafts is overwritten later, as the target's is. After the rejection sampler, k single-token passes propose k drafts per request, into the lookahead
 slots the scheduler reserved. A draft is drawn from the draft's distribution q at the request's temperature (its
 argmax for a greedy request), and q travels with the draft to the rejection sampler.
 

@@ -208,7 +208,7 @@ class Worker:
         torch.cuda.reset_peak_memory_stats(dev)  # from here: loading's temporaries (float32 weights) are gone
         n = min(self.scheduler_config.max_num_batched_tokens, self.max_model_len)
         caches = self._allocate_kv_caches(cdiv(n, bs))
-        cache_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for pair in caches for t in pair}.values())
+        cache_bytes = 2 * group_size(self.kv_cache_groups) * caches[0][0].numel() * caches[0][0].element_size()
         metadata = AttentionMetadata(
             num_actual_tokens=n,
             slot_mapping=torch.arange(n, device=dev),
