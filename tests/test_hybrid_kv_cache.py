@@ -209,10 +209,12 @@ HYBRID = {
 }
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("arch", sorted(HYBRID))
-def test_greedy_matches_hugging_face_past_the_window_with_preemption(tmp_path, arch):
+def test_greedy_matches_hugging_face_past_the_window_with_preemption(tmp_path, arch, async_scheduling):
     """Prompts and outputs well past the window, chunked prefill, prefix hits and preemption (a pool too small for
-    three requests of up to 105 tokens at once), in blocks of 4."""
+    three requests of up to 105 tokens at once), in blocks of 4; with async scheduling, blocks allocated and inputs
+    prepared while the step before samples."""
     path, hf_model = save_sliding_model(tmp_path, arch, **HYBRID[arch])
     engine = EngineCore(
         EngineArgs(
@@ -221,6 +223,7 @@ def test_greedy_matches_hugging_face_past_the_window_with_preemption(tmp_path, a
             block_size=BLOCK,
             attention_backend="torch",
             max_num_batched_tokens=8,
+            async_scheduling=async_scheduling,
         )
     )
     manager = engine.kv_cache_manager
@@ -231,9 +234,30 @@ def test_greedy_matches_hugging_face_past_the_window_with_preemption(tmp_path, a
     outputs = run_greedy(engine, prompts, 60)
     assert engine.scheduler.num_preemptions > 0
     assert manager.prefix_cache_stats.hits == 36  # the third prompt hit the first one's prefix
+    assert (engine.worker.model_runner.num_prepared_ahead > 0) == async_scheduling
     for prompt, ours in zip(prompts, outputs):
         ref_tokens, ref_logits = HFReference(hf_model).greedy(prompt, 60)
         assert_greedy_matches(ours, ref_tokens, ref_logits, f"{arch} past its window")
+    assert_no_leaks(engine)
+
+
+def test_two_sliding_groups_keep_their_own_blocks(tmp_path):
+    """Qwen2 of three layers, the last two in a window: three groups of one layer, each sliding group with its own
+    block table over the one pool; the output is the model's past the window, under preemption."""
+    extra = dict(HYBRID["Qwen2ForCausalLM"], num_hidden_layers=3)
+    path, hf_model = save_sliding_model(tmp_path, "Qwen2ForCausalLM", **extra)
+    engine = EngineCore(
+        EngineArgs(
+            model=str(path), kv_cache_memory=str(60 * block_bytes(1)), block_size=BLOCK, max_num_batched_tokens=8
+        )
+    )
+    assert engine.kv_cache_manager.num_kv_cache_groups == 3
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (33, 21, 45)]
+    for prompt, ours in zip(prompts, run_greedy(engine, prompts, 50)):
+        ref_tokens, ref_logits = HFReference(hf_model).greedy(prompt, 50)
+        assert_greedy_matches(ours, ref_tokens, ref_logits, "Qwen2 with two sliding groups")
+    assert engine.scheduler.num_preemptions > 0
     assert_no_leaks(engine)
 
 
