@@ -206,7 +206,7 @@ def test_an_adapter_that_cannot_be_read_again_fails_only_its_requests(tiny, tmp_
     assert failed.outputs[0].finish_reason == "error" and failed.outputs[0].token_ids == []
     assert "loading its LoRA adapter failed" in failed.error.message and "'gone'" in failed.error.message
     digest = llm.engine.lora_digests[gone.lora_int_id]
-    cached = set(llm.engine.kv_cache_manager.block_pool.cached_block_hash_to_block)
+    cached = {h for h, _ in llm.engine.kv_cache_manager.block_pool.cached_block_hash_to_block}  # (hash, group)
     manager = llm.engine.kv_cache_manager
     blocks = extend_block_hashes([], PROMPTS[0], manager.block_size, manager.hash_fn, manager.root_hash, None, digest)
     assert blocks and not set(blocks) & cached
@@ -403,7 +403,7 @@ def test_prefix_cache_forks_by_adapter(tiny):
     assert hits(None) == 0
     assert hits(None) == 16
     # Three cache entries for the one prompt; the base model's blocks are named as without LoRA.
-    cached = set(manager.block_pool.cached_block_hash_to_block)
+    cached = {h for h, _ in manager.block_pool.cached_block_hash_to_block}  # (hash, group)
     names = [
         extend_block_hashes([], prompt, 4, manager.hash_fn, manager.root_hash, None, key)
         for key in (None, manager.lora_digests[a.lora_int_id], manager.lora_digests[b.lora_int_id])

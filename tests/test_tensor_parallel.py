@@ -155,7 +155,7 @@ def test_scheduler_output_crosses_as_new_then_cached_requests():
         return wire, scheduler_output_from_wire(wire, states)
 
     bitmask = torch.tensor([[-1, 5]], dtype=torch.int32)
-    first = SchedulerOutput([a, b], {"a": 4, "b": 2}, 6, {"a": [7], "b": [3]}, grammar_bitmask=bitmask)
+    first = SchedulerOutput([a, b], {"a": 4, "b": 2}, 6, {"a": [[7]], "b": [[3]]}, grammar_bitmask=bitmask)
     first.structured_output_request_ids = {"b": 0}
     wire, rebuilt = cross(first)
     assert [r["req_id"] for r in wire["scheduled_new_reqs"]] == ["a", "b"] and not wire["scheduled_cached_reqs"]
@@ -163,7 +163,7 @@ def test_scheduler_output_crosses_as_new_then_cached_requests():
     assert rebuilt.scheduled_requests[0].lora_request == lora
     assert rebuilt.scheduled_requests[0].sampling_params.prompt_logprobs == 2
     assert torch.equal(rebuilt.grammar_bitmask, bitmask) and rebuilt.structured_output_request_ids == {"b": 0}
-    assert rebuilt.block_ids == {"a": [7], "b": [3]} and rebuilt.num_scheduled_tokens == {"a": 4, "b": 2}
+    assert rebuilt.block_ids == {"a": [[7]], "b": [[3]]} and rebuilt.num_scheduled_tokens == {"a": 4, "b": 2}
 
     for request, token in ((a, 9), (b, 8)):  # both sampled a token; a also gets two drafts to verify
         request.num_computed_tokens = request.num_tokens

@@ -330,7 +330,7 @@ class KVStoreConnector(KVConnectorBase):
         start = self.num_stored_blocks.get(request.request_id, 0)
         if end <= start:
             return
-        blocks = self.kv_cache_manager.req_to_blocks[request.request_id][start:end]
+        blocks = self.kv_cache_manager.req_to_blocks[request.request_id][0][start:end]  # one KV cache group
         hashes = request.block_hashes[start:end]
         self.kv_cache_manager.block_pool.touch(blocks)
         job = StoreJob(self._new_job_id(), [b.block_id for b in blocks], hashes, request.trace_headers)

@@ -126,7 +126,7 @@ class SharedStorageConnector(KVConnectorBase):
             start = self.num_stored_blocks.get(request.request_id, 0)
             if end <= start:
                 continue
-            ids = scheduler_output.block_ids[request.request_id][start:end]
+            ids = scheduler_output.block_ids[request.request_id][0][start:end]  # one KV cache group
             meta.stores.append(BlockJob(request.request_id, ids, request.block_hashes[start:end]))
             request.record_event(EngineCoreEventType.KV_STORE_STARTED, num_tokens=(end - start) * bs)
             self.num_stored_blocks[request.request_id] = end
