@@ -93,11 +93,11 @@ class Gemma2ForCausalLM(nn.Module):
         rope = get_rope(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
         return {"full_attention": rope, "sliding_attention": rope}
 
-    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_caches) -> torch.Tensor:
+    def forward(self, input_ids, positions, attn_metadata: list[AttentionMetadata], kv_caches) -> torch.Tensor:
+        """attn_metadata: each layer's, already prepared (engine.attention.backend.layer_metadata)."""
         x = self.embed_tokens(input_ids) * self.normalizer
         cos_sin = {kind: rope(positions, x.dtype) for kind, rope in self.rotary.items()}
-        self.attn_backend.prepare(metadata)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache, metadata in zip(self.layers, kv_caches, attn_metadata):
             x = layer(x, kv_cache, metadata, cos_sin[layer.layer_type])
         return self.norm(x)
 
