@@ -12,6 +12,7 @@ from engine.executor import make_executor
 from engine.info import EngineInfo
 from engine.kv.connector.base import KVConnectorRole
 from engine.kv.connector.factory import create_connector
+from engine.kv.kv_cache_spec import kv_cache_groups, max_request_len
 from engine.kv.layout import KVLayout, spec_name
 from engine.kv.manager import KVCacheManager
 from engine.lora.registry import LoRARegistry
@@ -60,6 +61,8 @@ class EngineCore:
                 f"max_position_embeddings={cfg.max_position_embeddings}."
             )
 
+        # The layers grouped by what they keep in the KV cache (the worker shapes its cache by the same groups).
+        self.kv_cache_groups = kv_cache_groups(cfg)
         self.executor = make_executor(self.config, cfg, self.model_dir, self.max_model_len)
         try:
             self._start(self.config)
@@ -74,11 +77,12 @@ class EngineCore:
         self.num_blocks = self.executor.determine_num_available_blocks()
         self.executor.initialize_kv_cache(self.num_blocks)
         block_size = cache.block_size
-        capacity = self.num_blocks * block_size
+        groups = self.kv_cache_groups
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s)",
-            self.num_blocks, block_size, capacity,
+            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s) in %d group(s) of %d layer(s)",
+            self.num_blocks, block_size, self.num_blocks * block_size,
             self.num_blocks * self.executor.get_cache_block_size_bytes() / 2**30, self.executor.kv_cache_dtype,
+            len(groups), max(len(g.layer_ids) for g in groups),
         )  # fmt: skip
 
         # LoRA adapters loaded: name -> its request, and id -> the digest of its weights (its blocks' extra key).
@@ -93,6 +97,7 @@ class EngineCore:
             watermark=sched.watermark,
             enable_kv_cache_events=cache.enable_kv_cache_events,
             lora_digests=self.lora_digests,
+            kv_cache_specs=[g.spec for g in groups],
         )
         self.num_steps = 0
         self.last_step: StepStats | None = None
@@ -111,17 +116,24 @@ class EngineCore:
                         kv_transfer_config.kv_role, fingerprints)  # fmt: skip
         self.structured_output_manager = StructuredOutputManager(self.model_dir, cfg.vocab_size, cfg.eos_token_ids)
         # A request can never grow past the whole pool, so that is its length cap too.
+        num_lookahead = self.executor.num_lookahead_tokens
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_num_seqs=sched.max_num_seqs,
-            max_model_len=min(self.max_model_len, capacity),
+            max_model_len=max_request_len(
+                groups,
+                self.kv_cache_manager.num_blocks,
+                block_size,
+                sched.max_num_batched_tokens + num_lookahead,
+                self.max_model_len,
+            ),
             scheduling_policy=sched.scheduling_policy,
             long_prefill_token_threshold=sched.long_prefill_token_threshold,
             connector=self.connector,
             structured_output_manager=self.structured_output_manager,
             num_spec_tokens=spec.num_speculative_tokens if (spec := config.speculative_config) else 0,
-            num_lookahead_tokens=self.executor.num_lookahead_tokens,
+            num_lookahead_tokens=num_lookahead,
             max_loras=lora.max_loras if lora.enable_lora else 0,
         )
         self._aborted: list[EngineCoreOutput] = []

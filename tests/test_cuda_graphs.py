@@ -6,7 +6,7 @@ import argparse
 import pytest
 import torch
 
-from engine.attention.backend import AttentionBackend
+from engine.attention.backend import AttentionBackend, layer_metadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import EngineArgs, parse_int_list
 from engine.models.config import ModelArchConfig
@@ -80,9 +80,9 @@ def blocks_for(r, first):
 def test_prepare_builds_the_flat_batch():
     # Two decodes (one token each), then a prefill chunk of 3 after 5 cached tokens.
     reqs = [request(0, 6, 6, output=[7]), request(1, 3, 4, output=[8, 9]), request(2, 10, 5)]
-    block_ids = [[3, 9], [4, 2], [5, 6, 7]]
+    block_ids = [[[3, 9]], [[4, 2]], [[5, 6, 7]]]  # one KV cache group
     buffers = InputBuffers(64, 8, 16, BLOCK, CPU)
-    input_ids, positions, md, logits_indices = buffers.prepare(reqs, [1, 1, 3], block_ids, [0, 1])
+    input_ids, positions, (md,), logits_indices = buffers.prepare(reqs, [1, 1, 3], block_ids, [0, 1])
     assert input_ids.tolist() == [7, 9, 205, 206, 207]
     assert positions.tolist() == [6, 4, 5, 6, 7]
     # slot = block_table[row][pos // 4] * 4 + pos % 4
@@ -94,24 +94,39 @@ def test_prepare_builds_the_flat_batch():
     assert logits_indices.tolist() == [0, 1]
 
 
+def test_each_kv_cache_group_has_its_block_table_and_slots():
+    """Two groups (a sliding group's table starts with the null block 0 where blocks fell out of its window): the
+    same tokens, each group's own slots and table, the rest shared."""
+    reqs = [request(0, 6, 6, output=[7]), request(2, 10, 5)]
+    block_ids = [[[3, 9], [0, 8]], [[5, 6, 7], [0, 1, 4]]]
+    buffers = InputBuffers(64, 8, 16, BLOCK, CPU, num_kv_cache_groups=2)
+    _, positions, (full, sliding), _ = buffers.prepare(reqs, [1, 3], block_ids, [0])
+    assert positions.tolist() == [6, 5, 6, 7]
+    assert full.slot_mapping.tolist() == [9 * 4 + 2, 6 * 4 + 1, 6 * 4 + 2, 6 * 4 + 3]
+    assert sliding.slot_mapping.tolist() == [8 * 4 + 2, 1 * 4 + 1, 1 * 4 + 2, 1 * 4 + 3]
+    assert full.block_table[:, :3].tolist() == [[3, 9, 0], [5, 6, 7]]
+    assert sliding.block_table[:, :3].tolist() == [[0, 8, 0], [0, 1, 4]]
+    assert full.seq_lens_cpu == sliding.seq_lens_cpu == [7, 8] and full.num_decodes == sliding.num_decodes == 1
+
+
 def test_padding_rows_write_nothing_and_attend_to_nothing():
     reqs = [request(0, 6, 6, output=[7]), request(1, 3, 4, output=[8, 9]), request(2, 5, 5, output=[1])]
-    block_ids = [[3, 9], [4, 2], [5, 6]]
+    block_ids = [[[3, 9]], [[4, 2]], [[5, 6]]]
     buffers = InputBuffers(64, 8, 16, BLOCK, CPU)
     # A larger batch first, so the padding must overwrite what it left behind.
     buffers.prepare(
         [request(i, 9, 8, output=[i]) for i in range(8)],
         [1] * 8,
-        [[i, 8 + i, 16 + i] for i in range(8)],
+        [[[i, 8 + i, 16 + i]] for i in range(8)],
         list(range(8)),
     )
-    input_ids, positions, md, logits_indices = buffers.prepare(reqs, [1, 1, 1], block_ids, [0, 1, 2], pad_to=8)
+    input_ids, positions, (md,), logits_indices = buffers.prepare(reqs, [1, 1, 1], block_ids, [0, 1, 2], pad_to=8)
     fresh = InputBuffers(64, 8, 16, BLOCK, CPU).prepare(reqs, [1, 1, 1], block_ids, [0, 1, 2])
     assert input_ids.tolist() == fresh[0].tolist() + [0] * 5
     assert positions.tolist() == fresh[1].tolist() + [0] * 5
-    assert md.slot_mapping.tolist() == fresh[2].slot_mapping.tolist() + [-1] * 5
+    assert md.slot_mapping.tolist() == fresh[2][0].slot_mapping.tolist() + [-1] * 5
     assert md.query_start_loc.tolist() == list(range(9))
-    assert md.seq_lens.tolist() == fresh[2].seq_lens.tolist() + [0] * 5
+    assert md.seq_lens.tolist() == fresh[2][0].seq_lens.tolist() + [0] * 5
     assert (md.num_actual_tokens, md.num_decodes, md.block_table.shape[0]) == (8, 8, 8)
     assert logits_indices.tolist() == fresh[3].tolist() == [0, 1, 2]
 
@@ -145,7 +160,7 @@ def tiny_model(backend):
 
 
 def test_padded_size_is_the_next_captured_size_for_decode_only_batches():
-    graphs = CUDAGraphs(tiny_model(TorchAttentionBackend(BLOCK)), [], None, [1, 2, 4, 8])
+    graphs = CUDAGraphs(tiny_model(TorchAttentionBackend(BLOCK)), [], None, [1, 2, 4, 8], [0, 0])
     assert [graphs.padded_size([1] * n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
     assert graphs.padded_size([1, 1, 4]) is None  # a prefill in the batch: eager
 
@@ -161,13 +176,13 @@ def test_padded_decode_step_computes_what_the_unpadded_one_does():
     gen = torch.Generator().manual_seed(1)
     caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(2)]
     reqs = [request(0, 6, 6, output=[7]), request(1, 13, 13, output=[8]), request(2, 2, 2, output=[9])]
-    block_ids = [[3, 9], [4, 2, 10, 11], [5]]
+    block_ids = [[[3, 9]], [[4, 2, 10, 11]], [[5]]]
     results = []
     for pad_to in (None, 8):
         step_caches = [(k.clone(), v.clone()) for k, v in caches]
         buffers = InputBuffers(64, 8, 16, BLOCK, CPU)
         input_ids, positions, md, logits_indices = buffers.prepare(reqs, [1, 1, 1], block_ids, [0, 1, 2], pad_to)
-        hidden = model(input_ids, positions, md, step_caches)
+        hidden = model(input_ids, positions, layer_metadata(model.attn_backend, md, [0, 0]), step_caches)
         assert hidden.shape[0] == (pad_to or 3) and torch.isfinite(hidden).all()
         results.append((hidden[logits_indices], step_caches))
     (eager, eager_caches), (padded, padded_caches) = results
@@ -188,10 +203,11 @@ def test_graphs_are_captured_on_a_batch_of_only_padding_which_writes_no_kv():
     shape = TritonAttentionBackend.get_kv_cache_shape(8, BLOCK, 2, 16)
     caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(2)]
     before = [(k.clone(), v.clone()) for k, v in caches]
-    input_ids, positions, md, logits_indices = InputBuffers(64, 8, 16, BLOCK, CPU).prepare([], [], [], [], pad_to=4)
+    input_ids, positions, mds, logits_indices = InputBuffers(64, 8, 16, BLOCK, CPU).prepare([], [], [], [], pad_to=4)
+    (md,) = mds
     assert input_ids.tolist() == positions.tolist() == [0] * 4 and md.slot_mapping.tolist() == [-1] * 4
     assert md.seq_lens.tolist() == [0] * 4 and md.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert logits_indices.numel() == 0
-    assert torch.isfinite(model(input_ids, positions, md, caches)).all()
+    assert torch.isfinite(model(input_ids, positions, layer_metadata(model.attn_backend, mds, [0, 0]), caches)).all()
     for (k, v), (k0, v0) in zip(caches, before):
         assert torch.equal(k, k0) and torch.equal(v, v0)

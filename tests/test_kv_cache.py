@@ -61,7 +61,7 @@ def test_33_token_cached_prompt_hits_32_tokens():
 
     second = make_request("b", range(33))
     blocks, hit = manager.get_computed_blocks(second)
-    assert hit == 32 and len(blocks) == 2
+    assert hit == 32 and len(blocks) == 1 and len(blocks[0]) == 2  # one KV cache group
     # A 32-token prompt may only hit one block: its last token must be computed.
     third = make_request("c", range(32))
     assert manager.get_computed_blocks(third)[1] == 16
@@ -97,7 +97,7 @@ def test_failed_allocation_changes_nothing():
     free_before = manager.get_num_free_blocks()  # 3, of which 2 are the cached hits
     assert manager.allocate_slots(again, 4 + 8, n, hits) is None  # 2 touched + 2 new > 3
     assert manager.get_num_free_blocks() == free_before
-    assert all(b.ref_cnt == 0 for b in hits)
+    assert all(b.ref_cnt == 0 for b in hits[0])
 
 
 def test_blocks_freed_tail_first_and_evicted_lazily():
@@ -105,7 +105,7 @@ def test_blocks_freed_tail_first_and_evicted_lazily():
     manager = KVCacheManager(num_blocks=6, block_size=2, enable_kv_cache_events=events_on)
     req = make_request("r", range(6))
     manager.allocate_slots(req, 6)
-    ids = manager.get_block_ids("r")
+    (ids,) = manager.get_block_ids("r")
     stored = manager.take_events()
     assert len(stored) == 1 and isinstance(stored[0], BlockStored) and len(stored[0].block_hashes) == 3
     assert stored[0].token_ids == list(range(6))
@@ -151,7 +151,7 @@ def test_prefix_caching_off_never_hits():
     req = make_request("r", range(5))
     manager.allocate_slots(req, 5)
     manager.free(req)
-    assert manager.get_computed_blocks(make_request("s", range(5))) == ([], 0)
+    assert manager.get_computed_blocks(make_request("s", range(5))) == ([[]], 0)
     assert manager.block_pool.cached_block_hash_to_block == {}
 
 
@@ -163,10 +163,10 @@ def test_shared_prefix_blocks_are_reference_counted():
     hits, n = manager.get_computed_blocks(b)
     assert n == 8
     manager.allocate_slots(b, 2, n, hits)
-    assert manager.get_block_ids("a")[:2] == manager.get_block_ids("b")[:2]
-    assert [blk.ref_cnt for blk in hits] == [2, 2]
+    assert manager.get_block_ids("a")[0][:2] == manager.get_block_ids("b")[0][:2]
+    assert [blk.ref_cnt for blk in hits[0]] == [2, 2]
     manager.free(a)
-    assert [blk.ref_cnt for blk in hits] == [1, 1]
+    assert [blk.ref_cnt for blk in hits[0]] == [1, 1]
     manager.free(b)
     assert held_blocks(manager.block_pool) == 0
     assert manager.get_num_free_blocks() == 8

@@ -38,6 +38,16 @@ class AttentionMetadata:
     plan: Any = None
 
 
+def layer_metadata(
+    backend: "AttentionBackend", metadata: list[AttentionMetadata], layer_to_group: list[int]
+) -> list[AttentionMetadata]:
+    """Each layer's metadata, for a model's forward: its KV cache group's (engine.kv.kv_cache_spec), each group's
+    prepared once for the step, so models need not know the groups."""
+    for group_metadata in metadata:
+        backend.prepare(group_metadata)
+    return [metadata[g] for g in layer_to_group]
+
+
 class AttentionBackend:
     """One call per layer: write this step's K/V into the paged cache, then attend."""
 

@@ -10,6 +10,8 @@ class KVCacheBlock:
     ref_cnt: int = 0
     # Set once the block is full and registered in the prefix cache.
     block_hash: bytes | None = None
+    # The KV cache group it is cached for (with block_hash, its key in the prefix cache).
+    group_id: int = 0
     prev_free_block: "KVCacheBlock | None" = None
     next_free_block: "KVCacheBlock | None" = None
 

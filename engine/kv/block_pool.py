@@ -15,11 +15,14 @@ class BlockStored:
     medium: str = "device"
     # For blocks that joined the device cache by a load rather than a forward pass: where they came from.
     loaded_from: str | None = None
+    # The KV cache group the blocks hold (engine.kv.kv_cache_spec): each group caches a prefix's blocks apart.
+    group_id: int = 0
 
 
 @dataclass
 class BlockRemoved:
     block_hashes: list[bytes]
+    group_id: int = 0
 
 
 @dataclass
@@ -34,20 +37,28 @@ class BlockPool:
     """Hands out blocks, counts references, and keeps freed full blocks findable by hash.
 
     A freed block that holds a cached prefix stays in the hash table until it is reused:
-    eviction is lazy and happens when get_new_blocks() pops it off the free queue.
+    eviction is lazy and happens when get_new_blocks() pops it off the free queue. The table is keyed by
+    (block hash, KV cache group): each group holds its own copy of a prefix's blocks.
+
+    With use_null_block, block 0 is never handed out: a sliding-window group's block table shows it where blocks
+    fell out of the window (never written, never read unmasked).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool, enable_kv_cache_events: bool = False):
-        self.num_blocks = num_blocks
+    def __init__(
+        self, num_blocks: int, enable_caching: bool, enable_kv_cache_events: bool = False, use_null_block: bool = False
+    ):
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self.null_block = self.free_block_queue.popleft() if use_null_block else None
+        # The blocks requests can hold.
+        self.num_blocks = num_blocks - (1 if use_null_block else 0)
+        self.cached_block_hash_to_block: dict[tuple[bytes, int], KVCacheBlock] = {}
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list[KVCacheEvent] = []
 
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: bytes, group_id: int = 0) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get((block_hash, group_id))
 
     def cache_full_blocks(
         self,
@@ -58,18 +69,19 @@ class BlockPool:
         block_size: int,
         token_ids: list[int],
         loaded_from: str | None = None,
+        group_id: int = 0,
     ) -> None:
-        """Register blocks[num_cached_blocks:num_full_blocks] under their chained hashes."""
+        """Register blocks[num_cached_blocks:num_full_blocks] of group group_id under their chained hashes."""
         stored = []
         for i in range(num_cached_blocks, num_full_blocks):
-            block, block_hash = blocks[i], block_hashes[i]
-            if block.block_hash is not None:  # already cached (a prefix hit)
+            block, key = blocks[i], (block_hashes[i], group_id)
+            if block is self.null_block or block.block_hash is not None:  # out of the window, or a prefix hit
                 continue
-            if block_hash in self.cached_block_hash_to_block:
+            if key in self.cached_block_hash_to_block:
                 # Another request computed the same block at the same time; keep the first copy.
                 continue
-            block.block_hash = block_hash
-            self.cached_block_hash_to_block[block_hash] = block
+            block.block_hash, block.group_id = key
+            self.cached_block_hash_to_block[key] = block
             stored.append(i)
         if self.enable_kv_cache_events and stored:
             first = stored[0]
@@ -80,6 +92,7 @@ class BlockPool:
                     token_ids=token_ids[first * block_size : (stored[-1] + 1) * block_size],
                     block_size=block_size,
                     loaded_from=loaded_from,
+                    group_id=group_id,
                 )
             )
 
@@ -99,9 +112,9 @@ class BlockPool:
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
-        del self.cached_block_hash_to_block[block.block_hash]
+        del self.cached_block_hash_to_block[block.block_hash, block.group_id]
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(BlockRemoved(block_hashes=[block.block_hash]))
+            self.kv_event_queue.append(BlockRemoved(block_hashes=[block.block_hash], group_id=block.group_id))
         block.block_hash = None
 
     def evict_blocks(self, blocks: list[KVCacheBlock]) -> None:
@@ -112,6 +125,8 @@ class BlockPool:
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks, pulling free ones out of the eviction queue."""
         for block in blocks:
+            if block is self.null_block:  # held by no one, never free
+                continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
@@ -119,6 +134,8 @@ class BlockPool:
     def free_blocks(self, ordered_blocks) -> None:
         """Drop a reference; blocks reaching zero join the queue tail in the given order."""
         for block in ordered_blocks:
+            if block is self.null_block:
+                continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)

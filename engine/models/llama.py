@@ -101,11 +101,11 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             tie_weights(self.lm_head, self.embed_tokens)
 
-    def forward(self, input_ids, positions, metadata: AttentionMetadata, kv_caches) -> torch.Tensor:
+    def forward(self, input_ids, positions, attn_metadata: list[AttentionMetadata], kv_caches) -> torch.Tensor:
+        """attn_metadata: each layer's, already prepared (engine.attention.backend.layer_metadata)."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary(positions, x.dtype)
-        self.attn_backend.prepare(metadata)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache, metadata in zip(self.layers, kv_caches, attn_metadata):
             x = layer(x, kv_cache, metadata, cos_sin)
         return self.norm(x)
 

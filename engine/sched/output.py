@@ -15,8 +15,8 @@ class SchedulerOutput:
     scheduled_requests: list[Request]
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    # KV block ids of each scheduled request (its block table row).
-    block_ids: dict[str, list[int]]
+    # KV block ids of each scheduled request: its block table row in each KV cache group (engine.kv.kv_cache_spec).
+    block_ids: dict[str, list[list[int]]]
     preempted_req_ids: set[str] = field(default_factory=set)
     # Requests that finished since the previous step (so per-request state can be dropped).
     finished_req_ids: set[str] = field(default_factory=set)

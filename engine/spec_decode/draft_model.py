@@ -1,7 +1,8 @@
 """Draft-model proposer: a second, smaller model with the target's vocabulary proposes the drafts.
 
 Its KV cache has the target's blocks: the same block ids, so the scheduler's block tables (and the step's
-attention metadata) serve both. Every step it runs over the target's whole flat batch (prompt chunks and verified
+attention metadata) serve both; with several KV cache groups, the first group's (full attention where the target
+has any: the worker refuses a draft whose layers need more context than that group keeps). Every step it runs over the target's whole flat batch (prompt chunks and verified
 drafts alike), so its cache follows the target's; KV written for rejected drafts is overwritten later, as the
 target's is. After the rejection sampler, k single-token passes propose k drafts per request, into the lookahead
 slots the scheduler reserved. A draft is drawn from the draft's distribution q at the request's temperature (its
@@ -14,7 +15,7 @@ import logging
 
 import torch
 
-from engine.attention.backend import AttentionMetadata
+from engine.attention.backend import AttentionMetadata, layer_metadata
 from engine.config import EngineConfig
 from engine.models.files import load_config
 from engine.models.linear import process_weights_after_loading
@@ -94,7 +95,10 @@ class DraftModelProposer:
 
     def run_batch(self, input_ids, positions, metadata: AttentionMetadata) -> None:
         """The target's step, through the draft: its KV cache gets the same tokens at the same slots."""
-        self.model(input_ids, positions, metadata, self.kv_caches)
+        self.model(input_ids, positions, self._layer_metadata(metadata), self.kv_caches)
+
+    def _layer_metadata(self, metadata: AttentionMetadata) -> list[AttentionMetadata]:
+        return layer_metadata(self.attn_backend, [metadata], [0] * self.config.num_hidden_layers)
 
     def draft_tokens(self, scheduled: list[list[int]], requests: list) -> DraftTokens:
         """The step's drafts with their q rows (a draft cut by the scheduler loses its row)."""
@@ -108,7 +112,7 @@ class DraftModelProposer:
             self.probs.pop(request.request_id, None)
         rows = []  # (request, position of its last token, drafts it may have, its block ids)
         for request, new in zip(requests, new_token_ids):
-            block_ids = so.block_ids[request.request_id]
+            block_ids = so.block_ids[request.request_id][0]
             position = request.num_tokens + len(new) - 1
             # Every draft but the last writes its KV at the next position: within the reserved blocks.
             room = len(block_ids) * self.block_size - position
@@ -135,7 +139,7 @@ class DraftModelProposer:
             hidden = self.model(
                 tokens[:active].to(self.device),
                 positions[:active].to(self.device),
-                self._decode_metadata(table[:active], positions[:active]),
+                self._layer_metadata(self._decode_metadata(table[:active], positions[:active])),
                 self.kv_caches,
             )
             logits = self.model.compute_logits(hidden).float()

@@ -16,7 +16,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.backend import AttentionBackend, AttentionMetadata, layer_metadata
 from engine.config import EngineArgs, EngineConfig
 
 
@@ -52,19 +52,30 @@ class CpuGpuBuffer:
 
 
 class InputBuffers:
-    """The flat batch (DESIGN §2) in persistent buffers: input ids, positions, slots, and the attention metadata."""
+    """The flat batch (DESIGN §2) in persistent buffers: input ids, positions, slots, and the attention metadata.
+
+    Each KV cache group (engine.kv.kv_cache_spec) has its own block table and slot mapping, and so its own
+    AttentionMetadata; the rest of the metadata is the same for all."""
 
     def __init__(
-        self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, block_size: int, device: torch.device
+        self,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        max_blocks_per_req: int,
+        block_size: int,
+        device: torch.device,
+        num_kv_cache_groups: int = 1,
     ):
         self.block_size = block_size
         self.input_ids = CpuGpuBuffer(max_num_tokens, device=device)
         self.positions = CpuGpuBuffer(max_num_tokens, device=device)
-        self.slot_mapping = CpuGpuBuffer(max_num_tokens, device=device)
+        self.slot_mappings = [CpuGpuBuffer(max_num_tokens, device=device) for _ in range(num_kv_cache_groups)]
         self.query_start_loc = CpuGpuBuffer(max_num_reqs + 1, device=device)
         self.seq_lens = CpuGpuBuffer(max_num_reqs, device=device)
         # Rows keep whatever ids an earlier step left past their own blocks: valid block ids, never read.
-        self.block_table = CpuGpuBuffer(max_num_reqs, max_blocks_per_req, device=device)
+        self.block_tables = [
+            CpuGpuBuffer(max_num_reqs, max_blocks_per_req, device=device) for _ in range(num_kv_cache_groups)
+        ]
         # Speculative decoding verifies several positions of a request: up to one logits row per token.
         self.logits_indices = CpuGpuBuffer(max_num_tokens, device=device)
         # Each token's LoRA slot (-1: the base model), vLLM's token_lora_mapping.
@@ -76,7 +87,7 @@ class InputBuffers:
         self,
         requests,
         num_scheduled: list[int],
-        block_ids: list[list[int]],
+        block_ids: list[list[list[int]]],
         sampled_rows: list[int],
         pad_to: int | None = None,
         spec_token_ids: list[list[int]] | None = None,
@@ -85,8 +96,9 @@ class InputBuffers:
         """Fill the buffers with these requests' scheduled tokens, in order, and start the copies to the device.
 
         With pad_to (a decode-only batch for a CUDA graph), rows len(requests)..pad_to are padding: one
-        token each, id 0 at position 0, slot -1, seq_len 0. Returns input_ids, positions, the attention
-        metadata, and logits_indices: where the last token of each of sampled_rows sits in the flat batch.
+        token each, id 0 at position 0, slot -1, seq_len 0. block_ids: each request's block ids in each KV cache
+        group. Returns input_ids, positions, the attention metadata (one per group), and logits_indices: where the
+        last token of each of sampled_rows sits in the flat batch.
 
         spec_token_ids: each request's drafts (speculative decoding), the last of its scheduled tokens; the
         logits of a sampled row are then its last 1 + len(drafts) positions, each verifying the next.
@@ -110,9 +122,10 @@ class InputBuffers:
         seq_lens[:] = starts + n
         seq_lens[num_reqs:] = 0
 
-        table, input_ids = self.block_table.np, self.input_ids.np
-        for row, (request, ids) in enumerate(zip(requests, block_ids)):
-            table[row, : len(ids)] = ids
+        input_ids = self.input_ids.np
+        for row, (request, group_ids) in enumerate(zip(requests, block_ids)):
+            for table, ids in zip(self.block_tables, group_ids):
+                table.np[row, : len(ids)] = ids
             drafts = spec_token_ids[row] if spec_token_ids else ()
             end = qsl[row + 1] - len(drafts)
             ids = request.all_token_ids[starts[row] : starts[row] + n[row] - len(drafts)]
@@ -123,9 +136,10 @@ class InputBuffers:
         positions = self.positions.np[:total]
         positions[:] = np.arange(total) - qsl[rows] + starts[rows]
         # slot = block_id * block_size + offset within the block
-        slots = self.slot_mapping.np[:total]
-        slots[:] = table[rows, positions // bs] * bs + positions % bs
-        slots[num_real:] = -1
+        for table, slot_mapping in zip(self.block_tables, self.slot_mappings):
+            slots = slot_mapping.np[:total]
+            slots[:] = table.np[rows, positions // bs] * bs + positions % bs
+            slots[num_real:] = -1
         num_logits = np.ones(len(sampled_rows), dtype=np.int64)
         if spec_token_ids:
             num_logits += [len(spec_token_ids[row]) for row in sampled_rows]
@@ -134,16 +148,25 @@ class InputBuffers:
         offset = np.arange(num_logits_total) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
         self.logits_indices.np[:num_logits_total] = first + offset
 
-        metadata = AttentionMetadata(
-            num_actual_tokens=total,
-            slot_mapping=self.slot_mapping.copy_to_gpu(total),
-            query_start_loc=self.query_start_loc.copy_to_gpu(num_rows + 1),
-            seq_lens=self.seq_lens.copy_to_gpu(num_rows),
-            block_table=self.block_table.copy_to_gpu(num_rows),
-            num_decodes=int(np.count_nonzero(n == 1)),  # rows are ordered decodes first
-            query_start_loc_cpu=qsl.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
+        query_start_loc, seq_lens_gpu = (
+            self.query_start_loc.copy_to_gpu(num_rows + 1),
+            self.seq_lens.copy_to_gpu(num_rows),
         )
+        num_decodes = int(np.count_nonzero(n == 1))  # rows are ordered decodes first
+        qsl_cpu, seq_lens_cpu = qsl.tolist(), seq_lens.tolist()
+        metadata = [
+            AttentionMetadata(
+                num_actual_tokens=total,
+                slot_mapping=slot_mapping.copy_to_gpu(total),
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens_gpu,
+                block_table=table.copy_to_gpu(num_rows),
+                num_decodes=num_decodes,
+                query_start_loc_cpu=qsl_cpu,
+                seq_lens_cpu=seq_lens_cpu,
+            )
+            for table, slot_mapping in zip(self.block_tables, self.slot_mappings)
+        ]
         input_ids, positions = self.input_ids.copy_to_gpu(total), self.positions.copy_to_gpu(total)
         logits_indices = self.logits_indices.copy_to_gpu(num_logits_total)
         if self.copied is not None:
@@ -173,9 +196,10 @@ class InputBuffers:
 class CUDAGraphs:
     """One graph per capture size: the model's forward over the first `size` rows of the input buffers."""
 
-    def __init__(self, model, kv_caches, buffers: InputBuffers, sizes: list[int]):
+    def __init__(self, model, kv_caches, buffers: InputBuffers, sizes: list[int], layer_to_group: list[int]):
         self.model, self.kv_caches, self.buffers = model, kv_caches, buffers
         self.sizes = sizes
+        self.layer_to_group = layer_to_group  # each layer's KV cache group
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays: Counter[int] = Counter()  # size -> steps that ran its graph
         # Outside the graphs' pool, at one address: each graph copies its hidden states here.
@@ -195,6 +219,8 @@ class CUDAGraphs:
         pool = None
         for size in reversed(self.sizes):
             input_ids, positions, metadata, _ = self.buffers.prepare([], [], [], [], pad_to=size)
+            # Prepared outside the graph: a backend that captures (Triton) does nothing there.
+            metadata = layer_metadata(self.model.attn_backend, metadata, self.layer_to_group)
             # Once eagerly first: lazy set-up (cuBLAS handles, Triton compilation) must not happen under capture.
             self.hidden[:size] = self.model(input_ids, positions, metadata, self.kv_caches)
             graph = torch.cuda.CUDAGraph()

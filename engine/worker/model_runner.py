@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 
+from engine.attention.backend import layer_metadata
 from engine.kv.manager import cdiv
 from engine.request import RequestFailure
 from engine.sample.metadata import GrammarBitmask
@@ -36,12 +37,22 @@ class ModelRunner:
         sampler: BatchSampler | None = None,
         lora_manager=None,
         is_driver: bool = True,
+        layer_to_group: list[int] | None = None,
     ):
+        """layer_to_group: each layer's KV cache group (engine.kv.kv_cache_spec); None: one group."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.buffers = InputBuffers(max_num_tokens, max_num_reqs, cdiv(max_model_len, block_size), block_size, device)
+        self.layer_to_group = layer_to_group or [0] * len(kv_caches)
+        self.buffers = InputBuffers(
+            max_num_tokens,
+            max_num_reqs,
+            cdiv(max_model_len, block_size),
+            block_size,
+            device,
+            max(self.layer_to_group, default=0) + 1,
+        )
         self.cudagraphs: CUDAGraphs | None = None  # set by capture_cudagraphs
         # Seconds the last step waited for the device (reading its sampled tokens): the rest was host work.
         self.device_wait_s = 0.0
@@ -63,7 +74,7 @@ class ModelRunner:
 
     def capture_cudagraphs(self, sizes: list[int]) -> None:
         """CUDA graphs of the model's forward for decode batches of these sizes (after the KV cache exists)."""
-        self.cudagraphs = CUDAGraphs(self.model, self.kv_caches, self.buffers, sizes)
+        self.cudagraphs = CUDAGraphs(self.model, self.kv_caches, self.buffers, sizes, self.layer_to_group)
         self.cudagraphs.capture()
 
     def prepare_inputs(self, so: SchedulerOutput):
@@ -77,9 +88,9 @@ class ModelRunner:
             so, [r.num_computed_tokens for r in so.scheduled_requests]
         ):
             requests, order, rows, size, _, positions, metadata, logits_indices = prepared[1]
-            qsl = metadata.query_start_loc_cpu
+            qsl = metadata[0].query_start_loc_cpu
             tokens = [r.all_token_ids[-1] for r in requests]  # each a decode of its newest token
-            input_ids = self.buffers.write_input_ids(qsl[: len(requests)], tokens, metadata.num_actual_tokens)
+            input_ids = self.buffers.write_input_ids(qsl[: len(requests)], tokens, metadata[0].num_actual_tokens)
             self.num_prepared_ahead += 1
             return requests, order, rows, size, input_ids, positions, metadata, logits_indices
         return self._prepare(so)
@@ -158,13 +169,14 @@ class ModelRunner:
             while_waiting = partial(self._while_waiting, so, while_waiting)
         requests, order, rows, size, input_ids, positions, metadata, logits_indices = self.prepare_inputs(so)
         if size is None:
-            hidden = self.model(input_ids, positions, metadata, self.kv_caches)
+            attn_metadata = layer_metadata(self.model.attn_backend, metadata, self.layer_to_group)
+            hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
         else:
             hidden = self.cudagraphs.replay(size)
         if self.drafter is not None:
-            self.drafter.run_batch(input_ids, positions, metadata)
+            self.drafter.run_batch(input_ids, positions, metadata[0])  # the draft's KV lives in group 0's blocks
         output = ModelRunnerOutput([[] for _ in order], failed=dict(self.lora_failures))
-        prompt_chunks, prompts_done = self._prompt_logprob_chunks(requests, metadata, hidden)
+        prompt_chunks, prompts_done = self._prompt_logprob_chunks(requests, metadata[0], hidden)
         sampled_requests = [requests[i] for i in rows]
         drafts = None
         if so.scheduled_spec_decode_tokens:
@@ -269,7 +281,7 @@ class ModelRunner:
 def _batch_key(so: SchedulerOutput, num_computed: list[int]) -> tuple:
     """What a step's prepared inputs depend on: its requests in order, where each starts, its tokens, its blocks."""
     return tuple(
-        (r.request_id, start, so.num_scheduled_tokens[r.request_id], tuple(so.block_ids[r.request_id]))
+        (r.request_id, start, so.num_scheduled_tokens[r.request_id], tuple(map(tuple, so.block_ids[r.request_id])))
         for r, start in zip(so.scheduled_requests, num_computed)
     )
 

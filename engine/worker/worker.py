@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.backend import AttentionMetadata, resolve_kv_cache_dtype
+from engine.attention.backend import AttentionMetadata, layer_metadata, resolve_kv_cache_dtype
 from engine.attention.selector import get_attn_backend
 from engine.config import EngineConfig, parse_memory_size
 from engine.distributed.parallel_state import destroy_distributed, get_tp_rank, get_tp_size
 from engine.kv.connector.base import KVConnectorBase, KVConnectorRole
 from engine.kv.connector.factory import create_connector
+from engine.kv.kv_cache_spec import SlidingWindowSpec, group_size, kv_cache_groups, layer_to_group, layer_to_tensor
 from engine.kv.layout import KVLayout, model_fingerprint, weights_digest
 from engine.kv.manager import cdiv
 from engine.lora.manager import LoRAModelManager
@@ -88,6 +89,8 @@ class Worker:
         )
         self.kv_cache_dtype = resolve_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.dtype)
         self.attn_backend.check_kv_cache_dtype(self.kv_cache_dtype, self.device)
+        # The layers grouped by what they keep in the KV cache: the groups share group_size K/V tensors.
+        self.kv_cache_groups = kv_cache_groups(model_config)
         self.model: torch.nn.Module | None = None  # the architecture's class in engine/models/, from ModelRegistry
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model_runner: ModelRunner | None = None
@@ -155,10 +158,26 @@ class Worker:
         self.lora_manager.remove_adapter(lora_int_id)
 
     def get_cache_block_size_bytes(self) -> int:
-        """K and V of one block across every layer."""
+        """K and V of one block across the layers of a KV cache group (a block id belongs to one group at a time):
+        every layer where the model has one kind of layer."""
         cfg = self.model_config
         element = self.kv_cache_dtype.itemsize
-        return 2 * cfg.num_hidden_layers * self.cache_config.block_size * self.num_kv_heads * cfg.head_dim * element
+        num_layers = group_size(self.kv_cache_groups)
+        return 2 * num_layers * self.cache_config.block_size * self.num_kv_heads * cfg.head_dim * element
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """group_size K/V tensor pairs of num_blocks blocks, shared by the groups: each layer's (K, V) is the pair
+        of its place in its group."""
+        cfg, bs = self.model_config, self.cache_config.block_size
+        shape = self.attn_backend.get_kv_cache_shape(num_blocks, bs, self.num_kv_heads, cfg.head_dim)
+        pairs = [
+            (
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+            )
+            for _ in range(group_size(self.kv_cache_groups))
+        ]
+        return [pairs[i] for i in layer_to_tensor(self.kv_cache_groups)]
 
     def determine_num_available_blocks(self) -> int:
         """How many KV blocks fit: the configured budget, or on a GPU what profiling leaves free."""
@@ -188,11 +207,8 @@ class Worker:
         cfg, bs, dev = self.model_config, self.cache_config.block_size, self.device
         torch.cuda.reset_peak_memory_stats(dev)  # from here: loading's temporaries (float32 weights) are gone
         n = min(self.scheduler_config.max_num_batched_tokens, self.max_model_len)
-        shape = self.attn_backend.get_kv_cache_shape(cdiv(n, bs), bs, self.num_kv_heads, cfg.head_dim)
-        caches = [
-            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=dev),) * 2 for _ in range(cfg.num_hidden_layers)
-        ]
-        cache_bytes = sum(k.numel() * k.element_size() for k, _ in caches)
+        caches = self._allocate_kv_caches(cdiv(n, bs))
+        cache_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for pair in caches for t in pair}.values())
         metadata = AttentionMetadata(
             num_actual_tokens=n,
             slot_mapping=torch.arange(n, device=dev),
@@ -203,6 +219,8 @@ class Worker:
             query_start_loc_cpu=[0, n],
             seq_lens_cpu=[n],
         )
+        # Every group's block table is the same here: the throwaway cache holds one request's blocks.
+        metadata = layer_metadata(self.attn_backend, [metadata], [0] * cfg.num_hidden_layers)
         hidden = self.model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), metadata, caches)
         logits = self.model.compute_logits(hidden[-min(n, self.scheduler_config.max_num_seqs) :])
         # Sampling every row at its costliest (penalties, a top-p sort, logprobs): float32 copies of the logits.
@@ -238,16 +256,9 @@ class Worker:
         return budget
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate every layer's K and V cache, then the runner that reads and writes them."""
-        cfg, bs = self.model_config, self.cache_config.block_size
-        shape = self.attn_backend.get_kv_cache_shape(num_blocks, bs, self.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-            )
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        """Allocate every layer's K and V cache (views of the tensors the KV cache groups share), then the runner
+        that reads and writes them."""
+        self.kv_caches = self._allocate_kv_caches(num_blocks)
         self.connector = self._make_kv_connector()
         self.model_runner, _ = self._make_model_runner(self.kv_caches, self._make_sampler())
         self.model_runner.drafter = self.drafter
@@ -262,7 +273,18 @@ class Worker:
         if config.method == "ngram":
             return NgramProposer(config)
         vocab = self.model_config.vocab_size
-        return DraftModelProposer(config, vocab, self.config, self.device, self.dtype, self.attn_backend)
+        drafter = DraftModelProposer(config, vocab, self.config, self.device, self.dtype, self.attn_backend)
+        # The draft's KV lives in the first group's blocks: a sliding group keeps only its window of them.
+        spec = self.kv_cache_groups[0].spec
+        if isinstance(spec, SlidingWindowSpec):
+            windows = [drafter.config.layer_sliding_window(i) for i in range(drafter.config.num_hidden_layers)]
+            if any(w is None or w > spec.sliding_window for w in windows):
+                raise ValueError(
+                    f"speculative_config.model: every layer of the target model attends in a sliding window of "
+                    f"{spec.sliding_window} tokens, so its KV cache keeps no more; the draft model's layers need more "
+                    f"(their windows: {windows}, None: the whole context)."
+                )
+        return drafter
 
     def _make_sampler(self) -> BatchSampler:
         """In process, or on the sampler service at --sampler-address (falling back here with --sampler-fallback; the
@@ -305,6 +327,7 @@ class Worker:
             sampler,
             self.lora_manager,
             is_driver=self.rank == 0,
+            layer_to_group=layer_to_group(self.kv_cache_groups),
         )
         if self.use_cudagraphs:
             began, sizes = time.perf_counter(), self.config.get_cudagraph_capture_sizes()
