@@ -11,11 +11,7 @@ asks its block pool, a KV connector asks its store, and both follow the same rul
 
 from collections.abc import Callable
 
-from engine.kv.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(a // -b)
+from engine.kv.kv_cache_spec import KVCacheSpec, SlidingWindowSpec, cdiv
 
 
 def window_blocks(spec: KVCacheSpec, block_size: int) -> int | None:
