@@ -85,7 +85,7 @@ def run_ttft(args) -> dict:
                     kv_transfer_config=kv_transfer_config(address),
                 )
                 a, b = EngineCore(EngineArgs(**engine_args)), EngineCore(EngineArgs(**engine_args))
-                print(f"{config}: KV blocks of {a.worker.kv_layout.block_bytes} bytes", flush=True)
+                print(f"{config}: KV blocks of {a.worker.kv_layouts[0].block_bytes} bytes", flush=True)
                 vocab = a.model_config.vocab_size
                 for engine in (a, b):  # first-call costs out of the way
                     ttft(engine, [FIRST_REGULAR_ID] * 64, "warm-up")
@@ -139,15 +139,15 @@ def store_throughput(address: str, num_blocks: int = 256) -> dict:
 
     layout = KVLayout("0" * 64, "float32", (30, 2, 3, 16, 64))
     blocks = [(hashlib.sha256(b"bench%d" % i).digest(), os.urandom(layout.block_bytes)) for i in range(num_blocks)]
-    store = KVStoreClient(address, layout)
+    store = KVStoreClient(address, [layout])
     megabytes = num_blocks * layout.block_bytes / 1e6
     started = time.perf_counter()
-    store.put(blocks, timeout=120)
+    store.put(layout, blocks, timeout=120)
     put_s = time.perf_counter() - started
     gets = []
     for _ in range(3):
         started = time.perf_counter()
-        got = sum(len(data) for data in store.get([h for h, _ in blocks], timeout=120)) // layout.block_bytes
+        got = sum(len(data) for data in store.get(layout, [h for h, _ in blocks], timeout=120)) // layout.block_bytes
         gets.append(time.perf_counter() - started)
         assert got == num_blocks
     store.close()
@@ -239,13 +239,13 @@ def run_reload(args) -> dict:
                         assert reader.read_value(prefix_bytes, block, lambda prefix, data: True) == "ok"
                     reader.close()
                     row["redis_in_place"] = time.perf_counter() - started
-                    store = KVStoreClient(mesh.services["kvstore"].address, layout)
+                    store = KVStoreClient(mesh.services["kvstore"].address, [layout])
                     started = time.perf_counter()
-                    got = sum(len(data) for data in store.get(hashes, timeout=60)) // layout.block_bytes
+                    got = sum(len(data) for data in store.get(layout, hashes, timeout=60)) // layout.block_bytes
                     row["kvstore_get"] = time.perf_counter() - started
                     staging = staging or Staging(len(hashes), layout.block_bytes)  # one for the mesh, as an engine's
                     started = time.perf_counter()
-                    got_shared = sum(len(data) for data in store.get(hashes, 60, staging=staging))
+                    got_shared = sum(len(data) for data in store.get(layout, hashes, 60, staging=staging))
                     row["kvstore_get_shared"] = time.perf_counter() - started
                     assert got == len(hashes) and staging.taken and got_shared == got * layout.block_bytes
                     store.close()

@@ -13,7 +13,7 @@ from engine.info import EngineInfo
 from engine.kv.connector.base import KVConnectorRole
 from engine.kv.connector.factory import create_connector
 from engine.kv.kv_cache_spec import kv_cache_groups, max_request_len
-from engine.kv.layout import KVLayout
+from engine.kv.layout import KVLayout, spec_name
 from engine.kv.manager import KVCacheManager
 from engine.lora.registry import LoRARegistry
 from engine.lora.request import LoRARequest
@@ -63,13 +63,6 @@ class EngineCore:
 
         # The layers grouped by what they keep in the KV cache (the worker shapes its cache by the same groups).
         self.kv_cache_groups = kv_cache_groups(cfg)
-        if self.config.kv_transfer_config is not None and len(self.kv_cache_groups) > 1:
-            specs = ", ".join(sorted({type(g.spec).__name__ for g in self.kv_cache_groups}))
-            raise ValueError(
-                f"--kv-transfer-config: the KV connectors move blocks of models with one KV cache group; this model's "
-                f"layers form {len(self.kv_cache_groups)} groups ({specs}: its sliding-window layers keep their "
-                "window only). Run it without --kv-transfer-config."
-            )
         self.executor = make_executor(self.config, cfg, self.model_dir, self.max_model_len)
         try:
             self._start(self.config)
@@ -111,15 +104,16 @@ class EngineCore:
         # The steps' span context (set_step_trace_headers), which each step hands down with its SchedulerOutput.
         self.step_trace_headers: tuple[tuple[str, str], ...] = ()
         self.connector = None
-        layout = None
+        layouts = None
         kv_transfer_config = config.kv_transfer_config
         if kv_transfer_config is not None:  # the scheduler's half (the worker made its own with its KV cache)
-            layout = self.executor.get_kv_layout()
+            layouts = tuple(self.executor.get_kv_layouts())
             self.connector = create_connector(
-                kv_transfer_config, KVConnectorRole.SCHEDULER, layout, kv_cache_manager=self.kv_cache_manager
+                kv_transfer_config, KVConnectorRole.SCHEDULER, layouts, kv_cache_manager=self.kv_cache_manager
             )
-            logger.info("KV connector %s (%s), model fingerprint %s", kv_transfer_config.kv_connector,
-                        kv_transfer_config.kv_role, layout.fingerprint[:16])  # fmt: skip
+            fingerprints = ", ".join(f"{spec_name(x.kv_cache_spec)} {x.fingerprint[:16]}" for x in layouts)
+            logger.info("KV connector %s (%s), model fingerprints %s", kv_transfer_config.kv_connector,
+                        kv_transfer_config.kv_role, fingerprints)  # fmt: skip
         self.structured_output_manager = StructuredOutputManager(self.model_dir, cfg.vocab_size, cfg.eos_token_ids)
         # A request can never grow past the whole pool, so that is its length cap too.
         num_lookahead = self.executor.num_lookahead_tokens
@@ -143,12 +137,12 @@ class EngineCore:
             max_loras=lora.max_loras if lora.enable_lora else 0,
         )
         self._aborted: list[EngineCoreOutput] = []
-        self.info = self._make_info(layout)
+        self.info = self._make_info(layouts)
         for name, path in lora.get_lora_modules().items():
             self.add_lora(self.lora_registry.new_request(name, path))
         self.update_info()
 
-    def _make_info(self, kv_layout: KVLayout | None) -> EngineInfo:
+    def _make_info(self, kv_layouts: tuple[KVLayout, ...] | None) -> EngineInfo:
         """The snapshot's fixed part; update_info() adds the adapters and the connector's figures."""
         config, cfg = self.config, self.model_config
         # The settings the snapshot shows under their own names (block_size, max_num_seqs, enable_lora, ...).
@@ -175,7 +169,7 @@ class EngineCore:
             lora_adapters=MappingProxyType({}),
             lora_digests=MappingProxyType({}),
             kv_role=self.connector.config.kv_role if self.connector is not None else None,
-            kv_layout=kv_layout,
+            kv_layouts=kv_layouts,
             kv_connector_stats=None,
             **settings,
         )

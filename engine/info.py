@@ -43,9 +43,9 @@ class EngineInfo:
     max_lora_rank: int
     lora_adapters: Mapping[str, LoRARequest]
     lora_digests: Mapping[int, bytes]
-    # The KV connector, None without one: its role, what a block is to it, its figures.
+    # The KV connector, None without one: its role, what a block of each KV cache group is to it, its figures.
     kv_role: str | None
-    kv_layout: KVLayout | None
+    kv_layouts: tuple[KVLayout, ...] | None
     kv_connector_stats: KVConnectorStats | None
 
     @property

@@ -226,10 +226,11 @@ def kv_events_to_llmmesh(seq: int, timestamp: float, events: list) -> engine_pb2
                 block_size=event.block_size,
                 medium=event.medium,
                 loaded_from=event.loaded_from or "",
+                group_id=event.group_id,
             )
             batch.events.add(stored=stored)
         elif isinstance(event, BlockRemoved):
-            batch.events.add(removed=engine_pb2.BlockRemoved(block_hashes=event.block_hashes))
+            batch.events.add(removed=engine_pb2.BlockRemoved(block_hashes=event.block_hashes, group_id=event.group_id))
         elif isinstance(event, AllBlocksCleared):
             batch.events.add(cleared=engine_pb2.AllBlocksCleared())
     return batch

@@ -248,9 +248,10 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
     @_statuses
     async def Lookup(self, request, context):
         keys = self.keys(request)
-        present = _leading(await self.exists(keys))
+        flags = await self.exists(keys)
+        present = _leading(flags)
         self.count(hits=present, misses=len(keys) - present)
-        return kvstore_pb2.LookupResponse(num_present=present)
+        return kvstore_pb2.LookupResponse(num_present=present, present=flags)
 
     @_statuses
     async def Put(self, request_iterator, context):

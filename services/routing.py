@@ -13,7 +13,14 @@ cache_salt), matches them against the index, and picks by one policy (--routing)
 Ties go to the engines in turn. The index is a hint, never trusted for output: an event lost, late or duplicated, or
 an engine restarted, at worst sends a request where its prefix is not, and that engine computes it (a cache miss).
 A new event stream starts from nothing, AllBlocksCleared empties an engine's entries, and an unhealthy engine's
-entries are dropped. The index holds at most max_blocks hashes (MAX_INDEX_BLOCKS), each within INDEX_ENTRY_BYTES, so
+entries are dropped.
+
+A model whose layers form several KV cache groups caches each prefix block once per group under the same hash, and
+its events name the group. The index keeps ROUTING_GROUP's alone (another group's eviction of a hash would drop it):
+groups are numbered full attention first, so that is a full-attention group whenever the model has one, and its
+leading run of blocks is the prefix the engine hits (a sliding group needs fewer). With only sliding-window groups
+it is a sliding group: a leading run of its blocks is still a hit (it holds the window before its end), so the index
+never credits an engine with a prefix it lacks; it misses a hit whose first blocks the engine has already evicted. The index holds at most max_blocks hashes (MAX_INDEX_BLOCKS), each within INDEX_ENTRY_BYTES, so
 32 MiB at most; past it, the least recently stored or matched hash is forgotten.
 """
 
@@ -33,6 +40,7 @@ DEFAULT_KV_LOAD_COST = 0.5  # loading a block over computing it, until the engin
 DECODE_COST_BLOCKS = 1.0  # a request decoding on an engine lengthens its steps about as much as a block of prefill
 KV_USAGE_SOFT_LIMIT = 0.9  # past it an engine evicts cached prefixes and may preempt
 STORE = 1  # the index's bit for "in the kvstore"; engine i has bit 1 << (i + 1)
+ROUTING_GROUP = 0  # the KV cache group whose blocks the index keeps (see above)
 
 
 @dataclasses.dataclass
@@ -102,10 +110,13 @@ class KVBlockIndex:
             self.blocks.pop(block_hash, None)
 
     def apply(self, engine: int, batch: engine_pb2.KvEventBatch) -> None:
-        """One batch of engine `engine`'s events. Device blocks are that engine's; kvstore blocks everyone's."""
+        """One batch of engine `engine`'s events. Device blocks are that engine's; kvstore blocks everyone's. Blocks
+        of another group than ROUTING_GROUP are ignored."""
         bit = 1 << (engine + 1)
         for event in batch.events:
             kind = event.WhichOneof("event")
+            if kind in ("stored", "removed") and getattr(event, kind).group_id != ROUTING_GROUP:
+                continue
             if kind == "stored":
                 stored = event.stored
                 bits = STORE if stored.medium == "kvstore" else bit

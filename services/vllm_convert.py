@@ -101,7 +101,7 @@ def kv_events_to_vllm(seq: int, timestamp: float, events: list, load=None) -> sm
     for event in events:
         if isinstance(event, BlockStored):
             medium = event.medium if event.loaded_from is None else f"{event.medium};loaded_from={event.loaded_from}"
-            stored = smg_common_pb2.KvBlocksStored(tier=KV_TIERS[event.medium], medium=medium)
+            stored = smg_common_pb2.KvBlocksStored(tier=KV_TIERS[event.medium], medium=medium, group_idx=event.group_id)
             if event.parent_block_hash is not None:
                 stored.parent_block_hash = block_hash_to_int64(event.parent_block_hash)
             for i, block_hash in enumerate(event.block_hashes):
@@ -111,7 +111,9 @@ def kv_events_to_vllm(seq: int, timestamp: float, events: list, load=None) -> sm
                 )
             batch.events.add(stored=stored)
         elif isinstance(event, BlockRemoved):
-            removed = smg_common_pb2.KvBlocksRemoved(block_hashes=[block_hash_to_int64(h) for h in event.block_hashes])
+            removed = smg_common_pb2.KvBlocksRemoved(
+                block_hashes=[block_hash_to_int64(h) for h in event.block_hashes], group_idx=event.group_id
+            )
             batch.events.add(removed=removed)
         elif isinstance(event, AllBlocksCleared):
             batch.events.add(cleared=smg_common_pb2.KvCacheCleared())

@@ -179,13 +179,13 @@ def test_fingerprints_keep_kv_dtypes_apart(tiny_model):
         return EngineCore(args)
 
     auto, bf16 = engine("bfloat16", "auto"), engine("bfloat16", "bfloat16")
-    assert auto.worker.kv_layout == bf16.worker.kv_layout
+    assert auto.worker.kv_layouts[0] == bf16.worker.kv_layouts[0]
     assert run_greedy(auto, prompts, 8) == run_greedy(bf16, prompts, 8)
     layouts = [
-        engine(dtype, kv).worker.kv_layout
+        engine(dtype, kv).worker.kv_layouts[0]
         for dtype, kv in [("float32", "auto"), ("float32", "bfloat16"), ("bfloat16", "auto"), ("float32", "fp8")]
     ]
-    layouts += [engine("bfloat16", "fp8").worker.kv_layout, engine("float32", "fp8_e5m2").worker.kv_layout]
+    layouts += [engine("bfloat16", "fp8").worker.kv_layouts[0], engine("float32", "fp8_e5m2").worker.kv_layouts[0]]
     assert len({layout.fingerprint for layout in layouts}) == len(layouts)
     assert [layout.dtype for layout in layouts] == [
         "float32", "bfloat16", "bfloat16", "float8_e4m3fn", "float8_e4m3fn", "float8_e5m2"
@@ -216,7 +216,7 @@ def test_kv_store_round_trip_in_fp8(tiny_model, redis_server):
         full_blocks = sum(len(p) // 16 for p in prompts)
         assert first.get_stats().kv_connector_stats["stored_blocks"] == full_blocks
         client = redis.Redis.from_url(redis_server.url)
-        layout = first.worker.kv_layout
+        layout = first.worker.kv_layouts[0]
         keys = client.keys(f"kv:{layout.fingerprint}:*")
         assert len(keys) == full_blocks
         float32_block = layout.block_bytes * 4  # the same block in float32

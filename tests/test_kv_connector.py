@@ -514,7 +514,7 @@ def test_engine_info_carries_the_connector_figures(kvstore, prompts):
     run_greedy(engine, prompts[:1], 2)
     settle(engine)
     info = engine.update_info()
-    assert info.kv_role == "kv_both" and info.kv_layout == engine.connector.layout
+    assert info.kv_role == "kv_both" and list(info.kv_layouts) == engine.connector.layouts
     assert info.kv_connector_stats.data == connector_stats(engine)
     assert info.kv_connector_stats.block_load_cost == engine.connector.cost.block_load_cost() is not None
     assert engine.update_info() is info  # nothing changed since

@@ -313,7 +313,9 @@ def test_kv_blocks_of_differently_quantized_engines_never_mix(tmp_path):
             EngineArgs(
                 model=str(path), dtype="bfloat16", quantization=q, kv_cache_memory="8MiB", download_dir=str(tmp_path)
             )
-        ).worker.kv_layout.fingerprint
+        )
+        .worker.kv_layouts[0]
+        .fingerprint
         for q in (None, "int8", "int4")
     }
     assert len(fingerprints) == 3

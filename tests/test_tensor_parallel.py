@@ -435,7 +435,7 @@ def test_tp2_stores_each_ranks_shard_and_reloads_it_equal_to_tp1(tiny_model, sha
     try:
         assert run_greedy(engine, prompts(), 8) == expected
         settle(engine)
-        rank0, rank1 = engine.worker.kv_layout.shard_fingerprints
+        rank0, rank1 = engine.worker.kv_layouts[0].shard_fingerprints
         shards = shard_store.shards()
         on_rank0 = {block for fingerprint, block in shards if fingerprint == rank0}
         on_rank1 = {block for fingerprint, block in shards if fingerprint == rank1}

@@ -51,9 +51,9 @@ class UniProcExecutor:
         drafter = self.driver_worker.drafter
         return drafter.num_lookahead_tokens if drafter else 0
 
-    def get_kv_layout(self) -> KVLayout:
+    def get_kv_layouts(self) -> list[KVLayout]:
         """What one KV block is outside the paged cache, for a KV connector."""
-        return self.driver_worker.kv_layout
+        return self.driver_worker.kv_layouts
 
     def get_cache_block_size_bytes(self) -> int:
         return self.driver_worker.get_cache_block_size_bytes()

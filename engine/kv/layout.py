@@ -1,10 +1,15 @@
 """What one KV block is outside the paged cache (KVLayout), and the fingerprint that says which engines' blocks are
-interchangeable. The worker builds the layout; every KV connector moves blocks of it. Torch-free."""
+interchangeable. A model has one layout per KV cache group (engine.kv.kv_cache_spec): a group's block holds only its
+own layers, and its fingerprint names the group (index, spec, layers), so blocks of different groups, or of engines
+that group layers otherwise, never mix. The worker builds the layouts; every KV connector moves blocks of them.
+Torch-free."""
 
 import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from engine.kv.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 # The KV cache dtypes (--kv-cache-dtype), by torch name.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -12,7 +17,8 @@ DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "f
 
 @dataclass(frozen=True)
 class KVLayout:
-    """One block as raw bytes of `shape` = [layers, 2 (K, V), kv heads, block size, head dim]."""
+    """One block of one KV cache group as raw bytes of `shape` = [the group's layers, 2 (K, V), kv heads, block size,
+    head dim]."""
 
     fingerprint: str
     dtype: str
@@ -20,6 +26,10 @@ class KVLayout:
     # With tensor parallelism each rank holds its own heads of a block: every rank's fingerprint, in rank order (a
     # block is in a store only if each rank's shard is). Empty on one rank.
     shard_fingerprints: tuple[str, ...] = ()
+    # The KV cache group: its index, its spec, and the model layers its block holds, in order (empty: every layer).
+    group_id: int = 0
+    kv_cache_spec: KVCacheSpec = FullAttentionSpec()
+    layer_ids: tuple[int, ...] = ()
 
     @property
     def all_fingerprints(self) -> tuple[str, ...]:
@@ -68,11 +78,26 @@ def weights_digest(model_dir: Path) -> str:
     return value
 
 
+def spec_name(spec: KVCacheSpec) -> str:
+    """ "full" or "sliding:W", as fingerprints and logs name a group's spec."""
+    return f"sliding:{spec.sliding_window}" if isinstance(spec, SlidingWindowSpec) else "full"
+
+
 def model_fingerprint(
-    weights: str, dtype: str, kv_layout: str, shape: tuple[int, ...], hash_algo: str, rank: int = 0, world_size: int = 1
+    weights: str,
+    dtype: str,
+    kv_layout: str,
+    shape: tuple[int, ...],
+    hash_algo: str,
+    rank: int = 0,
+    world_size: int = 1,
+    group_id: int = 0,
+    spec: KVCacheSpec = FullAttentionSpec(),  # noqa: B008 (frozen)
+    layer_ids: tuple[int, ...] = (),
 ) -> str:
-    """64 hex characters naming everything that makes two engines' blocks interchangeable."""
+    """64 hex characters naming everything that makes two engines' blocks of one KV cache group interchangeable."""
     identity = {
+        "kv_cache_group": {"index": group_id, "spec": spec_name(spec), "layers": list(layer_ids)},
         "weights": weights,
         "dtype": dtype,
         "kv_layout": kv_layout,

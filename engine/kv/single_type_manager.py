@@ -4,7 +4,8 @@ are kept by KVCacheManager; these rules read and edit those lists."""
 
 from engine.kv.block import KVCacheBlock
 from engine.kv.block_pool import BlockPool
-from engine.kv.kv_cache_spec import KVCacheSpec, SlidingWindowSpec, cdiv
+from engine.kv.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from engine.kv.prefix_hit import longest_group_hit, needed_blocks
 
 
 class FullAttentionManager:
@@ -12,15 +13,19 @@ class FullAttentionManager:
         self.group_id = group_id
         self.block_pool = block_pool
         self.block_size = block_size
+        self.spec: KVCacheSpec = FullAttentionSpec()
 
     def find_longest_cache_hit(self, block_hashes: list[bytes], max_length: int) -> list[KVCacheBlock]:
-        """The cached blocks of the longest prefix of at most max_length tokens: every block of it must be cached."""
-        blocks = []
-        for block_hash in block_hashes[: max_length // self.block_size]:
-            block = self.block_pool.get_cached_block(block_hash, self.group_id)
-            if block is None:
-                break
-            blocks.append(block)
+        """The cached blocks of the longest prefix of at most max_length tokens that this group can serve, by its
+        spec's rule (engine.kv.prefix_hit, which KV connectors follow too); the null block where it needs none."""
+        pool, g = self.block_pool, self.group_id
+        num_blocks = longest_group_hit(
+            self.spec, self.block_size, lambda i: pool.get_cached_block(block_hashes[i], g) is not None,
+            max_length // self.block_size,
+        )  # fmt: skip
+        blocks = [pool.null_block] * num_blocks
+        for i in needed_blocks(self.spec, self.block_size, num_blocks):
+            blocks[i] = pool.get_cached_block(block_hashes[i], g)
         return blocks
 
     def remove_skipped_blocks(self, blocks: list[KVCacheBlock], num_computed_tokens: int) -> None:
@@ -31,26 +36,7 @@ class SlidingWindowManager(FullAttentionManager):
     def __init__(self, group_id: int, block_pool: BlockPool, block_size: int, sliding_window: int):
         super().__init__(group_id, block_pool, block_size)
         self.sliding_window = sliding_window
-        # A hit ending at a block boundary needs the blocks of the W - 1 tokens the next query sees before it.
-        self.contiguous_blocks = cdiv(sliding_window - 1, block_size)
-
-    def find_longest_cache_hit(self, block_hashes: list[bytes], max_length: int) -> list[KVCacheBlock]:
-        """The longest hit of at most max_length tokens whose last contiguous_blocks blocks are cached (searched from
-        the right); the blocks before them are the null block. A run of cached blocks from the start is a hit too."""
-        null = self.block_pool.null_block
-        num_blocks = max_length // self.block_size
-        blocks = [null] * num_blocks
-        run = 0
-        for i in range(num_blocks - 1, -1, -1):
-            block = self.block_pool.get_cached_block(block_hashes[i], self.group_id)
-            if block is None:
-                run = 0
-                continue
-            blocks[i] = block
-            run += 1
-            if run >= self.contiguous_blocks:
-                return blocks[: i + run]
-        return blocks[:run]
+        self.spec = SlidingWindowSpec(sliding_window)
 
     def remove_skipped_blocks(self, blocks: list[KVCacheBlock], num_computed_tokens: int) -> None:
         """Free the blocks wholly before the window of the next query (position num_computed_tokens), tail-first

@@ -267,9 +267,8 @@ class Scheduler:
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             if self.connector is not None:
-                # A KV connector serves models of one KV cache group (EngineCore refuses others): group 0's blocks.
                 self.connector.update_state_after_alloc(
-                    request, self.kv_cache_manager.req_to_blocks[request.request_id][0], 0
+                    request, self.kv_cache_manager.req_to_blocks[request.request_id], 0
                 )
         compiling = [r.structured_output_request.grammar for r in skipped if r.status == RequestStatus.WAITING_FOR_FSM]
         if compiling and not scheduled:  # nothing to run but grammars to wait for: wait a little, do not spin
@@ -386,7 +385,7 @@ class Scheduler:
         request.record_event(EngineCoreEventType.KV_LOAD_STARTED, num_tokens=num_external)
         self.loading.add(request)
         self.connector.update_state_after_alloc(
-            request, self.kv_cache_manager.req_to_blocks[request.request_id][0], num_external
+            request, self.kv_cache_manager.req_to_blocks[request.request_id], num_external
         )
         return True
 

@@ -341,35 +341,45 @@ class Worker:
         return runner, (free - torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0)
 
     @functools.cached_property
-    def kv_layout(self) -> KVLayout:
-        """What one KV block is, for a KV connector: [layers, 2, kv heads, block size, head dim] and a
-        fingerprint of everything that makes blocks interchangeable between engines."""
+    def kv_layouts(self) -> list[KVLayout]:
+        """What one KV block of each KV cache group is, for a KV connector: [the group's layers, 2, kv heads, block
+        size, head dim] and a fingerprint of everything that makes blocks interchangeable between engines, the group
+        (its index, spec and layers) included."""
         cfg = self.model_config
         dtype = str(self.kv_cache_dtype).removeprefix("torch.")
-        shape = (cfg.num_hidden_layers, 2, self.num_kv_heads, self.cache_config.block_size, cfg.head_dim)
         # The same checkpoint quantized another way, or computing in another dtype, computes other K and V values.
         compute = str(self.dtype).removeprefix("torch.")
         weights = f"{weights_digest(self.model_dir)}/{self.quantization or 'unquantized'}/{compute}"
-        shards = tuple(
-            model_fingerprint(
-                weights,
-                dtype,
-                self.attn_backend.name,
-                shape,
-                self.cache_config.prefix_caching_hash_algo,
-                rank,
-                self.world_size,
+        layouts = []
+        for g, group in enumerate(self.kv_cache_groups):
+            shape = (len(group.layer_ids), 2, self.num_kv_heads, self.cache_config.block_size, cfg.head_dim)
+            shards = tuple(
+                model_fingerprint(
+                    weights,
+                    dtype,
+                    self.attn_backend.name,
+                    shape,
+                    self.cache_config.prefix_caching_hash_algo,
+                    rank,
+                    self.world_size,
+                    g,
+                    group.spec,
+                    group.layer_ids,
+                )
+                for rank in range(self.world_size)
             )
-            for rank in range(self.world_size)
-        )
-        return KVLayout(shards[self.rank], dtype, shape, shards if self.world_size > 1 else ())
+            shard_fingerprints = shards if self.world_size > 1 else ()
+            layouts.append(
+                KVLayout(shards[self.rank], dtype, shape, shard_fingerprints, g, group.spec, group.layer_ids)
+            )
+        return layouts
 
     def _make_kv_connector(self) -> KVConnectorBase | None:
         """The worker's half of the connector --kv-transfer-config names, over this worker's KV cache."""
         config = self.config.kv_transfer_config
         if config is None:
             return None
-        connector = create_connector(config, KVConnectorRole.WORKER, self.kv_layout)
+        connector = create_connector(config, KVConnectorRole.WORKER, self.kv_layouts)
         connector.register_kv_caches(self.kv_caches)
         return connector
 

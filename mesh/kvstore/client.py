@@ -36,60 +36,66 @@ class Staging:
 
 class KVStoreClient:
     """Blocking calls with a deadline each; any failure raises grpc.RpcError (or ValueError for a bad reply).
-    metadata: the gRPC metadata of the call (the traceparent of the request it is for, when traced)."""
+    metadata: the gRPC metadata of the call (the traceparent of the request it is for, when traced). Each call moves
+    blocks of one layout (one KV cache group's)."""
 
-    def __init__(self, address: str, layout: KVLayout):
+    def __init__(self, address: str, layouts: list[KVLayout]):
         self.address = address
-        self.layout = layout
-        self._proto_layout = layout_to_proto(layout)
-        if layout.block_bytes > MAX_MESSAGE_BYTES // 2:
-            raise ValueError(f"a KV block of {layout.block_bytes} bytes is too large for the kvstore's messages")
-        self.blocks_per_message = max(1, _MESSAGE_TARGET_BYTES // layout.block_bytes)
+        for layout in layouts:
+            if layout.block_bytes > MAX_MESSAGE_BYTES // 2:
+                raise ValueError(f"a KV block of {layout.block_bytes} bytes is too large for the kvstore's messages")
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = kvstore_pb2_grpc.KVStoreStub(self.channel)
 
-    def lookup(self, block_hashes: list[bytes], timeout: float, metadata=(), fingerprint: str | None = None) -> int:
-        """How many of the blocks (a leading run) the store holds, under the layout's fingerprint or this one."""
-        fingerprint = fingerprint or self.layout.fingerprint
+    def lookup(self, fingerprint: str, block_hashes: list[bytes], timeout: float, metadata=()) -> list[bool]:
+        """Whether the store holds each of the blocks under this fingerprint."""
         request = kvstore_pb2.LookupRequest(fingerprint=fingerprint, block_hashes=block_hashes)
-        return min(self.stub.Lookup(request, timeout=timeout, metadata=metadata).num_present, len(block_hashes))
+        response = self.stub.Lookup(request, timeout=timeout, metadata=metadata)
+        if len(response.present) != len(block_hashes):  # a kvstore that answers the leading run only
+            return [i < response.num_present for i in range(len(block_hashes))]
+        return list(response.present)
 
-    def get(self, block_hashes: list[bytes], timeout: float, metadata=(), staging: Staging | None = None):
+    def get(
+        self, layout: KVLayout, block_hashes: list[bytes], timeout: float, metadata=(), staging: Staging | None = None
+    ):
         """Yield the blocks' bytes in order, several blocks back to back at a time, until the first missing block;
         more bytes than asked for, or part of a block, ends it. With staging (room for the blocks), a kvstore that
         maps it writes the blocks there: what is yielded is then staging's memory, good until the next Get into
         it, and staging.taken is set."""
-        request = kvstore_pb2.GetRequest(layout=self._proto_layout, block_hashes=block_hashes)
+        request = kvstore_pb2.GetRequest(layout=layout_to_proto(layout), block_hashes=block_hashes)
         if staging is not None:
             assert len(block_hashes) <= staging.num_blocks
             request.shared_memory, staging.taken = staging.name, False
-        left, offset = len(block_hashes) * self.layout.block_bytes, 0
+        block_bytes = layout.block_bytes
+        left, offset = len(block_hashes) * block_bytes, 0
         for response in self.stub.Get(request, timeout=timeout, metadata=metadata):
             if response.num_blocks:
                 if staging is None:
                     raise ValueError("the kvstore answered num_blocks to a Get without shared memory")
-                size = response.num_blocks * self.layout.block_bytes
+                size = response.num_blocks * block_bytes
                 data, staging.taken = staging.view[offset : offset + size], True
                 offset += size
             else:
                 data = response.data  # each access copies the bytes
-            if len(data) % self.layout.block_bytes or len(data) > left:
+            if len(data) % block_bytes or len(data) > left:
                 raise ValueError("the kvstore answered part of a block, or more blocks than asked for")
             left -= len(data)
             yield data
 
-    def put(self, blocks, timeout: float, metadata=()) -> int:
+    def put(self, layout: KVLayout, blocks, timeout: float, metadata=()) -> int:
         """Store (hash, data) pairs, several per message; the number stored (present ones are skipped)."""
+        proto_layout = layout_to_proto(layout)
+        blocks_per_message = max(1, _MESSAGE_TARGET_BYTES // layout.block_bytes)
 
         def messages():
             batch, first = [], True
             for block_hash, data in blocks:
                 batch.append(kvstore_pb2.KVBlock(block_hash=block_hash, data=data))
-                if len(batch) == self.blocks_per_message:
-                    yield kvstore_pb2.PutRequest(layout=self._proto_layout if first else None, blocks=batch)
+                if len(batch) == blocks_per_message:
+                    yield kvstore_pb2.PutRequest(layout=proto_layout if first else None, blocks=batch)
                     batch, first = [], False
             if batch or first:
-                yield kvstore_pb2.PutRequest(layout=self._proto_layout if first else None, blocks=batch)
+                yield kvstore_pb2.PutRequest(layout=proto_layout if first else None, blocks=batch)
 
         return self.stub.Put(messages(), timeout=timeout, metadata=metadata).num_stored
 

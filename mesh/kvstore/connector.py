@@ -1,14 +1,15 @@
 """KVStoreConnector: full KV blocks go to the kvstore service (Redis behind it) and come back from it.
 
-Scheduler side. After the local prefix-cache hit, one Lookup per request asks the store for the longest
-run of further blocks. It runs on a background thread (vLLM's asynchronous lookup): until its answer is
+Scheduler side. After the local prefix-cache hit, one Lookup per request and KV cache group asks the store
+which further blocks it holds, and the longest prefix every group can serve is found by the local prefix cache's
+rules (engine.kv.prefix_hit: a sliding-window group needs only its window's blocks before the end). It runs on a background thread (vLLM's asynchronous lookup): until its answer is
 in, the scheduler leaves the request waiting and goes on with the others, so the engine thread never
 waits on the network while there is work; a step with nothing to run waits for the answer (IDLE_WAIT_S at
 most) in place of the worker's idle wait for transfers, so the request is admitted the step after it came.
 If loading the blocks found is estimated to beat recomputing them, the request waits in
 WAITING_FOR_REMOTE_KVS with blocks reserved while the worker loads into them. Each step, every block
-the step fills (prompt blocks; decode blocks too with store_decode_blocks) becomes a store job, and the
-connector holds a reference on the job's blocks until the worker has read them, so no block is reused
+the step fills (prompt blocks; decode blocks too with store_decode_blocks) that the request still holds becomes
+a store job of its group, under that group's layout, and the connector holds a reference on the job's blocks until the worker has read them, so no block is reused
 while a store still reads it.
 
 Worker side. Loads and stores run on two background threads, never on the step's path (KVBlockIO
@@ -36,6 +37,7 @@ from engine.kv.connector.base import (
     KVConnectorRole,
     KVConnectorStats,
     KVTransferConfig,
+    LoadJob,
 )
 from engine.kv.connector.block_io import KVBlockIO
 from engine.kv.layout import KVLayout
@@ -86,21 +88,14 @@ class Lookup:
     """One request's Lookup: asked from first_block on; end_block once its answer is in (and counted)."""
 
     first_block: int
-    future: Future  # (blocks present, seconds), or None after a fault
+    future: Future  # (per group, whether each block from first_block is present; seconds), or None after a fault
     end_block: int | None = None  # the first block not to load
-
-
-@dataclass
-class LoadJob:
-    request_id: str
-    block_ids: list[int]
-    block_hashes: list[bytes]
-    trace_headers: tuple = ()  # the request's (Request.trace_headers): its kvstore calls join its trace
 
 
 @dataclass
 class StoreJob:
     job_id: int
+    group_id: int  # the KV cache group whose blocks these are
     block_ids: list[int]
     block_hashes: list[bytes]
     trace_headers: tuple = ()
@@ -122,7 +117,7 @@ class LoadCostModel:
     """
 
     def __init__(self, block_bytes: int, block_size: int):
-        self.block_bytes = block_bytes
+        self.block_bytes = block_bytes  # a prefix block's bytes in every KV cache group
         self.block_size = block_size
         self.latency_s = 0.005
         self.bandwidth = 200e6  # bytes/s, until measured
@@ -159,17 +154,17 @@ class LoadCostModel:
 class KVStoreConnector(KVConnectorBase):
     medium = "kvstore"
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVLayout, kv_cache_manager=None):
-        super().__init__(config, role, layout, kv_cache_manager)
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layouts: list[KVLayout], kv_cache_manager=None):
+        super().__init__(config, role, layouts, kv_cache_manager)
         self.options = parse_extra_config(config)
-        self.client = KVStoreClient(self.options["kvstore_address"], layout)
+        self.client = KVStoreClient(self.options["kvstore_address"], layouts)
         self.down_until = 0.0
         if role is KVConnectorRole.SCHEDULER:
-            self.cost = LoadCostModel(layout.block_bytes, self.block_size)
+            self.cost = LoadCostModel(sum(layout.block_bytes for layout in layouts), self.block_size)
             self.lookup_pool = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kv-lookup")
             self.lookups: dict[str, Lookup] = {}  # request id -> its Lookup, until the request is admitted
             self.next_job_id = 0
-            self.load_jobs: dict[str, int] = {}  # request id -> blocks its load asked for
+            self.load_jobs: dict[str, LoadJob] = {}  # request id -> its load, until the worker reports it
             self.pending_loads: list[LoadJob] = []  # to start next step
             self.store_holds: dict[int, tuple] = {}  # job id -> (blocks held, BlockStored event for when stored)
             self.last_stores: list[int] = []
@@ -192,7 +187,7 @@ class KVStoreConnector(KVConnectorBase):
             self.finished_lock = threading.Condition()
             self.idle_wait = True  # False for a step before which the scheduler side waited already
             self.staging: Staging | None = None  # the load thread's, made at its first load
-            self.staging_blocks = self.options["shared_memory_bytes"] // layout.block_bytes
+            self.staging_blocks = self.options["shared_memory_bytes"] // self.max_block_bytes
             self.load_queue: queue.SimpleQueue = queue.SimpleQueue()
             self.store_queue: queue.SimpleQueue = queue.SimpleQueue()
             self.threads = [
@@ -200,8 +195,12 @@ class KVStoreConnector(KVConnectorBase):
                 threading.Thread(target=self._run, args=(self.store_queue, self._store), name="kv-store", daemon=True),
             ]
 
+    @property
+    def max_block_bytes(self) -> int:
+        return max(layout.block_bytes for layout in self.layouts)
+
     def register_kv_caches(self, kv_caches) -> None:
-        self.block_io = KVBlockIO(kv_caches, self.layout)
+        self.block_ios = [KVBlockIO(kv_caches, layout) for layout in self.layouts]
         for t in self.threads:
             t.start()
 
@@ -250,28 +249,33 @@ class KVStoreConnector(KVConnectorBase):
         num_blocks = min(lookup.end_block, last) - first if first >= lookup.first_block else 0
         return (num_blocks * bs, True) if num_blocks > 0 else (0, False)
 
-    def _lookup(self, block_hashes: list[bytes], trace_headers) -> tuple[int, float] | None:
-        """On a lookup thread: how many of the blocks the store holds (leading run), and how long asking took."""
+    def _lookup(self, block_hashes: list[bytes], trace_headers) -> tuple[list[list[bool]], float] | None:
+        """On a lookup thread: per KV cache group, whether the store holds each of the blocks; and how long asking
+        took."""
         started = time.perf_counter()
         try:
             timeout = self.options["lookup_timeout_s"]
-            # With tensor parallelism a block counts only if every rank's shard of it is there.
-            num_present = min(
-                self.client.lookup(block_hashes, timeout, trace_headers, fingerprint)
-                for fingerprint in self.layout.all_fingerprints
-            )
+            present = []
+            for layout in self.layouts:
+                # With tensor parallelism a block counts only if every rank's shard of it is there.
+                answers = [
+                    self.client.lookup(fingerprint, block_hashes, timeout, trace_headers)
+                    for fingerprint in layout.all_fingerprints
+                ]
+                present.append([all(flags) for flags in zip(*answers)])
         except Exception as e:  # noqa: BLE001 (any failure of the store means: recompute)
             self._mark_down("lookup", e)
             return None
-        return num_present, time.perf_counter() - started
+        return present, time.perf_counter() - started
 
     def _take_answer(self, lookup: Lookup, last: int, policy: str) -> int:
         """Count a finished Lookup (once per request) and decide: the first block not to load."""
         answer = lookup.future.result()
         if answer is None:
             return lookup.first_block
-        num_present, seconds = answer
-        bs = self.block_size
+        present, seconds = answer
+        first, bs = lookup.first_block, self.block_size
+        num_present = self.longest_hit(first, last, lambda g, i: present[g][i - first]) - first
         self.cost.record_lookup(seconds)
         self.stats["lookups"] += 1
         self.stats["lookup_tokens"] += (last - lookup.first_block) * bs
@@ -285,19 +289,11 @@ class KVStoreConnector(KVConnectorBase):
         self.lookups.pop(request.request_id, None)
         if num_external_tokens == 0:
             return
-        bs = self.block_size
-        first = request.num_computed_tokens // bs
-        last = first + num_external_tokens // bs
-        job = LoadJob(
-            request.request_id,
-            [b.block_id for b in blocks[first:last]],
-            request.block_hashes[first:last],
-            request.trace_headers,
-        )
+        job = self.make_load_job(request, blocks, num_external_tokens)
         self.pending_loads.append(job)
-        self.load_jobs[request.request_id] = last - first
+        self.load_jobs[request.request_id] = job
         # What comes from the store need not go back to it.
-        self.num_stored_blocks[request.request_id] = last
+        self.num_stored_blocks[request.request_id] = job.end
 
     def _new_job_id(self) -> int:
         self.next_job_id += 1
@@ -330,19 +326,23 @@ class KVStoreConnector(KVConnectorBase):
         start = self.num_stored_blocks.get(request.request_id, 0)
         if end <= start:
             return
-        blocks = self.kv_cache_manager.req_to_blocks[request.request_id][0][start:end]  # one KV cache group
-        hashes = request.block_hashes[start:end]
-        self.kv_cache_manager.block_pool.touch(blocks)
-        job = StoreJob(self._new_job_id(), [b.block_id for b in blocks], hashes, request.trace_headers)
-        event = BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=request.block_hashes[start - 1] if start else None,
-            token_ids=request.all_token_ids[start * bs : end * bs],
-            block_size=bs,
-            medium="kvstore",
-        )
-        self.store_holds[job.job_id] = (blocks, event)
-        meta.stores.append(job)
+        for g, group in enumerate(self.kv_cache_manager.req_to_blocks[request.request_id]):
+            held = self.held_blocks(group, start, end)
+            if not held:
+                continue
+            blocks, hashes = [group[i] for i in held], [request.block_hashes[i] for i in held]
+            self.kv_cache_manager.block_pool.touch(blocks)
+            job = StoreJob(self._new_job_id(), g, [b.block_id for b in blocks], hashes, request.trace_headers)
+            event = BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=request.block_hashes[held[0] - 1] if held[0] else None,
+                token_ids=request.all_token_ids[held[0] * bs : end * bs],
+                block_size=bs,
+                medium="kvstore",
+                group_id=g,
+            )
+            self.store_holds[job.job_id] = (blocks, event)
+            meta.stores.append(job)
         request.record_event(EngineCoreEventType.KV_STORE_STARTED, num_tokens=(end - start) * bs)
         self.num_stored_blocks[request.request_id] = end
 
@@ -357,14 +357,15 @@ class KVStoreConnector(KVConnectorBase):
             pool.free_blocks(blocks)
             self.stats["stored_blocks" if stored else "store_failed_blocks"] += len(blocks)
             if stored:
-                self.stats["stored_bytes"] += len(blocks) * self.layout.block_bytes
+                self.stats["stored_bytes"] += len(blocks) * self.layouts[event.group_id].block_bytes
                 pool.record_event(event)
         for request_id, num_tokens in output.finished_recving.items():
-            num_blocks = self.load_jobs.pop(request_id)
+            job = self.load_jobs.pop(request_id)
+            self.free_unloaded_blocks(request_id, job.first + num_tokens // self.block_size)
             self.stats["loaded_tokens"] += num_tokens
-            self.stats["loaded_bytes"] += num_tokens // self.block_size * self.layout.block_bytes
-            self.stats["load_failed_tokens"] += num_blocks * self.block_size - num_tokens
+            self.stats["load_failed_tokens"] += (job.end - job.first) * self.block_size - num_tokens
         for nbytes, seconds in output.load_timings:
+            self.stats["loaded_bytes"] += nbytes
             self.cost.record_load(nbytes, seconds)
 
     def abandon_stores(self) -> None:
@@ -423,37 +424,50 @@ class KVStoreConnector(KVConnectorBase):
             work(job)
 
     def _load(self, job: LoadJob) -> None:
-        started, loaded, total = time.perf_counter(), 0, len(job.block_hashes)
+        """Each group's blocks in turn; the load brings the prefix the groups agree on in what arrived."""
+        started, num_loaded = time.perf_counter(), [0] * len(self.layouts)
         if self._store_up():
             try:
-                while loaded < total:
-                    staging = self._staging()
-                    end = total if staging is None else min(total, loaded + staging.num_blocks)
-                    asked = loaded
-                    for data in self.client.get(job.block_hashes[loaded:end], self.options["timeout_s"],
-                                                job.trace_headers, staging):  # fmt: skip
-                        num_blocks = len(data) // self.layout.block_bytes
-                        self.block_io.write(job.block_ids[loaded : loaded + num_blocks], data)
-                        loaded += num_blocks
-                    if staging is not None:
-                        self._after_get(staging, loaded > asked)
-                    if loaded < end:
-                        break  # the store holds no more of them
+                for g in range(len(self.layouts)):
+                    num_loaded[g] = self._load_group(job, g)
             except Exception as e:  # noqa: BLE001 (what arrived before the fault is good; the rest is recomputed)
                 self._drop_staging()  # the Get that failed may still be writing into it
                 self._mark_down("load", e)
         seconds = time.perf_counter() - started
+        nbytes = sum(n * layout.block_bytes for n, layout in zip(num_loaded, self.layouts))
         with self.finished_lock:
-            self.finished.finished_recving[job.request_id] = loaded * self.block_size
-            if loaded:
-                self.finished.load_timings.append((loaded * self.layout.block_bytes, seconds))
+            self.finished.finished_recving[job.request_id] = (
+                self.loaded_end(job, num_loaded) - job.first
+            ) * self.block_size
+            if nbytes:
+                self.finished.load_timings.append((nbytes, seconds))
             self.finished_lock.notify_all()
+
+    def _load_group(self, job: LoadJob, group_id: int) -> int:
+        """Load one group's blocks of the job, up to the first the store lacks: how many arrived."""
+        layout, block_io = self.layouts[group_id], self.block_ios[group_id]
+        hashes, ids = job.group_hashes(group_id), job.block_ids[group_id]
+        loaded, total = 0, len(hashes)
+        while loaded < total:
+            staging = self._staging()
+            end = total if staging is None else min(total, loaded + staging.num_blocks)
+            asked = loaded
+            for data in self.client.get(layout, hashes[loaded:end], self.options["timeout_s"], job.trace_headers,
+                                        staging):  # fmt: skip
+                num_blocks = len(data) // layout.block_bytes
+                block_io.write(ids[loaded : loaded + num_blocks], data)
+                loaded += num_blocks
+            if staging is not None:
+                self._after_get(staging, loaded > asked)
+            if loaded < end:
+                break  # the store holds no more of them
+        return loaded
 
     def _staging(self) -> Staging | None:
         """The segment loads go through, made at the first load that wants it; None for loads that come as bytes."""
         if self.staging is None and self.staging_blocks:
             try:
-                self.staging = Staging(self.staging_blocks, self.layout.block_bytes)
+                self.staging = Staging(self.staging_blocks, self.max_block_bytes)
             except OSError as e:
                 logger.warning("no shared memory for the kvstore's loads (%s): they come as bytes", e)
                 self.staging_blocks = 0
@@ -478,13 +492,12 @@ class KVStoreConnector(KVConnectorBase):
         stored = False
         if self._store_up():
             try:
-                present = self.client.lookup(job.block_hashes, self.options["timeout_s"], job.trace_headers)
-                todo = range(present, len(job.block_ids))
+                layout, timeout = self.layouts[job.group_id], self.options["timeout_s"]
+                present = self.client.lookup(layout.fingerprint, job.block_hashes, timeout, job.trace_headers)
+                todo = [i for i, found in enumerate(present) if not found]
                 if todo:
-                    data = self.block_io.read([job.block_ids[i] for i in todo])
-                    self.client.put(
-                        zip([job.block_hashes[i] for i in todo], data), self.options["timeout_s"], job.trace_headers
-                    )
+                    data = self.block_ios[job.group_id].read([job.block_ids[i] for i in todo])
+                    self.client.put(layout, zip([job.block_hashes[i] for i in todo], data), timeout, job.trace_headers)
                 stored = True
             except Exception as e:  # noqa: BLE001 (a lost store costs a later recomputation only)
                 self._mark_down("store", e)

@@ -7,13 +7,19 @@ does the copying (start_load_kv before the forward, wait_for_save after it) and 
 (get_finished) in the step's KVConnectorOutput. This file is the whole interface: the engine core
 builds the scheduler half, the worker builds its own, and neither they nor the scheduler know which
 connector they run. Torch-free: the engine's config imports it.
+
+A model whose layers form several KV cache groups (engine.kv.kv_cache_spec) has one KVLayout per group, and a
+request one block list per group: a connector moves each group's blocks under that group's layout, and finds the
+prefix every group agrees on by the local prefix cache's rules (engine.kv.prefix_hit).
 """
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.json_object import parse_json_object
 from engine.kv.layout import KVLayout
+from engine.kv.prefix_hit import longest_common_hit, needed_blocks
 
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 CONFIG_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config", "kv_connector_module_path")
@@ -103,10 +109,34 @@ class KVConnectorStats:
     block_load_cost: float | None = None
 
 
+@dataclass
+class LoadJob:
+    """A request's blocks [first, end) to load, each group's last len(block_ids[g]) of them: a sliding-window group
+    needs only those of its window before the end (engine.kv.prefix_hit)."""
+
+    request_id: str
+    first: int
+    block_hashes: list[bytes]  # of blocks [first, end)
+    block_ids: list[list[int]]  # per group, the cache blocks they go into
+    trace_headers: tuple = ()  # the request's (Request.trace_headers): a remote store's calls join its trace
+
+    @property
+    def end(self) -> int:
+        return self.first + len(self.block_hashes)
+
+    def group_hashes(self, group_id: int) -> list[bytes]:
+        return self.block_hashes[len(self.block_hashes) - len(self.block_ids[group_id]) :]
+
+    def loaded(self, group_id: int, num_blocks: int) -> range:
+        """The blocks a group brought, its first num_blocks."""
+        start = self.end - len(self.block_ids[group_id])
+        return range(start, start + num_blocks)
+
+
 class KVConnectorBase:
     """Both roles' methods; an instance serves one role.
 
-    layout: what a block is outside the paged cache (the worker's Worker.kv_layout).
+    layouts: what a block of each KV cache group is outside the paged cache (the worker's Worker.kv_layouts).
     kv_cache_manager: the scheduler side's KVCacheManager (None on the worker side), for a connector that holds
     blocks past the step that fills them.
     """
@@ -114,15 +144,52 @@ class KVConnectorBase:
     # Where this connector keeps blocks, as KV events name it (BlockStored.loaded_from of blocks it loaded).
     medium = "external"
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVLayout, kv_cache_manager=None):
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layouts: list[KVLayout], kv_cache_manager=None):
         self.config = config
         self.role = role
-        self.layout = layout
-        self.block_size = layout.block_size
+        self.layouts = list(layouts)
+        self.block_size = layouts[0].block_size
+        self.specs = [layout.kv_cache_spec for layout in layouts]
         self.kv_cache_manager = kv_cache_manager
         # Cumulative counters by name (tokens, blocks, bytes): SchedulerStats.kv_connector_stats, exported on
         # /metrics (lookup_tokens, lookup_hit_tokens, loaded_bytes and stored_bytes under vLLM's names).
         self.stats: dict[str, int] = {}
+
+    # ---- groups: the same rules as the local prefix cache ------------------------------------------
+
+    def longest_hit(self, first: int, last: int, is_stored: Callable[[int, int], bool]) -> int:
+        """The first block past the longest prefix every group can serve, with blocks [0, first) hits already (the
+        local prefix cache's) and is_stored(group, block) for the others, at most `last`."""
+        return longest_common_hit(self.specs, self.block_size, lambda g, i: i < first or is_stored(g, i), last)
+
+    def blocks_to_load(self, group_id: int, first: int, end: int) -> range:
+        """The blocks of [first, end) that a hit ending at `end` needs in this group (a sliding window's last ones)."""
+        needed = needed_blocks(self.specs[group_id], self.block_size, end)
+        return range(max(first, needed.start), end)
+
+    def make_load_job(self, request, blocks, num_external_tokens: int) -> LoadJob:
+        """The load of num_external_tokens after the request's computed ones into its blocks (one list per group)."""
+        first = request.num_computed_tokens // self.block_size
+        end = first + num_external_tokens // self.block_size
+        ids = [[group[i].block_id for i in self.blocks_to_load(g, first, end)] for g, group in enumerate(blocks)]
+        return LoadJob(request.request_id, first, request.block_hashes[first:end], ids, request.trace_headers)
+
+    def loaded_end(self, job: LoadJob, num_loaded: list[int]) -> int:
+        """Where a load that brought each group's first num_loaded[g] blocks ends: the prefix the groups agree on."""
+        return self.longest_hit(job.first, job.end, lambda g, i: i in job.loaded(g, num_loaded[g]))
+
+    def free_unloaded_blocks(self, request_id: str, end: int) -> None:
+        """A load ended at block `end`: a sliding group's blocks before its window were reserved but never loaded;
+        they go back to the pool (the null block in their place) before the loaded blocks join the prefix cache."""
+        manager = self.kv_cache_manager
+        for group_manager, blocks in zip(manager.managers, manager.req_to_blocks.get(request_id, ())):
+            group_manager.remove_skipped_blocks(blocks, end * self.block_size)
+
+    def held_blocks(self, group_blocks, start: int, end: int) -> list[int]:
+        """The blocks of [start, end) a request still holds in one group (a sliding window's freed ones are the null
+        block, and are not stored)."""
+        null = self.kv_cache_manager.block_pool.null_block
+        return [i for i in range(start, min(end, len(group_blocks))) if group_blocks[i] is not null]
 
     # ---- scheduler side ------------------------------------------------------------------------
 
@@ -135,8 +202,8 @@ class KVConnectorBase:
         raise NotImplementedError
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        """The request is admitted with blocks reserved for num_external_tokens (0: nothing to load); remember
-        what to load into them."""
+        """The request is admitted with blocks (one list per KV cache group) reserved for num_external_tokens (0:
+        nothing to load); remember what to load into them."""
         raise NotImplementedError
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -168,7 +235,8 @@ class KVConnectorBase:
     # ---- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches) -> None:
-        """The worker's paged KV cache: per layer, its (K, V) tensors."""
+        """The worker's paged KV cache: per model layer, its (K, V) tensors (layers of different groups may share
+        tensors: a block id belongs to one group at a time)."""
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         """Begin this step's loads."""

@@ -9,10 +9,12 @@ from engine.kv.layout import KVLayout
 
 
 class KVBlockIO:
-    """Reads and writes whole blocks of every layer's K and V cache."""
+    """Reads and writes whole blocks of one KV cache group: its layers' K and V cache (layout.layer_ids)."""
 
     def __init__(self, kv_caches, layout: KVLayout):
         self.layout = layout
+        if layout.layer_ids:
+            kv_caches = [kv_caches[layer] for layer in layout.layer_ids]
         self.on_cpu = kv_caches[0][0].device.type == "cpu"
         self.caches = kv_caches if not self.on_cpu else [(self._view(k), self._view(v)) for k, v in kv_caches]
         self.np_dtype = self.caches[0][0].dtype if self.on_cpu else None

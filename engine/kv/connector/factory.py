@@ -33,5 +33,8 @@ def get_connector_class(config: KVTransferConfig) -> type[KVConnectorBase]:
     return cls
 
 
-def create_connector(config: KVTransferConfig, role: KVConnectorRole, layout: KVLayout, **kwargs) -> KVConnectorBase:
-    return get_connector_class(config)(config, role, layout, **kwargs)
+def create_connector(
+    config: KVTransferConfig, role: KVConnectorRole, layouts: list[KVLayout], **kwargs
+) -> KVConnectorBase:
+    """layouts: one per KV cache group."""
+    return get_connector_class(config)(config, role, layouts, **kwargs)

@@ -1,11 +1,13 @@
 """SharedStorageConnector: KV blocks as files on a local disk, like vLLM's connector of that name.
 
-Each full prompt block is one file, {shared_storage_path}/{model fingerprint}/{block hash in hex}: the block's raw
-bytes (the KVLayout's shape) and their CRC-32. Engines that share the directory and the fingerprint share blocks.
-Everything runs in process: the scheduler side looks a request's blocks up once (files that exist, in a row), the
-worker side reads a load's blocks into the reserved cache blocks before the forward (start_load_kv, reported done in
-the same step) and writes the step's new prompt blocks after it (wait_for_save). A file that is missing, short or
-fails its checksum ends a load there (a bad one is deleted); the rest of the prompt is recomputed.
+Each full prompt block of each KV cache group is one file, {shared_storage_path}/{the group's fingerprint}/{block
+hash in hex}: the block's raw bytes (the group's KVLayout's shape) and their CRC-32. Engines that share the directory
+and the fingerprints share blocks. Everything runs in process: the scheduler side looks a request's blocks up once
+(the longest prefix whose files every group needs exist), the worker side reads a load's blocks into the reserved
+cache blocks before the forward (start_load_kv, reported done in the same step) and writes the step's new prompt
+blocks that the request still holds after it (wait_for_save). A file that is missing, short or fails its checksum
+ends its group's load there (a bad one is deleted); the load brings the prefix the groups still agree on, and the
+rest of the prompt is recomputed.
 """
 
 import logging
@@ -14,7 +16,13 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.kv.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, KVTransferConfig
+from engine.kv.connector.base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVTransferConfig,
+    LoadJob,
+)
 from engine.kv.connector.block_io import KVBlockIO
 from engine.kv.layout import KVLayout
 from engine.request import EngineCoreEventType
@@ -42,43 +50,47 @@ def parse_extra_config(config: KVTransferConfig) -> Path:
 
 @dataclass
 class BlockJob:
+    """Blocks of one KV cache group to store."""
+
     request_id: str
+    group_id: int
     block_ids: list[int]
     block_hashes: list[bytes]
 
 
 @dataclass
 class SharedStorageConnectorMetadata(KVConnectorMetadata):
-    loads: list[BlockJob] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
     stores: list[BlockJob] = field(default_factory=list)
 
 
 class SharedStorageConnector(KVConnectorBase):
     medium = "shared_storage"
 
-    def __init__(self, config: KVTransferConfig, role, layout: KVLayout, kv_cache_manager=None):
-        super().__init__(config, role, layout, kv_cache_manager)  # either role: both halves' state is small
-        self.directory = parse_extra_config(config) / layout.fingerprint
+    def __init__(self, config: KVTransferConfig, role, layouts: list[KVLayout], kv_cache_manager=None):
+        super().__init__(config, role, layouts, kv_cache_manager)  # either role: both halves' state is small
+        self.root = parse_extra_config(config)
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            for layout in layouts:
+                (self.root / layout.fingerprint).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"kv_connector_extra_config.shared_storage_path cannot hold files: {e}") from None
         self.stats = dict.fromkeys(COUNTERS, 0)
         # Scheduler side. request id -> (first block looked up, first block not on disk), until it is admitted.
         self.matches: dict[str, tuple[int, int]] = {}
-        self.pending_loads: list[BlockJob] = []
-        self.loading: set[str] = set()  # request ids whose load the worker has not reported yet
+        self.pending_loads: list[LoadJob] = []
+        self.loading: dict[str, int] = {}  # request id -> first block of its load, until the worker reports it
         # request id -> leading blocks already on disk or being written
         self.num_stored_blocks: dict[str, int] = {}
         # Worker side.
         self.finished = KVConnectorOutput()
 
-    def _path(self, block_hash: bytes) -> Path:
-        return self.directory / block_hash.hex()
+    def _path(self, group_id: int, block_hash: bytes) -> Path:
+        return self.root / self.layouts[group_id].fingerprint / block_hash.hex()
 
-    def _stored(self, block_hash: bytes) -> bool:
-        """Whether the block is on disk: with tensor parallelism, every rank's shard of it."""
-        return all((self.directory.parent / f / block_hash.hex()).exists() for f in self.layout.all_fingerprints)
+    def _stored(self, group_id: int, block_hash: bytes) -> bool:
+        """Whether the group's block is on disk: with tensor parallelism, every rank's shard of it."""
+        return all((self.root / f / block_hash.hex()).exists() for f in self.layouts[group_id].all_fingerprints)
 
     # ---- scheduler side -----------------------------------------------------------------------------
 
@@ -91,9 +103,7 @@ class SharedStorageConnector(KVConnectorBase):
         if match is None:
             if not self.config.is_kv_consumer or last <= first:
                 return 0, False
-            end = first
-            while end < last and self._stored(request.block_hashes[end]):
-                end += 1
+            end = self.longest_hit(first, last, lambda g, i: self._stored(g, request.block_hashes[i]))
             match = self.matches[request.request_id] = (first, end)
             self.stats["lookups"] += 1
             self.stats["lookup_tokens"] += (last - first) * bs
@@ -106,12 +116,10 @@ class SharedStorageConnector(KVConnectorBase):
         self.matches.pop(request.request_id, None)
         if num_external_tokens == 0:
             return
-        first = request.num_computed_tokens // self.block_size
-        last = first + num_external_tokens // self.block_size
-        ids = [b.block_id for b in blocks[first:last]]
-        self.pending_loads.append(BlockJob(request.request_id, ids, request.block_hashes[first:last]))
-        self.loading.add(request.request_id)
-        self.num_stored_blocks[request.request_id] = last  # on disk already
+        job = self.make_load_job(request, blocks, num_external_tokens)
+        self.pending_loads.append(job)
+        self.loading[request.request_id] = job.first
+        self.num_stored_blocks[request.request_id] = job.end  # on disk already
 
     def build_connector_meta(self, scheduler_output) -> SharedStorageConnectorMetadata:
         meta = SharedStorageConnectorMetadata(loads=self.pending_loads)
@@ -126,15 +134,18 @@ class SharedStorageConnector(KVConnectorBase):
             start = self.num_stored_blocks.get(request.request_id, 0)
             if end <= start:
                 continue
-            ids = scheduler_output.block_ids[request.request_id][0][start:end]  # one KV cache group
-            meta.stores.append(BlockJob(request.request_id, ids, request.block_hashes[start:end]))
+            for g, group in enumerate(self.kv_cache_manager.req_to_blocks[request.request_id]):
+                held = self.held_blocks(group, start, end)
+                ids, hashes = [group[i].block_id for i in held], [request.block_hashes[i] for i in held]
+                meta.stores.append(BlockJob(request.request_id, g, ids, hashes))
             request.record_event(EngineCoreEventType.KV_STORE_STARTED, num_tokens=(end - start) * bs)
             self.num_stored_blocks[request.request_id] = end
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         super().update_connector_output(output)
-        self.loading.difference_update(output.finished_recving)
+        for request_id, num_tokens in output.finished_recving.items():
+            self.free_unloaded_blocks(request_id, self.loading.pop(request_id) + num_tokens // self.block_size)
 
     def request_finished(self, request) -> None:
         self.num_stored_blocks.pop(request.request_id, None)
@@ -146,37 +157,44 @@ class SharedStorageConnector(KVConnectorBase):
     # ---- worker side ----------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches) -> None:
-        self.block_io = KVBlockIO(kv_caches, self.layout)
+        self.block_ios = [KVBlockIO(kv_caches, layout) for layout in self.layouts]
 
     def _count(self, key: str, value: int) -> None:
         stats = self.finished.kv_connector_stats
         stats[key] = stats.get(key, 0) + value
 
     def start_load_kv(self, metadata: SharedStorageConnectorMetadata) -> None:
-        """Read each load's blocks up to the first missing or bad file, into the cache blocks reserved for them."""
-        bs, block_bytes = self.block_size, self.layout.block_bytes
+        """Read each group's blocks of each load up to its first missing or bad file, into the cache blocks reserved
+        for them; the load brings the prefix the groups agree on."""
+        bs = self.block_size
         for job in metadata.loads:
-            blocks = []
-            for block_hash in job.block_hashes:
-                data = self._read(block_hash)
-                if data is None:
-                    break
-                blocks.append(data)
-            if blocks:
-                self.block_io.write(job.block_ids[: len(blocks)], b"".join(blocks))
-            self.finished.finished_recving[job.request_id] = len(blocks) * bs
-            self._count("loaded_tokens", len(blocks) * bs)
-            self._count("loaded_bytes", len(blocks) * block_bytes)
-            self._count("load_failed_tokens", (len(job.block_hashes) - len(blocks)) * bs)
+            loaded_bytes, num_loaded = 0, []
+            for g, ids in enumerate(job.block_ids):
+                blocks = []
+                for block_hash in job.group_hashes(g):
+                    data = self._read(g, block_hash)
+                    if data is None:
+                        break
+                    blocks.append(data)
+                if blocks:
+                    self.block_ios[g].write(ids[: len(blocks)], b"".join(blocks))
+                num_loaded.append(len(blocks))
+                loaded_bytes += len(blocks) * self.layouts[g].block_bytes
+            end = self.loaded_end(job, num_loaded)
+            self.finished.finished_recving[job.request_id] = (end - job.first) * bs
+            self._count("loaded_tokens", (end - job.first) * bs)
+            self._count("loaded_bytes", loaded_bytes)
+            self._count("load_failed_tokens", (job.end - end) * bs)
 
-    def _read(self, block_hash: bytes) -> bytes | None:
-        path = self._path(block_hash)
+    def _read(self, group_id: int, block_hash: bytes) -> bytes | None:
+        path = self._path(group_id, block_hash)
         try:
             raw = path.read_bytes()
         except OSError:
             return None
         data, checksum = raw[:-CHECKSUM_BYTES], raw[-CHECKSUM_BYTES:]
-        if len(data) != self.layout.block_bytes or zlib.crc32(data).to_bytes(CHECKSUM_BYTES, "little") != checksum:
+        block_bytes = self.layouts[group_id].block_bytes
+        if len(data) != block_bytes or zlib.crc32(data).to_bytes(CHECKSUM_BYTES, "little") != checksum:
             logger.warning("KV block file %s is damaged; deleted, its tokens are recomputed", path)
             path.unlink(missing_ok=True)
             return None
@@ -185,12 +203,12 @@ class SharedStorageConnector(KVConnectorBase):
     def wait_for_save(self, metadata: SharedStorageConnectorMetadata) -> None:
         """Write the step's new blocks that are not on disk yet (each file appears whole or not at all)."""
         for job in metadata.stores:
-            todo = [i for i, h in enumerate(job.block_hashes) if not self._path(h).exists()]
+            todo = [i for i, h in enumerate(job.block_hashes) if not self._path(job.group_id, h).exists()]
             if not todo:
                 continue
-            data = self.block_io.read([job.block_ids[i] for i in todo])
+            data = self.block_ios[job.group_id].read([job.block_ids[i] for i in todo])
             for i, block in zip(todo, data):
-                path = self._path(job.block_hashes[i])
+                path = self._path(job.group_id, job.block_hashes[i])
                 partial = path.with_name(f".{path.name}.{os.getpid()}")  # renamed once whole
                 try:
                     partial.write_bytes(block + zlib.crc32(block).to_bytes(CHECKSUM_BYTES, "little"))
