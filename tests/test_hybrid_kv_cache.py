@@ -287,15 +287,6 @@ def test_the_same_kv_cache_memory_holds_more_tokens_with_sliding_layers(tmp_path
     assert_no_leaks(engine)
 
 
-def test_a_kv_connector_is_refused_for_a_model_of_several_groups(tmp_path):
-    path, _ = save_sliding_model(tmp_path, "Qwen2ForCausalLM", **HYBRID["Qwen2ForCausalLM"])
-    config = json.dumps(
-        {"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
-    )
-    with pytest.raises(ValueError, match="--kv-transfer-config.*2 groups"):
-        EngineCore(EngineArgs(model=str(path), kv_cache_memory="1MiB", block_size=BLOCK, kv_transfer_config=config))
-
-
 @pytest.mark.parametrize("arch", sorted(HYBRID))
 def test_a_draft_model_shares_the_first_groups_blocks(tmp_path, arch):
     """The target as its own draft: its KV lives in group 0's blocks (Qwen2's full group, Mistral's one window
