@@ -32,17 +32,24 @@ def save_random_smollm2_shaped(path: Path, seed: int = 0, **shape):
     """Write config, weights (float32) and tokenizer to path; the transformers model (float32, on CPU). `shape`
     overrides SMOLLM2_SHAPE's entries (a smaller model for fast tests)."""
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     # A wider init than the default 0.02 gives logits with clear winners, so greedy choices are rarely near-ties.
     config = transformers.LlamaConfig(**{**SMOLLM2_SHAPE, "initializer_range": 0.05, **shape})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(path)
-    words = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(config.vocab_size)}, unk_token="<0>"))
+    save_word_level_tokenizer(path, config.vocab_size)
+    return model
+
+
+def save_word_level_tokenizer(path: Path, vocab_size: int) -> None:
+    """A tokenizer that maps id i to the word "<i>" (BOS 1, EOS 2), saved to path."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=words, unk_token="<0>", bos_token="<1>", eos_token="<2>", pad_token="<0>"
     )
     tokenizer.save_pretrained(path)
-    return model

@@ -15,6 +15,9 @@ _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",  # Gemma 3 with its vision tower: refused by name
 }
 
 
@@ -55,10 +58,37 @@ USED_FIELDS = frozenset(
 )
 
 # Fields only some families read, by architecture: their model file reads them from ModelArchConfig.hf_config.
-FAMILY_FIELDS: dict[str, frozenset[str]] = {}
+_GEMMA2_FIELDS = frozenset(
+    {
+        "hidden_activation",  # Gemma names its MLP activation so; transformers does not read hidden_act there
+        "query_pre_attn_scalar",  # the attention scale is query_pre_attn_scalar ** -0.5
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "use_bidirectional_attention",  # refused when set: the engine's attention is causal
+    }
+)
+FAMILY_FIELDS: dict[str, frozenset[str]] = {
+    "Gemma2ForCausalLM": _GEMMA2_FIELDS,
+    # rope_local_base_freq: the sliding layers' rope base in configs older than the per-layer-type rope_parameters;
+    # sliding_window_pattern: one full layer in that many where a config has no layer_types.
+    "Gemma3ForCausalLM": _GEMMA2_FIELDS | {"rope_local_base_freq", "sliding_window_pattern"},
+}
+
+# transformers' defaults for the family fields a config.json may leave out; ModelArchConfig.hf_config has them.
+_GEMMA_DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256}
+FAMILY_DEFAULTS: dict[str, dict] = {
+    "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "Gemma3ForCausalLM": _GEMMA_DEFAULTS,
+}
 
 # The MLP activations (hidden_act) each family implements; silu where a family is not listed.
-HIDDEN_ACTS: dict[str, tuple[str, ...]] = {}
+HIDDEN_ACTS: dict[str, tuple[str, ...]] = {
+    "Gemma2ForCausalLM": ("gelu_pytorch_tanh",),
+    "Gemma3ForCausalLM": ("gelu_pytorch_tanh",),
+}
+
+# The field a family names its activation in, where it is not hidden_act.
+HIDDEN_ACT_FIELD = {"Gemma2ForCausalLM": "hidden_activation", "Gemma3ForCausalLM": "hidden_activation"}
 
 # Reviewed: fields that do not change what the model computes at inference. Adding one here is a claim about the
 # output; a field that does change it belongs in from_hf_config, read or refused.
@@ -79,6 +109,9 @@ NO_EFFECT_FIELDS = frozenset(
         "id2label",  # sequence-classification heads
         "label2id",
         "problem_type",
+        # transformers' record of Gemma 3's sliding_window_pattern; layer_types, written beside it, says which
+        # layers slide, and transformers does not read it back.
+        "_sliding_window_pattern",
     }
 )
 
@@ -152,6 +185,8 @@ class ModelArchConfig:
         layers = int(need("num_hidden_layers"))
         # transformers >= 5 writes rope settings as one "rope_parameters" dict instead of rope_theta/rope_scaling.
         rope_params = dict(d.get("rope_parameters") or {})
+        # Gemma 3 has one rope a layer type: the model's is the full layers'; its model file reads the sliding ones'.
+        rope_params = dict(rope_params.get("full_attention", rope_params))
         rope_theta = d.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
         rope_params.pop("rope_theta", None)
         rope_scaling = d.get("rope_scaling") or rope_params or None
@@ -194,15 +229,25 @@ class ModelArchConfig:
             quantization=(d.get("quantization_config") or {}).get("quant_method"),
             sliding_window=window,
             layer_types=layer_types,
-            hf_config=d,
+            hf_config={**FAMILY_DEFAULTS.get(arch, {}), **d},
         )
 
 
 def _refuse_unimplemented(d: dict, arch: str) -> None:
     """A start-up error for a config value that changes the computation in a way the engine does not implement."""
-    acts = HIDDEN_ACTS.get(arch, ("silu",))
-    if d.get("hidden_act", acts[0]) not in acts:
-        raise ModelLoadError(f"hidden_act={d['hidden_act']!r} is not implemented; the MLP supports {', '.join(acts)}")
+    acts, act_field = HIDDEN_ACTS.get(arch, ("silu",)), HIDDEN_ACT_FIELD.get(arch, "hidden_act")
+    if d.get(act_field, acts[0]) not in acts:
+        raise ModelLoadError(f"{act_field}={d[act_field]!r} is not implemented; the MLP supports {', '.join(acts)}")
+    if d.get("use_bidirectional_attention"):
+        raise ModelLoadError(
+            f"use_bidirectional_attention={d['use_bidirectional_attention']!r} is not implemented; attention is causal"
+        )
+    local_rope = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local_rope.get("rope_type", "default") != "default":
+        raise ModelLoadError(
+            f"rope_parameters.sliding_attention rope_type {local_rope['rope_type']!r} is not implemented; "
+            "the sliding layers' rope is the default one"
+        )
     if d.get("mlp_bias"):
         raise ModelLoadError(f"mlp_bias={d['mlp_bias']!r} is not implemented; the MLP has no biases")
     unknown = set(d.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
@@ -215,11 +260,15 @@ def _refuse_unimplemented(d: dict, arch: str) -> None:
 def _sliding_window(d: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     """The window of the model's sliding-window layers and each layer's type, as transformers reads them: a config's
     layer_types where it has them; else every layer slides when there is a window (Mistral, Phi-3), but Qwen2 slides
-    only with use_sliding_window, and then on the layers from max_window_layers on."""
+    only with use_sliding_window, and then on the layers from max_window_layers on; Gemma in a fixed pattern."""
     window = d.get("sliding_window")
     if not window or (arch == "Qwen2ForCausalLM" and not d.get("use_sliding_window")):
         return None, ()
     layer_types = d.get("layer_types")
+    if layer_types is None and arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        # Gemma: every pattern-th layer is full, the others slide (Gemma 2 alternates; Gemma 3 has a pattern of 6).
+        pattern = 2 if arch == "Gemma2ForCausalLM" else int(d.get("sliding_window_pattern", 6))
+        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
     if layer_types is None:
         first = int(d.get("max_window_layers", num_layers)) if arch == "Qwen2ForCausalLM" else 0
         layer_types = ["full_attention"] * first + ["sliding_attention"] * (num_layers - first)

@@ -1,5 +1,5 @@
-"""The layers a decoder family is built from, in vLLM's names: RMSNorm, the rotary embedding (get_rope), the gated
-MLP, and Attention (the call into the attention backend). The weight-bearing linear, embedding and LM-head layers,
+"""The layers a decoder family is built from, in vLLM's names: RMSNorm (and Gemma's), the rotary embedding (get_rope),
+the gated MLP, and Attention (the call into the attention backend). The weight-bearing linear, embedding and LM-head layers,
 with their tensor-parallel split and quantization methods, are engine/models/linear.py's.
 
 Each computes what Hugging Face's layers compute, in the same order, so float32 output matches it token for token.
@@ -34,6 +34,21 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the checkpoint stores w with the scale 1 + w, applied in float32 before the cast back (the
+    CPU kernel's RMSNorm rounds first and scales by w, so this layer has no `ops`)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- rotary embedding
@@ -129,20 +144,36 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """vLLM's GeluAndMul(approximate="tanh") (GeGLU): gelu_pytorch_tanh(gate) * up over the fused halves."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+# hidden_act -> the gated activation over [gate | up].
+ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+
+
 class MLP(nn.Module):
-    """gate/up/down with SiLU-and-mul; gate and up fused in one column-parallel layer."""
+    """gate/up/down with an activation-and-mul; gate and up fused in one column-parallel layer."""
 
     ops = None  # as RMSNorm's
 
-    def __init__(self, hidden_size: int, intermediate_size: int, quantization: str | None = None):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, quantization: str | None = None, hidden_act: str = "silu"
+    ):
         super().__init__()
         method = get_linear_method(quantization)
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], False, method)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, method)
+        self.act_fn = ACTIVATIONS[hidden_act]
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(self.ops.silu_and_mul(gate_up) if self.ops is not None else silu_and_mul(gate_up))
+        # The CPU kernels implement SiLU-and-mul only; any other activation stays on torch.
+        if self.ops is not None and self.act_fn is silu_and_mul:
+            return self.down_proj(self.ops.silu_and_mul(gate_up))
+        return self.down_proj(self.act_fn(gate_up))
 
 
 def use_cpu_ops(model: nn.Module, ops) -> None:
