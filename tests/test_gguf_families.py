@@ -348,3 +348,32 @@ def _copy_with(reader, out: Path, meta: dict, tensors: dict | None = None) -> No
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# ---------------------------------------------------------------------------------------------- served end to end
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_serving_the_gguf_matches_transformers(tmp_path, monkeypatch, family):
+    from conftest import HFReference, assert_greedy_matches, run_greedy
+    from engine.config import EngineArgs
+    from engine.core import EngineCore
+    from engine.models.registry import ModelRegistry
+
+    if not ModelRegistry.is_supported(files.GGUF_ARCHS[family]):
+        pytest.skip(f"{files.GGUF_ARCHS[family]} is not implemented in this tree")
+    vocab = _vocab(family)
+    path = tmp_path / f"{family}.gguf"
+    # Q8_0 linear layers: the engine keeps them quantized (their dequantized values are checked above).
+    write_gguf(path, family, _tiny_model(family, len(vocab["tokens"])), vocab, quantized=True)
+    monkeypatch.setenv("LLMMESH_CACHE_DIR", str(tmp_path / "cache"))
+    ref, _ = transformers_gguf(path, monkeypatch)
+
+    engine = EngineCore(EngineArgs(model=str(path), dtype="float32", kv_cache_memory="8MiB", block_size=4))
+    rng = np.random.default_rng(1)
+    # Longer than the Gemma models' 8-token window, so the sliding layers slide.
+    prompts = [rng.integers(10, len(vocab["tokens"]) - 10, n).tolist() for n in (3, 13, 21)]
+    reference = HFReference(ref)
+    for i, (prompt, ours) in enumerate(zip(prompts, run_greedy(engine, prompts, 10))):
+        tokens, logits = reference.greedy(prompt, len(ours))
+        assert_greedy_matches(ours, tokens, logits, f"{family} prompt {i}")
