@@ -5,11 +5,9 @@ on loopback): the same prompt and ids as transformers' tokenizer from the same f
 import chat_templates
 import grpc
 import pytest
-from test_gguf_families import FAMILIES, _tiny_model, _vocab, transformers_gguf, write_gguf
+from test_gguf_families import FAMILIES, served_gguf
 
 from conftest import InProcessService
-from engine.models import files
-from engine.models.registry import ModelRegistry
 from llmmesh.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 CHAT = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "Hello"},
@@ -34,13 +32,7 @@ def _invalid(call, request) -> str:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_chat_template_through_the_tokenizer_service(tmp_path, monkeypatch, family):
-    if not ModelRegistry.is_supported(files.GGUF_ARCHS[family]):
-        pytest.skip(f"{files.GGUF_ARCHS[family]} is not implemented in this tree")
-    vocab = _vocab(family)
-    path = tmp_path / f"{family}.gguf"
-    write_gguf(path, family, _tiny_model(family, len(vocab["tokens"])), vocab)
-    monkeypatch.setenv("LLMMESH_CACHE_DIR", str(tmp_path / "cache"))
-    _, ref_tok = transformers_gguf(path, monkeypatch)
+    path, _, ref_tok = served_gguf(tmp_path, monkeypatch, family)
 
     with InProcessService("tokenizer", ["--model", path]) as service, grpc.insecure_channel(service.address) as ch:
         stub = tokenizer_pb2_grpc.TokenizerStub(ch)

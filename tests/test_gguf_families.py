@@ -353,21 +353,29 @@ def _copy_with(reader, out: Path, meta: dict, tensors: dict | None = None) -> No
 # ---------------------------------------------------------------------------------------------- served end to end
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_engine_serving_the_gguf_matches_transformers(tmp_path, monkeypatch, family):
-    from conftest import HFReference, assert_greedy_matches, run_greedy
-    from engine.config import EngineArgs
-    from engine.core import EngineCore
+def served_gguf(tmp_path, monkeypatch, family: str, quantized: bool = False):
+    """A family's GGUF for a test that runs the engine or a service on it (skipped where the family is not
+    implemented in this tree), with the conversion cache under tmp_path: (path, transformers' model, tokenizer)."""
     from engine.models.registry import ModelRegistry
 
     if not ModelRegistry.is_supported(files.GGUF_ARCHS[family]):
         pytest.skip(f"{files.GGUF_ARCHS[family]} is not implemented in this tree")
     vocab = _vocab(family)
     path = tmp_path / f"{family}.gguf"
-    # Q8_0 linear layers: the engine keeps them quantized (their dequantized values are checked above).
-    write_gguf(path, family, _tiny_model(family, len(vocab["tokens"])), vocab, quantized=True)
+    write_gguf(path, family, _tiny_model(family, len(vocab["tokens"])), vocab, quantized)
     monkeypatch.setenv("LLMMESH_CACHE_DIR", str(tmp_path / "cache"))
-    ref, _ = transformers_gguf(path, monkeypatch)
+    return path, *transformers_gguf(path, monkeypatch)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_serving_the_gguf_matches_transformers(tmp_path, monkeypatch, family):
+    from conftest import HFReference, assert_greedy_matches, run_greedy
+    from engine.config import EngineArgs
+    from engine.core import EngineCore
+
+    # Q8_0 linear layers: the engine keeps them quantized (their dequantized values are checked above).
+    path, ref, _ = served_gguf(tmp_path, monkeypatch, family, quantized=True)
+    vocab = _vocab(family)
 
     engine = EngineCore(EngineArgs(model=str(path), dtype="float32", kv_cache_memory="8MiB", block_size=4))
     rng = np.random.default_rng(1)
