@@ -179,3 +179,14 @@ def check_kv_store(tmp_path, config, redis_url: str, **engine_kwargs):
                 engine.shutdown()
         full_blocks = sum((len(p) - 1) // BLOCK for p in batch)
         assert stats["loaded_tokens"] == full_blocks * BLOCK and stats["load_failed_tokens"] == 0
+
+
+def check_engine_paths(tmp_path, config, redis_url: str, lora_targets, **engine_kwargs):
+    """Every check above but the first, on one model: a family's tests call this with the config that exercises most
+    of it, and check_greedy_chunked_and_prefix_cached with each variant."""
+    check_preemption(tmp_path, config, **engine_kwargs)
+    check_structured_output(tmp_path, config, **engine_kwargs)
+    check_ngram_speculation(tmp_path, config, **engine_kwargs)
+    check_tensor_parallel(tmp_path, config, **engine_kwargs)
+    check_lora(tmp_path, config, lora_targets, **engine_kwargs)
+    check_kv_store(tmp_path, config, redis_url, **engine_kwargs)

@@ -17,6 +17,8 @@ FAMILIES = {
     "LlamaForCausalLM": "LlamaConfig",
     "MistralForCausalLM": "MistralConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
+    "Qwen3ForCausalLM": "Qwen3Config",
+    "Phi3ForCausalLM": "Phi3Config",
 }
 
 
@@ -48,7 +50,8 @@ def test_every_config_field_is_used_or_reviewed(arch):
         ("hidden_act", "gelu", "gelu"),
         ("mlp_bias", True, "True"),
         ("layer_types", ["full_attention", "chunked_attention"], "chunked_attention"),
-        ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, "yarn"),
+        ("rope_scaling", {"rope_type": "proportional", "factor": 4.0}, "proportional"),
+        ("partial_rotary_factor", 0.5, "0.5"),
     ],
 )
 def test_an_unimplemented_value_is_refused_naming_the_field_and_value(field, value, shown):
@@ -69,6 +72,10 @@ def test_an_unimplemented_value_is_refused_naming_the_field_and_value(field, val
         ("Qwen2ForCausalLM", dict(use_sliding_window=False, sliding_window=32), None),
         ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=32, max_window_layers=2), None),
         ("LlamaForCausalLM", dict(), None),
+        # Qwen3 as Qwen2; Phi-3 as Mistral: every layer where a window is set.
+        ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1), 32),
+        ("Qwen3ForCausalLM", dict(use_sliding_window=False, sliding_window=32), None),
+        ("Phi3ForCausalLM", dict(sliding_window=32), 32),
     ],
 )
 def test_sliding_window_is_read_as_transformers_reads_it(arch, extra, window):
@@ -77,7 +84,7 @@ def test_sliding_window_is_read_as_transformers_reads_it(arch, extra, window):
     assert ModelArchConfig.from_hf_config(d).sliding_window == window
     # Qwen2's older configs carry no layer_types: max_window_layers says which layers slide.
     d.pop("layer_types", None)
-    if arch == "Qwen2ForCausalLM" and extra["use_sliding_window"]:
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and extra["use_sliding_window"]:
         d["sliding_window"] = 32  # transformers drops it from the dict where no layer slides
     assert ModelArchConfig.from_hf_config(d).sliding_window == window
 

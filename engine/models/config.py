@@ -18,11 +18,17 @@ _MODEL_TYPE_TO_ARCH = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",  # Gemma 3 with its vision tower: refused by name
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
 # The rope types layers.get_rope implements.
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+
+# Rope types that stretch the original context: the length they stretch (original_max_position_embeddings) is
+# max_position_embeddings where a config does not say.
+_ROPE_TYPES_WITH_ORIGINAL_LEN = ("llama3", "yarn", "longrope")
 
 # The config.json fields from_hf_config reads.
 USED_FIELDS = frozenset(
@@ -43,6 +49,7 @@ USED_FIELDS = frozenset(
         "rope_theta",
         "rope_scaling",
         "rope_parameters",
+        "partial_rotary_factor",
         "max_position_embeddings",
         "tie_word_embeddings",
         "sliding_window",
@@ -68,6 +75,8 @@ _GEMMA2_FIELDS = frozenset(
     }
 )
 FAMILY_FIELDS: dict[str, frozenset[str]] = {
+    # Phi-3 keeps LongRoPE's pretraining length outside its rope parameters (from_hf_config moves it in).
+    "Phi3ForCausalLM": frozenset({"original_max_position_embeddings"}),
     "Gemma2ForCausalLM": _GEMMA2_FIELDS,
     # rope_local_base_freq: the sliding layers' rope base in configs older than the per-layer-type rope_parameters;
     # sliding_window_pattern: one full layer in that many where a config has no layer_types.
@@ -112,6 +121,8 @@ NO_EFFECT_FIELDS = frozenset(
         # transformers' record of Gemma 3's sliding_window_pattern; layer_types, written beside it, says which
         # layers slide, and transformers does not read it back.
         "_sliding_window_pattern",
+        "resid_pdrop",  # Phi-3's dropouts: training only
+        "embd_pdrop",
     }
 )
 
@@ -191,9 +202,7 @@ class ModelArchConfig:
         rope_params.pop("rope_theta", None)
         rope_scaling = d.get("rope_scaling") or rope_params or None
         if rope_scaling is not None:
-            rope_scaling = dict(rope_scaling)
-            # Old configs say "type"; the engine reads "rope_type".
-            rope_scaling.setdefault("rope_type", rope_scaling.pop("type", "default"))
+            rope_scaling = _rope_scaling(d, arch, dict(rope_scaling))
             if rope_scaling["rope_type"] not in ROPE_TYPES:
                 raise ModelLoadError(
                     f"rope_scaling type {rope_scaling['rope_type']!r} is not implemented; "
@@ -201,6 +210,14 @@ class ModelArchConfig:
                 )
             if rope_scaling["rope_type"] == "default":
                 rope_scaling = None
+        max_position = int(d.get("max_position_embeddings", 2048))
+        if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
+            # transformers recomputes a whole sequence with the long factors once it grows past the original length
+            # (Phi-3's prepare_inputs_for_generation drops its cache there), which paged, prefix-cached KV cannot
+            # do: the engine serves LongRoPE models up to that length, where the short factors are exact. The
+            # attention factor stays the one of the full context.
+            rope_scaling.setdefault("factor", max_position / rope_scaling["original_max_position_embeddings"])
+            max_position = min(max_position, rope_scaling["original_max_position_embeddings"])
         _refuse_unimplemented(d, arch)
         window, layer_types = _sliding_window(d, arch, layers)
 
@@ -219,7 +236,7 @@ class ModelArchConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_position,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases (its config has no flag for it); Llama may opt in.
             attention_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
@@ -231,6 +248,22 @@ class ModelArchConfig:
             layer_types=layer_types,
             hf_config={**FAMILY_DEFAULTS.get(arch, {}), **d},
         )
+
+
+def _rope_scaling(d: dict, arch: str, rope_scaling: dict) -> dict:
+    """The rope parameters as transformers standardizes them: "rope_type" (old configs say "type"; Phi-3's "su" and
+    "yarn" are its LongRoPE), and the original context length where the type stretches one."""
+    rope_type = rope_scaling.pop("type", None)
+    rope_scaling.setdefault("rope_type", rope_type or "default")
+    if arch == "Phi3ForCausalLM" and rope_scaling["rope_type"] in ("su", "yarn"):
+        rope_scaling["rope_type"] = "longrope"
+    rope_scaling.pop("partial_rotary_factor", None)  # _refuse_unimplemented checks it is 1
+    if rope_scaling["rope_type"] in _ROPE_TYPES_WITH_ORIGINAL_LEN:
+        # Phi-3's own field wins over the one in its rope parameters, as in transformers.
+        original = d.get("original_max_position_embeddings") if arch == "Phi3ForCausalLM" else None
+        original = original or rope_scaling.get("original_max_position_embeddings")
+        rope_scaling["original_max_position_embeddings"] = int(original or d.get("max_position_embeddings", 2048))
+    return rope_scaling
 
 
 def _refuse_unimplemented(d: dict, arch: str) -> None:
@@ -248,6 +281,10 @@ def _refuse_unimplemented(d: dict, arch: str) -> None:
             f"rope_parameters.sliding_attention rope_type {local_rope['rope_type']!r} is not implemented; "
             "the sliding layers' rope is the default one"
         )
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ModelLoadError(f"partial_rotary_factor={partial!r} is not implemented; RoPE turns the whole head")
     if d.get("mlp_bias"):
         raise ModelLoadError(f"mlp_bias={d['mlp_bias']!r} is not implemented; the MLP has no biases")
     unknown = set(d.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
@@ -259,10 +296,11 @@ def _refuse_unimplemented(d: dict, arch: str) -> None:
 
 def _sliding_window(d: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     """The window of the model's sliding-window layers and each layer's type, as transformers reads them: a config's
-    layer_types where it has them; else every layer slides when there is a window (Mistral, Phi-3), but Qwen2 slides
-    only with use_sliding_window, and then on the layers from max_window_layers on; Gemma in a fixed pattern."""
+    layer_types where it has them; else every layer slides when there is a window (Mistral, Phi-3), but Qwen2 and Qwen3
+    slide only with use_sliding_window, and then on the layers from max_window_layers on; Gemma in a fixed pattern."""
     window = d.get("sliding_window")
-    if not window or (arch == "Qwen2ForCausalLM" and not d.get("use_sliding_window")):
+    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    if not window or (qwen and not d.get("use_sliding_window")):
         return None, ()
     layer_types = d.get("layer_types")
     if layer_types is None and arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
@@ -270,7 +308,7 @@ def _sliding_window(d: dict, arch: str, num_layers: int) -> tuple[int | None, tu
         pattern = 2 if arch == "Gemma2ForCausalLM" else int(d.get("sliding_window_pattern", 6))
         layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
     if layer_types is None:
-        first = int(d.get("max_window_layers", num_layers)) if arch == "Qwen2ForCausalLM" else 0
+        first = int(d.get("max_window_layers", num_layers)) if qwen else 0
         layer_types = ["full_attention"] * first + ["sliding_attention"] * (num_layers - first)
     if len(layer_types) != num_layers:
         raise ModelLoadError(

@@ -54,7 +54,8 @@ class GemmaRMSNorm(nn.Module):
 # ---------------------------------------------------------------------------------------------- rotary embedding
 
 
-def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None, max_position: int) -> torch.Tensor:
+    """The inverse frequencies of each rope type, as transformers' modeling_rope_utils computes them."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     scaling = rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -73,20 +74,80 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torc
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(is_medium, smoothed, scaled)
+    if rope_type == "dynamic":
+        # Dynamic NTK raises the base once a forward pass reaches past max_position_embeddings (transformers then
+        # recomputes inv_freq for the new length). The engine never runs a position there (max_model_len is at most
+        # max_position_embeddings), so transformers' own value at that length holds for every sequence served.
+        factor = scaling["factor"]
+        base = base * ((factor * max_position / max_position) - (factor - 1)) ** (head_dim / (head_dim - 2))
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, base, scaling, max_position)
+    if rope_type == "longrope":
+        # transformers' Phi-3 rotates a whole sequence with the short factors while it fits in
+        # original_max_position_embeddings and recomputes all of it with the long ones once it grows past; the engine
+        # serves only up to that length (ModelArchConfig caps max_position_embeddings there), so only the short
+        # factors apply.
+        inv_freq_shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * base**inv_freq_shape)
     raise ValueError(f"Unsupported rope_scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}.")
 
 
+def _yarn_inv_freq(head_dim: int, base: float, scaling: dict, max_position: int) -> torch.Tensor:
+    """YaRN: interpolated (divided by factor) frequencies for the dimensions that turn fewer than beta_slow times over
+    the original context, the original ones for those turning more than beta_fast times, a linear ramp between."""
+    factor = scaling.get("factor") or max_position / scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    old_len = scaling["original_max_position_embeddings"]
+
+    def correction_dim(num_rotations):
+        return (head_dim * math.log(old_len / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does, against a division by zero
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(rope_scaling: dict | None, max_position: int) -> float:
+    """The factor transformers multiplies cos and sin by (yarn's and longrope's mscale; 1 for the other types)."""
+    scaling = rope_scaling or {}
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type not in ("yarn", "longrope"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    old_len = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position / old_len
+    if rope_type == "longrope":
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+
+    def mscale(scale, m=1):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
+    return mscale(factor)
+
+
 class RotaryEmbedding(nn.Module):
-    """Hugging Face's rotate-half RoPE with a precomputed cos/sin table."""
+    """Hugging Face's rotate-half RoPE with a precomputed cos/sin table (scaled by the rope type's attention factor,
+    as transformers scales them)."""
 
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, base, rope_scaling)
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
+        inv_freq = rope_inv_freq(head_dim, base, rope_scaling, max_position)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        scale = rope_attention_factor(rope_scaling, max_position)
         # Plain attributes, not buffers: model.to(dtype) must not round them (HF keeps them float32).
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos, self.sin = emb.cos() * scale, emb.sin() * scale
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [tokens, head_dim] for this step's positions, looked up once and shared by every layer."""

@@ -31,7 +31,12 @@ class LlamaAttention(nn.Module):
     ops = None  # the CPU kernels, for RoPE, once layers.use_cpu_ops sets them
 
     def __init__(
-        self, config: ModelArchConfig, backend: AttentionBackend, quantization: str | None = None, layer: int = 0
+        self,
+        config: ModelArchConfig,
+        backend: AttentionBackend,
+        quantization: str | None = None,
+        layer: int = 0,
+        o_proj_bias: bool = False,
     ):
         super().__init__()
         # This rank's heads and KV heads (check_tensor_parallel_size: they divide by the ranks).
@@ -45,7 +50,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(
             config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias, method
         )
-        self.o_proj = RowParallelLinear(q_size, config.hidden_size, False, method)
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, o_proj_bias, method)
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -60,6 +65,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.norm_qk(q, k)
         if self.ops is not None:
             self.ops.rotary_embedding(q, k, *cos_sin)  # in place
         else:
@@ -67,14 +73,20 @@ class LlamaAttention(nn.Module):
         out = self.attn(q, k, v, kv_cache, metadata)
         return self.o_proj(out.reshape(-1, self.q_size))
 
+    def norm_qk(self, q, k):
+        """Where a family normalises q and k before RoPE (Qwen3); Llama does not."""
+        return q, k
+
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+
     def __init__(
         self, config: ModelArchConfig, backend: AttentionBackend, quantization: str | None = None, layer: int = 0
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, backend, quantization, layer)
+        self.self_attn = self.attention_cls(config, backend, quantization, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, quantization)
 
@@ -84,6 +96,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder_layer_cls = LlamaDecoderLayer
+
     def __init__(self, config: ModelArchConfig, backend: AttentionBackend, quantization: str | None = None):
         super().__init__()
         check_tensor_parallel_size(config, get_tp_size())
@@ -92,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
             config.vocab_size, config.hidden_size, get_embedding_method(quantization)
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, quantization, i) for i in range(config.num_hidden_layers)
+            self.decoder_layer_cls(config, backend, quantization, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = get_rope(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
