@@ -222,6 +222,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 "tokenizer with --trust-request-chat-template to allow it); leave it empty for the model's own"
             )
         chat = tokenizer_pb2.ChatInput(messages=request.messages, chat_template=request.chat_template)
+        if request.HasField("chat_template_kwargs"):
+            chat.chat_template_kwargs.CopyFrom(request.chat_template_kwargs)
         if request.HasField("add_generation_prompt"):
             chat.add_generation_prompt = request.add_generation_prompt
         return list((await self.deps.tokenize(tokenizer_pb2.TokenizeRequest(chat=chat), metadata)).token_ids)

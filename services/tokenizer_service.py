@@ -1,6 +1,7 @@
 """llmmesh.v1.Tokenizer: text and chat messages -> token ids and back, over engine.text.Tokenizer."""
 
 import grpc
+from google.protobuf import json_format
 
 from engine.config.utils import add_cli_args
 from engine.limits import RequestLimits
@@ -17,6 +18,25 @@ from services.text_model import (
 )
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
+
+# What apply_chat_template itself is given; a chat_template_kwargs entry may not stand in for them.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "conversation", "chat_template", "add_generation_prompt", "tokenize", "continue_final_message",
+     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
+def chat_template_kwargs(chat: tokenizer_pb2.ChatInput, field: str) -> dict:
+    """A chat's extra template variables (vLLM's chat_template_kwargs); ValueError naming `field` on a bad one."""
+    if not chat.HasField("chat_template_kwargs"):
+        return {}
+    kwargs = json_format.MessageToDict(chat.chat_template_kwargs)
+    for name in kwargs:
+        if name in _RESERVED_TEMPLATE_KWARGS:
+            raise ValueError(f"{field}.{name}: set by the request's own fields, not a template variable")
+        if not name.isidentifier():
+            raise ValueError(f"{field}: {name!r} is not a template variable name")
+    return kwargs
 
 
 class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
@@ -42,8 +62,9 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
                     "(start the tokenizer with --trust-request-chat-template to allow it); leave it empty for the model's own"
                 )
             add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+            kwargs = chat_template_kwargs(chat, f"{field}chat.chat_template_kwargs")
             try:
-                prompt = tok.apply_chat_template(messages, chat.chat_template or None, add_generation_prompt)
+                prompt = tok.apply_chat_template(messages, chat.chat_template or None, add_generation_prompt, **kwargs)
             except Exception as e:  # noqa: BLE001 (no template, a template that does not parse, or one that raises on the input)
                 raise ValueError(f"{field}chat: cannot apply the chat template: {e}") from None
             # The template already holds the special tokens.

@@ -167,7 +167,36 @@ def load_tokenizer(model_dir: Path):
 # ---------------------------------------------------------------------------------------------- GGUF metadata
 
 # llama.cpp architecture name -> HF architecture (llama.cpp stores Mistral models as "llama" too).
-GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHS = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+# HF model_type of each (Gemma 3's text-only model is "gemma3_text").
+_GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
+
+# The {arch}.* metadata keys gguf_config reads or has checked; any other is refused by name, since it may change
+# what the model computes.
+_GGUF_KEYS = {
+    "context_length", "embedding_length", "feed_forward_length", "block_count", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+    "attention.key_length", "attention.value_length", "rope.dimension_count", "rope.freq_base",
+    "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear", "rope.scaling.original_context_length",
+}  # fmt: skip
+_GGUF_FAMILY_KEYS = {
+    "phi3": {"attention.sliding_window", "rope.scaling.attn_factor"},
+    "gemma2": {"attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping"},
+    "gemma3": {
+        "attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
+        "attn_logit_softcapping", "final_logit_softcapping",
+    },
+}  # fmt: skip
+# llama.cpp's layer counts of the one Gemma 2 and Gemma 3 size (27B) that scales queries by hidden / heads
+# rather than by head_dim (its llama-model.cpp; HF's query_pre_attn_scalar).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def open_gguf(path: Path):
@@ -194,6 +223,10 @@ def gguf_config(reader, path: Path) -> dict:
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path}: GGUF file has no token_embd.weight tensor")
+    known = _GGUF_KEYS | _GGUF_FAMILY_KEYS.get(arch, set())
+    for key in reader.fields:
+        if key.startswith(f"{arch}.") and key.removeprefix(f"{arch}.") not in known:
+            raise ModelLoadError(f"{path}: GGUF metadata {key}={_field(reader, key)!r} is not implemented")
 
     def meta(key, default=None):
         value = _field(reader, f"{arch}.{key}", default)
@@ -203,12 +236,20 @@ def gguf_config(reader, path: Path) -> dict:
 
     hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", 0) or hidden // heads)
+    value_dim = int(meta("attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise ModelLoadError(f"{path}: GGUF metadata {arch}.attention.value_length={value_dim} is not implemented; "
+                             f"the attention needs it equal to the key length {head_dim}")  # fmt: skip
+    rope_dim = int(meta("rope.dimension_count", head_dim))
+    if rope_dim != head_dim and arch != "phi3":  # Phi-3's partial rotary is its config's partial_rotary_factor
+        raise ModelLoadError(f"{path}: GGUF metadata {arch}.rope.dimension_count={rope_dim} is not implemented; "
+                             f"rotary embedding covers the whole head ({head_dim})")  # fmt: skip
     rope_theta = float(meta("rope.freq_base", 10000.0))
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     eos = list(dict.fromkeys(int(i) for i in eos if i is not None))
-    return {
+    config = {
         "architectures": [GGUF_ARCHS[arch]],
-        "model_type": arch,
+        "model_type": _GGUF_MODEL_TYPES.get(arch, arch),
         # ggml shapes are reversed: token_embd is [hidden, vocab].
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),
         "hidden_size": hidden,
@@ -230,6 +271,69 @@ def gguf_config(reader, path: Path) -> dict:
         # The engine keeps its Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors quantized (engine/models/quantization.py).
         "quantization_config": {"quant_method": "gguf"},
     }
+    if arch == "phi3":
+        config.update(_phi3_config(reader, tensors, config, rope_dim, path))
+    elif arch in ("gemma2", "gemma3"):
+        config.update(_gemma_config(reader, arch, config, meta))
+    return config
+
+
+def _phi3_config(reader, tensors, config: dict, rope_dim: int, path: Path) -> dict:
+    orig = _field(reader, "phi3.rope.scaling.original_context_length")
+    window = _field(reader, "phi3.attention.sliding_window")
+    extra = {
+        "original_max_position_embeddings": int(orig or config["max_position_embeddings"]),
+        # llama.cpp's converter writes 0 for a model without a window.
+        "sliding_window": int(window) if window else None,
+    }
+    if rope_dim != config["head_dim"]:
+        extra["partial_rotary_factor"] = rope_dim / config["head_dim"]
+    if "rope_factors_long.weight" in tensors:
+        # Long-context Phi-3 (longrope): llama.cpp keeps the per-frequency factors as two tensors.
+        from gguf.quants import dequantize
+
+        long, short = (
+            dequantize(tensors[f"rope_factors_{kind}.weight"].data, tensors[f"rope_factors_{kind}.weight"].tensor_type)
+            .astype(np.float64).ravel().tolist()
+            for kind in ("long", "short")
+        )  # fmt: skip
+        extra["rope_scaling"] = {"rope_type": "longrope", "long_factor": long, "short_factor": short}
+        attn_factor = _field(reader, "phi3.rope.scaling.attn_factor")
+        if attn_factor is not None:
+            extra["rope_scaling"]["attention_factor"] = float(attn_factor)
+    return extra
+
+
+def _gemma_config(reader, arch: str, config: dict, meta) -> dict:
+    layers = config["num_hidden_layers"]
+    per_head = config["hidden_size"] // config["num_attention_heads"]
+    extra = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": per_head if layers == _GEMMA_27B_LAYERS[arch] else config["head_dim"],
+        "final_logit_softcapping": _field(reader, f"{arch}.final_logit_softcapping"),
+        "attn_logit_softcapping": _field(reader, f"{arch}.attn_logit_softcapping"),
+    }
+    if arch == "gemma2":
+        # llama.cpp's defaults for a Gemma 2 file that does not state them; every other layer slides, from the first.
+        extra["final_logit_softcapping"] = extra["final_logit_softcapping"] or 30.0
+        extra["attn_logit_softcapping"] = extra["attn_logit_softcapping"] or 50.0
+        extra["sliding_window"] = int(meta("attention.sliding_window", 4096))
+        pattern = 2
+    else:
+        extra["sliding_window"] = int(meta("attention.sliding_window"))
+        # The local (sliding) layers' rope base; llama.cpp's default when the file does not state it.
+        extra["rope_local_base_freq"] = float(meta("rope.freq_base_swa", 10000.0))
+        pattern = _field(reader, "gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # per layer: True where the layer slides
+        if len(pattern) != layers:
+            raise ModelLoadError(f"GGUF metadata {arch}.attention.sliding_window_pattern has {len(pattern)} "
+                                 f"entries; the model has {layers} layers")  # fmt: skip
+        slides = [bool(p) for p in pattern]
+    else:  # every pattern-th layer is global, the rest slide
+        slides = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    extra["layer_types"] = ["sliding_attention" if s else "full_attention" for s in slides]
+    return extra
 
 
 def _gguf_rope_scaling(reader, arch, tensors, rope_theta, head_dim, path) -> dict | None:

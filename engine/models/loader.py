@@ -206,23 +206,39 @@ _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where a family's HF names differ (by HF model_type): Phi-3's fused projections, Gemma's four norms a layer.
+_GEMMA_LAYER_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GGUF_FAMILY_LAYER_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma2": _GEMMA_LAYER_NAMES,
+    "gemma3_text": _GEMMA_LAYER_NAMES,
+}
+# Tensors that are metadata, already folded into the config: Llama 3's and Phi-3's rope frequency factors.
+_GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def _gguf_hf_name(name: str) -> str:
+def _gguf_hf_name(name: str, model_type: str) -> str:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
     base, _, kind = name.rpartition(".")
     if base in _GGUF_GLOBAL_NAMES:
         return f"{_GGUF_GLOBAL_NAMES[base]}.{kind}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{kind}"
-    raise ModelLoadError(f"GGUF tensor {name!r} has no Hugging Face equivalent in the supported architectures")
+    names = {**_GGUF_LAYER_NAMES, **_GGUF_FAMILY_LAYER_NAMES.get(model_type, {})}
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{kind}"
+    raise ModelLoadError(f"GGUF tensor {name!r} has no Hugging Face equivalent in the {model_type} architecture")
 
 
 def _unpermute_rope(w, n_head: int):
@@ -240,7 +256,12 @@ _FUSED_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 
 def _native_names(reader) -> set[str]:
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    native = {name for name, kind in types.items() if kind in _NATIVE_TYPES and name.endswith(".weight")}
+    # Norms stay float: they are no linear layer, and Gemma's are shifted on conversion.
+    native = {
+        name
+        for name, kind in types.items()
+        if kind in _NATIVE_TYPES and name.endswith(".weight") and not name.endswith("norm.weight")
+    }
     for name in list(native):
         parts = name.split(".")
         for group in _FUSED_GROUPS:
@@ -314,15 +335,18 @@ def _gguf_tensor(tensor, config: dict, native: bool) -> dict[str, torch.Tensor]:
         for part, n_head in heads.items():
             if part in tensor.name:
                 arrays = {kind: _unpermute_rope(a, n_head) for kind, a in arrays.items()}
+    if config["model_type"] in ("gemma2", "gemma3_text") and tensor.name.endswith("norm.weight"):
+        # llama.cpp stores Gemma's RMSNorm weight w as 1 + w (its norm multiplies by the weight alone); HF's is w.
+        arrays["weight"] = arrays["weight"] - np.float32(1)
     # An f32 tensor is a view of the read-only memmap; torch wants owned memory.
     return {kind: torch.from_numpy(a if a.flags.writeable else a.copy()) for kind, a in arrays.items()}
 
 
 def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, "object"]]:
-    """(HF name, gguf tensor) for every weight; rope_freqs is metadata, already folded into the config."""
+    """(HF name, gguf tensor) for every weight."""
     for t in reader.tensors:
-        if t.name != "rope_freqs.weight":
-            yield _gguf_hf_name(t.name), t
+        if t.name not in _GGUF_ROPE_TENSORS:
+            yield _gguf_hf_name(t.name, config["model_type"]), t
 
 
 def _write_weights(reader, config: dict, out: Path) -> None:

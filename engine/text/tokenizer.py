@@ -39,11 +39,12 @@ class Tokenizer:
         )
 
     def apply_chat_template(
-        self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True
+        self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True, **kwargs
     ) -> str:
-        """The prompt text for a chat; raises ValueError when the tokenizer has no template and none is given."""
+        """The prompt text for a chat; raises ValueError when the tokenizer has no template and none is given.
+        kwargs are the template's extra variables (vLLM's chat_template_kwargs, e.g. enable_thinking)."""
         return self.hf.apply_chat_template(
-            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
         )
 
     def token_text(self, token_id: int) -> str:
