@@ -11,7 +11,8 @@ the same work per token apart from attention.
 
 Capacity: each variant's engine sizes its KV cache for --kv-cache-memory; its KVCacheManager then admits requests
 of --context tokens, each prefilled in --chunk-token steps as the scheduler would (the blocks a sliding window
-leaves behind are freed as it goes), until a step finds no room. The tokens held are the admitted requests' tokens.
+leaves behind are freed as it goes) and then making room for its first decoded token, until a step finds no room.
+The tokens held are the admitted requests' tokens.
 
 Decode: each variant's engine prefills one request of --decode-context tokens, then both decode in turn, --steps
 steps a round for --rounds rounds (the machine is shared and noisy); the medians of the per-step times are printed.
@@ -71,8 +72,9 @@ def make_engine(model: Path, args, max_num_batched_tokens: int):
 
 
 def tokens_held(engine, context: int, chunk: int) -> int:
-    """Requests of `context` tokens admitted chunk by chunk into the engine's own KVCacheManager until one finds no
-    room; the tokens of those wholly admitted."""
+    """Requests of `context` tokens admitted chunk by chunk into the engine's own KVCacheManager, each then making
+    room for its first decoded token (which frees what its prefill's last chunk left outside a window), until one
+    finds no room; the tokens of those wholly admitted."""
     from engine.request import Request, SamplingParams
 
     manager = engine.kv_cache_manager
@@ -84,6 +86,9 @@ def tokens_held(engine, context: int, chunk: int) -> int:
             if manager.allocate_slots(request, min(chunk, context - start)) is None:
                 return held
             request.num_computed_tokens = min(start + chunk, context)
+        request.append_output_token_ids(0)
+        if manager.allocate_slots(request, 1) is None:
+            return held
         held += context
     return held
 
