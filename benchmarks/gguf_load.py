@@ -45,6 +45,8 @@ def write_model(family: str, size: str, quant: str, path: Path) -> None:
         shape["layer_types"] = ["sliding_attention"] * 5 + ["full_attention"]
     if family == "gemma2":
         shape["layer_types"] = ["sliding_attention", "full_attention"] * (layers // 2)
+    if family == "qwen3":  # set after the config is built, so its layer_types must be given the new length too
+        shape["layer_types"] = ["full_attention"] * layers
     model = _tiny_model(family, len(vocab["tokens"]), **shape)
     write_gguf(path, family, model, vocab, quantized=quant == "q8_0")
 

@@ -23,8 +23,9 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     """The float32 weight [N, K] the codes stand for (each element one float32 multiply-add, as GGUF's own)."""
-    group_size = q.shape[1] // scales.shape[1]
-    return q.float() * scales.repeat_interleave(group_size, 1) + zeros.repeat_interleave(group_size, 1)
+    n, k = q.shape
+    groups = q.float().view(n, scales.shape[1], -1)  # broadcast the groups' scales and zeros, not repeat them
+    return (groups * scales[..., None] + zeros[..., None]).view(n, k)
 
 
 def group_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
