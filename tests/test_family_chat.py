@@ -18,8 +18,6 @@ from engine.async_llm import AsyncLLM
 from llmmesh.v1 import common_pb2, gateway_pb2
 from services.client import collect, gateway_stub, sampling_params
 
-pytestmark = pytest.mark.slow
-
 VOCAB = 512
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.5, pad_token_id=0)  # fmt: skip
