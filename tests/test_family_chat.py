@@ -220,22 +220,35 @@ REFUSED = {
 }
 
 
-def test_template_refusal_is_a_client_error(served, smg):
-    """A chat the family's template raises on: INVALID_ARGUMENT naming the messages from our gateway, HTTP 400 from
-    smg, both with the template's words; the mesh serves the next chat."""
+def refused(served) -> tuple[list[dict], str]:
     if served["name"] not in REFUSED:
         pytest.skip(f"{served['name']}'s template refuses no chat")
-    messages, words = REFUSED[served["name"]]
+    return REFUSED[served["name"]]
+
+
+def test_template_refusal_through_the_gateway(served):
+    """A chat the family's template raises on: INVALID_ARGUMENT naming the messages, with the template's words; it
+    never reaches the engine, and the mesh serves the next chat."""
+    messages, words = refused(served)
     with pytest.raises(grpc.RpcError) as e:
         gateway_chat(served["mesh"].address, messages)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
     assert e.value.details().startswith("messages: cannot apply the chat template") and words in e.value.details()
+    assert served["received"].prompts == []
+    assert gateway_chat(served["mesh"].address, CHAT).text()
+    served["received"].only()
+
+
+def test_template_refusal_through_smg(served, smg):
+    """smg renders the template itself: HTTP 400 with the template's words, and nothing sent to the engine."""
+    messages, words = refused(served)
     router, model = smg
     with pytest.raises(urllib.error.HTTPError) as e:
         smg_chat(router, model, messages)
     assert e.value.code == 400 and words in json.loads(e.value.read())["error"]["message"]
-    assert served["received"].prompts == []  # neither reached the engine
-    assert gateway_chat(served["mesh"].address, CHAT).text()
+    assert served["received"].prompts == []
+    assert smg_chat(router, model, CHAT)["choices"][0]["finish_reason"] == "length"
+    served["received"].only()
 
 
 def test_bad_template_kwargs_named_by_the_gateway(served):
