@@ -48,6 +48,19 @@ logger = logging.getLogger("llmmesh.gateway")
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 
 
+def chat_fields_named(e: RequestError, own_template: bool) -> RequestError:
+    """The tokenizer's refusal of a chat, in the client's ChatRequest fields: the tokenizer names its ChatInput's
+    ("chat.chat_template_kwargs.x"), which ChatRequest has at its top level. A template that raises ("chat: cannot
+    apply the chat template: System role not supported") refuses the messages, or is the request's own."""
+    if e.code != grpc.StatusCode.INVALID_ARGUMENT:
+        return e
+    if e.message.startswith("chat."):
+        return invalid(e.message.removeprefix("chat."))
+    if e.message.startswith("chat:"):
+        return invalid(("chat_template" if own_template else "messages") + e.message.removeprefix("chat"))
+    return e
+
+
 class Gateway(gateway_pb2_grpc.GatewayServicer):
     def __init__(
         self,
@@ -226,7 +239,11 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             chat.chat_template_kwargs.CopyFrom(request.chat_template_kwargs)
         if request.HasField("add_generation_prompt"):
             chat.add_generation_prompt = request.add_generation_prompt
-        return list((await self.deps.tokenize(tokenizer_pb2.TokenizeRequest(chat=chat), metadata)).token_ids)
+        try:
+            reply = await self.deps.tokenize(tokenizer_pb2.TokenizeRequest(chat=chat), metadata)
+        except RequestError as e:
+            raise chat_fields_named(e, bool(request.chat_template)) from None
+        return list(reply.token_ids)
 
     async def _generate(
         self, request, context, request_id: str, params, prompt_ids: list[int], arrival: float, span, lora_name: str
