@@ -1,6 +1,7 @@
 """The mixture-of-experts layer (engine/models/fused_moe.py) against a plain loop over tokens and their experts, in
 float64: routing (top-k, renormalised or not, ties), the grouped computation (every expert, a few, one), its
-tensor-parallel split, and loading per-expert and stacked checkpoint tensors into the stacked weights."""
+tensor-parallel split, and loading per-expert and stacked checkpoint tensors into the stacked weights; and the C++
+CPU kernel (kernels/cpu/moe.cpp) against the torch fused_experts in float32 and bfloat16."""
 
 import pytest
 import torch
@@ -140,3 +141,25 @@ def test_the_loader_reports_a_layer_complete_only_once_every_expert_arrived():
     assert sorted(done) == ["experts.w13_weight", "experts.w2_weight"]
     with pytest.raises(ValueError, match="unexpected expert weight 'experts.8.gate_proj.weight'"):
         load("experts.8.gate_proj.weight", w1[0])
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("tokens, top_k, hidden", [(1, 1, 16), (37, 2, 40), (300, 3, 64)])
+def test_cpu_kernel_matches_the_torch_experts(dtype, tol, tokens, top_k, hidden):
+    """One token to a prompt's many (several blocks an expert), hidden sizes on and off the vector width, experts
+    with no token (logits favour the first three)."""
+    from kernels.cpu_ops import load
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(E, 2 * N, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(E, hidden, N, generator=gen) / N**0.5).to(dtype)
+    logits = torch.randn(tokens, E, generator=gen)
+    logits[:, :3] += 2.0
+    weights, ids = fused_topk(logits, top_k, renormalize=True)
+    ours = load().fused_moe(x, w13, w2, weights, ids)
+    assert ours.dtype == dtype
+    torch.testing.assert_close(ours.float(), fused_experts(x, w13, w2, weights, ids).float(), atol=tol, rtol=tol)
+    # The torch path's arithmetic in float64: the kernel's float32 sums are within rounding of it.
+    exact = fused_experts(x.double(), w13.double(), w2.double(), weights, ids)
+    torch.testing.assert_close(ours.double(), exact, atol=tol, rtol=tol)

@@ -57,7 +57,10 @@ def fused_experts(
 
 class FusedMoE(nn.Module):
     """The experts of one MoE layer and their routing; forward(x, router_logits) -> the layer's output, summed over
-    the tensor-parallel ranks."""
+    the tensor-parallel ranks. On the CPU kernels (layers.use_cpu_ops) the experts run in one C++ call
+    (kernels/cpu/moe.cpp), which differs from fused_experts by float rounding only."""
+
+    ops = None
 
     def __init__(
         self,
@@ -86,7 +89,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)
-        out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if self.ops is not None and x.dtype in (torch.float32, torch.bfloat16):
+            out = self.ops.fused_moe(x.contiguous(), self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        else:
+            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         return all_reduce(out) if self.tp_size > 1 else out
 
     # ---- weight loading ---------------------------------------------------------------------------------------
