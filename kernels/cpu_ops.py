@@ -1,6 +1,6 @@
-"""The C++ CPU kernels (kernels/cpu/: paged attention; the model's norm, RoPE and SiLU-and-mul layers; the few-row
-bfloat16 and float32 dense products and group-quantized products; LoRA's shrink and expand; the sampler's argmax),
-one library, built once by setup and loaded at run time.
+"""The C++ CPU kernels (kernels/cpu/: paged attention; the model's norm, RoPE and SiLU-and-mul layers; the
+mixture-of-experts layer's experts; the few-row bfloat16 and float32 dense products and group-quantized products;
+LoRA's shrink and expand; the sampler's argmax), one library, built once by setup and loaded at run time.
 
     .venv/bin/python -m kernels.cpu_ops    # build into build/kernels/ (the Makefile's setup step)
 

@@ -1,4 +1,5 @@
-// The Python module of the CPU kernels: one library for paged_attention.cpp, layers.cpp and greedy_steps.cpp.
+// The Python module of the CPU kernels: one library for paged_attention.cpp, layers.cpp, moe.cpp and
+// greedy_steps.cpp.
 
 #include <torch/extension.h>
 
@@ -13,6 +14,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
+                     const at::Tensor& topk_ids);
 std::tuple<int64_t, std::string> serve_greedy_steps(int64_t fd, at::Tensor headers, at::Tensor data);
 bool send_greedy_step(int64_t fd, at::Tensor headers, at::Tensor data, int64_t slot, int64_t generation,
                       const at::Tensor& logits, int64_t step_id);
@@ -26,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE, in place on q and k");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up output");
+  m.def("fused_moe", &fused_moe, "A mixture-of-experts layer's experts, the tokens grouped by expert");
   m.def("serve_greedy_steps", &serve_greedy_steps, "Answer a step channel's greedy steps until another frame comes",
         py::call_guard<py::gil_scoped_release>());
   m.def("send_greedy_step", &send_greedy_step, "Write a greedy step's logits into its slot and send the step",
