@@ -171,12 +171,18 @@ class ModelArchConfig:
     sliding_window: int | None = None
     # Each layer's attention, "full_attention" or "sliding_attention" (empty: every layer full).
     layer_types: tuple[str, ...] = ()
+    # Multi-head latent attention (MLA_ARCHS): the width of the latent each token keeps in place of K and V
+    # (kv_lora_rank) and of the rotary key beside it (qk_rope_head_dim); None in the other families.
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
     # The whole config.json, for the fields only some families read (FAMILY_FIELDS).
     hf_config: dict = field(default_factory=dict, repr=False)
 
     def attention_features(self) -> frozenset[str]:
         """What the layers ask of the attention backend beyond causal attention (AttentionBackend.features)."""
         features = {"sliding_window"} if self.sliding_window is not None else set()
+        if self.kv_lora_rank is not None:
+            features.add("mla")
         if self.architecture in SOFT_CAPPED_ATTENTION and self.hf_config.get("attn_logit_softcapping"):
             features.add("logits_soft_cap")
         return frozenset(features)
