@@ -45,6 +45,8 @@ class LoRAModelManager:
             for path, modules in _WRAPPED:
                 parent_name, name = path.split(".")
                 parent = getattr(layer, parent_name)
+                if not hasattr(parent, name):  # a mixture-of-experts layer: no dense MLP (add_adapter refuses one)
+                    continue
                 wrapper = LinearWithLoRA(
                     getattr(parent, name),
                     modules,
@@ -67,6 +69,12 @@ class LoRAModelManager:
     def add_adapter(self, lora_request: LoRARequest) -> LoRAModel:
         """Read and check an adapter, and keep it in host memory (a ValueError says what is wrong with it)."""
         lora = load_peft_adapter(lora_request, self.cfg, self.max_lora_rank)
+        for layer, module in lora.weights:
+            if not any(module in wrapper.modules_ for wrapper in self.layers[layer].values()):
+                raise ValueError(
+                    f"LoRA adapter {lora_request.lora_name!r}: layer {layer}'s {module} is a mixture-of-experts "
+                    "layer's, and LoRA on experts is not supported; target the attention projections"
+                )
         self.registered[lora_request.lora_int_id] = lora_request
         self._cache(lora)
         return lora

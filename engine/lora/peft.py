@@ -112,6 +112,11 @@ def load_peft_adapter(lora_request: LoRARequest, cfg: ModelArchConfig, max_lora_
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.fullmatch(key)
+        if "expert" in key:  # PEFT's keys for a mixture of experts: mlp.experts.lora_A, mlp.shared_expert.*
+            raise ValueError(
+                f"LoRA adapter {name!r}: tensor {key!r} adapts a mixture-of-experts layer's experts; LoRA on experts "
+                "is not supported (target the attention projections)."
+            )
         if match is None or match.group(2) not in shapes:
             raise ValueError(
                 f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA matrix of a supported module "

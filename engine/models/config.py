@@ -23,6 +23,9 @@ _MODEL_TYPE_TO_ARCH = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",  # Gemma 3 with its vision tower: refused by name
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -77,6 +80,17 @@ _GEMMA2_FIELDS = frozenset(
         "use_bidirectional_attention",  # refused when set: the engine's attention is causal
     }
 )
+# The mixture-of-experts families' routing and expert sizes (engine/models/fused_moe.py).
+_QWEN_MOE_FIELDS = frozenset(
+    {
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",  # whether the chosen experts' weights are renormalised to sum to 1
+        "decoder_sparse_step",  # every decoder_sparse_step-th layer has experts...
+        "mlp_only_layers",  # ...but these, which keep a dense MLP of intermediate_size
+    }
+)
 FAMILY_FIELDS: dict[str, frozenset[str]] = {
     # Phi-3 keeps LongRoPE's pretraining length outside its rope parameters (from_hf_config moves it in).
     "Phi3ForCausalLM": frozenset({"original_max_position_embeddings"}),
@@ -85,7 +99,15 @@ FAMILY_FIELDS: dict[str, frozenset[str]] = {
     # sliding_window_pattern: one full layer in that many where a config has no layer_types.
     # attn_logit_softcapping: transformers' Gemma 3 attention never applies it, and neither does the engine's.
     "Gemma3ForCausalLM": _GEMMA2_FIELDS | {"rope_local_base_freq", "sliding_window_pattern"},
+    "MixtralForCausalLM": frozenset({"num_local_experts", "num_experts_per_tok"}),
+    # qkv_bias: Qwen2-MoE's q/k/v biases (read as attention_bias); its shared expert has a width of its own.
+    "Qwen2MoeForCausalLM": _QWEN_MOE_FIELDS | {"shared_expert_intermediate_size", "qkv_bias"},
+    # transformers >= 5 writes Qwen3-MoE's num_experts as num_local_experts.
+    "Qwen3MoeForCausalLM": _QWEN_MOE_FIELDS | {"num_local_experts"},
 }
+
+# The mixture-of-experts families (engine/models/fused_moe.py).
+MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 # The families whose attention applies attn_logit_softcapping.
 SOFT_CAPPED_ATTENTION = ("Gemma2ForCausalLM",)
@@ -95,6 +117,22 @@ _GEMMA_DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_sca
 FAMILY_DEFAULTS: dict[str, dict] = {
     "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
     "Gemma3ForCausalLM": _GEMMA_DEFAULTS,
+    "MixtralForCausalLM": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "Qwen2MoeForCausalLM": {
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+    },
+    "Qwen3MoeForCausalLM": {
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+    },
 }
 
 # The MLP activations (hidden_act) each family implements; silu where a family is not listed.
@@ -130,6 +168,11 @@ NO_EFFECT_FIELDS = frozenset(
         # transformers' record of Gemma 3's sliding_window_pattern; layer_types, written beside it, says which
         # layers slide, and transformers does not read it back.
         "_sliding_window_pattern",
+        # The mixture-of-experts routers' training terms: the load-balancing loss, its weight, and Mixtral's
+        # multiplicative noise on the router's input (applied in training mode only).
+        "output_router_logits",
+        "router_aux_loss_coef",
+        "router_jitter_noise",
     }
 )
 
@@ -260,8 +303,7 @@ class ModelArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=max_position,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases (its config has no flag for it); Llama may opt in.
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
+            attention_bias=_attention_bias(d, arch),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
@@ -270,6 +312,16 @@ class ModelArchConfig:
             layer_types=layer_types,
             hf_config={**FAMILY_DEFAULTS.get(arch, {}), **d},
         )
+
+
+def _attention_bias(d: dict, arch: str) -> bool:
+    """Qwen2 always has q/k/v biases (its config has no flag for it), Qwen2-MoE where qkv_bias says (by default);
+    the others where attention_bias does."""
+    if arch == "Qwen2ForCausalLM":
+        return True
+    if arch == "Qwen2MoeForCausalLM":
+        return bool(d.get("qkv_bias", True))
+    return bool(d.get("attention_bias", False))
 
 
 def _rope_scaling(d: dict, arch: str, rope_scaling: dict) -> dict:
@@ -309,6 +361,8 @@ def _refuse_unimplemented(d: dict, arch: str) -> None:
         raise ModelLoadError(f"partial_rotary_factor={partial!r} is not implemented; RoPE turns the whole head")
     if d.get("mlp_bias"):
         raise ModelLoadError(f"mlp_bias={d['mlp_bias']!r} is not implemented; the MLP has no biases")
+    if arch in MOE_ARCHS:
+        _refuse_unimplemented_moe({**FAMILY_DEFAULTS[arch], **d}, arch)
     unknown = set(d.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
     if unknown:
         raise ModelLoadError(
@@ -316,12 +370,23 @@ def _refuse_unimplemented(d: dict, arch: str) -> None:
         )
 
 
+def _refuse_unimplemented_moe(d: dict, arch: str) -> None:
+    """A mixture-of-experts config the layer cannot route as transformers does."""
+    experts = d.get("num_local_experts", d.get("num_experts")) if arch != "Qwen2MoeForCausalLM" else d["num_experts"]
+    top_k = d["num_experts_per_tok"]
+    if experts and not 1 <= top_k <= experts:
+        raise ModelLoadError(f"num_experts_per_tok={top_k!r} is not implemented; it must be 1 to the {experts} experts")
+    step = d.get("decoder_sparse_step", 1)
+    if arch != "MixtralForCausalLM" and (not isinstance(step, int) or step < 1):
+        raise ModelLoadError(f"decoder_sparse_step={step!r} is not implemented; it must be a positive integer")
+
+
 def _sliding_window(d: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     """The window of the model's sliding-window layers and each layer's type, as transformers reads them: a config's
     layer_types where it has them; else every layer slides when there is a window (Mistral, Phi-3), but Qwen2 and Qwen3
     slide only with use_sliding_window, and then on the layers from max_window_layers on; Gemma in a fixed pattern."""
     window = d.get("sliding_window")
-    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
     gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
     if gemma and not window:  # transformers cannot run these without one either
         raise ModelLoadError(f"sliding_window={window!r} is not implemented; Gemma's sliding layers need a window")
@@ -332,8 +397,13 @@ def _sliding_window(d: dict, arch: str, num_layers: int) -> tuple[int | None, tu
         # Gemma: every pattern-th layer is full, the others slide (Gemma 2 alternates; Gemma 3 has a pattern of 6).
         pattern = 2 if arch == "Gemma2ForCausalLM" else int(d.get("sliding_window_pattern", 6))
         layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    if layer_types is None and arch == "Qwen2MoeForCausalLM":
+        # Qwen2-MoE's own pattern: every other layer slides, from the first, below max_window_layers.
+        below = int(d.get("max_window_layers", 28))
+        layer_types = ["sliding_attention" if i % 2 == 0 and i < below else "full_attention" for i in range(num_layers)]
     if layer_types is None:
-        first = int(d.get("max_window_layers", num_layers)) if qwen else 0
+        # Qwen3-MoE slides on every layer, as Mistral and Phi-3 do (it has no max_window_layers).
+        first = int(d.get("max_window_layers", num_layers)) if qwen and arch != "Qwen3MoeForCausalLM" else 0
         layer_types = ["full_attention"] * first + ["sliding_attention"] * (num_layers - first)
     if len(layer_types) != num_layers:
         raise ModelLoadError(

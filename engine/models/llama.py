@@ -88,7 +88,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = self.attention_cls(config, backend, quantization, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, quantization)
+        self.mlp = self.make_mlp(config, quantization, layer)
+
+    def make_mlp(self, config: ModelArchConfig, quantization: str | None, layer: int) -> nn.Module:
+        """The layer's feed-forward block: the dense gated MLP here; a mixture of experts in the MoE families."""
+        return MLP(config.hidden_size, config.intermediate_size, quantization)
 
     def forward(self, x, kv_cache, metadata, cos_sin):
         x = x + self.self_attn(self.input_layernorm(x), kv_cache, metadata, cos_sin)

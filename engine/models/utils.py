@@ -12,10 +12,14 @@ def _cat_rows(shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([s.repeat_interleave(width // s.shape[-1], dim=-1) if width else s for s in shards], dim=0)
 
 
-def load_fused_weights(model: nn.Module, weights, fused: dict[str, tuple[str, int]], tie_word_embeddings: bool) -> None:
+def load_fused_weights(
+    model: nn.Module, weights, fused: dict[str, tuple[str, int]], tie_word_embeddings: bool, load_other=None
+) -> None:
     """Copy Hugging Face–named tensors into model, fusing the checkpoint's separate projections as they arrive;
     fused maps a checkpoint projection's name to (its fused layer's name, its part there). Each layer keeps its
-    rank's part of a full tensor (a fused layer, of each part)."""
+    rank's part of a full tensor (a fused layer, of each part). load_other(name, tensor), where given, places the
+    tensors it knows itself (a mixture of experts' per-expert weights) and returns the parameters that are then
+    complete, or None for a tensor that is not its."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     num_parts = {}
@@ -33,6 +37,10 @@ def load_fused_weights(model: nn.Module, weights, fused: dict[str, tuple[str, in
         if "rotary_emb.inv_freq" in name:
             continue
         if name == "lm_head.weight" and tie_word_embeddings:
+            continue
+        done = load_other(name, tensor) if load_other is not None else None
+        if done is not None:
+            loaded.update(done)
             continue
         parts = name.split(".")
         target = fused.get(parts[-2]) if len(parts) >= 2 else None

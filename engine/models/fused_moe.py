@@ -1,0 +1,178 @@
+"""The mixture-of-experts layer (vLLM's FusedMoE): a router picks each token's top-k experts, and the experts' gated
+MLPs run on the tokens routed to them, weighted by the router's probabilities and summed back per token.
+
+The experts' weights are stacked, one tensor a projection: w13_weight [E, 2 * I, H] holds each expert's gate and up
+projections (gate rows first), w2_weight [E, H, I] its down projection. The computation groups the step's
+(token, expert) pairs by expert: sorted by expert, each expert with tokens multiplies its contiguous slice of rows,
+and the weighted results are added back to their tokens. No token passes through an expert that did not pick it.
+
+Tensor parallelism as vLLM's without expert parallelism: each rank holds every expert's slice of the intermediate
+dimension (w13's rows of gate and of up, w2's columns), computes a partial output, and one all-reduce sums them, as
+a RowParallelLinear's ranks do.
+"""
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed.parallel_state import all_reduce, divide, get_tp_rank, get_tp_size
+from engine.models.layers import silu_and_mul
+from engine.models.linear import Linear
+
+
+def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top_k experts by softmax probability (float32, as transformers computes it) and their weights,
+    renormalised to sum to 1 where the model says so (Mixtral always; Qwen's MoE by norm_topk_prob)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """sum over k of topk_weights[t, k] * expert[topk_ids[t, k]](x[t]), each expert a SiLU-gated MLP, with the
+    (token, expert) pairs grouped by expert: one matmul pair per expert that has tokens."""
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.flatten()
+    # Pairs in expert order; within an expert, in token order (stable), so each token's sum runs in expert order.
+    order = flat_ids.argsort(stable=True)
+    token_of = order // top_k
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    rows = x[token_of]
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            h = silu_and_mul(F.linear(rows[start : start + n], w13[expert]))
+            out[start : start + n] = F.linear(h, w2[expert])
+            start += n
+    out = (out * topk_weights.flatten()[order, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, token_of, out)
+
+
+class FusedMoE(nn.Module):
+    """The experts of one MoE layer and their routing; forward(x, router_logits) -> the layer's output, summed over
+    the tensor-parallel ranks."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        quantization: str | None = None,
+    ):
+        super().__init__()
+        if quantization is not None:
+            raise ValueError(
+                f"--quantization {quantization} is not implemented for the mixture-of-experts layers; "
+                "serve this model unquantized"
+            )
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.intermediate_size_per_partition = divide(
+            intermediate_size, self.tp_size, "the experts' MLP width (their intermediate size)"
+        )
+        size = self.intermediate_size_per_partition
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, size), requires_grad=False)
+        self._loaded: dict[str, set] = {"w13_weight": set(), "w2_weight": set()}
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)
+        out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return all_reduce(out) if self.tp_size > 1 else out
+
+    # ---- weight loading ---------------------------------------------------------------------------------------
+
+    def _rank_part(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        size = self.intermediate_size_per_partition
+        if tensor.shape[dim] != size * self.tp_size:
+            raise ValueError(
+                f"an expert weight of shape {tuple(tensor.shape)} does not have the experts' intermediate size "
+                f"{size * self.tp_size} along dimension {dim}"
+            )
+        return tensor.narrow(dim, self.tp_rank * size, size)
+
+    def weight_loader(self, tensor: torch.Tensor, expert: int, shard: str) -> list[str]:
+        """Copy one expert's checkpoint projection in (shard: "w1" gate, "w3" up, "w2" down: Mixtral's names), this
+        rank's part of it; the parameters this completes."""
+        size = self.intermediate_size_per_partition
+        with torch.no_grad():
+            if shard == "w2":
+                self.w2_weight[expert].copy_(self._rank_part(tensor, 1))
+            else:
+                rows = slice(0, size) if shard == "w1" else slice(size, 2 * size)
+                self.w13_weight[expert, rows].copy_(self._rank_part(tensor, 0))
+        return self._mark("w2_weight" if shard == "w2" else "w13_weight", {(expert, shard)})
+
+    def stacked_weight_loader(self, tensor: torch.Tensor, name: str) -> list[str]:
+        """Copy every expert's projection at once, as transformers >= 5 may store them: gate_up_proj [E, 2I, H]
+        (gate rows first), down_proj [E, H, I]."""
+        with torch.no_grad():
+            if name == "down_proj":
+                self.w2_weight.copy_(self._rank_part(tensor, 2))
+                return self._mark("w2_weight", {(e, "w2") for e in range(self.num_experts)})
+            gate, up = tensor.chunk(2, dim=1)
+            self.w13_weight.copy_(torch.cat([self._rank_part(gate, 1), self._rank_part(up, 1)], dim=1))
+        return self._mark("w13_weight", {(e, s) for e in range(self.num_experts) for s in ("w1", "w3")})
+
+    def _mark(self, param: str, parts: set) -> list[str]:
+        loaded = self._loaded[param]
+        loaded |= parts
+        want = self.num_experts * (2 if param == "w13_weight" else 1)
+        return [param] if len(loaded) == want else []
+
+
+# A checkpoint's expert tensors: per expert (experts.3.w1.weight, experts.3.gate_proj.weight) or stacked
+# (experts.gate_up_proj, experts.down_proj).
+_EXPERT_TENSOR = re.compile(r"(?P<moe>(?:.+\.)?experts)\.(?:(?P<expert>\d+)\.(?P<proj>\w+)\.weight|(?P<stacked>\w+))")
+
+
+def expert_weight_loader(model: nn.Module, proj_names: dict[str, str]):
+    """load_fused_weights' load_other for a model with FusedMoE layers: places each expert tensor in its layer's
+    stacked weights. proj_names maps the checkpoint's per-expert projection names to w1 (gate), w3 (up), w2
+    (down)."""
+    modules = dict(model.named_modules())
+
+    def load(name: str, tensor: torch.Tensor) -> list[str] | None:
+        match = _EXPERT_TENSOR.fullmatch(name)
+        moe = modules.get(match["moe"]) if match else None
+        if not isinstance(moe, FusedMoE):
+            return None
+        if match["stacked"] in ("gate_up_proj", "down_proj"):
+            done = moe.stacked_weight_loader(tensor, match["stacked"])
+        elif match["proj"] in proj_names and int(match["expert"]) < moe.num_experts:
+            done = moe.weight_loader(tensor, int(match["expert"]), proj_names[match["proj"]])
+        else:
+            raise ValueError(f"Checkpoint has an unexpected expert weight {name!r}")
+        return [f"{match['moe']}.{param}" for param in done]
+
+    return load
+
+
+class SparseMoeBlock(nn.Module):
+    """A router (gate: hidden -> one logit an expert, replicated on every rank, unquantized as in vLLM) and the
+    experts it routes to: Mixtral's block_sparse_moe, Qwen3-MoE's mlp."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        quantization: str | None = None,
+    ):
+        super().__init__()
+        self.gate = Linear(hidden_size, num_experts)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, quantization)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.gate(x))
