@@ -24,6 +24,7 @@ FAMILIES = {
     "MixtralForCausalLM": "MixtralConfig",
     "Qwen2MoeForCausalLM": "Qwen2MoeConfig",
     "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
+    "DeepseekV2ForCausalLM": "DeepseekV2Config",
 }
 
 

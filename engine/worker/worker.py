@@ -102,6 +102,10 @@ class Worker:
         # Multi-head latent attention's one latent vector a token (its spec), or None: K and V per head.
         spec = self.kv_cache_groups[0].spec
         self.mla_spec = spec if isinstance(spec, MLAAttentionSpec) else None
+        if self.mla_spec is not None and config.lora_config.enable_lora:
+            raise ValueError(
+                f"--enable-lora is not implemented for {model_config.architecture}'s multi-head latent attention"
+            )
         if self.mla_spec is not None and config.kv_transfer_config is not None:
             raise ValueError(
                 f"--kv-transfer-config is not implemented for {model_config.architecture}: its KV cache holds "
