@@ -7,6 +7,7 @@ import json
 
 import families
 import pytest
+import torch
 from test_gemma2 import check_greedy_and_logprobs
 
 from conftest import HFReference, assert_greedy_matches
@@ -140,4 +141,64 @@ def test_head_dim_is_the_rope_part_where_a_config_json_lacks_it():
 def test_deepseek_v2_unimplemented_values_are_refused(field, value, shown):
     with pytest.raises(ModelLoadError, match=field) as refused:
         arch_config(deepseek_v2(), **{field: value})
+    assert shown in str(refused.value)
+
+
+# DeepSeek-V3's router: sigmoid scores over 4 groups of 2 experts, of which 2 groups are kept, a correction bias on
+# the choice (drawn at random below: transformers initialises it to zeros).
+V3_VARIANTS = {
+    "interleaved-normalised": dict(q_lora_rank=24, norm_topk_prob=True),
+    "rotate-half-unnormalised": dict(rope_interleave=False, norm_topk_prob=False),
+}
+
+
+def deepseek_v3(variant):
+    import transformers
+
+    base = {k: v for k, v in DEEPSEEK_V2.items() if k not in ("first_k_dense_replace",)}
+    # architectures and dtype as saving writes them, so that the config (the saved model's key) stays as it is.
+    fields = {**base, "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2, **V3_VARIANTS[variant]}
+    return transformers.DeepseekV3Config(**fields, architectures=["DeepseekV3ForCausalLM"], dtype="float32")
+
+
+def save_v3_with_random_bias(tmp_path, config):
+    """The saved model with each router's e_score_correction_bias drawn at random, large enough to change choices."""
+    path, hf_model = families.save_family_model(tmp_path, config)
+    assert families.save_family_model(tmp_path, config)[0] == path  # what the checks below load
+    gen = torch.Generator().manual_seed(2)
+    for name, buffer in hf_model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.3)
+    hf_model.save_pretrained(path)
+    return path, hf_model
+
+
+@pytest.mark.parametrize("variant", sorted(V3_VARIANTS))
+def test_deepseek_v3_greedy_and_logprobs_match_hf(tmp_path, variant):
+    config = deepseek_v3(variant)
+    save_v3_with_random_bias(tmp_path, config)
+    check_greedy_and_logprobs(tmp_path, config)
+
+
+def test_deepseek_v3_engine_paths(tmp_path):
+    config = deepseek_v3("interleaved-normalised")
+    save_v3_with_random_bias(tmp_path, config)
+    families.check_greedy_chunked_and_prefix_cached(tmp_path, config)
+    families.check_tensor_parallel(tmp_path, config)
+
+
+@pytest.mark.parametrize(
+    "field, value, shown",
+    [
+        ("n_group", 8, "8"),  # groups of one expert: a group's score is its two best
+        ("topk_group", 5, "5"),
+        ("num_experts_per_tok", 5, "5"),  # more than the 2 kept groups' 4 experts
+        ("scoring_func", "softmax", "softmax"),
+        ("topk_method", "greedy", "greedy"),
+    ],
+)
+def test_deepseek_v3_unimplemented_values_are_refused(field, value, shown):
+    d = {**deepseek_v3("interleaved-normalised").to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
+    with pytest.raises(ModelLoadError, match=field) as refused:
+        ModelArchConfig.from_hf_config({**d, field: value})
     assert shown in str(refused.value)

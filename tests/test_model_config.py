@@ -25,6 +25,7 @@ FAMILIES = {
     "Qwen2MoeForCausalLM": "Qwen2MoeConfig",
     "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
     "DeepseekV2ForCausalLM": "DeepseekV2Config",
+    "DeepseekV3ForCausalLM": "DeepseekV3Config",
 }
 
 

@@ -27,6 +27,7 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 
@@ -113,6 +114,14 @@ _DEEPSEEK_V2_FIELDS = frozenset(
         "norm_topk_prob",  # refused when set: transformers' DeepSeek-V2 does not renormalise
     }
 )
+# DeepSeek-V3: V2's attention and experts, routed by sigmoid scores over groups always (no topk_method).
+_DEEPSEEK_V3_FIELDS = (_DEEPSEEK_V2_FIELDS - {"topk_method"}) | {
+    "rope_interleave",  # RoPE on interleaved pairs (True) or rotate-half
+    # The multi-token-prediction layers (transformers' name and the checkpoint's): greedy decoding does not run them,
+    # and their weights, past num_hidden_layers, are skipped as transformers skips them.
+    "num_mtp_layers",
+    "num_nextn_predict_layers",
+}
 FAMILY_FIELDS: dict[str, frozenset[str]] = {
     # Phi-3 keeps LongRoPE's pretraining length outside its rope parameters (from_hf_config moves it in).
     "Phi3ForCausalLM": frozenset({"original_max_position_embeddings"}),
@@ -127,10 +136,11 @@ FAMILY_FIELDS: dict[str, frozenset[str]] = {
     # transformers >= 5 writes Qwen3-MoE's num_experts as num_local_experts.
     "Qwen3MoeForCausalLM": _QWEN_MOE_FIELDS | {"num_local_experts"},
     "DeepseekV2ForCausalLM": _DEEPSEEK_V2_FIELDS,
+    "DeepseekV3ForCausalLM": _DEEPSEEK_V3_FIELDS,
 }
 
 # The families with multi-head latent attention (engine/attention/mla.py).
-MLA_ARCHS = ("DeepseekV2ForCausalLM",)
+MLA_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 # The mixture-of-experts families (engine/models/fused_moe.py).
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -169,6 +179,23 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "n_group": None,
         "topk_group": None,
         "norm_topk_prob": False,
+    },
+    "DeepseekV3ForCausalLM": {
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "first_k_dense_replace": 3,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 2048,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5,
+        "n_group": 8,
+        "topk_group": 4,
+        "norm_topk_prob": True,
+        "rope_interleave": True,
     },
     "Qwen3MoeForCausalLM": {
         "num_experts": 128,
@@ -439,6 +466,9 @@ def _refuse_unimplemented_deepseek(d: dict, arch: str) -> None:
             f"num_key_value_heads={kv_heads!r} is not implemented for {arch}; multi-head latent attention makes "
             f"every head's K and V from one latent (num_key_value_heads = num_attention_heads = {heads})"
         )
+    if arch == "DeepseekV3ForCausalLM":
+        _refuse_unimplemented_deepseek_v3_routing(d)
+        return
     if d.get("norm_topk_prob"):
         raise ModelLoadError(
             f"norm_topk_prob={d['norm_topk_prob']!r} is not implemented for {arch}: transformers' DeepSeek-V2 never "
@@ -463,6 +493,36 @@ def _refuse_unimplemented_deepseek(d: dict, arch: str) -> None:
     # Fields of DeepSeek's own config.json (its remote code) that transformers' class lacks.
     if d.get("scoring_func", "softmax") != "softmax":
         raise ModelLoadError(f"scoring_func={d['scoring_func']!r} is not implemented for {arch}; supported: softmax")
+    if d.get("moe_layer_freq", 1) != 1:
+        raise ModelLoadError(
+            f"moe_layer_freq={d['moe_layer_freq']!r} is not implemented; every layer from first_k_dense_replace on "
+            "has experts"
+        )
+
+
+def _refuse_unimplemented_deepseek_v3_routing(d: dict) -> None:
+    """DeepSeek-V3's router: sigmoid scores, groups scored by their two best experts (so at least two a group)."""
+    experts, top_k, groups, kept = d["n_routed_experts"], d["num_experts_per_tok"], d["n_group"], d["topk_group"]
+    if not groups or experts % groups or experts // groups < 2 or not kept or not 1 <= kept <= groups:
+        raise ModelLoadError(
+            f"n_group={groups!r} with topk_group={kept!r} is not implemented; the router needs n_group dividing the "
+            f"{experts} experts into groups of at least 2 and topk_group from 1 to n_group"
+        )
+    if d["first_k_dense_replace"] < d["num_hidden_layers"] and not (
+        isinstance(top_k, int) and 1 <= top_k <= kept * experts // groups
+    ):
+        raise ModelLoadError(
+            f"num_experts_per_tok={top_k!r} is not implemented; it must be 1 to the experts of topk_group groups"
+        )
+    # Fields of DeepSeek's own config.json (its remote code) that transformers' class lacks.
+    if d.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ModelLoadError(
+            f"scoring_func={d['scoring_func']!r} is not implemented for DeepSeek-V3; supported: sigmoid"
+        )
+    if d.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ModelLoadError(
+            f"topk_method={d['topk_method']!r} is not implemented for DeepSeek-V3; supported: noaux_tc"
+        )
     if d.get("moe_layer_freq", 1) != 1:
         raise ModelLoadError(
             f"moe_layer_freq={d['moe_layer_freq']!r} is not implemented; every layer from first_k_dense_replace on "

@@ -25,7 +25,7 @@ from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
 from engine.models.config import ModelArchConfig
 from engine.models.fused_moe import FusedMoE, expert_weight_loader, fused_experts
-from engine.models.layers import MLP, RMSNorm
+from engine.models.layers import MLP, RMSNorm, rotate_half
 from engine.models.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from engine.models.qwen2_moe import QWEN_EXPERT_PROJS
@@ -57,6 +57,11 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     cos, sin = cos[:, None, :half], sin[:, None, :half]
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+def apply_rotary_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama's rotate-half RoPE (DeepSeek-V3 with rope_interleave off)."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
 class MLAUpProjection(nn.Module):
@@ -104,6 +109,8 @@ class DeepseekV2Attention(nn.Module):
         self.o_proj = RowParallelLinear(heads * self.v_head_dim, hidden, bias)
         self.scale = softmax_scale(config)
         self.backend = backend
+        # DeepSeek's checkpoints pair the rotary dims interleaved; V3 may say otherwise (rope_interleave).
+        self.rotary = apply_rotary_interleaved if hf.get("rope_interleave", True) else apply_rotary_half
 
     def forward(self, x, kv_cache, metadata: AttentionMetadata, cos_sin):
         if self.q_lora_rank is None:
@@ -115,19 +122,24 @@ class DeepseekV2Attention(nn.Module):
         )
         kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
-        q_pe = apply_rotary_interleaved(q_pe, *cos_sin)
-        k_pe = apply_rotary_interleaved(k_pe[:, None], *cos_sin)[:, 0]
+        q_pe = self.rotary(q_pe, *cos_sin)
+        k_pe = self.rotary(k_pe[:, None], *cos_sin)[:, 0]
         w_uk, w_uv = self.kv_b_proj.split()
         out = self.backend.forward_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, metadata, self.scale, w_uk, w_uv)
         return self.o_proj(out.reshape(-1, self.num_heads * self.v_head_dim))
 
 
+def experts_of_best_groups(group_scores: torch.Tensor, topk_groups: int, num_experts: int) -> torch.Tensor:
+    """[tokens, experts] True for the experts of each token's topk_groups best-scored groups."""
+    groups = torch.topk(group_scores, topk_groups, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+    return group_mask[:, :, None].expand(-1, -1, num_experts // group_mask.shape[1]).reshape(-1, num_experts)
+
+
 def grouped_topk(scores: torch.Tensor, top_k: int, num_groups: int, topk_groups: int):
     """group_limited_greedy: the top_k experts among the topk_groups groups whose best expert scores highest."""
     group_scores = scores.view(scores.shape[0], num_groups, -1).max(dim=-1).values
-    groups = torch.topk(group_scores, topk_groups, dim=-1, sorted=False).indices
-    group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
-    expert_mask = group_mask[:, :, None].expand(-1, -1, scores.shape[-1] // num_groups).reshape(scores.shape)
+    expert_mask = experts_of_best_groups(group_scores, topk_groups, scores.shape[-1])
     return torch.topk(scores.masked_fill(~expert_mask, 0.0), top_k, dim=-1, sorted=False)
 
 
@@ -138,7 +150,7 @@ class DeepseekV2MoE(nn.Module):
         super().__init__()
         hf = config.hf_config
         num_experts, self.top_k = hf["n_routed_experts"], hf["num_experts_per_tok"]
-        self.topk_method, self.num_groups, self.topk_groups = hf["topk_method"], hf["n_group"], hf["topk_group"]
+        self.topk_method, self.num_groups, self.topk_groups = hf.get("topk_method"), hf["n_group"], hf["topk_group"]
         self.routed_scaling_factor = hf["routed_scaling_factor"]
         width = hf["moe_intermediate_size"]
         # A plain layer: the router reads its weight in float32, as transformers keeps it (never a packed kernel's).
@@ -165,10 +177,11 @@ class DeepseekV2MoE(nn.Module):
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
     attention_cls = DeepseekV2Attention
+    moe_cls = DeepseekV2MoE
 
     def make_mlp(self, config: ModelArchConfig, quantization: str | None, layer: int) -> nn.Module:
         if layer >= config.hf_config["first_k_dense_replace"]:
-            return DeepseekV2MoE(config, quantization)
+            return self.moe_cls(config, quantization)
         return super().make_mlp(config, quantization, layer)
 
 
