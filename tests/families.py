@@ -55,7 +55,10 @@ def make_engine(path, **kwargs) -> EngineCore:
 
 
 def block_bytes(config) -> int:
-    """One float32 KV block of this model: K and V of every layer."""
+    """One float32 KV block of this model: K and V of every layer (with multi-head latent attention, one latent
+    vector a token and layer)."""
+    if getattr(config, "kv_lora_rank", None):
+        return config.num_hidden_layers * BLOCK * (config.kv_lora_rank + config.qk_rope_head_dim) * 4
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * BLOCK * config.num_key_value_heads * head_dim * 4
 

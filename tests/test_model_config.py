@@ -24,6 +24,8 @@ FAMILIES = {
     "MixtralForCausalLM": "MixtralConfig",
     "Qwen2MoeForCausalLM": "Qwen2MoeConfig",
     "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
+    "DeepseekV2ForCausalLM": "DeepseekV2Config",
+    "DeepseekV3ForCausalLM": "DeepseekV3Config",
 }
 
 

@@ -54,7 +54,7 @@ class AttentionBackend:
     name = "base"
     # Whether a step can be captured in a CUDA graph: launches that depend only on tensor shapes.
     cudagraph_support = False
-    # What forward() implements beyond causal attention: "sliding_window", "logits_soft_cap".
+    # What forward() implements beyond causal attention: "sliding_window", "logits_soft_cap"; "mla": forward_mla().
     features: frozenset[str] = frozenset()
 
     def kv_cache_dtypes(self, device: torch.device) -> tuple[torch.dtype, ...]:
@@ -91,4 +91,20 @@ class AttentionBackend:
         sliding_window: int | None = None,  # attend to the last sliding_window keys only (None: all)
         logits_soft_cap: float | None = None,  # scores become cap * tanh(score / cap) before the softmax
     ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_mla(
+        self,
+        q_nope: torch.Tensor,  # [num_tokens, num_heads, qk_nope_head_dim]
+        q_pe: torch.Tensor,  # [num_tokens, num_heads, qk_rope_head_dim], rotary applied
+        kv_c: torch.Tensor,  # [num_tokens, kv_lora_rank]: the normalised latent
+        k_pe: torch.Tensor,  # [num_tokens, qk_rope_head_dim]: the rotary key, shared by the heads
+        kv_cache: torch.Tensor,  # engine.attention.mla.mla_kv_cache_shape()
+        metadata: AttentionMetadata,
+        scale: float,
+        w_uk: torch.Tensor,  # [num_heads, qk_nope_head_dim, kv_lora_rank]: the latent's up-projection to K
+        w_uv: torch.Tensor,  # [num_heads, v_head_dim, kv_lora_rank]: and to V
+    ) -> torch.Tensor:
+        """Multi-head latent attention (engine/attention/mla.py): write this step's latents, attend, and return
+        [num_tokens, num_heads, v_head_dim]. Backends with "mla" among their features implement it."""
         raise NotImplementedError

@@ -26,6 +26,10 @@ def get_attn_backend(
 ) -> AttentionBackend:
     """The backend `name` names, which must implement what the model needs (AttentionBackend.features)."""
     resolved = resolve_backend_name(name, device_type)
+    if name == "auto" and not needs <= _BACKENDS[resolved].features and needs <= TorchAttentionBackend.features:
+        # The reference backend implements every feature first (multi-head latent attention).
+        logger.info("The %s attention backend does not implement %s; using the torch backend", resolved, sorted(needs))
+        resolved = "torch"
     missing = needs - _BACKENDS[resolved].features
     if missing:
         able = [n for n, cls in _BACKENDS.items() if needs <= cls.features]

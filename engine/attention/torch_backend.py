@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.mla import mla_forward
 from kernels.reference import to_cache_dtype
 
 # Decodes are grouped by context length so a short request is not padded to the longest one.
@@ -65,7 +66,7 @@ class PrefillRow:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
-    features = frozenset({"sliding_window", "logits_soft_cap"})
+    features = frozenset({"sliding_window", "logits_soft_cap", "mla"})
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -142,6 +143,13 @@ class TorchAttentionBackend(AttentionBackend):
         for row in prefills:
             self._prefill(query, key, value, output, k_cache, v_cache, row, scale, attend)
         return output
+
+    def forward_mla(self, q_nope, q_pe, kv_c, k_pe, kv_cache, metadata: AttentionMetadata, scale, w_uk, w_uv):
+        if metadata.plan is None:
+            metadata.plan = {}
+        if None not in metadata.plan:
+            metadata.plan[None] = self._plan(metadata, None)
+        return mla_forward(q_nope, q_pe, kv_c, k_pe, kv_cache, metadata, metadata.plan[None], scale, w_uk, w_uv)
 
     @staticmethod
     def _decode(query, output, k_cache, v_cache, group: DecodeGroup, scale, attend):

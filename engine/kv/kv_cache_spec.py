@@ -5,6 +5,10 @@ its blocks that fall out of the window can be freed. Layers of one spec are spli
 vLLM does when every layer's page is the same size): each group has its own block table, and group j's layer i
 uses the i-th of `group_size` shared KV tensors, so a block id belongs to one group at a time and a block's bytes
 are those of group_size layers, not of every layer. A model with one kind of layer is one group.
+
+A multi-head latent attention layer (MLA: DeepSeek-V2 and V3) keeps every token too, but as one compressed vector
+shared by all heads instead of per-head K and V: its page is that vector per token, and the block manager treats it
+as full attention.
 """
 
 from dataclasses import dataclass
@@ -26,7 +30,21 @@ class SlidingWindowSpec:
     sliding_window: int
 
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+@dataclass(frozen=True)
+class MLAAttentionSpec:
+    """Every token stays, as one vector per layer shared by all heads: the latent (kv_lora_rank), from which the
+    attention up-projects K and V, and the rotary part of the key (qk_rope_head_dim). No heads, no separate V."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+
+    @property
+    def head_size(self) -> int:
+        """The elements one token keeps in one layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLAAttentionSpec
 
 
 @dataclass(frozen=True)
@@ -35,7 +53,11 @@ class KVCacheGroup:
     layer_ids: tuple[int, ...]
 
 
-def layer_spec(window: int | None) -> KVCacheSpec:
+def layer_spec(config, layer: int) -> KVCacheSpec:
+    """What layer `layer` of the model (config: a ModelArchConfig) keeps."""
+    if config.kv_lora_rank is not None:
+        return MLAAttentionSpec(config.kv_lora_rank, config.qk_rope_head_dim)
+    window = config.layer_sliding_window(layer)
     return FullAttentionSpec() if window is None else SlidingWindowSpec(window)
 
 
@@ -44,7 +66,7 @@ def kv_cache_groups(config) -> list[KVCacheGroup]:
     runs of group size, the smallest number of layers any spec has (the last run of a spec may be shorter)."""
     by_spec: dict[KVCacheSpec, list[int]] = {}
     for layer in range(config.num_hidden_layers):
-        by_spec.setdefault(layer_spec(config.layer_sliding_window(layer)), []).append(layer)
+        by_spec.setdefault(layer_spec(config, layer), []).append(layer)
     group_size = min(len(layers) for layers in by_spec.values())
     order = sorted(by_spec, key=lambda s: (isinstance(s, SlidingWindowSpec), getattr(s, "sliding_window", 0)))
     return [

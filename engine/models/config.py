@@ -26,6 +26,8 @@ _MODEL_TYPE_TO_ARCH = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 
@@ -91,6 +93,35 @@ _QWEN_MOE_FIELDS = frozenset(
         "mlp_only_layers",  # ...but these, which keep a dense MLP of intermediate_size
     }
 )
+# DeepSeek-V2's multi-head latent attention and its routed and shared experts (engine/models/deepseek_v2.py).
+_DEEPSEEK_V2_FIELDS = frozenset(
+    {
+        "kv_lora_rank",  # the latent each token keeps in the KV cache
+        "q_lora_rank",  # None: q_proj; else q_a_proj, its norm and q_b_proj
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "qk_head_dim",  # their sum, which transformers writes beside them
+        "v_head_dim",
+        "first_k_dense_replace",  # the first layers keep a dense MLP; the others have experts
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "n_shared_experts",  # one dense MLP of n_shared_experts * moe_intermediate_size every token passes through
+        "routed_scaling_factor",
+        "topk_method",  # greedy, or group_limited_greedy over n_group groups of which topk_group are kept
+        "n_group",
+        "topk_group",
+        "norm_topk_prob",  # refused when set: transformers' DeepSeek-V2 does not renormalise
+    }
+)
+# DeepSeek-V3: V2's attention and experts, routed by sigmoid scores over groups always (no topk_method).
+_DEEPSEEK_V3_FIELDS = (_DEEPSEEK_V2_FIELDS - {"topk_method"}) | {
+    "rope_interleave",  # RoPE on interleaved pairs (True) or rotate-half
+    # The multi-token-prediction layers (transformers' name and the checkpoint's): greedy decoding does not run them,
+    # and their weights, past num_hidden_layers, are skipped as transformers skips them.
+    "num_mtp_layers",
+    "num_nextn_predict_layers",
+}
 FAMILY_FIELDS: dict[str, frozenset[str]] = {
     # Phi-3 keeps LongRoPE's pretraining length outside its rope parameters (from_hf_config moves it in).
     "Phi3ForCausalLM": frozenset({"original_max_position_embeddings"}),
@@ -104,7 +135,12 @@ FAMILY_FIELDS: dict[str, frozenset[str]] = {
     "Qwen2MoeForCausalLM": _QWEN_MOE_FIELDS | {"shared_expert_intermediate_size", "qkv_bias"},
     # transformers >= 5 writes Qwen3-MoE's num_experts as num_local_experts.
     "Qwen3MoeForCausalLM": _QWEN_MOE_FIELDS | {"num_local_experts"},
+    "DeepseekV2ForCausalLM": _DEEPSEEK_V2_FIELDS,
+    "DeepseekV3ForCausalLM": _DEEPSEEK_V3_FIELDS,
 }
+
+# The families with multi-head latent attention (engine/attention/mla.py).
+MLA_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 # The mixture-of-experts families (engine/models/fused_moe.py).
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -125,6 +161,41 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "shared_expert_intermediate_size": 5632,
         "norm_topk_prob": False,
         "decoder_sparse_step": 1,
+    },
+    # transformers' DeepseekV2Config defaults (q_lora_rank's among them: a config.json may leave it out).
+    "DeepseekV2ForCausalLM": {
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "first_k_dense_replace": 0,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": None,
+        "moe_intermediate_size": 1407,
+        "n_shared_experts": 2,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "greedy",
+        "n_group": None,
+        "topk_group": None,
+        "norm_topk_prob": False,
+    },
+    "DeepseekV3ForCausalLM": {
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "first_k_dense_replace": 3,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 2048,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5,
+        "n_group": 8,
+        "topk_group": 4,
+        "norm_topk_prob": True,
+        "rope_interleave": True,
     },
     "Qwen3MoeForCausalLM": {
         "num_experts": 128,
@@ -214,12 +285,18 @@ class ModelArchConfig:
     sliding_window: int | None = None
     # Each layer's attention, "full_attention" or "sliding_attention" (empty: every layer full).
     layer_types: tuple[str, ...] = ()
+    # Multi-head latent attention (MLA_ARCHS): the width of the latent each token keeps in place of K and V
+    # (kv_lora_rank) and of the rotary key beside it (qk_rope_head_dim); None in the other families.
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
     # The whole config.json, for the fields only some families read (FAMILY_FIELDS).
     hf_config: dict = field(default_factory=dict, repr=False)
 
     def attention_features(self) -> frozenset[str]:
         """What the layers ask of the attention backend beyond causal attention (AttentionBackend.features)."""
         features = {"sliding_window"} if self.sliding_window is not None else set()
+        if self.kv_lora_rank is not None:
+            features.add("mla")
         if self.architecture in SOFT_CAPPED_ATTENTION and self.hf_config.get("attn_logit_softcapping"):
             features.add("logits_soft_cap")
         return frozenset(features)
@@ -280,6 +357,7 @@ class ModelArchConfig:
         _refuse_unimplemented(d, arch)
         window, layer_types = _sliding_window(d, arch, layers)
 
+        family = {**FAMILY_DEFAULTS.get(arch, {}), **d}
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else [int(x) for x in (eos if isinstance(eos, list) else [eos])]
 
@@ -291,7 +369,8 @@ class ModelArchConfig:
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
+            # MLA's rope turns qk_rope_head_dim dims (transformers sets head_dim so).
+            head_dim=int(family["qk_rope_head_dim"] if arch in MLA_ARCHS else d.get("head_dim") or hidden // heads),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
@@ -304,7 +383,9 @@ class ModelArchConfig:
             quantization=(d.get("quantization_config") or {}).get("quant_method"),
             sliding_window=window,
             layer_types=layer_types,
-            hf_config={**FAMILY_DEFAULTS.get(arch, {}), **d},
+            kv_lora_rank=int(family["kv_lora_rank"]) if arch in MLA_ARCHS else None,
+            qk_rope_head_dim=int(family["qk_rope_head_dim"]) if arch in MLA_ARCHS else None,
+            hf_config=family,
         )
 
 
@@ -357,6 +438,8 @@ def _refuse_unimplemented(d: dict, arch: str) -> None:
         raise ModelLoadError(f"mlp_bias={d['mlp_bias']!r} is not implemented; the MLP has no biases")
     if arch in MOE_ARCHS:
         _refuse_unimplemented_moe({**FAMILY_DEFAULTS[arch], **d}, arch)
+    if arch in MLA_ARCHS:
+        _refuse_unimplemented_deepseek({**FAMILY_DEFAULTS[arch], **d}, arch)
     unknown = set(d.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
     if unknown:
         raise ModelLoadError(
@@ -373,6 +456,78 @@ def _refuse_unimplemented_moe(d: dict, arch: str) -> None:
     step = d.get("decoder_sparse_step", 1)
     if arch != "MixtralForCausalLM" and (not isinstance(step, int) or step < 1):
         raise ModelLoadError(f"decoder_sparse_step={step!r} is not implemented; it must be a positive integer")
+
+
+def _refuse_unimplemented_deepseek(d: dict, arch: str) -> None:
+    """A DeepSeek config the engine cannot compute as transformers does."""
+    heads, kv_heads = d["num_attention_heads"], d.get("num_key_value_heads") or d["num_attention_heads"]
+    if kv_heads != heads:
+        raise ModelLoadError(
+            f"num_key_value_heads={kv_heads!r} is not implemented for {arch}; multi-head latent attention makes "
+            f"every head's K and V from one latent (num_key_value_heads = num_attention_heads = {heads})"
+        )
+    if arch == "DeepseekV3ForCausalLM":
+        _refuse_unimplemented_deepseek_v3_routing(d)
+        return
+    if d.get("norm_topk_prob"):
+        raise ModelLoadError(
+            f"norm_topk_prob={d['norm_topk_prob']!r} is not implemented for {arch}: transformers' DeepSeek-V2 never "
+            "renormalises the chosen experts' weights"
+        )
+    method = d.get("topk_method")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ModelLoadError(
+            f"topk_method={method!r} is not implemented for {arch}; supported: greedy, group_limited_greedy"
+        )
+    experts, top_k = d["n_routed_experts"], d["num_experts_per_tok"]
+    layers = d["num_hidden_layers"]
+    if d["first_k_dense_replace"] < layers and not (isinstance(top_k, int) and 1 <= top_k <= experts):
+        raise ModelLoadError(f"num_experts_per_tok={top_k!r} is not implemented; it must be 1 to the {experts} experts")
+    if method == "group_limited_greedy":
+        groups, kept = d.get("n_group"), d.get("topk_group")
+        if not groups or experts % groups or not kept or not 1 <= kept <= groups:
+            raise ModelLoadError(
+                f"n_group={groups!r} with topk_group={kept!r} is not implemented; group_limited_greedy needs n_group "
+                f"dividing the {experts} experts and topk_group from 1 to n_group"
+            )
+    # Fields of DeepSeek's own config.json (its remote code) that transformers' class lacks.
+    if d.get("scoring_func", "softmax") != "softmax":
+        raise ModelLoadError(f"scoring_func={d['scoring_func']!r} is not implemented for {arch}; supported: softmax")
+    if d.get("moe_layer_freq", 1) != 1:
+        raise ModelLoadError(
+            f"moe_layer_freq={d['moe_layer_freq']!r} is not implemented; every layer from first_k_dense_replace on "
+            "has experts"
+        )
+
+
+def _refuse_unimplemented_deepseek_v3_routing(d: dict) -> None:
+    """DeepSeek-V3's router: sigmoid scores, groups scored by their two best experts (so at least two a group)."""
+    experts, top_k, groups, kept = d["n_routed_experts"], d["num_experts_per_tok"], d["n_group"], d["topk_group"]
+    if not groups or experts % groups or experts // groups < 2 or not kept or not 1 <= kept <= groups:
+        raise ModelLoadError(
+            f"n_group={groups!r} with topk_group={kept!r} is not implemented; the router needs n_group dividing the "
+            f"{experts} experts into groups of at least 2 and topk_group from 1 to n_group"
+        )
+    if d["first_k_dense_replace"] < d["num_hidden_layers"] and not (
+        isinstance(top_k, int) and 1 <= top_k <= kept * experts // groups
+    ):
+        raise ModelLoadError(
+            f"num_experts_per_tok={top_k!r} is not implemented; it must be 1 to the experts of topk_group groups"
+        )
+    # Fields of DeepSeek's own config.json (its remote code) that transformers' class lacks.
+    if d.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ModelLoadError(
+            f"scoring_func={d['scoring_func']!r} is not implemented for DeepSeek-V3; supported: sigmoid"
+        )
+    if d.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ModelLoadError(
+            f"topk_method={d['topk_method']!r} is not implemented for DeepSeek-V3; supported: noaux_tc"
+        )
+    if d.get("moe_layer_freq", 1) != 1:
+        raise ModelLoadError(
+            f"moe_layer_freq={d['moe_layer_freq']!r} is not implemented; every layer from first_k_dense_replace on "
+            "has experts"
+        )
 
 
 def _sliding_window(d: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:

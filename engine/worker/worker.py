@@ -14,12 +14,20 @@ from pathlib import Path
 import torch
 
 from engine.attention.backend import AttentionMetadata, layer_metadata, resolve_kv_cache_dtype
+from engine.attention.mla import mla_kv_cache_shape
 from engine.attention.selector import get_attn_backend
 from engine.config import EngineConfig, parse_memory_size
 from engine.distributed.parallel_state import destroy_distributed, get_tp_rank, get_tp_size
 from engine.kv.connector.base import KVConnectorBase, KVConnectorRole
 from engine.kv.connector.factory import create_connector
-from engine.kv.kv_cache_spec import SlidingWindowSpec, group_size, kv_cache_groups, layer_to_group, layer_to_tensor
+from engine.kv.kv_cache_spec import (
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    group_size,
+    kv_cache_groups,
+    layer_to_group,
+    layer_to_tensor,
+)
 from engine.kv.layout import KVLayout, model_fingerprint, weights_digest
 from engine.kv.manager import cdiv
 from engine.lora.manager import LoRAModelManager
@@ -91,6 +99,19 @@ class Worker:
         self.attn_backend.check_kv_cache_dtype(self.kv_cache_dtype, self.device)
         # The layers grouped by what they keep in the KV cache: the groups share group_size K/V tensors.
         self.kv_cache_groups = kv_cache_groups(model_config)
+        # Multi-head latent attention's one latent vector a token (its spec), or None: K and V per head.
+        spec = self.kv_cache_groups[0].spec
+        self.mla_spec = spec if isinstance(spec, MLAAttentionSpec) else None
+        if self.mla_spec is not None and config.lora_config.enable_lora:
+            raise ValueError(
+                f"--enable-lora is not implemented for {model_config.architecture}'s multi-head latent attention"
+            )
+        if self.mla_spec is not None and config.kv_transfer_config is not None:
+            raise ValueError(
+                f"--kv-transfer-config is not implemented for {model_config.architecture}: its KV cache holds "
+                "multi-head latent attention's latent vectors, which the KV connectors and the KV store do not move "
+                "yet (they move per-head K and V blocks). Serve it without --kv-transfer-config."
+            )
         self.model: torch.nn.Module | None = None  # the architecture's class in engine/models/, from ModelRegistry
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model_runner: ModelRunner | None = None
@@ -159,16 +180,26 @@ class Worker:
 
     def get_cache_block_size_bytes(self) -> int:
         """K and V of one block across the layers of a KV cache group (a block id belongs to one group at a time):
-        every layer where the model has one kind of layer."""
+        every layer where the model has one kind of layer. With MLA, one latent vector a token and layer instead,
+        whole on every tensor-parallel rank."""
         cfg = self.model_config
         element = self.kv_cache_dtype.itemsize
         num_layers = group_size(self.kv_cache_groups)
+        if self.mla_spec is not None:
+            return num_layers * self.cache_config.block_size * self.mla_spec.head_size * element
         return 2 * num_layers * self.cache_config.block_size * self.num_kv_heads * cfg.head_dim * element
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """group_size K/V tensor pairs of num_blocks blocks, shared by the groups: each layer's (K, V) is the pair
-        of its place in its group."""
+        of its place in its group. With MLA a layer has one latent tensor in place of the pair."""
         cfg, bs = self.model_config, self.cache_config.block_size
+        if self.mla_spec is not None:
+            shape = mla_kv_cache_shape(num_blocks, bs, self.mla_spec.head_size)
+            latents = [
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+                for _ in range(group_size(self.kv_cache_groups))
+            ]
+            return [latents[i] for i in layer_to_tensor(self.kv_cache_groups)]
         shape = self.attn_backend.get_kv_cache_shape(num_blocks, bs, self.num_kv_heads, cfg.head_dim)
         pairs = [
             (
@@ -208,7 +239,7 @@ class Worker:
         torch.cuda.reset_peak_memory_stats(dev)  # from here: loading's temporaries (float32 weights) are gone
         n = min(self.scheduler_config.max_num_batched_tokens, self.max_model_len)
         caches = self._allocate_kv_caches(cdiv(n, bs))
-        cache_bytes = 2 * group_size(self.kv_cache_groups) * caches[0][0].numel() * caches[0][0].element_size()
+        cache_bytes = cdiv(n, bs) * self.get_cache_block_size_bytes()
         metadata = AttentionMetadata(
             num_actual_tokens=n,
             slot_mapping=torch.arange(n, device=dev),
@@ -274,6 +305,11 @@ class Worker:
             return NgramProposer(config)
         vocab = self.model_config.vocab_size
         drafter = DraftModelProposer(config, vocab, self.config, self.device, self.dtype, self.attn_backend)
+        if drafter.config.kv_lora_rank is not None:
+            raise ValueError(
+                f"speculative_config.model: a draft model with multi-head latent attention "
+                f"({drafter.config.architecture}) is not implemented; its KV cache is allocated as per-head K and V"
+            )
         # The draft's KV lives in the first group's blocks: a sliding group keeps only its window of them.
         spec = self.kv_cache_groups[0].spec
         if isinstance(spec, SlidingWindowSpec):
