@@ -47,9 +47,9 @@ def test_greedy_matches_hf_with_chunked_prefill_and_prefix_hits(tmp_path, varian
 
 
 def test_preemption_structured_output_speculation_tp_lora_and_kv_store(tmp_path, redis_server):
-    # PEFT targets Phi-3's fused qkv_proj and gate_up_proj by those names, which the engine's LoRA refuses by name
-    # (test_lora_on_the_fused_projections_is_refused_by_name); o_proj and down_proj are served.
-    families.check_engine_paths(tmp_path, config("longrope"), redis_server.url, ["o_proj", "down_proj"])
+    # PEFT targets Phi-3's fused qkv_proj and gate_up_proj by those names (one A, one B over the fused output).
+    targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    families.check_engine_paths(tmp_path, config("longrope"), redis_server.url, targets)
 
 
 def test_old_rope_type_names_are_longrope_and_partial_rotary_is_refused():
@@ -140,8 +140,32 @@ def test_long_and_short_factor_blocks_never_share_the_prefix_cache(tmp_path):
     assert_no_leaks(engine)
 
 
-def test_lora_on_the_fused_projections_is_refused_by_name(tmp_path):
-    """PEFT names Phi-3's fused layers qkv_proj and gate_up_proj; the engine's LoRA serves the unfused names only and
-    refuses an adapter on these, naming them, rather than applying part of it."""
-    with pytest.raises(ValueError, match=r"target module\(s\) \['gate_up_proj', 'qkv_proj'\] are not supported"):
-        families.check_lora(tmp_path, config(), ["qkv_proj", "o_proj", "gate_up_proj"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lora_on_the_fused_projections_matches_peft_merged(tmp_path, tp):
+    """An adapter on the fused qkv_proj and gate_up_proj alone gives the PEFT-merged model's output; with two ranks
+    each takes its rows of q, k and v, and of gate and up, from the fused B."""
+    families.check_lora(tmp_path, config("window"), ["qkv_proj", "gate_up_proj"], tensor_parallel_size=tp)
+
+
+def test_lora_on_a_projection_alone_and_fused_is_refused(tmp_path):
+    """An adapter with q_proj's matrices and qkv_proj's both would add two deltas to q: refused, naming them."""
+    from safetensors.torch import save_file
+
+    from engine.lora.peft import load_peft_adapter
+    from engine.lora.request import LoRARequest
+
+    cfg = ModelArchConfig.from_hf_config({**config().to_dict(), "architectures": ["Phi3ForCausalLM"]})
+    rank, q = 4, cfg.num_attention_heads * cfg.head_dim
+    qkv = q + 2 * cfg.num_key_value_heads * cfg.head_dim
+    prefix = "base_model.model.model.layers.0.self_attn"
+    tensors = {
+        f"{prefix}.qkv_proj.lora_A.weight": torch.randn(rank, cfg.hidden_size),
+        f"{prefix}.qkv_proj.lora_B.weight": torch.randn(qkv, rank),
+        f"{prefix}.q_proj.lora_A.weight": torch.randn(rank, cfg.hidden_size),
+        f"{prefix}.q_proj.lora_B.weight": torch.randn(q, rank),
+    }
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": 8, "target_modules": ["qkv_proj", "q_proj"]}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(adapter_config))
+    with pytest.raises(ValueError, match="layer 0's q_proj is adapted twice"):
+        load_peft_adapter(LoRARequest("both", 1, str(tmp_path)), cfg, rank)
