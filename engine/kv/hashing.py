@@ -57,8 +57,8 @@ def extend_block_hashes(
     rope_key: bytes | None = None,
 ) -> list[bytes]:
     """Append to `hashes` the hash of every full block of `token_ids` past those already hashed (the salt, the
-    adapter's digest, lora_key, and the rope's name, rope_key, are mixed into block 0 only). The engine names its blocks this way; a router names a
-    prompt's blocks the same way."""
+    adapter's digest, lora_key, and the rope's name, rope_key, are mixed into block 0 only). The engine names its
+    blocks this way; a router names a prompt's blocks the same way."""
     num_full = len(token_ids) // block_size
     while len(hashes) < num_full:
         i = len(hashes)
