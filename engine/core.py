@@ -98,6 +98,7 @@ class EngineCore:
             enable_kv_cache_events=cache.enable_kv_cache_events,
             lora_digests=self.lora_digests,
             kv_cache_specs=[g.spec for g in groups],
+            rope_switch_len=cfg.rope_switch_len(),
         )
         self.num_steps = 0
         self.last_step: StepStats | None = None
@@ -135,6 +136,7 @@ class EngineCore:
             num_spec_tokens=spec.num_speculative_tokens if (spec := config.speculative_config) else 0,
             num_lookahead_tokens=num_lookahead,
             max_loras=lora.max_loras if lora.enable_lora else 0,
+            rope_switch_len=cfg.rope_switch_len(),
         )
         self._aborted: list[EngineCoreOutput] = []
         self.info = self._make_info(layouts)

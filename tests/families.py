@@ -149,15 +149,18 @@ def check_lora(tmp_path, config, target_modules, rank: int = 4, **engine_kwargs)
     peft_model.save_pretrained(adapter)
     merged = peft_model.merge_and_unload().eval()
     engine = make_engine(path, enable_lora=True, max_loras=1, max_lora_rank=rank, **engine_kwargs)
-    batch = prompts(config)
-    lora_request = LoRARequest("adapter", 1, str(adapter))
-    assert engine.add_lora(lora_request)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    requests = [Request(str(i), p, params, lora_request=lora_request) for i, p in enumerate(batch)]
-    tokens, _ = run_to_completion(engine, requests)
-    ours = [tokens[str(i)] for i in range(len(batch))]
-    assert_matches_hf(merged, batch, ours, f"LoRA on {target_modules}")
-    assert ours != run_greedy(engine, batch, MAX_TOKENS)
+    try:
+        batch = prompts(config)
+        lora_request = LoRARequest("adapter", 1, str(adapter))
+        assert engine.add_lora(lora_request)
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        requests = [Request(str(i), p, params, lora_request=lora_request) for i, p in enumerate(batch)]
+        tokens, _ = run_to_completion(engine, requests)
+        ours = [tokens[str(i)] for i in range(len(batch))]
+        assert_matches_hf(merged, batch, ours, f"LoRA on {target_modules}")
+        assert ours != run_greedy(engine, batch, MAX_TOKENS)
+    finally:
+        engine.shutdown()  # its tensor-parallel ranks, where it has them
 
 
 def check_kv_store(tmp_path, config, redis_url: str, **engine_kwargs):

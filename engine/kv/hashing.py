@@ -1,9 +1,10 @@
 """Chained block hashes for prefix caching.
 
 hash(block i) = H(hash(block i-1) || canonical bytes of block i's tokens || extra keys).
-The extra keys (block 0's, which every later block inherits through the chain) are the request's cache salt and
-its LoRA adapter's digest, so requests under different adapters never share a block; a request with neither
-hashes as it always did.
+The extra keys (block 0's, which every later block inherits through the chain) are the request's cache salt, its
+LoRA adapter's digest, so requests under different adapters never share a block, and the rope its KV was rotated
+with where a model has two (LongRoPE's long factors past the switch length); a request with none of them hashes as
+it always did.
 The encoding is fixed-width little-endian, so the same tokens give the same hash in every
 process and on every machine; that is what lets a KV store share blocks across engines.
 Never Python's hash() (salted per process) and never pickle.
@@ -39,9 +40,10 @@ def hash_block_tokens(hash_fn: HashFn, parent_hash: bytes, token_ids: list[int],
     return hash_fn(parent_hash + struct.pack("<I", len(token_ids)) + tokens + struct.pack("<I", len(extra)) + extra)
 
 
-def request_extra_key(cache_salt: str | None, lora_key: bytes | None = None) -> bytes:
+def request_extra_key(cache_salt: str | None, lora_key: bytes | None = None, rope_key: bytes | None = None) -> bytes:
     salt = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
-    return salt if lora_key is None else salt + b"lora:" + lora_key
+    lora = b"" if lora_key is None else b"lora:" + lora_key
+    return salt + lora + (b"" if rope_key is None else b"rope:" + rope_key)
 
 
 def extend_block_hashes(
@@ -52,21 +54,30 @@ def extend_block_hashes(
     root: bytes,
     cache_salt: str | None,
     lora_key: bytes | None = None,
+    rope_key: bytes | None = None,
 ) -> list[bytes]:
-    """Append to `hashes` the hash of every full block of `token_ids` past those already hashed (the salt and the
-    adapter's digest, lora_key, are mixed into block 0 only). The engine names its blocks this way; a router names a
-    prompt's blocks the same way."""
+    """Append to `hashes` the hash of every full block of `token_ids` past those already hashed (the salt, the
+    adapter's digest, lora_key, and the rope's name, rope_key, are mixed into block 0 only). The engine names its
+    blocks this way; a router names a prompt's blocks the same way."""
     num_full = len(token_ids) // block_size
     while len(hashes) < num_full:
         i = len(hashes)
         parent = hashes[-1] if hashes else root
-        extra = request_extra_key(cache_salt, lora_key) if i == 0 else b""
+        extra = request_extra_key(cache_salt, lora_key, rope_key) if i == 0 else b""
         hashes.append(hash_block_tokens(hash_fn, parent, token_ids[i * block_size : (i + 1) * block_size], extra))
     return hashes
 
 
-def update_block_hashes(request, block_size: int, hash_fn: HashFn, root: bytes, lora_key: bytes | None = None) -> None:
-    """Append hashes for every newly full block of `request` (lora_key: the digest of its adapter, if any)."""
+def update_block_hashes(
+    request,
+    block_size: int,
+    hash_fn: HashFn,
+    root: bytes,
+    lora_key: bytes | None = None,
+    rope_key: bytes | None = None,
+) -> None:
+    """Append hashes for every newly full block of `request` (lora_key: the digest of its adapter, if any; rope_key:
+    the name of the rope its KV is rotated with, where not the model's first)."""
     extend_block_hashes(
-        request.block_hashes, request.all_token_ids, block_size, hash_fn, root, request.cache_salt, lora_key
+        request.block_hashes, request.all_token_ids, block_size, hash_fn, root, request.cache_salt, lora_key, rope_key
     )

@@ -42,8 +42,11 @@ class KVCacheManager:
         enable_kv_cache_events: bool = False,
         lora_digests: dict[int, bytes] | None = None,
         kv_cache_specs: list[KVCacheSpec] | None = None,
+        rope_switch_len: int | None = None,
     ):
-        """kv_cache_specs: each KV cache group's spec (default: one full-attention group)."""
+        """kv_cache_specs: each KV cache group's spec (default: one full-attention group). rope_switch_len: past this
+        many tokens a request's KV is rotated with the model's other rope (ModelArchConfig.rope_switch_len), so its
+        blocks are named apart."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         specs = kv_cache_specs or [FullAttentionSpec()]
@@ -61,6 +64,7 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         # LoRA adapter id -> digest of its weights: the extra key of its requests' block hashes.
         self.lora_digests = lora_digests if lora_digests is not None else {}
+        self.rope_switch_len = rope_switch_len
 
     @property
     def num_kv_cache_groups(self) -> int:
@@ -164,7 +168,10 @@ class KVCacheManager:
     def _update_block_hashes(self, request: Request) -> None:
         lora = request.lora_request
         lora_key = None if lora is None else self.lora_digests[lora.lora_int_id]
-        update_block_hashes(request, self.block_size, self.hash_fn, self.root_hash, lora_key)
+        # The scheduler recomputes a request that grows past the switch, its hashes dropped: all of them are renamed.
+        switch = self.rope_switch_len
+        rope_key = b"long" if switch is not None and request.num_tokens > switch else None
+        update_block_hashes(request, self.block_size, self.hash_fn, self.root_hash, lora_key, rope_key)
 
     def free(self, request: Request) -> None:
         """Release a request's blocks in every group, tail-first, so its unique tail is evicted before shared

@@ -17,15 +17,30 @@ from safetensors.torch import load as load_safetensors
 from engine.lora.request import LoRARequest
 from engine.models.config import ModelArchConfig
 
-# The projections an adapter may target, by PEFT's (Hugging Face's) module names.
-SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections an adapter may target, by PEFT's (Hugging Face's) module names: Phi-3's are fused (FUSED_MODULES).
+SUPPORTED_TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+)
+# A fused projection and the projections it holds, in output order. Its adapter (one A, one B over all of its output
+# rows) is theirs with A shared and B cut by their rows, which is how it is served: each tensor-parallel rank then
+# takes its rows of each, as of the fused weight.
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # PEFT's key for one LoRA matrix: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight")
 
 
 @dataclass
 class LoRAModel:
-    """One adapter in host memory, float32: (layer, module) -> (A [r, in], B [out, r] with the scaling folded in)."""
+    """One adapter in host memory, float32: (layer, module) -> (A [r, in], B [out, r] with the scaling folded in); a
+    fused module's under each module it holds (FUSED_MODULES)."""
 
     lora_request: LoRARequest
     rank: int
@@ -47,6 +62,8 @@ def module_shapes(cfg: ModelArchConfig) -> dict[str, tuple[int, int]]:
         "gate_proj": (h, i),
         "up_proj": (h, i),
         "down_proj": (i, h),
+        "qkv_proj": (h, q + 2 * kv),
+        "gate_up_proj": (h, 2 * i),
     }
 
 
@@ -140,7 +157,12 @@ def load_peft_adapter(lora_request: LoRARequest, cfg: ModelArchConfig, max_lora_
     for (layer, module), ab in parts.items():
         if set(ab) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {name!r}: layer {layer}'s {module} has lora_{list(ab)[0]} alone.")
-        weights[layer, module] = (ab["A"].contiguous(), (ab["B"] * scaling).contiguous())
+        a, b = ab["A"].contiguous(), ab["B"] * scaling
+        parts_of = FUSED_MODULES.get(module, (module,))
+        for part, part_b in zip(parts_of, b.split([shapes[p][1] for p in parts_of])):
+            if (layer, part) in weights:
+                raise ValueError(f"LoRA adapter {name!r}: layer {layer}'s {part} is adapted twice (alone and fused).")
+            weights[layer, part] = (a, part_b.contiguous())
     if not weights:
         raise ValueError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA matrices.")
     digest = hashlib.sha256(data + repr(scaling).encode()).digest()

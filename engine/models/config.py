@@ -6,12 +6,9 @@ engine does not implement is refused at start-up with a message naming the field
 the classes).
 """
 
-import logging
 from dataclasses import dataclass, field
 
 from engine.models.registry import ModelRegistry
-
-logger = logging.getLogger(__name__)
 
 # Older or hand-written configs may lack "architectures" but name a model_type.
 _MODEL_TYPE_TO_ARCH = {
@@ -305,6 +302,15 @@ class ModelArchConfig:
         """The window layer `layer` attends in; None: the whole context."""
         return self.sliding_window if self.layer_types and self.layer_types[layer] == "sliding_attention" else None
 
+    def rope_switch_len(self) -> int | None:
+        """The length past which a sequence is rotated with other frequencies from its first token on (LongRoPE's
+        long factors past original_max_position_embeddings); None where the rope never switches."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") != "longrope":
+            return None
+        original = scaling["original_max_position_embeddings"]
+        return original if self.max_position_embeddings > original else None
+
     @classmethod
     def from_hf_config(cls, d: dict) -> "ModelArchConfig":
         archs = d.get("architectures") or []
@@ -339,21 +345,8 @@ class ModelArchConfig:
                 rope_scaling = None
         max_position = int(d.get("max_position_embeddings", 2048))
         if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
-            # transformers recomputes a whole sequence with the long factors once it grows past the original length
-            # (Phi-3's prepare_inputs_for_generation drops its cache there), which paged, prefix-cached KV cannot
-            # do: the engine serves LongRoPE models up to that length, where the short factors are exact. The
-            # attention factor stays the one of the full context.
-            original = rope_scaling["original_max_position_embeddings"]
-            rope_scaling.setdefault("factor", max_position / original)
-            if max_position > original:
-                logger.warning(
-                    "LongRoPE (rope_type longrope) is served up to original_max_position_embeddings=%d of the "
-                    "model's max_position_embeddings=%d: past it transformers recomputes the whole sequence with "
-                    "the long factors, which the engine does not implement",
-                    original,
-                    max_position,
-                )
-            max_position = min(max_position, original)
+            # The attention factor is the one of the full context (transformers' default factor).
+            rope_scaling.setdefault("factor", max_position / rope_scaling["original_max_position_embeddings"])
         _refuse_unimplemented(d, arch)
         window, layer_types = _sliding_window(d, arch, layers)
 

@@ -85,13 +85,14 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None, max_pos
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, base, scaling, max_position)
     if rope_type == "longrope":
-        # transformers' Phi-3 rotates a whole sequence with the short factors while it fits in
-        # original_max_position_embeddings and recomputes all of it with the long ones once it grows past; the engine
-        # serves only up to that length (ModelArchConfig caps max_position_embeddings there), so only the short
-        # factors apply.
-        inv_freq_shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        return 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * base**inv_freq_shape)
+        # The short factors; LongRoPERotaryEmbedding adds the long ones for sequences past the original length.
+        return longrope_inv_freq(head_dim, base, scaling["short_factor"])
     raise ValueError(f"Unsupported rope_scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}.")
+
+
+def longrope_inv_freq(head_dim: int, base: float, ext_factors: list[float]) -> torch.Tensor:
+    inv_freq_shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(ext_factors, dtype=torch.float32) * base**inv_freq_shape)
 
 
 def _yarn_inv_freq(head_dim: int, base: float, scaling: dict, max_position: int) -> torch.Tensor:
@@ -144,19 +145,42 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, base, rope_scaling, max_position)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
         scale = rope_attention_factor(rope_scaling, max_position)
         # Plain attributes, not buffers: model.to(dtype) must not round them (HF keeps them float32).
-        self.cos, self.sin = emb.cos() * scale, emb.sin() * scale
+        self.cos, self.sin = cos_sin_table(inv_freq, max_position, scale)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [tokens, head_dim] for this step's positions, looked up once and shared by every layer."""
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
+def cos_sin_table(inv_freq: torch.Tensor, num_positions: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scale, emb.sin() * scale
+
+
+class LongRoPERotaryEmbedding(RotaryEmbedding):
+    """LongRoPE (Phi-3) past its original length: transformers rotates a sequence of at most
+    original_max_position_embeddings tokens with the short factors, and a longer one with the long factors from its
+    first token on. One table holds both, as vLLM's long_short cache: rows [0, original) short, then every position
+    long; the model runner offsets the positions of a request longer than original (ModelArchConfig.rope_switch_len)
+    by original, so each token finds its request's factors and a batch mixes both."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict):
+        nn.Module.__init__(self)
+        original = rope_scaling["original_max_position_embeddings"]
+        scale = rope_attention_factor(rope_scaling, max_position)
+        short = cos_sin_table(longrope_inv_freq(head_dim, base, rope_scaling["short_factor"]), original, scale)
+        long = cos_sin_table(longrope_inv_freq(head_dim, base, rope_scaling["long_factor"]), max_position, scale)
+        self.cos, self.sin = (torch.cat(pair) for pair in zip(short, long))
+
+
 def get_rope(head_dim: int, max_position: int, base: float, rope_scaling: dict | None) -> RotaryEmbedding:
     """The rotary embedding for a rope_scaling dict (None or rope_type "default": plain RoPE)."""
+    scaling = rope_scaling or {}
+    if scaling.get("rope_type") == "longrope" and max_position > scaling["original_max_position_embeddings"]:
+        return LongRoPERotaryEmbedding(head_dim, max_position, base, scaling)
     return RotaryEmbedding(head_dim, max_position, base, rope_scaling)
 
 

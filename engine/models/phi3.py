@@ -1,6 +1,6 @@
 """Phi-3: the Llama decoder, with a checkpoint whose q/k/v and gate/up projections are already fused (qkv_proj,
-gate_up_proj), a sliding window on every layer where the config sets one, and LongRoPE (its short factors: the engine
-serves it up to original_max_position_embeddings, layers.rope_inv_freq)."""
+gate_up_proj), a sliding window on every layer where the config sets one, and LongRoPE (short factors up to
+original_max_position_embeddings, long ones for a sequence past it: layers.LongRoPERotaryEmbedding)."""
 
 from engine.models.llama import LlamaForCausalLM
 

@@ -32,6 +32,7 @@ class Scheduler:
         num_spec_tokens: int = 0,
         num_lookahead_tokens: int = 0,
         max_loras: int = 0,
+        rope_switch_len: int | None = None,
     ):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -57,6 +58,9 @@ class Scheduler:
         self.num_lookahead_tokens = num_lookahead_tokens
         # Adapters one step may run at most (the device's LoRA slots); 0: LoRA is off.
         self.max_loras = max_loras
+        # A model whose rope switches past this length (ModelArchConfig.rope_switch_len): a request that grows past
+        # it is recomputed from its first token, as transformers does.
+        self.rope_switch_len = rope_switch_len
         # Async scheduling: request id -> the new tokens its blocks were allocated for by schedule_ahead.
         self.allocated_ahead: dict[str, int] = {}
 
@@ -420,15 +424,32 @@ class Scheduler:
         return self.running.pop()
 
     def _preempt(self, request: Request) -> None:
+        self._free_for_recompute(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        request.record_event(EngineCoreEventType.PREEMPTED)
+        self.waiting.prepend_request(request)
+
+    def _free_for_recompute(self, request: Request) -> None:
         # Recompute preemption: drop the KV cache and start the request over later. Its output tokens stay, and so
         # does its grammar matcher, which has accepted exactly them.
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        request.record_event(EngineCoreEventType.PREEMPTED)
+
+    def _crossed_rope_switch(self, request: Request, num_new_tokens: int) -> bool:
+        switch = self.rope_switch_len
+        return switch is not None and request.num_tokens - num_new_tokens <= switch < request.num_tokens
+
+    def _switch_rope(self, request: Request) -> None:
+        """The request just grew past rope_switch_len: its KV was rotated with the short rope, and transformers
+        recomputes the whole sequence with the long one there. So does the engine, by a recompute preemption (not
+        counted as one); its blocks are named anew with the long rope's key (KVCacheManager), so the prefix cache
+        still serves the short ones to short requests and never mixes the two."""
+        self.running.remove(request)
+        self._free_for_recompute(request)
+        request.block_hashes.clear()
         self.waiting.prepend_request(request)
 
     def update_from_output(
@@ -472,6 +493,8 @@ class Scheduler:
             if stopped:
                 self.running.remove(request)
                 self._free_request(request)
+            elif self._crossed_rope_switch(request, len(new_token_ids)):
+                self._switch_rope(request)
             else:
                 proposed = runner_output.spec_token_ids.get(request.request_id, [])[: self._max_num_drafts(request)]
                 if proposed and request.structured_output_request is not None:
@@ -502,6 +525,10 @@ class Scheduler:
     def _max_num_drafts(self, request: Request) -> int:
         """Drafts whose verification cannot overrun max_tokens or the length cap (a step adds one token more)."""
         room = self.max_model_len - request.num_tokens
+        switch = self.rope_switch_len
+        if switch is not None and request.num_tokens <= switch:
+            # A short-rope request verifies no draft past the switch (the token there needs the long rope).
+            room = min(room, switch + 1 - request.num_tokens)
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - request.num_output_tokens)

@@ -92,6 +92,7 @@ class InputBuffers:
         pad_to: int | None = None,
         spec_token_ids: list[list[int]] | None = None,
         num_computed: list[int] | None = None,
+        rope_offsets: list[int] | None = None,
     ):
         """Fill the buffers with these requests' scheduled tokens, in order, and start the copies to the device.
 
@@ -105,6 +106,9 @@ class InputBuffers:
 
         num_computed: where each request's scheduled tokens start, when not yet its num_computed_tokens (a batch
         prepared while the step before it samples); its tokens not yet sampled are left for write_input_ids.
+
+        rope_offsets: added to each request's positions as the model sees them (not to its slots): the row of its
+        rope table (LongRoPERotaryEmbedding's long half for a request past the switch length).
         """
         if self.copied is not None:
             self.copied.synchronize()  # the last step's copies are done reading the host side (normally long since)
@@ -140,6 +144,8 @@ class InputBuffers:
             slots = slot_mapping.np[:total]
             slots[:] = table.np[rows, positions // bs] * bs + positions % bs
             slots[num_real:] = -1
+        if rope_offsets is not None:
+            positions[:num_real] += np.repeat(rope_offsets, n[:num_reqs])
         num_logits = np.ones(len(sampled_rows), dtype=np.int64)
         if spec_token_ids:
             num_logits += [len(spec_token_ids[row]) for row in sampled_rows]

@@ -45,6 +45,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.layer_to_group = layer_to_group or [0] * len(kv_caches)
+        # Past this many tokens a request's whole sequence is rotated with the model's other rope (its positions
+        # offset by it into the rope table); the scheduler recomputes a request that grows past it.
+        self.rope_switch_len = model.config.rope_switch_len()
         self.buffers = InputBuffers(
             max_num_tokens,
             max_num_reqs,
@@ -130,10 +133,15 @@ class ModelRunner:
             size,
             [spec.get(r.request_id, []) for r in requests] if spec else None,
             starts,
+            self._rope_offsets(requests),
         )
         if self.lora_manager is not None:
             self.lora_manager.set_mapping(*self.buffers.prepare_lora([lora_slots[i] for i in order], num_scheduled))
         return requests, order, rows, size, *inputs
+
+    def _rope_offsets(self, requests) -> list[int] | None:
+        switch = self.rope_switch_len
+        return None if switch is None else [switch if r.num_tokens > switch else 0 for r in requests]
 
     def _activate_loras(self, requests) -> list[int]:
         """Each request's LoRA slot (-1: the base model), its adapter put in a slot if it was not."""
