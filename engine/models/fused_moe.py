@@ -91,6 +91,11 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)
         if self.ops is not None and x.dtype in (torch.float32, torch.bfloat16):
             out = self.ops.fused_moe(x.contiguous(), self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        elif x.is_cuda:
+            # Two Triton launches (kernels/fused_moe.py), imported here so that machines without triton import this.
+            from kernels.fused_moe import fused_experts as triton_fused_experts
+
+            out = triton_fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         else:
             out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         return all_reduce(out) if self.tp_size > 1 else out
