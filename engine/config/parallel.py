@@ -11,13 +11,20 @@ MAX_TENSOR_PARALLEL_SIZE = 64
 @dataclass
 class ParallelConfig:
     """Tensor parallelism: one worker process per rank (engine.executor); with one rank the worker runs in
-    process."""
+    process. With expert parallelism the same ranks split a mixture of experts by expert instead."""
 
     tensor_parallel_size: int = setting(
         1,
         help="ranks the model is split across (Megatron-style: heads, MLP and vocabulary), one process each, "
         "meeting at $MASTER_ADDR:$MASTER_PORT (default: this host and a free port); the heads, KV heads and MLP "
         "width must divide by it",
+    )
+
+    enable_expert_parallel: bool = setting(
+        False,
+        help="split each mixture-of-experts layer across the --tensor-parallel-size ranks by expert (each rank "
+        "holds num_experts / N whole experts) instead of slicing every expert's width; attention and the dense "
+        "layers stay tensor-parallel. Mixture-of-experts models only; the expert count must divide by the ranks",
     )
 
     def __post_init__(self):

@@ -4,6 +4,10 @@ Ranks meet at rank 0's address and port (torch.distributed's MASTER_ADDR and MAS
 reads), so they may live on separate hosts. Every collective has the group's timeout: a rank that stops
 answering fails the others' collectives after it instead of hanging them. Without init_distributed a process is
 rank 0 of 1; a layer built then never calls a collective, so a model runs unchanged on one device.
+
+Expert parallelism (--enable-expert-parallel) uses the same group as its expert-parallel group (vLLM's EP group with
+one data-parallel rank): its mixture-of-experts layers hold whole experts, E / N a rank, instead of a slice of
+every expert.
 """
 
 import datetime
@@ -17,11 +21,19 @@ import torch.distributed as dist
 COLLECTIVE_TIMEOUT_S = 60.0
 
 _tp_rank, _tp_size = 0, 1
+_enable_expert_parallel = False
 
 
-def init_distributed(rank: int, world_size: int, device: torch.device, master_addr: str, master_port: int) -> None:
+def init_distributed(
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    master_addr: str,
+    master_port: int,
+    enable_expert_parallel: bool = False,
+) -> None:
     """Join the group of `world_size` ranks as `rank`, meeting rank 0 at master_addr:master_port."""
-    global _tp_rank, _tp_size
+    global _tp_rank, _tp_size, _enable_expert_parallel
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
@@ -31,7 +43,7 @@ def init_distributed(rank: int, world_size: int, device: torch.device, master_ad
         world_size=world_size,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
-    _tp_rank, _tp_size = rank, world_size
+    _tp_rank, _tp_size, _enable_expert_parallel = rank, world_size, enable_expert_parallel
 
 
 def set_cpu_threads(local_world_size: int) -> None:
@@ -42,10 +54,10 @@ def set_cpu_threads(local_world_size: int) -> None:
 
 
 def destroy_distributed() -> None:
-    global _tp_rank, _tp_size
+    global _tp_rank, _tp_size, _enable_expert_parallel
     if dist.is_initialized():
         dist.destroy_process_group()
-    _tp_rank, _tp_size = 0, 1
+    _tp_rank, _tp_size, _enable_expert_parallel = 0, 1, False
 
 
 def get_tp_rank() -> int:
@@ -54,6 +66,16 @@ def get_tp_rank() -> int:
 
 def get_tp_size() -> int:
     return _tp_size
+
+
+def get_ep_rank() -> int:
+    """This rank's place among the ranks that split the experts (0 without expert parallelism)."""
+    return _tp_rank if _enable_expert_parallel else 0
+
+
+def get_ep_size() -> int:
+    """How many ranks split the experts between them: every rank with expert parallelism, else 1."""
+    return _tp_size if _enable_expert_parallel else 1
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

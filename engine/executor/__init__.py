@@ -5,10 +5,13 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.models.config import ModelArchConfig
+from engine.models.fused_moe import check_expert_parallel
 
 
 def make_executor(config: EngineConfig, model_config: ModelArchConfig, model_dir: Path, max_model_len: int):
     """The executor for config.parallel_config.tensor_parallel_size, with the model loaded on every rank."""
+    if config.parallel_config.enable_expert_parallel:  # before any rank starts
+        check_expert_parallel(model_config, config.parallel_config.tensor_parallel_size)
     if config.parallel_config.tensor_parallel_size == 1:
         from engine.executor.uniproc import UniProcExecutor
 

@@ -125,7 +125,8 @@ class MultiprocExecutor(UniProcExecutor):
             device = resolve_device(config.model_config.device, 0, size)
             if device.type == "cpu":
                 set_cpu_threads(1 + len(local_ranks))
-            init_distributed(0, size, device, self.master_addr, self.master_port)
+            ep = config.parallel_config.enable_expert_parallel
+            init_distributed(0, size, device, self.master_addr, self.master_port, enable_expert_parallel=ep)
             super().__init__(config, model_config, model_dir, max_model_len)
         except BaseException:
             self.shutdown()
@@ -333,7 +334,7 @@ def run_worker(rank: int) -> None:
     device = resolve_device(config.model_config.device, rank, size)
     if device.type == "cpu":
         set_cpu_threads(int(os.environ.get(LOCAL_WORLD_SIZE_ENV) or 1))
-    init_distributed(rank, size, device, addr, port)
+    init_distributed(rank, size, device, addr, port, config.parallel_config.enable_expert_parallel)
     worker = Worker(config, load_config(model_dir), model_dir, init["max_len"])
     worker.load_model()
     states: dict[str, Request] = {}  # this rank's request states, kept up to date by each step's SchedulerOutput

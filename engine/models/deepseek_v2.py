@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
+from engine.distributed.parallel_state import get_tp_rank, get_tp_size
 from engine.models.config import ModelArchConfig
-from engine.models.fused_moe import FusedMoE, expert_weight_loader, fused_experts
+from engine.models.fused_moe import FusedMoE, expert_weight_loader
 from engine.models.layers import MLP, RMSNorm, rotate_half
 from engine.models.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -169,10 +169,7 @@ class DeepseekV2MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        routed = fused_experts(x, self.experts.w13_weight, self.experts.w2_weight, weights, ids)
-        if self.experts.tp_size > 1:
-            routed = all_reduce(routed)
-        return routed + self.shared_experts(x)
+        return self.experts.forward_experts(x, weights, ids) + self.shared_experts(x)
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):

@@ -9,6 +9,16 @@ and the weighted results are added back to their tokens. No token passes through
 Tensor parallelism as vLLM's without expert parallelism: each rank holds every expert's slice of the intermediate
 dimension (w13's rows of gate and of up, w2's columns), computes a partial output, and one all-reduce sums them, as
 a RowParallelLinear's ranks do.
+
+Expert parallelism (--enable-expert-parallel) over the same N ranks: each rank holds E / N whole experts, a
+contiguous run (vLLM's linear placement: rank r has experts r * E / N onwards). Every rank already has every token
+(attention's all-reduce leaves the hidden states whole on each), so the dispatch is local: a rank routes all the
+tokens, keeps the (token, expert) pairs of its own experts and runs them at their full width, and the combine is
+the same one all-reduce of [tokens, hidden] that tensor parallelism pays (vLLM's naive all-gather / reduce-scatter
+dispatch, with one data-parallel rank). So it moves no fewer bytes than tensor parallelism; what it buys is whole
+experts (one matmul pair an expert at full width, no slicing of narrow experts), and its step waits for the rank
+whose experts drew the most pairs. An all-to-all that sends each token only to its experts' ranks is the
+bandwidth-saving scheme, not built here.
 """
 
 import re
@@ -17,7 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed.parallel_state import all_reduce, divide, get_tp_rank, get_tp_size
+from engine.distributed.parallel_state import (
+    all_reduce,
+    divide,
+    get_ep_rank,
+    get_ep_size,
+    get_tp_rank,
+    get_tp_size,
+)
+from engine.models.config import ModelArchConfig
 from engine.models.layers import silu_and_mul
 from engine.models.linear import Linear
 
@@ -78,27 +96,50 @@ class FusedMoE(nn.Module):
                 "serve this model unquantized"
             )
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        # With expert parallelism this rank's experts are whole (tensor parallelism of 1 inside them).
+        self.ep_rank, self.ep_size = get_ep_rank(), get_ep_size()
+        self.num_local_experts = num_local_experts(num_experts, self.ep_size)
+        self.expert_start = self.ep_rank * self.num_local_experts
+        self.tp_rank, self.tp_size = (0, 1) if self.ep_size > 1 else (get_tp_rank(), get_tp_size())
         self.intermediate_size_per_partition = divide(
             intermediate_size, self.tp_size, "the experts' MLP width (their intermediate size)"
         )
-        size = self.intermediate_size_per_partition
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, size), requires_grad=False)
+        size, local = self.intermediate_size_per_partition, self.num_local_experts
+        self.w13_weight = nn.Parameter(torch.empty(local, 2 * size, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, size), requires_grad=False)
         self._loaded: dict[str, set] = {"w13_weight": set(), "w2_weight": set()}
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)
+        return self.forward_experts(x, topk_weights, topk_ids)
+
+    def forward_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts' output for a routing (topk_ids over all E experts), summed over the ranks."""
+        if self.ep_size > 1:
+            token_of, weights, ids = self._local_pairs(topk_weights, topk_ids)
+            out = torch.zeros_like(x).index_add_(0, token_of, self._experts(x[token_of], weights, ids))
+        else:
+            out = self._experts(x, topk_weights, topk_ids)
+        return all_reduce(out) if get_tp_size() > 1 else out
+
+    def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.ops is not None and x.dtype in (torch.float32, torch.bfloat16):
-            out = self.ops.fused_moe(x.contiguous(), self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-        elif x.is_cuda:
+            return self.ops.fused_moe(x.contiguous(), self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if x.is_cuda:
             # Two Triton launches (kernels/fused_moe.py), imported here so that machines without triton import this.
             from kernels.fused_moe import fused_experts as triton_fused_experts
 
-            out = triton_fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-        else:
-            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-        return all_reduce(out) if self.tp_size > 1 else out
+            return triton_fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+
+    def _local_pairs(
+        self, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The (token, expert) pairs routed to this rank's experts, each as a token of its own with one expert:
+        their tokens [P], weights [P, 1] and local expert ids [P, 1]."""
+        local_ids = topk_ids - self.expert_start
+        token_of, slot = ((local_ids >= 0) & (local_ids < self.num_local_experts)).nonzero(as_tuple=True)
+        return token_of, topk_weights[token_of, slot, None], local_ids[token_of, slot, None]
 
     # ---- weight loading ---------------------------------------------------------------------------------------
 
@@ -113,8 +154,11 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, tensor: torch.Tensor, expert: int, shard: str) -> list[str]:
         """Copy one expert's checkpoint projection in (shard: "w1" gate, "w3" up, "w2" down: Mixtral's names), this
-        rank's part of it; the parameters this completes."""
+        rank's part of it (none of another rank's expert); the parameters this completes."""
         size = self.intermediate_size_per_partition
+        expert -= self.expert_start
+        if not 0 <= expert < self.num_local_experts:
+            return []
         with torch.no_grad():
             if shard == "w2":
                 self.w2_weight[expert].copy_(self._rank_part(tensor, 1))
@@ -126,19 +170,46 @@ class FusedMoE(nn.Module):
     def stacked_weight_loader(self, tensor: torch.Tensor, name: str) -> list[str]:
         """Copy every expert's projection at once, as transformers >= 5 may store them: gate_up_proj [E, 2I, H]
         (gate rows first), down_proj [E, H, I]."""
+        tensor = tensor.narrow(0, self.expert_start, self.num_local_experts)  # this rank's experts
+        local = range(self.num_local_experts)
         with torch.no_grad():
             if name == "down_proj":
                 self.w2_weight.copy_(self._rank_part(tensor, 2))
-                return self._mark("w2_weight", {(e, "w2") for e in range(self.num_experts)})
+                return self._mark("w2_weight", {(e, "w2") for e in local})
             gate, up = tensor.chunk(2, dim=1)
             self.w13_weight.copy_(torch.cat([self._rank_part(gate, 1), self._rank_part(up, 1)], dim=1))
-        return self._mark("w13_weight", {(e, s) for e in range(self.num_experts) for s in ("w1", "w3")})
+        return self._mark("w13_weight", {(e, s) for e in local for s in ("w1", "w3")})
 
     def _mark(self, param: str, parts: set) -> list[str]:
         loaded = self._loaded[param]
         loaded |= parts
-        want = self.num_experts * (2 if param == "w13_weight" else 1)
+        want = self.num_local_experts * (2 if param == "w13_weight" else 1)
         return [param] if len(loaded) == want else []
+
+
+def num_local_experts(num_experts: int, ep_size: int) -> int:
+    """Each rank's share of the experts, or a start-up error naming the flag when they do not split evenly."""
+    if num_experts % ep_size:
+        raise ValueError(
+            f"--enable-expert-parallel needs the model's {num_experts} experts to divide by --tensor-parallel-size "
+            f"{ep_size}; pick a size that divides it, or serve without --enable-expert-parallel"
+        )
+    return num_experts // ep_size
+
+
+# Where each mixture-of-experts family's config gives its routed expert count (DeepSeek's, Mixtral's, Qwen's).
+_NUM_EXPERTS_FIELDS = ("n_routed_experts", "num_local_experts", "num_experts")
+
+
+def check_expert_parallel(config: ModelArchConfig, size: int) -> None:
+    """A start-up error unless the model has mixture-of-experts layers whose experts split over `size` ranks."""
+    num_experts = next((config.hf_config[f] for f in _NUM_EXPERTS_FIELDS if config.hf_config.get(f)), 0)
+    if not num_experts:
+        raise ValueError(
+            f"--enable-expert-parallel splits mixture-of-experts layers, and {config.architecture} has none; "
+            "serve it without --enable-expert-parallel"
+        )
+    num_local_experts(int(num_experts), size)
 
 
 # A checkpoint's expert tensors: per expert (experts.3.w1.weight, experts.3.gate_proj.weight) or stacked
