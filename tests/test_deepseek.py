@@ -3,8 +3,6 @@ q_lora_rank None and set, YaRN rope whose mscale scales both the rope and the so
 first_k_dense_replace and routed (greedy or group-limited) plus shared experts after; its KV cache is one latent
 vector per token and layer; then the engine's paths that touch the model (tests/families.py)."""
 
-import json
-
 import families
 import pytest
 import torch
@@ -107,14 +105,7 @@ def test_deepseek_v2_on_the_torch_backend_by_name_and_refused_on_a_backend_witho
     ref_tokens, ref_logits = HFReference(hf_model).greedy(prompt[0], 8)
     assert_greedy_matches(ours, ref_tokens, ref_logits, "torch backend")
     with pytest.raises(ValueError, match="does not implement mla"):
-        EngineCore(EngineArgs(model=str(path), kv_cache_memory="8MiB", attention_backend="cpu"))
-
-
-def test_kv_transfer_config_is_refused_for_an_mla_model(tmp_path):
-    path, _ = families.save_family_model(tmp_path, deepseek_v2())
-    kv_config = json.dumps({"kv_connector": "SharedStorageConnector", "kv_role": "kv_both"})
-    with pytest.raises(ValueError, match="--kv-transfer-config is not implemented for DeepseekV2ForCausalLM"):
-        families.make_engine(path, kv_transfer_config=kv_config)
+        EngineCore(EngineArgs(model=str(path), kv_cache_memory="8MiB", attention_backend="triton"))
 
 
 def test_head_dim_is_the_rope_part_where_a_config_json_lacks_it():

@@ -139,7 +139,12 @@ def test_a_store_without_the_sliding_groups_first_blocks_still_serves_the_prefix
 
 def test_prefill_and_decode_engines_hand_over_every_group(hybrid, kvstore):
     """P/D: a kv_producer computes the prompt and stores each group's blocks; the kv_consumer loads them."""
-    path, prompts, references = hybrid
+    check_prefill_and_decode(*hybrid, kvstore)
+
+
+def check_prefill_and_decode(path, prompts, references, kvstore) -> None:
+    """A kv_producer engine computes each prompt and stores its blocks; the kv_consumer loads them (its own
+    load_policy says never: do_remote_prefill overrides it) and decodes Hugging Face's tokens."""
     producer = make_engine(path, kv_transfer_config(kvstore.address, "kv_producer"))
     consumer = make_engine(path, kv_transfer_config(kvstore.address, "kv_consumer", load_policy="never"))
     for i, prompt in enumerate(prompts):

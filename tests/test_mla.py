@@ -8,7 +8,9 @@ import torch
 from test_cuda_graphs import tiny_config
 
 from engine.attention.backend import AttentionMetadata
+from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.mla import absorbed_attention, mla_kv_cache_shape, up_projected_attention, write_latents
+from engine.attention.selector import get_attn_backend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kv.kv_cache_spec import MLAAttentionSpec, kv_cache_groups
 
@@ -62,16 +64,11 @@ def test_absorbed_and_up_projected_forms_equal_dense_mla():
     assert not torch.allclose(up_projected_attention(q_nope, q_pe, latents, w_uk, -w_uv, SCALE), up)
 
 
-def test_paged_latent_cache_batch_equals_dense_mla():
-    """One step of the torch backend over a paged cache: two decodes (contexts of 13 and 3), a chunk of 5 tokens
-    after 6 cached ones, and a whole prompt of 7, each token's output that of dense MLA over its sequence."""
-    gen = torch.Generator().manual_seed(1)
-    kv_b, w_uk, w_uv = random_layer(gen)
-    block_size, num_blocks = 4, 16
-    cache = torch.zeros(mla_kv_cache_shape(num_blocks, block_size, RANK + ROPE))
-    seq_lens, new_tokens = [13, 3, 11, 7], [1, 1, 5, 7]
-    # Each request's blocks, scattered over the pool.
-    tables = [[5, 2, 9, 14], [7], [0, 11, 3], [12, 6]]
+def paged_batch(gen, block_size, num_blocks, seq_lens, new_tokens, tables, cache_dtype=torch.float32):
+    """One step's batch over a paged latent cache whose earlier steps cached each request's first seq_len - new
+    tokens: (cache, the step's q_nope, q_pe, kv_c, k_pe, metadata, each request's whole sequence, row starts).
+    Decodes (new == 1) come first."""
+    cache = torch.zeros(mla_kv_cache_shape(num_blocks, block_size, RANK + ROPE), dtype=cache_dtype)
     sequences = [random_tokens(gen, n) for n in seq_lens]
 
     def slots(r, positions):
@@ -97,11 +94,24 @@ def test_paged_latent_cache_batch_equals_dense_mla():
         query_start_loc=torch.tensor(starts),
         seq_lens=torch.tensor(seq_lens),
         block_table=block_table,
-        num_decodes=2,
+        num_decodes=new_tokens.count(1),
         query_start_loc_cpu=starts,
         seq_lens_cpu=seq_lens,
     )
-    backend = TorchAttentionBackend(block_size)
+    return cache, (q_nope, q_pe, kv_c, k_pe), metadata, sequences, starts, slots
+
+
+def test_paged_latent_cache_batch_equals_dense_mla():
+    """One step of the torch backend over a paged cache: two decodes (contexts of 13 and 3), a chunk of 5 tokens
+    after 6 cached ones, and a whole prompt of 7, each token's output that of dense MLA over its sequence."""
+    gen = torch.Generator().manual_seed(1)
+    kv_b, w_uk, w_uv = random_layer(gen)
+    seq_lens, new_tokens = [13, 3, 11, 7], [1, 1, 5, 7]
+    # Each request's blocks, scattered over the pool.
+    tables = [[5, 2, 9, 14], [7], [0, 11, 3], [12, 6]]
+    cache, step, metadata, sequences, starts, slots = paged_batch(gen, 4, 16, seq_lens, new_tokens, tables)
+    q_nope, q_pe, kv_c, k_pe = step
+    backend = TorchAttentionBackend(4)
     backend.prepare(metadata)
     out = backend.forward_mla(q_nope, q_pe, kv_c, k_pe, cache, metadata, SCALE, w_uk, w_uv)
 
@@ -111,6 +121,43 @@ def test_paged_latent_cache_batch_equals_dense_mla():
         # Each token's latent and rotary key landed in its slot.
         stored = cache.view(-1, RANK + ROPE)[slots(r, range(seq_len))]
         torch.testing.assert_close(stored, torch.cat(seq[2:], dim=-1))
+
+
+@pytest.mark.parametrize(
+    "dtype, cache_dtype, tolerance",
+    [
+        (torch.float32, torch.float32, 1e-5),
+        (torch.float32, torch.bfloat16, 1e-5),
+        (torch.float32, torch.float8_e4m3fn, 1e-5),
+        (torch.bfloat16, torch.bfloat16, 2e-2),  # the torch backend attends in bfloat16, the kernel in float32
+    ],
+)
+def test_cpu_backend_mla_equals_the_torch_backend(dtype, cache_dtype, tolerance):
+    """The CPU backend's decodes (kernels/cpu/mla_decode.cpp: absorbed, over the latent cache in place) against the
+    torch backend's forward_mla in one step: decodes over contexts of 600 (several chunks, split into parts among
+    threads), 130, 5 and 1, beside a chunk of 5 tokens after 6 cached ones and a whole prompt of 7 (up-projected by
+    both); both write the same cache."""
+    gen = torch.Generator().manual_seed(2)
+    _, w_uk, w_uv = random_layer(gen)
+    block_size = 16
+    seq_lens, new_tokens = [600, 130, 5, 1, 11, 7], [1, 1, 1, 1, 5, 7]
+    needed = [-(n // -block_size) for n in seq_lens]
+    pool = torch.randperm(sum(needed) + 3, generator=gen).tolist()  # scattered blocks, a few never used
+    tables = [pool[sum(needed[:r]) : sum(needed[: r + 1])] for r in range(len(needed))]
+    cache, step, metadata, *_ = paged_batch(gen, block_size, len(pool), seq_lens, new_tokens, tables, cache_dtype)
+    step, w_uk, w_uv = [t.to(dtype) for t in step], w_uk.to(dtype), w_uv.to(dtype)
+    outputs, caches = [], []
+    for backend in (TorchAttentionBackend(block_size), CpuAttentionBackend(block_size)):
+        caches.append(cache.clone())
+        backend.prepare(metadata)
+        outputs.append(backend.forward_mla(*step, caches[-1], metadata, SCALE, w_uk, w_uv))
+    assert outputs[1].dtype == dtype and outputs[1].shape == (sum(new_tokens), HEADS, V_DIM)
+    torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)
+    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+
+
+def test_auto_picks_the_cpu_backend_for_mla_on_cpu():
+    assert isinstance(get_attn_backend("auto", 16, "cpu", frozenset({"mla"})), CpuAttentionBackend)
 
 
 @pytest.mark.parametrize("layers", [1, 3])

@@ -1,15 +1,16 @@
 """What one KV block is outside the paged cache (KVLayout), and the fingerprint that says which engines' blocks are
 interchangeable. A model has one layout per KV cache group (engine.kv.kv_cache_spec): a group's block holds only its
 own layers, and its fingerprint names the group (index, spec, layers), so blocks of different groups, or of engines
-that group layers otherwise, never mix. The worker builds the layouts; every KV connector moves blocks of them.
-Torch-free."""
+that group layers otherwise, never mix. Multi-head latent attention keeps one latent vector a token and layer in place
+of per-head K and V: its block is [layers, block size, kv_lora_rank + qk_rope_head_dim]. The worker builds the
+layouts; every KV connector moves blocks of them. Torch-free."""
 
 import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.kv.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from engine.kv.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec, SlidingWindowSpec
 
 # The KV cache dtypes (--kv-cache-dtype), by torch name.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -17,8 +18,8 @@ DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "f
 
 @dataclass(frozen=True)
 class KVLayout:
-    """One block of one KV cache group as raw bytes of `shape` = [the group's layers, 2 (K, V), kv heads, block size,
-    head dim]."""
+    """One block of one KV cache group as raw bytes of `shape`: [the group's layers, 2 (K, V), kv heads, block size,
+    head dim], or with MLA [the group's layers, block size, kv_lora_rank + qk_rope_head_dim] (block_shape)."""
 
     fingerprint: str
     dtype: str
@@ -37,12 +38,16 @@ class KVLayout:
         return self.shard_fingerprints or (self.fingerprint,)
 
     @property
+    def is_mla(self) -> bool:
+        return isinstance(self.kv_cache_spec, MLAAttentionSpec)
+
+    @property
     def num_layers(self) -> int:
         return self.shape[0]
 
     @property
     def block_size(self) -> int:
-        return self.shape[3]
+        return self.shape[1] if self.is_mla else self.shape[3]
 
     @property
     def block_bytes(self) -> int:
@@ -78,9 +83,23 @@ def weights_digest(model_dir: Path) -> str:
     return value
 
 
+def block_shape(
+    spec: KVCacheSpec, num_layers: int, num_kv_heads: int, block_size: int, head_dim: int
+) -> tuple[int, ...]:
+    """A KVLayout's shape for a group of num_layers layers: MLA's latent vectors, or K and V per head."""
+    if isinstance(spec, MLAAttentionSpec):
+        return (num_layers, block_size, spec.head_size)
+    return (num_layers, 2, num_kv_heads, block_size, head_dim)
+
+
 def spec_name(spec: KVCacheSpec) -> str:
-    """ "full" or "sliding:W", as fingerprints and logs name a group's spec."""
-    return f"sliding:{spec.sliding_window}" if isinstance(spec, SlidingWindowSpec) else "full"
+    """ "full", "sliding:W" or "mla:R+P" (kv_lora_rank, qk_rope_head_dim), as fingerprints and logs name a group's
+    spec."""
+    if isinstance(spec, SlidingWindowSpec):
+        return f"sliding:{spec.sliding_window}"
+    if isinstance(spec, MLAAttentionSpec):
+        return f"mla:{spec.kv_lora_rank}+{spec.qk_rope_head_dim}"
+    return "full"
 
 
 def model_fingerprint(

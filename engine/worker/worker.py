@@ -28,7 +28,7 @@ from engine.kv.kv_cache_spec import (
     layer_to_group,
     layer_to_tensor,
 )
-from engine.kv.layout import KVLayout, model_fingerprint, weights_digest
+from engine.kv.layout import KVLayout, block_shape, model_fingerprint, weights_digest
 from engine.kv.manager import cdiv
 from engine.lora.manager import LoRAModelManager
 from engine.lora.request import LoRARequest
@@ -105,12 +105,6 @@ class Worker:
         if self.mla_spec is not None and config.lora_config.enable_lora:
             raise ValueError(
                 f"--enable-lora is not implemented for {model_config.architecture}'s multi-head latent attention"
-            )
-        if self.mla_spec is not None and config.kv_transfer_config is not None:
-            raise ValueError(
-                f"--kv-transfer-config is not implemented for {model_config.architecture}: its KV cache holds "
-                "multi-head latent attention's latent vectors, which the KV connectors and the KV store do not move "
-                "yet (they move per-head K and V blocks). Serve it without --kv-transfer-config."
             )
         self.model: torch.nn.Module | None = None  # the architecture's class in engine/models/, from ModelRegistry
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -379,8 +373,9 @@ class Worker:
     @functools.cached_property
     def kv_layouts(self) -> list[KVLayout]:
         """What one KV block of each KV cache group is, for a KV connector: [the group's layers, 2, kv heads, block
-        size, head dim] and a fingerprint of everything that makes blocks interchangeable between engines, the group
-        (its index, spec and layers) included."""
+        size, head dim] (with MLA [the group's layers, block size, latent size]) and a fingerprint of everything that
+        makes blocks interchangeable between engines, the group (its index, spec and layers) included. MLA's latents
+        are whole on every tensor-parallel rank: the ranks share one fingerprint, and a block is stored once."""
         cfg = self.model_config
         dtype = str(self.kv_cache_dtype).removeprefix("torch.")
         # The same checkpoint quantized another way, or computing in another dtype, computes other K and V values.
@@ -388,7 +383,9 @@ class Worker:
         weights = f"{weights_digest(self.model_dir)}/{self.quantization or 'unquantized'}/{compute}"
         layouts = []
         for g, group in enumerate(self.kv_cache_groups):
-            shape = (len(group.layer_ids), 2, self.num_kv_heads, self.cache_config.block_size, cfg.head_dim)
+            shape = block_shape(
+                group.spec, len(group.layer_ids), self.num_kv_heads, self.cache_config.block_size, cfg.head_dim
+            )
             shards = tuple(
                 model_fingerprint(
                     weights,
@@ -402,12 +399,11 @@ class Worker:
                     group.spec,
                     group.layer_ids,
                 )
-                for rank in range(self.world_size)
+                for rank in range(1 if self.mla_spec is not None else self.world_size)
             )
-            shard_fingerprints = shards if self.world_size > 1 else ()
-            layouts.append(
-                KVLayout(shards[self.rank], dtype, shape, shard_fingerprints, g, group.spec, group.layer_ids)
-            )
+            shard_fingerprints = shards if len(shards) > 1 else ()
+            fingerprint = shards[0] if self.mla_spec is not None else shards[self.rank]
+            layouts.append(KVLayout(fingerprint, dtype, shape, shard_fingerprints, g, group.spec, group.layer_ids))
         return layouts
 
     def _make_kv_connector(self) -> KVConnectorBase | None:

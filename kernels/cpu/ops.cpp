@@ -1,5 +1,5 @@
-// The Python module of the CPU kernels: one library for paged_attention.cpp, layers.cpp, moe.cpp and
-// greedy_steps.cpp.
+// The Python module of the CPU kernels: one library for paged_attention.cpp, mla_decode.cpp, layers.cpp, moe.cpp
+// and greedy_steps.cpp.
 
 #include <torch/extension.h>
 
@@ -9,6 +9,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                            const at::Tensor& block_table, double scale, std::optional<int64_t> sliding_window,
                            std::optional<double> logits_soft_cap);
+at::Tensor mla_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& seq_lens,
+                      const at::Tensor& block_table, int64_t v_dim, double scale);
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                        const at::Tensor& slot_mapping);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -25,6 +27,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Causal attention over the paged KV cache, read in place", py::arg("query"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_table"),
         py::arg("scale"), py::arg("sliding_window") = py::none(), py::arg("logits_soft_cap") = py::none());
+  m.def("mla_decode", &mla_decode, "Multi-head latent attention's decode, absorbed, over the latent cache in place",
+        py::arg("query"), py::arg("kv_cache"), py::arg("seq_lens"), py::arg("block_table"), py::arg("v_dim"),
+        py::arg("scale"));
   m.def("reshape_and_cache", &reshape_and_cache, "Write K/V rows into their cache slots");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE, in place on q and k");
