@@ -31,6 +31,7 @@ class CpuAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,  # not in features: the selector never gives this backend a model with them
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         n = metadata.num_actual_tokens
