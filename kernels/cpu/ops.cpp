@@ -8,7 +8,7 @@
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                            const at::Tensor& block_table, double scale, std::optional<int64_t> sliding_window,
-                           std::optional<double> logits_soft_cap);
+                           std::optional<double> logits_soft_cap, const std::optional<at::Tensor>& sinks);
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                        const at::Tensor& slot_mapping);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -24,7 +24,8 @@ std::tuple<at::Tensor, int64_t> recv_greedy_answer(int64_t fd, int64_t step_id, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Causal attention over the paged KV cache, read in place", py::arg("query"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_table"),
-        py::arg("scale"), py::arg("sliding_window") = py::none(), py::arg("logits_soft_cap") = py::none());
+        py::arg("scale"), py::arg("sliding_window") = py::none(), py::arg("logits_soft_cap") = py::none(),
+        py::arg("sinks") = py::none());
   m.def("reshape_and_cache", &reshape_and_cache, "Write K/V rows into their cache slots");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE, in place on q and k");
