@@ -31,14 +31,14 @@ def paged_attention_ref(
     block_table,
     scale,
     sliding_window=None,
-    logits_soft_cap=None,
+    soft_cap=None,
     sinks=None,
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its first seq_len cached tokens.
 
     query [num_tokens, num_heads, head_dim]; caches [num_kv_heads, num_blocks, block_size, head_dim];
     block_table [num_reqs, max_blocks]. Rows of no request are left zero. With sliding_window W, the query at
-    position q sees keys q - W + 1..q only; with logits_soft_cap c, a score s becomes c * tanh(s / c); with sinks
+    position q sees keys q - W + 1..q only; with soft_cap c, a score s becomes c * tanh(s / c); with sinks
     [num_heads], head h's softmax has one more logit, sinks[h], whose probability is dropped (gpt-oss).
     Keys outside every window are still read, so they must be finite here.
     """
@@ -56,8 +56,8 @@ def paged_attention_ref(
         v = v_cache[:, blocks].flatten(1, 2)[:, :seq_len].float().repeat_interleave(group, 0)
         q = query[start:end].float().transpose(0, 1)  # [H, Q, D]
         scores = q @ k.transpose(1, 2) * scale
-        if logits_soft_cap is not None:
-            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+        if soft_cap is not None:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
         q_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
         k_pos = torch.arange(seq_len)[None, :]
         hidden = k_pos > q_pos
