@@ -23,13 +23,23 @@ def reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def paged_attention_ref(
-    query, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, sliding_window=None, logits_soft_cap=None
+    query,
+    k_cache,
+    v_cache,
+    query_start_loc,
+    seq_lens,
+    block_table,
+    scale,
+    sliding_window=None,
+    soft_cap=None,
+    sinks=None,
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its first seq_len cached tokens.
 
     query [num_tokens, num_heads, head_dim]; caches [num_kv_heads, num_blocks, block_size, head_dim];
     block_table [num_reqs, max_blocks]. Rows of no request are left zero. With sliding_window W, the query at
-    position q sees keys q - W + 1..q only; with logits_soft_cap c, a score s becomes c * tanh(s / c).
+    position q sees keys q - W + 1..q only; with soft_cap c, a score s becomes c * tanh(s / c); with sinks
+    [num_heads], head h's softmax has one more logit, sinks[h], whose probability is dropped (gpt-oss).
     Keys outside every window are still read, so they must be finite here.
     """
     num_heads, head_dim = query.shape[1:]
@@ -46,13 +56,18 @@ def paged_attention_ref(
         v = v_cache[:, blocks].flatten(1, 2)[:, :seq_len].float().repeat_interleave(group, 0)
         q = query[start:end].float().transpose(0, 1)  # [H, Q, D]
         scores = q @ k.transpose(1, 2) * scale
-        if logits_soft_cap is not None:
-            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+        if soft_cap is not None:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
         q_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
         k_pos = torch.arange(seq_len)[None, :]
         hidden = k_pos > q_pos
         if sliding_window is not None:
             hidden |= k_pos <= q_pos - sliding_window
         scores.masked_fill_(hidden, float("-inf"))
-        out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1)
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, end - start, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[start:end] = (probs @ v).transpose(0, 1)
     return out.to(query.dtype)

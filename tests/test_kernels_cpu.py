@@ -115,6 +115,26 @@ def test_paged_attention_reads_nothing_before_the_window(requests, heads, window
     torch.testing.assert_close(out, paged_attention_ref(*batch, 0.125, window, 2.0), atol=1e-5, rtol=1e-5)
 
 
+# Sinks large enough to take a visible share of 3000 keys' softmax: decodes, chunks, tiles, a window, a soft cap, and few
+# items split by key range (their partial sums merged).
+@pytest.mark.parametrize(
+    "requests,heads,window,cap",
+    [
+        (MIXED, (9, 3), None, None),
+        (LONG, (4, 1), 24, 2.0),
+        ([(1, 3000)], (4, 1), None, None),
+        ([(40, 3000)], (2, 2), 700, None),
+    ],
+)
+def test_paged_attention_sinks(requests, heads, window, cap):
+    batch = make_batch(requests, 16, *heads, 64, torch.float32, "cpu", SHARED if requests is MIXED else None)
+    sinks = torch.randn(heads[0], generator=torch.Generator().manual_seed(2)) * 2 + 6
+    out = ops.paged_attention(*batch, 0.125, window, cap, sinks)
+    ref = paged_attention_ref(*batch, 0.125, window, cap, sinks)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, paged_attention_ref(*batch, 0.125, window, cap), rtol=0.01, atol=0)
+
+
 @pytest.mark.parametrize("window,cap", [(8, 2.0), (20, None)])
 def test_cpu_backend_passes_window_and_cap(window, cap):
     from engine.attention.cpu_backend import CpuAttentionBackend

@@ -26,6 +26,7 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
     "DeepseekV2ForCausalLM": "DeepseekV2Config",
     "DeepseekV3ForCausalLM": "DeepseekV3Config",
+    "GptOssForCausalLM": "GptOssConfig",
 }
 
 

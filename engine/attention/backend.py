@@ -54,7 +54,8 @@ class AttentionBackend:
     name = "base"
     # Whether a step can be captured in a CUDA graph: launches that depend only on tensor shapes.
     cudagraph_support = False
-    # What forward() implements beyond causal attention: "sliding_window", "logits_soft_cap"; "mla": forward_mla().
+    # What forward() implements beyond causal attention: "sliding_window", "logits_soft_cap", "sinks"; "mla":
+    # forward_mla().
     features: frozenset[str] = frozenset()
 
     def kv_cache_dtypes(self, device: torch.device) -> tuple[torch.dtype, ...]:
@@ -90,6 +91,7 @@ class AttentionBackend:
         scale: float,
         sliding_window: int | None = None,  # attend to the last sliding_window keys only (None: all)
         logits_soft_cap: float | None = None,  # scores become cap * tanh(score / cap) before the softmax
+        sinks: torch.Tensor | None = None,  # [num_heads] float32: a logit per head added to the softmax's denominator
     ) -> torch.Tensor:
         raise NotImplementedError
 

@@ -17,7 +17,7 @@ from kernels.reference import to_cache_dtype
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
     cudagraph_support = False
-    features = frozenset({"sliding_window", "logits_soft_cap", "mla"})
+    features = frozenset({"sliding_window", "logits_soft_cap", "mla", "sinks"})
 
     def __init__(self, block_size: int):
         # Imported here: loading may build the kernel, which only this backend needs.
@@ -40,13 +40,16 @@ class CpuAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         n = metadata.num_actual_tokens
         key, value = to_cache_dtype(key[:n], k_cache.dtype), to_cache_dtype(value[:n], v_cache.dtype)
         self._ops.reshape_and_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
         batch = metadata.query_start_loc, metadata.seq_lens, metadata.block_table
-        return self._ops.paged_attention(query, k_cache, v_cache, *batch, scale, sliding_window, logits_soft_cap)
+        if sinks is not None:
+            sinks = sinks.float().contiguous()  # a no-op for a float32 model
+        return self._ops.paged_attention(query, k_cache, v_cache, *batch, scale, sliding_window, logits_soft_cap, sinks)
 
     def forward_mla(self, q_nope, q_pe, kv_c, k_pe, kv_cache, metadata: AttentionMetadata, scale, w_uk, w_uv):
         nd = metadata.num_decodes

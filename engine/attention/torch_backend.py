@@ -66,7 +66,7 @@ class PrefillRow:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
-    features = frozenset({"sliding_window", "logits_soft_cap", "mla"})
+    features = frozenset({"sliding_window", "logits_soft_cap", "sinks", "mla"})
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -116,6 +116,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ):
         k_cache, v_cache = kv_cache
         num_kv_heads, _, block_size, head_dim = k_cache.shape
@@ -137,11 +138,16 @@ class TorchAttentionBackend(AttentionBackend):
         if sliding_window not in metadata.plan:
             metadata.plan[sliding_window] = self._plan(metadata, sliding_window)
         decodes, prefills = metadata.plan[sliding_window]
-        attend = F.scaled_dot_product_attention if logits_soft_cap is None else partial(soft_capped, logits_soft_cap)
+        attend = F.scaled_dot_product_attention
+        if logits_soft_cap is not None or sinks is not None:
+            attend = partial(explicit_attention, logits_soft_cap)
         for group in decodes:
-            self._decode(query, output, k_cache, v_cache, group, scale, attend)
+            # GQA folded: the sinks of a KV head's G query heads, in the layout of its G queries.
+            extra = {} if sinks is None else {"sinks": sinks.view(num_kv_heads, 1, -1, 1)}
+            self._decode(query, output, k_cache, v_cache, group, scale, partial(attend, **extra))
+        extra = {} if sinks is None else {"sinks": sinks.view(-1, 1, 1)}
         for row in prefills:
-            self._prefill(query, key, value, output, k_cache, v_cache, row, scale, attend)
+            self._prefill(query, key, value, output, k_cache, v_cache, row, scale, attend, extra)
         return output
 
     def forward_mla(self, q_nope, q_pe, kv_c, k_pe, kv_cache, metadata: AttentionMetadata, scale, w_uk, w_uv):
@@ -163,7 +169,7 @@ class TorchAttentionBackend(AttentionBackend):
         output[group.index] = out.transpose(0, 1).reshape(rows, num_heads, head_dim)
 
     @staticmethod
-    def _prefill(query, key, value, output, k_cache, v_cache, row: PrefillRow, scale, attend):
+    def _prefill(query, key, value, output, k_cache, v_cache, row: PrefillRow, scale, attend, extra):
         q = query[row.start : row.end].transpose(0, 1)  # [heads, q_len, D]
         if row.blocks is None:
             # A whole prompt in this step: attend over the fresh K/V (plain causal when there is no mask).
@@ -172,13 +178,13 @@ class TorchAttentionBackend(AttentionBackend):
                 out = attend(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 mask = row.mask if row.mask is not None else causal_mask(row.end - row.start, q.device)
-                out = attend(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+                out = attend(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True, **extra)
         else:
             # A later chunk or a prefix-cache hit: read the cached context from the pages.
             seq_len = row.mask.shape[1]
             k = k_cache[:, row.blocks].flatten(1, 2)[:, :seq_len].to(q.dtype)
             v = v_cache[:, row.blocks].flatten(1, 2)[:, :seq_len].to(q.dtype)
-            out = attend(q, k, v, attn_mask=row.mask, scale=scale, enable_gqa=True)
+            out = attend(q, k, v, attn_mask=row.mask, scale=scale, enable_gqa=True, **extra)
         output[row.start : row.end] = out.transpose(0, 1)
 
 
@@ -186,13 +192,23 @@ def causal_mask(n: int, device) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
-def soft_capped(cap: float, q, k, v, attn_mask, scale: float, enable_gqa: bool = False):
-    """Attention with Gemma 2's logit soft-capping, cap * tanh(scores / cap), in Hugging Face's order: scale, cap,
-    mask, softmax in float32. q [..., Hq, L, D] against k and v [..., Hkv, S, D]; attn_mask broadcasts over [L, S]."""
+def explicit_attention(
+    cap: float | None, q, k, v, attn_mask, scale: float, enable_gqa: bool = False, sinks: torch.Tensor | None = None
+):
+    """Attention with what scaled_dot_product_attention lacks, in Hugging Face's order: Gemma 2's logit soft-capping,
+    cap * tanh(scores / cap), after the scale and before the mask; gpt-oss's sinks, one more logit a head in the
+    softmax (float32) whose probability is dropped. q [..., Hq, L, D] against k and v [..., Hkv, S, D]; attn_mask
+    broadcasts over [L, S], sinks over the scores' [..., L, 1]."""
     if k.shape[-3] != q.shape[-3]:  # GQA: each KV head serves a run of query heads
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     scores = scores.masked_fill(~attn_mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)

@@ -41,6 +41,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,  # not in features: the selector never gives this backend a model with them
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         key, value = to_cache_dtype(key, k_cache.dtype), to_cache_dtype(value, v_cache.dtype)

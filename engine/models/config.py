@@ -25,6 +25,7 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -134,13 +135,18 @@ FAMILY_FIELDS: dict[str, frozenset[str]] = {
     "Qwen3MoeForCausalLM": _QWEN_MOE_FIELDS | {"num_local_experts"},
     "DeepseekV2ForCausalLM": _DEEPSEEK_V2_FIELDS,
     "DeepseekV3ForCausalLM": _DEEPSEEK_V3_FIELDS,
+    # gpt-oss's experts (engine/models/gpt_oss.py): their number, a token's, and their clamped SwiGLU's gain and clamp.
+    "GptOssForCausalLM": frozenset({"num_local_experts", "num_experts_per_tok", "swiglu_alpha", "swiglu_limit"}),
 }
 
 # The families with multi-head latent attention (engine/attention/mla.py).
 MLA_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 # The mixture-of-experts families (engine/models/fused_moe.py).
-MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
+
+# The families whose attention has sinks (a learned logit a head in the softmax's denominator).
+ATTENTION_SINKS = ("GptOssForCausalLM",)
 
 # The families whose attention applies attn_logit_softcapping.
 SOFT_CAPPED_ATTENTION = ("Gemma2ForCausalLM",)
@@ -194,6 +200,29 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "norm_topk_prob": True,
         "rope_interleave": True,
     },
+    # transformers' GptOssConfig defaults, for every field it reads (a config.json may leave any out); its
+    # layer_types default, sliding on the even layers, is _sliding_window's.
+    "GptOssForCausalLM": {
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "head_dim": 64,
+        "num_key_value_heads": 8,
+        "sliding_window": 128,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "attention_bias": True,
+        "rope_parameters": {
+            "rope_theta": 150000.0,
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+    },
     "Qwen3MoeForCausalLM": {
         "num_experts": 128,
         "num_experts_per_tok": 8,
@@ -202,6 +231,9 @@ FAMILY_DEFAULTS: dict[str, dict] = {
         "decoder_sparse_step": 1,
     },
 }
+
+# transformers' default_theta, where a family's is not 10000.
+_DEFAULT_ROPE_THETA = {"GptOssForCausalLM": 150000.0}
 
 # The MLP activations (hidden_act) each family implements; silu where a family is not listed.
 HIDDEN_ACTS: dict[str, tuple[str, ...]] = {
@@ -296,6 +328,8 @@ class ModelArchConfig:
             features.add("mla")
         if self.architecture in SOFT_CAPPED_ATTENTION and self.hf_config.get("attn_logit_softcapping"):
             features.add("logits_soft_cap")
+        if self.architecture in ATTENTION_SINKS:
+            features.add("sinks")
         return frozenset(features)
 
     def layer_sliding_window(self, layer: int) -> int | None:
@@ -320,6 +354,10 @@ class ModelArchConfig:
                 f"unsupported model architecture {arch!r}; supported: {', '.join(ModelRegistry.get_supported_archs())}"
             )
 
+        if arch == "GptOssForCausalLM":
+            # Its defaults differ from the other families' in fields read below (window, biases, rope, eps).
+            d = {**FAMILY_DEFAULTS[arch], **d}
+
         def need(key):
             if d.get(key) is None:
                 raise ModelLoadError(f"config for {arch} is missing required key {key!r}")
@@ -331,7 +369,7 @@ class ModelArchConfig:
         rope_params = dict(d.get("rope_parameters") or {})
         # Gemma 3 has one rope a layer type: the model's is the full layers'; its model file reads the sliding ones'.
         rope_params = dict(rope_params.get("full_attention", rope_params))
-        rope_theta = d.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
+        rope_theta = d.get("rope_theta") or rope_params.get("rope_theta") or _DEFAULT_ROPE_THETA.get(arch, 10000.0)
         rope_params.pop("rope_theta", None)
         rope_scaling = d.get("rope_scaling") or rope_params or None
         if rope_scaling is not None:
@@ -530,14 +568,15 @@ def _sliding_window(d: dict, arch: str, num_layers: int) -> tuple[int | None, tu
     window = d.get("sliding_window")
     qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
     gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+    alternating = gemma or arch == "GptOssForCausalLM"
     if gemma and not window:  # transformers cannot run these without one either
         raise ModelLoadError(f"sliding_window={window!r} is not implemented; Gemma's sliding layers need a window")
     if not window or (qwen and not d.get("use_sliding_window")):
         return None, ()
     layer_types = d.get("layer_types")
-    if layer_types is None and gemma:
-        # Gemma: every pattern-th layer is full, the others slide (Gemma 2 alternates; Gemma 3 has a pattern of 6).
-        pattern = 2 if arch == "Gemma2ForCausalLM" else int(d.get("sliding_window_pattern", 6))
+    if layer_types is None and alternating:
+        # Every pattern-th layer is full, the others slide (Gemma 2 and gpt-oss alternate; Gemma 3 has a pattern of 6).
+        pattern = int(d.get("sliding_window_pattern", 6)) if arch == "Gemma3ForCausalLM" else 2
         layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
     if layer_types is None and arch == "Qwen2MoeForCausalLM":
         # Qwen2-MoE's own pattern: every other layer slides, from the first, below max_window_layers.

@@ -19,6 +19,10 @@ dispatch, with one data-parallel rank). So it moves no fewer bytes than tensor p
 experts (one matmul pair an expert at full width, no slicing of narrow experts), and its step waits for the rank
 whose experts drew the most pairs. An all-to-all that sends each token only to its experts' ranks is the
 bandwidth-saving scheme, not built here.
+
+gpt-oss's experts differ in two ways, both optional here: biases on both projections (w13_bias, this rank's part;
+w2_bias, added by rank 0 alone, before the all-reduce, as a RowParallelLinear's bias), and another gated activation
+(act_fn over the [gate | up] halves: swigluoai_and_mul).
 """
 
 import re
@@ -50,11 +54,27 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     return topk_weights, topk_ids
 
 
+def swigluoai_and_mul(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU over the fused [gate | up] halves, in transformers' order: the gate clamped above at
+    limit, up on both sides, then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = x.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def fused_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act_fn=silu_and_mul,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """sum over k of topk_weights[t, k] * expert[topk_ids[t, k]](x[t]), each expert a SiLU-gated MLP, with the
-    (token, expert) pairs grouped by expert: one matmul pair per expert that has tokens."""
+    """sum over k of topk_weights[t, k] * expert[topk_ids[t, k]](x[t]), each expert a gated MLP (act_fn over
+    [gate | up], SiLU's by default), with the (token, expert) pairs grouped by expert: one matmul pair per expert that
+    has tokens."""
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.flatten()
     # Pairs in expert order; within an expert, in token order (stable), so each token's sum runs in expert order.
@@ -66,8 +86,9 @@ def fused_experts(
     start = 0
     for expert, n in enumerate(counts):
         if n:
-            h = silu_and_mul(F.linear(rows[start : start + n], w13[expert]))
-            out[start : start + n] = F.linear(h, w2[expert])
+            b13, b2 = (None, None) if w13_bias is None else (w13_bias[expert], w2_bias[expert])
+            h = act_fn(F.linear(rows[start : start + n], w13[expert], b13))
+            out[start : start + n] = F.linear(h, w2[expert], b2)
             start += n
     out = (out * topk_weights.flatten()[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, out)
@@ -88,6 +109,8 @@ class FusedMoE(nn.Module):
         intermediate_size: int,
         renormalize: bool,
         quantization: str | None = None,
+        act_fn=silu_and_mul,
+        has_bias: bool = False,
     ):
         super().__init__()
         if quantization is not None:
@@ -107,6 +130,11 @@ class FusedMoE(nn.Module):
         size, local = self.intermediate_size_per_partition, self.num_local_experts
         self.w13_weight = nn.Parameter(torch.empty(local, 2 * size, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, size), requires_grad=False)
+        self.act_fn = act_fn
+        self.w13_bias = self.w2_bias = None
+        if has_bias:
+            self.w13_bias = nn.Parameter(torch.zeros(local, 2 * size), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.zeros(local, hidden_size), requires_grad=False)
         self._loaded: dict[str, set] = {"w13_weight": set(), "w2_weight": set()}
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -123,6 +151,11 @@ class FusedMoE(nn.Module):
         return all_reduce(out) if get_tp_size() > 1 else out
 
     def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        # The C++ and Triton experts are SiLU's without biases.
+        plain = self.act_fn is silu_and_mul and self.w13_bias is None
+        if not plain:
+            weights = self.w13_weight, self.w2_weight, topk_weights, topk_ids
+            return fused_experts(x, *weights, self.act_fn, self.w13_bias, self.w2_bias)
         if self.ops is not None and x.dtype in (torch.float32, torch.bfloat16):
             return self.ops.fused_moe(x.contiguous(), self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         if x.is_cuda:
@@ -169,10 +202,20 @@ class FusedMoE(nn.Module):
 
     def stacked_weight_loader(self, tensor: torch.Tensor, name: str) -> list[str]:
         """Copy every expert's projection at once, as transformers >= 5 may store them: gate_up_proj [E, 2I, H]
-        (gate rows first), down_proj [E, H, I]."""
+        (gate rows first), down_proj [E, H, I]; and their biases where the experts have them, gate_up_proj_bias
+        [E, 2I], down_proj_bias [E, H]."""
+        if name.endswith("_bias") and self.w13_bias is None:
+            raise ValueError(f"Checkpoint has expert biases ({name}) for experts without them")
         tensor = tensor.narrow(0, self.expert_start, self.num_local_experts)  # this rank's experts
         local = range(self.num_local_experts)
         with torch.no_grad():
+            if name == "gate_up_proj_bias":
+                gate, up = tensor.chunk(2, dim=1)
+                self.w13_bias.copy_(torch.cat([self._rank_part(gate, 1), self._rank_part(up, 1)], dim=1))
+                return ["w13_bias"]
+            if name == "down_proj_bias":  # added once: by tensor-parallel rank 0, or by each expert's own rank
+                self.w2_bias.copy_(tensor if self.tp_rank == 0 else torch.zeros_like(tensor))
+                return ["w2_bias"]
             if name == "down_proj":
                 self.w2_weight.copy_(self._rank_part(tensor, 2))
                 return self._mark("w2_weight", {(e, "w2") for e in local})
@@ -215,6 +258,7 @@ def check_expert_parallel(config: ModelArchConfig, size: int) -> None:
 # A checkpoint's expert tensors: per expert (experts.3.w1.weight, experts.3.gate_proj.weight) or stacked
 # (experts.gate_up_proj, experts.down_proj).
 _EXPERT_TENSOR = re.compile(r"(?P<moe>(?:.+\.)?experts)\.(?:(?P<expert>\d+)\.(?P<proj>\w+)\.weight|(?P<stacked>\w+))")
+_STACKED = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
 def expert_weight_loader(model: nn.Module, proj_names: dict[str, str]):
@@ -228,7 +272,7 @@ def expert_weight_loader(model: nn.Module, proj_names: dict[str, str]):
         moe = modules.get(match["moe"]) if match else None
         if not isinstance(moe, FusedMoE):
             return None
-        if match["stacked"] in ("gate_up_proj", "down_proj"):
+        if match["stacked"] in _STACKED:
             done = moe.stacked_weight_loader(tensor, match["stacked"])
         elif match["proj"] in proj_names and int(match["expert"]) < moe.num_experts:
             done = moe.weight_loader(tensor, int(match["expert"]), proj_names[match["proj"]])

@@ -202,7 +202,8 @@ class Attention(nn.Module):
     q, k and v are [tokens, heads, head_dim] of this rank's heads, rotary already applied.
 
     sliding_window: a query sees only the last sliding_window keys (itself included); logits_soft_cap: scores are
-    capped as cap * tanh(score / cap) before the softmax (Gemma 2)."""
+    capped as cap * tanh(score / cap) before the softmax (Gemma 2); sinks: this rank's heads' attention sinks, a
+    learned logit a head that joins the softmax's denominator and attends to no value (gpt-oss)."""
 
     def __init__(
         self,
@@ -213,15 +214,17 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.backend = backend
-        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+        self.sliding_window, self.logits_soft_cap, self.sinks = sliding_window, logits_soft_cap, sinks
 
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
-        return self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.sliding_window, self.logits_soft_cap)
+        args = (self.scale, self.sliding_window, self.logits_soft_cap, self.sinks)
+        return self.backend.forward(q, k, v, kv_cache, metadata, *args)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

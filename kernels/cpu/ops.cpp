@@ -8,7 +8,7 @@
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                            const at::Tensor& block_table, double scale, std::optional<int64_t> sliding_window,
-                           std::optional<double> logits_soft_cap);
+                           std::optional<double> logits_soft_cap, const std::optional<at::Tensor>& sinks);
 at::Tensor mla_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& seq_lens,
                       const at::Tensor& block_table, int64_t v_dim, double scale);
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -26,7 +26,8 @@ std::tuple<at::Tensor, int64_t> recv_greedy_answer(int64_t fd, int64_t step_id, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Causal attention over the paged KV cache, read in place", py::arg("query"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_table"),
-        py::arg("scale"), py::arg("sliding_window") = py::none(), py::arg("logits_soft_cap") = py::none());
+        py::arg("scale"), py::arg("sliding_window") = py::none(), py::arg("logits_soft_cap") = py::none(),
+        py::arg("sinks") = py::none());
   m.def("mla_decode", &mla_decode, "Multi-head latent attention's decode, absorbed, over the latent cache in place",
         py::arg("query"), py::arg("kv_cache"), py::arg("seq_lens"), py::arg("block_table"), py::arg("v_dim"),
         py::arg("scale"));

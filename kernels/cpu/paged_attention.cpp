@@ -4,7 +4,9 @@
 // head_dim]; request r owns query rows query_start_loc[r]:query_start_loc[r+1], its last one at position
 // seq_lens[r] - 1, each row attending causally to keys 0..its position, or with a sliding window W to the last W of
 // them (keys position - W + 1..position, its own included, as Hugging Face's models do). With a logit soft-cap c,
-// each score s (after the scale) becomes c * tanh(s / c) before the softmax (Gemma 2).
+// each score s (after the scale) becomes c * tanh(s / c) before the softmax (Gemma 2). With attention sinks
+// (gpt-oss), head h's sinks[h] is one more logit in its softmax's denominator that attends to no value: it joins the
+// sum where each output row is normalized, out = acc / (sum + exp(sink - max)).
 //
 // A work item reads only the keys its rows' windows hold: blocks wholly before them are never read (they may
 // already hold another request's tokens), so a decode costs its window, not its context.
@@ -169,7 +171,7 @@ inline void soft_cap(float* s, int64_t n, float cap) {
 // Query i of an item: its output row (normalized, whole items) or its partial sums (parts).
 template <typename T>
 inline void finish_query(const Item& it, int64_t i, int64_t group, int64_t head_dim, const float* acc, SoftmaxSums sums,
-                         T* o_base, int64_t os0, int64_t os1, float* partials) {
+                         const float* sinks, T* o_base, int64_t os0, int64_t os1, float* partials) {
   if (it.part >= 0) {
     float* dst = partials + (it.part + i) * partial_size(head_dim);
     dst[0] = sums.max;
@@ -177,8 +179,9 @@ inline void finish_query(const Item& it, int64_t i, int64_t group, int64_t head_
     std::memcpy(dst + 2, acc, head_dim * sizeof(float));
     return;
   }
-  const float inv_sum = 1.f / sums.sum;
-  T* dst = o_base + (it.row + i / group) * os0 + (it.kv_head * group + i % group) * os1;
+  const int64_t head = it.kv_head * group + i % group;
+  const float inv_sum = 1.f / (sinks ? sums.sum + std::exp(sinks[head] - sums.max) : sums.sum);
+  T* dst = o_base + (it.row + i / group) * os0 + head * os1;
   for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[d] * inv_sum);
 }
 
@@ -187,8 +190,8 @@ inline void finish_query(const Item& it, int64_t i, int64_t group, int64_t head_
 template <typename T, typename C>
 void attend_tile(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, const C* k_base, const C* v_base,
                  int64_t cs0, int64_t cs1, int64_t cs2, int64_t block_size, const int64_t* blocks, int64_t group,
-                 int64_t head_dim, double scale, int64_t window, float cap, T* o_base, int64_t os0, int64_t os1,
-                 float* partials, std::vector<float>& keys, std::vector<float>& values, std::vector<float>& scores,
+                 int64_t head_dim, double scale, int64_t window, float cap, const float* sinks, T* o_base,
+                 int64_t os0, int64_t os1, float* partials, std::vector<float>& keys, std::vector<float>& values, std::vector<float>& scores,
                  std::vector<float>& buf) {
   const int64_t len = it.key1 - it.key0, nq = it.rows * group, h0 = it.kv_head * group;
   keys.resize(len * head_dim);
@@ -238,14 +241,14 @@ void attend_tile(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, cons
   }
   at::mm_out(o_mat, s_mat, matrix(values, len, head_dim));  // out = p . values, over the queries
   for (int64_t i = 0; i < nq; ++i)
-    finish_query(it, i, group, head_dim, buf.data() + i * head_dim, sums[i], o_base, os0, os1, partials);
+    finish_query(it, i, group, head_dim, buf.data() + i * head_dim, sums[i], sinks, o_base, os0, os1, partials);
 }
 
 // Each split item's parts (split[s]: its first part and how many) into its output rows: the parts' sums rescaled
 // to their common max.
 template <typename T>
 void merge_parts(const std::vector<Item>& items, const std::vector<std::pair<int64_t, int64_t>>& split, int64_t group,
-                 int64_t head_dim, const float* partials, T* o_base, int64_t os0, int64_t os1) {
+                 int64_t head_dim, const float* partials, const float* sinks, T* o_base, int64_t os0, int64_t os1) {
   at::parallel_for(0, split.size(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> out(head_dim);
     for (int64_t s = begin; s < end; ++s) {
@@ -263,7 +266,9 @@ void merge_parts(const std::vector<Item>& items, const std::vector<std::pair<int
           sum += part[1] * w;
           axpy(w, part + 2, out.data(), head_dim);
         }
-        T* dst = o_base + (it.row + i / group) * os0 + (it.kv_head * group + i % group) * os1;
+        const int64_t head = it.kv_head * group + i % group;
+        if (sinks) sum += std::exp(sinks[head] - mx);
+        T* dst = o_base + (it.row + i / group) * os0 + head * os1;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(out[d] / sum);
       }
     }
@@ -274,7 +279,7 @@ void merge_parts(const std::vector<Item>& items, const std::vector<std::pair<int
 template <typename T, typename C>
 void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* table,
             int64_t table_stride, const std::vector<Item>& items, int64_t begin, int64_t end, double scale,
-            int64_t window, float cap, at::Tensor& out, float* partials) {
+            int64_t window, float cap, const float* sinks, at::Tensor& out, float* partials) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(2), group = num_heads / k_cache.size(0);
   const T* q_base = query.data_ptr<T>();
@@ -303,7 +308,7 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
     }
     if (it.rows > 1) {
       attend_tile<T, C>(it, q_base, qs0, qs1, k_base, v_base, cs0, cs1, cs2, block_size, blocks, group, head_dim,
-                        scale, window, cap, o_base, os0, os1, partials, keys, values, tile_scores, buf);
+                        scale, window, cap, sinks, o_base, os0, os1, partials, keys, values, tile_scores, buf);
       continue;
     }
     for (int64_t g = 0; g < group; ++g) {
@@ -336,7 +341,7 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
         axpy(scores[g * len + pos - it.key0], v, acc.data() + g * head_dim, head_dim);
     }
     for (int64_t g = 0; g < group; ++g)
-      finish_query(it, g, group, head_dim, acc.data() + g * head_dim, sums[g], o_base, os0, os1, partials);
+      finish_query(it, g, group, head_dim, acc.data() + g * head_dim, sums[g], sinks, o_base, os0, os1, partials);
   }
 }
 
@@ -377,8 +382,12 @@ void dispatch_cache_type(at::ScalarType type, F&& f) {
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                            const at::Tensor& block_table, double scale, std::optional<int64_t> sliding_window,
-                           std::optional<double> logits_soft_cap) {
+                           std::optional<double> logits_soft_cap, const std::optional<at::Tensor>& sinks) {
   check_batch(query, k_cache, v_cache, query_start_loc, seq_lens, block_table);
+  if (sinks)
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == query.size(1),
+                "sinks must be contiguous float32, one a query head");
+  const float* sink_ptr = sinks ? sinks->data_ptr<float>() : nullptr;
   TORCH_CHECK(sliding_window.value_or(1) > 0 && logits_soft_cap.value_or(1) > 0,
               "sliding_window and logits_soft_cap must be positive (or None)");
   const int64_t window = sliding_window.value_or(0);
@@ -444,11 +453,12 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
       at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
         for (int64_t p = p0; p < p1; ++p)
           attend<scalar_t, cache_t>(query, k_cache, v_cache, block_table.data_ptr<int64_t>(), block_table.stride(0),
-                                    items, boundary(p), boundary(p + 1), scale, window, cap, out, partials.data());
+                                    items, boundary(p), boundary(p + 1), scale, window, cap, sink_ptr, out,
+                                    partials.data());
       });
     });
     if (!split.empty())
-      merge_parts<scalar_t>(items, split, query.size(1) / num_kv_heads, query.size(2), partials.data(),
+      merge_parts<scalar_t>(items, split, query.size(1) / num_kv_heads, query.size(2), partials.data(), sink_ptr,
                             out.data_ptr<scalar_t>(), out.stride(0), out.stride(1));
   });
   return out;
