@@ -127,7 +127,7 @@ def load_peft_adapter(lora_request: LoRARequest, cfg: ModelArchConfig, max_lora_
         raise ValueError(f"LoRA adapter {name!r}: cannot read {weights_file}: {e}") from None
     shapes = module_shapes(cfg)
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    for key, tensor in sorted(tensors.items()):  # sorted: the first fault named does not depend on file order
         match = _KEY.fullmatch(key)
         if "expert" in key:  # PEFT's keys for a mixture of experts: mlp.experts.lora_A, mlp.shared_expert.*
             raise ValueError(
