@@ -50,6 +50,11 @@ def check_greedy_and_logprobs(tmp_path, config, lengths=(40, 7), max_tokens=24):
     """Greedy tokens identical to Hugging Face's and each one's logprob within 1e-3 of the reference's, prompts
     prefilled in chunks; the last prompt begins with the first's blocks, from the prefix cache."""
     path, hf_model = families.save_family_model(tmp_path, config)
+    check_saved_greedy_and_logprobs(path, hf_model, config, lengths, max_tokens)
+
+
+def check_saved_greedy_and_logprobs(path, hf_model, config, lengths=(40, 7), max_tokens=24):
+    """check_greedy_and_logprobs on a model saved at path, whose reference is hf_model."""
     engine = families.make_engine(path, max_num_batched_tokens=24)
     batch = families.prompts(config, lengths)
     batch.append(batch[0][:32] + batch[1])

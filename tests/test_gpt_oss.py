@@ -6,7 +6,7 @@ the model (tests/families.py), and its config read as transformers reads it."""
 import families
 import pytest
 import torch
-from test_gemma2 import check_greedy_and_logprobs
+from test_gemma2 import check_greedy_and_logprobs, check_saved_greedy_and_logprobs
 
 from engine.models.config import ModelArchConfig, ModelLoadError
 from test_models import COMMON
@@ -110,20 +110,61 @@ def test_gpt_oss_unimplemented_values_are_refused(field, value, shown):
     assert shown in str(refused.value)
 
 
-def test_gpt_oss_mxfp4_checkpoint_is_refused_naming_its_quantization(tmp_path):
-    """The released checkpoints' MXFP4 experts are not dequantized: start-up says so."""
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, rows, cols] -> MXFP4 blocks [E, rows, cols / 32, 16] and scales [E, rows, cols / 32]: per 32 values the
+    power of two that brings the largest within e2m1's 6, and each value's nearest e2m1 code."""
+    from engine.models.gpt_oss import _E2M1
+
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    codes = (scaled.unsqueeze(-1) - torch.tensor(_E2M1)).abs().argmin(-1).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + 127).to(torch.uint8)
+
+
+def test_gpt_oss_mxfp4_checkpoint_is_dequantized_as_transformers_dequantizes_it(tmp_path):
+    """The released checkpoints' MXFP4 experts, written here from a random model: the engine dequantizes them at
+    load, and its greedy output and logprobs equal transformers' on the same checkpoint, dequantized by its own
+    Mxfp4Config(dequantize=True)."""
     import json
+
+    import transformers
+    from safetensors.torch import load_file, save_file
 
     path, _ = families.save_family_model(tmp_path, config())
     quantized = tmp_path / "mxfp4"
     quantized.mkdir()
     for f in path.iterdir():
-        (quantized / f.name).symlink_to(f)
+        if f.name != "config.json" and f.suffix != ".safetensors":
+            (quantized / f.name).symlink_to(f)
+    tensors = {}
+    for f in path.glob("*.safetensors"):
+        for name, tensor in load_file(f).items():
+            if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(tensor.transpose(1, 2))
+            else:
+                tensors[name] = tensor
+    save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
     d = json.loads((path / "config.json").read_text())
-    (quantized / "config.json").unlink()
-    (quantized / "config.json").write_text(json.dumps({**d, "quantization_config": {"quant_method": "mxfp4"}}))
-    with pytest.raises(ValueError, match="mxfp4"):
-        families.make_engine(quantized)
+    d["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (quantized / "config.json").write_text(json.dumps(d))
+
+    hf_model = transformers.GptOssForCausalLM.from_pretrained(
+        quantized, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
+    ).eval()
+    check_saved_greedy_and_logprobs(quantized, hf_model, config())
+
+
+def test_an_mxfp4_checkpoint_of_another_family_is_refused_naming_it(tmp_path):
+    import json
+
+    import transformers
+
+    path, _ = families.save_family_model(tmp_path, transformers.LlamaConfig(**COMMON))
+    d = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**d, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(ValueError, match="'mxfp4'.*GptOssForCausalLM, not LlamaForCausalLM"):
+        families.make_engine(path)
 
 
 def test_swigluoai_is_transformers_clamped_swiglu():

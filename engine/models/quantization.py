@@ -273,12 +273,27 @@ def check_quantization(quantization: str | None, dtype: torch.dtype, device: tor
         raise ValueError("--quantization int4 needs a GPU of compute capability 8.0 or newer on CUDA")
 
 
-def resolve_quantization(requested: str | None, checkpoint: str | None) -> str | None:
+# Checkpoint formats a family's loader dequantizes as its weights load (the model then runs unquantized, or with
+# --quantization), and the architectures whose loaders do.
+DEQUANTIZED_AT_LOAD = {"mxfp4": ("GptOssForCausalLM",)}
+
+
+def resolve_quantization(requested: str | None, checkpoint: str | None, architecture: str = "") -> str | None:
     """The method to run: --quantization, else the checkpoint's own. A GGUF checkpoint may also be
     dequantized and quantized again with int8 or int4."""
+    if checkpoint in DEQUANTIZED_AT_LOAD:
+        if architecture not in DEQUANTIZED_AT_LOAD[checkpoint]:
+            raise ValueError(
+                f"the checkpoint is quantized with {checkpoint!r}, which this engine dequantizes only for "
+                f"{', '.join(DEQUANTIZED_AT_LOAD[checkpoint])}, not {architecture}"
+            )
+        if requested == "gguf":
+            raise ValueError("--quantization gguf needs a .gguf model file")
+        return requested
     if checkpoint not in (None, "gguf"):
         raise ValueError(
-            f"the checkpoint is quantized with {checkpoint!r}, which this engine cannot load; it loads gguf"
+            f"the checkpoint is quantized with {checkpoint!r}, which this engine cannot load; it loads gguf, and "
+            f"{', '.join(DEQUANTIZED_AT_LOAD)} for {', '.join(a for v in DEQUANTIZED_AT_LOAD.values() for a in v)}"
         )
     if requested == "gguf" and checkpoint != "gguf":
         raise ValueError("--quantization gguf needs a .gguf model file")

@@ -78,7 +78,9 @@ class Worker:
         self.device = resolve_device(settings.device, self.rank, self.world_size)
         self.num_kv_heads = model_config.num_key_value_heads // self.world_size  # this rank's, in its KV cache
         self.dtype = check_dtype(settings.dtype, self.device.type)
-        self.quantization = resolve_quantization(settings.quantization, model_config.quantization)
+        self.quantization = resolve_quantization(
+            settings.quantization, model_config.quantization, model_config.architecture
+        )
         check_quantization(self.quantization, self.dtype, self.device)
         logger.info(
             "Computing in %s (%s); quantization: %s",
