@@ -71,3 +71,19 @@ def paged_attention_ref(
             probs = scores.softmax(-1)
         out[start:end] = (probs @ v).transpose(0, 1)
     return out.to(query.dtype)
+
+
+def mla_decode_ref(query, kv_cache, seq_lens, block_table, kv_lora_rank: int, scale: float) -> torch.Tensor:
+    """Absorbed multi-head latent attention, one query token per request: head h of request r attends with
+    query[r, h] [kv_lora_rank + qk_rope] over the request's first seq_len cached entries [kv_lora_rank + qk_rope] of
+    kv_cache [num_blocks, block_size, kv_lora_rank + qk_rope], and mixes their latents (first kv_lora_rank values).
+    Returns [num_reqs, num_heads, kv_lora_rank]; a request of no entries gets zeros."""
+    block_size = kv_cache.shape[1]
+    out = torch.zeros(*query.shape[:2], kv_lora_rank, dtype=torch.float32)
+    for r, seq_len in enumerate(seq_lens.tolist()):
+        blocks = block_table[r, : -(seq_len // -block_size)]
+        entries = kv_cache[blocks].flatten(0, 1)[:seq_len].float()  # [S, kv_lora_rank + qk_rope]
+        if seq_len:
+            probs = (query[r].float() @ entries.T * scale).softmax(-1)
+            out[r] = probs @ entries[:, :kv_lora_rank]
+    return out.to(query.dtype)

@@ -5,7 +5,8 @@ query_start_loc[r]:query_start_loc[r+1] are the last ones of its seq_lens[r] tok
 causally to the keys before it, read in place from the paged cache through the block table. With a
 sliding window W a query at position q sees keys q - W + 1..q only, and each program's key loop starts
 at its first query's window (what lies before is never read); with a logit soft-cap c each score s
-becomes c * tanh(s / c) before the softmax.
+becomes c * tanh(s / c) before the softmax; with sinks (gpt-oss) head h's softmax has one more logit, sinks[h], that
+attends to no value: the running max and sum start from it, as if it were a key of value zero.
 
 Each program takes BLOCK_Q query tokens of one request and one KV head, with all GROUP query heads
 that share it (BLOCK_M = BLOCK_Q * GROUP rows), so each K/V tile is loaded once for the group. Keys come
@@ -33,6 +34,19 @@ def _tanh(x):
 
 
 @triton.jit
+def online_softmax_step(s, v, m, l, acc, PRECISION: tl.constexpr):  # noqa: E741
+    """One tile of keys into the running softmax: scores s [rows, keys] (log2 units, -inf where hidden) and values
+    v [keys, dims] into the running max m, sum l and output acc of each row. Returns the new (m, l, acc)."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep exp2 finite, its p is 0
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    l = l * alpha + tl.sum(p, 1)  # noqa: E741
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def _unified_attention_kernel(
     out_ptr,
     q_ptr,
@@ -41,6 +55,7 @@ def _unified_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_table_ptr,
+    sinks_ptr,  # [num_heads] float32, read only with USE_SINKS
     qk_scale,  # softmax scale * log2(e) (the kernel uses exp2); with a soft-cap, scale / cap
     soft_cap_log2,  # the soft-cap * log2(e)
     num_reqs,
@@ -58,6 +73,7 @@ def _unified_attention_kernel(
     BLOCK_Q: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,  # 0: none
     USE_SOFT_CAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -100,6 +116,9 @@ def _unified_attention_kernel(
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores (log2 units)
     l = tl.zeros([BLOCK_M], tl.float32)  # noqa: E741 (running sum of exp2(score - m), the papers' l)
+    if USE_SINKS:  # the sink is the first logit seen: exp2(sink - m) = 1
+        m = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # log2(e)
+        l = tl.full([BLOCK_M], 1.0, tl.float32)  # noqa: E741
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     # Causal: no row here sees past this block's last query token.
     kv_end = tl.minimum(seq_len, num_cached + first_q + BLOCK_Q)
@@ -126,26 +145,30 @@ def _unified_attention_kernel(
         if SLIDING_WINDOW > 0:
             visible &= pos[None, :] > q_pos[:, None] - SLIDING_WINDOW
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a masked row: keep exp2 finite, its p is 0
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)  # noqa: E741
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = online_softmax_step(s, v, m, l, acc, PRECISION)  # noqa: E741
 
-    # A padding request (seq_len 0) saw no key: l is 0 and its output is 0, not NaN.
+    # A padding request (seq_len 0) saw no key: l is 0 (or the sink's alone) and its output is 0, not NaN.
     acc = acc / tl.where(l > 0, l, 1.0)[:, None]
     o_off = (q_start + q_idx).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
 def unified_attention(
-    out, query, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, sliding_window=None, soft_cap=None
+    out,
+    query,
+    k_cache,
+    v_cache,
+    query_start_loc,
+    seq_lens,
+    block_table,
+    scale,
+    sliding_window=None,
+    soft_cap=None,
+    sinks=None,
 ) -> None:
     """out[rows of request r] = causal attention of those query rows over the request's first seq_lens[r]
     cached tokens (the last sliding_window of them, where given), each score s made soft_cap * tanh(s / soft_cap)
-    where given. query/out [num_tokens, num_heads, head_dim]; caches [num_kv_heads, num_blocks, block_size,
+    where given, with head h's sink logit sinks[h] (float32 [num_heads]) in its softmax where given. query/out [num_tokens, num_heads, head_dim]; caches [num_kv_heads, num_blocks, block_size,
     head_dim]; block_table [num_reqs, max_blocks]. Rows of no request are not written."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
@@ -164,6 +187,7 @@ def unified_attention(
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     assert sliding_window is None or sliding_window > 0
     assert soft_cap is None or soft_cap > 0
+    assert sinks is None or (sinks.dtype == torch.float32 and sinks.shape == (num_heads,))
     # With a soft-cap the dot is scaled by scale / cap, so that tanh takes it as it is, then by cap * log2(e).
     qk_scale = scale * math.log2(math.e) if soft_cap is None else scale / soft_cap
     soft_cap_log2 = (soft_cap or 0.0) * math.log2(math.e)
@@ -175,6 +199,7 @@ def unified_attention(
         query_start_loc,
         seq_lens,
         block_table,
+        query if sinks is None else sinks,  # any pointer where there are none: never read
         qk_scale,
         soft_cap_log2,
         num_reqs,
@@ -192,6 +217,7 @@ def unified_attention(
         BLOCK_Q=block_q,
         SLIDING_WINDOW=sliding_window or 0,
         USE_SOFT_CAP=soft_cap is not None,
+        USE_SINKS=sinks is not None,
         BLOCK_M=block_m,
         TILE=TILE,
         DOT_F32=dot_f32,

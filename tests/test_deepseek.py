@@ -9,8 +9,6 @@ import torch
 from test_gemma2 import check_greedy_and_logprobs
 
 from conftest import HFReference, assert_greedy_matches
-from engine.config import EngineArgs
-from engine.core import EngineCore
 from engine.models.config import ModelArchConfig, ModelLoadError
 from test_models import COMMON
 
@@ -96,7 +94,7 @@ def test_deepseek_v2_engine_paths(tmp_path, check):
     check(tmp_path, deepseek_v2())
 
 
-def test_deepseek_v2_on_the_torch_backend_by_name_and_refused_on_a_backend_without_mla(tmp_path):
+def test_deepseek_v2_on_the_torch_backend_by_name(tmp_path):
     config = deepseek_v2("no-q-lora-greedy")
     path, hf_model = families.save_family_model(tmp_path, config)
     engine = families.make_engine(path, attention_backend="torch")
@@ -104,8 +102,6 @@ def test_deepseek_v2_on_the_torch_backend_by_name_and_refused_on_a_backend_witho
     ours = families.run_greedy(engine, prompt, 8)[0]
     ref_tokens, ref_logits = HFReference(hf_model).greedy(prompt[0], 8)
     assert_greedy_matches(ours, ref_tokens, ref_logits, "torch backend")
-    with pytest.raises(ValueError, match="does not implement mla"):
-        EngineCore(EngineArgs(model=str(path), kv_cache_memory="8MiB", attention_backend="triton"))
 
 
 def test_head_dim_is_the_rope_part_where_a_config_json_lacks_it():

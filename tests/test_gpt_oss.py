@@ -58,12 +58,6 @@ def test_gpt_oss_engine_paths(tmp_path, redis_server):
     families.check_engine_paths(tmp_path, config(), redis_server.url, ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
-def test_gpt_oss_on_a_backend_without_sinks_is_refused(tmp_path):
-    path, _ = families.save_family_model(tmp_path, config())
-    with pytest.raises(ValueError, match="does not implement sinks"):
-        families.make_engine(path, attention_backend="triton")
-
-
 def arch_config(**changes) -> ModelArchConfig:
     return ModelArchConfig.from_hf_config({**config().to_dict(), **changes})
 

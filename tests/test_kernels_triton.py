@@ -92,9 +92,9 @@ def hide_outside_windows(batch, requests, window):
     return query, k_cache, v_cache, qsl, seq_lens, table
 
 
-def backend_step(backend, window, cap, device):
+def backend_step(backend, window, cap, device, sinks=None):
     """One step of a mixed batch (decodes, a prompt, a chunk after its cached prefix) through backend.forward and
-    through the torch backend's: (ours, torch's) outputs."""
+    through the torch backend's, with sinks [6] where given: (ours, torch's) outputs."""
     requests = [(1, 37), (1, 1), (1, 16), (5, 5), (7, 40), (19, 50)]
     query, k_cache, v_cache, qsl, seq_lens, table = make_batch(requests, 16, 6, 2, 16, torch.float32, device)
     # The torch backend reads whole blocks: no NaN past a sequence's end.
@@ -110,7 +110,8 @@ def backend_step(backend, window, cap, device):
         metadata = AttentionMetadata(n, slots, qsl, seq_lens, table, 3, qsl.tolist(), seq_lens.tolist())
         attn.prepare(metadata)
         caches = k_cache.clone(), v_cache.clone()
-        outs.append(attn.forward(query[:n], key, value, caches, metadata, 0.25, window, cap))
+        head_sinks = None if sinks is None else sinks.to(device)
+        outs.append(attn.forward(query[:n], key, value, caches, metadata, 0.25, window, cap, head_sinks))
     return outs
 
 

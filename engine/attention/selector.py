@@ -27,7 +27,7 @@ def get_attn_backend(
     """The backend `name` names, which must implement what the model needs (AttentionBackend.features)."""
     resolved = resolve_backend_name(name, device_type)
     if name == "auto" and not needs <= _BACKENDS[resolved].features and needs <= TorchAttentionBackend.features:
-        # The reference backend implements every feature first (multi-head latent attention).
+        # The reference backend implements every feature first; the kernels may follow.
         logger.info("The %s attention backend does not implement %s; using the torch backend", resolved, sorted(needs))
         resolved = "torch"
     missing = needs - _BACKENDS[resolved].features

@@ -103,7 +103,7 @@ class KVOutputAggregator:
 class MultiprocExecutor(UniProcExecutor):
     def __init__(self, config: EngineConfig, model_config: ModelArchConfig, model_dir: Path, max_model_len: int):
         size = config.parallel_config.tensor_parallel_size
-        check_tensor_parallel_size(model_config, size)  # before any process starts
+        check_tensor_parallel_size(model_config, size, config.parallel_config.enable_expert_parallel)  # before any rank
         self.world_size = size
         self.dead: str | None = None
         self.closing = False

@@ -41,7 +41,7 @@ from engine.distributed.parallel_state import (
 )
 from engine.models.config import ModelArchConfig
 from engine.models.layers import silu_and_mul
-from engine.models.linear import Linear
+from engine.models.linear import NUM_EXPERTS_FIELDS, Linear
 
 
 def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,13 +240,9 @@ def num_local_experts(num_experts: int, ep_size: int) -> int:
     return num_experts // ep_size
 
 
-# Where each mixture-of-experts family's config gives its routed expert count (DeepSeek's, Mixtral's, Qwen's).
-_NUM_EXPERTS_FIELDS = ("n_routed_experts", "num_local_experts", "num_experts")
-
-
 def check_expert_parallel(config: ModelArchConfig, size: int) -> None:
     """A start-up error unless the model has mixture-of-experts layers whose experts split over `size` ranks."""
-    num_experts = next((config.hf_config[f] for f in _NUM_EXPERTS_FIELDS if config.hf_config.get(f)), 0)
+    num_experts = next((config.hf_config[f] for f in NUM_EXPERTS_FIELDS if config.hf_config.get(f)), 0)
     if not num_experts:
         raise ValueError(
             f"--enable-expert-parallel splits mixture-of-experts layers, and {config.architecture} has none; "

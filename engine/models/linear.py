@@ -149,8 +149,31 @@ def process_weights_after_loading(model: nn.Module, dtype: torch.dtype) -> None:
     model.to(dtype)
 
 
-def check_tensor_parallel_size(config: ModelArchConfig, size: int) -> None:
-    """A start-up error unless the heads, KV heads and MLP width split evenly over `size` ranks."""
+# Where each mixture-of-experts family's config gives its routed expert count (DeepSeek's, Mixtral's, Qwen's).
+NUM_EXPERTS_FIELDS = ("n_routed_experts", "num_local_experts", "num_experts")
+
+
+def check_tensor_parallel_size(config: ModelArchConfig, size: int, enable_expert_parallel: bool = False) -> None:
+    """A start-up error unless the heads, KV heads and MLP widths split evenly over `size` ranks. With expert
+    parallelism each rank keeps whole experts, so the experts' width need not divide; the dense MLPs' (a dense
+    layer's, the shared experts') still must."""
     divide(config.num_attention_heads, size, "the model's attention heads (num_attention_heads)")
     divide(config.num_key_value_heads, size, "the model's KV heads (num_key_value_heads)")
-    divide(config.intermediate_size, size, "the model's MLP width (intermediate_size)")
+    hf = config.hf_config
+    has_experts = any(hf.get(f) for f in NUM_EXPERTS_FIELDS)
+    moe_width = hf.get("moe_intermediate_size")
+    # Mixtral's and gpt-oss's intermediate_size is their experts' width; beside moe_intermediate_size, a dense one's.
+    if not has_experts or moe_width:
+        divide(config.intermediate_size, size, "the model's MLP width (intermediate_size)")
+    if hf.get("shared_expert_intermediate_size"):
+        divide(
+            hf["shared_expert_intermediate_size"], size, "the shared expert's width (shared_expert_intermediate_size)"
+        )
+    if moe_width and hf.get("n_shared_experts"):
+        width = moe_width * hf["n_shared_experts"]
+        divide(width, size, "the shared experts' width (moe_intermediate_size x n_shared_experts)")
+    if has_experts and not enable_expert_parallel:
+        width, field = (
+            (moe_width, "moe_intermediate_size") if moe_width else (config.intermediate_size, "intermediate_size")
+        )
+        divide(width, size, f"the experts' width ({field}; --enable-expert-parallel keeps experts whole)")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.distributed.parallel_state import get_tp_size
+from engine.distributed.parallel_state import get_ep_size, get_tp_size
 from engine.models.config import ModelArchConfig
 from engine.models.layers import MLP, Attention, RMSNorm, apply_rotary, get_rope, use_cpu_ops
 from engine.models.linear import (
@@ -104,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelArchConfig, backend: AttentionBackend, quantization: str | None = None):
         super().__init__()
-        check_tensor_parallel_size(config, get_tp_size())
+        check_tensor_parallel_size(config, get_tp_size(), get_ep_size() > 1)
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, get_embedding_method(quantization)
