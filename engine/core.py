@@ -15,6 +15,7 @@ from engine.kv.connector.factory import create_connector
 from engine.kv.kv_cache_spec import kv_cache_groups, max_request_len
 from engine.kv.layout import KVLayout, spec_name
 from engine.kv.manager import KVCacheManager
+from engine.kv.zmq_publisher import create_event_publisher
 from engine.lora.registry import LoRARegistry
 from engine.lora.request import LoRARequest
 from engine.models.files import load_config
@@ -143,6 +144,9 @@ class EngineCore:
         for name, path in lora.get_lora_modules().items():
             self.add_lora(self.lora_registry.new_request(name, path))
         self.update_info()
+        # vLLM's ZMQ publisher of the KV events (--kv-events-config), fed by take_kv_events; last, so a start that
+        # fails leaves no socket bound.
+        self.kv_event_publisher = create_event_publisher(config.kv_events_config)
 
     def _make_info(self, kv_layouts: tuple[KVLayout, ...] | None) -> EngineInfo:
         """The snapshot's fixed part; update_info() adds the adapters and the connector's figures."""
@@ -344,10 +348,16 @@ class EngineCore:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
         if self.connector is not None:
             self.connector.shutdown()
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
 
     def take_kv_events(self):
-        return self.kv_cache_manager.take_events()
+        """The KV cache's events since the last call (once per step), handed to the ZMQ publisher too."""
+        events = self.kv_cache_manager.take_events()
+        if events and self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(events)
+        return events

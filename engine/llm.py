@@ -31,7 +31,9 @@ class LLM:
         return self.tokenizer.hf
 
     def reset_prefix_cache(self) -> bool:
-        return self.engine.reset_prefix_cache()
+        reset = self.engine.reset_prefix_cache()
+        self.engine.take_kv_events()  # AllBlocksCleared, to the ZMQ publisher
+        return reset
 
     # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -------------
 
@@ -166,6 +168,7 @@ class LLM:
                 finished, reqs_to_abort = self.output_processor.process_outputs(self.engine.step())
                 # A stop string ended these: free their blocks before the next step.
                 self.engine.abort_requests(reqs_to_abort)
+                self.engine.take_kv_events()  # the step's, to the ZMQ publisher (none without KV events on)
                 for output in finished:
                     results[index[output.request_id]] = output
                     bar.update(1)

@@ -71,6 +71,12 @@ class SchedulerCollector:
             ("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running_reqs),
             ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting_reqs),
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
+            # vLLM's name before vllm:kv_cache_usage_perc, which dashboards and endpoint pickers still read.
+            (
+                "vllm:gpu_cache_usage_perc",
+                "GPU KV-cache usage. 1 means 100 percent usage. Deprecated: use vllm:kv_cache_usage_perc.",
+                stats.kv_cache_usage,
+            ),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric(labels, value)
@@ -121,8 +127,23 @@ class SchedulerCollector:
             for position, value in enumerate(spec.num_accepted_tokens_per_pos):
                 per_pos.add_metric([*labels, str(position)], value)
             yield per_pos
+        yield self.cache_config_info(engine.info)
         if engine.info.enable_lora:
             yield self.lora_info(engine.info.max_loras, stats)
+
+    @staticmethod
+    def cache_config_info(info) -> GaugeMetricFamily:
+        """vLLM's vllm:cache_config_info: the KV cache's settings as labels (an endpoint picker reads block_size and
+        num_gpu_blocks to size its prefix index), the value 1."""
+        settings = {
+            "block_size": info.block_size,
+            "num_gpu_blocks": info.num_blocks,
+            "enable_prefix_caching": info.enable_prefix_caching,
+            "prefix_caching_hash_algo": info.prefix_caching_hash_algo,
+        }
+        gauge = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=settings)
+        gauge.add_metric([str(v) for v in settings.values()], 1.0)
+        return gauge
 
     def lora_info(self, max_loras: int, stats) -> GaugeMetricFamily:
         """vLLM's vllm:lora_requests_info: the adapters with requests running and waiting as labels (comma-separated

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field, fields
 
 from engine.config.cache import CacheConfig
+from engine.config.kv_events import KVEventsConfig
 from engine.config.lora import LoRAConfig
 from engine.config.model import DEFAULT_MODEL, MAX_CUDAGRAPH_CAPTURE_SIZE, ModelConfig
 from engine.config.parallel import ParallelConfig
@@ -30,6 +31,7 @@ __all__ = [
     "CacheConfig",
     "EngineArgs",
     "EngineConfig",
+    "KVEventsConfig",
     "LoRAConfig",
     "ModelConfig",
     "ParallelConfig",
@@ -66,6 +68,13 @@ class EngineConfig:
         '{"kv_connector":"KVStoreConnector","kv_role":"kv_both","kv_connector_extra_config":'
         '{"kvstore_address":"127.0.0.1:50054"}}; unset: none (llmmesh serve sets it)',
     )
+    kv_events_config: KVEventsConfig | None = setting(
+        None,
+        help="vLLM's KV-cache events on a ZMQ PUB socket (msgpack KVEventBatch: BlockStored, BlockRemoved, "
+        'AllBlocksCleared), as JSON, e.g. {"enable_kv_cache_events":true,"publisher":"zmq",'
+        '"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558","topic":"kv@POD@MODEL"}; also buffer_steps, '
+        "hwm, max_queue_size; unset: off",
+    )
 
     def __post_init__(self):
         spec = self.speculative_config
@@ -77,6 +86,14 @@ class EngineConfig:
             )
         if self.kv_transfer_config is not None and not self.cache_config.enable_prefix_caching:
             raise ValueError("kv_transfer_config needs prefix caching: its blocks are named by their prefix hashes.")
+        events = self.kv_events_config
+        if events is not None and events.enable_kv_cache_events:
+            if not self.cache_config.enable_prefix_caching:
+                raise ValueError(
+                    "kv_events_config.enable_kv_cache_events needs prefix caching: the events name cached blocks."
+                )
+            # The block pool records events for the ZMQ publisher and the engine protocol's streams alike.
+            self.cache_config.enable_kv_cache_events = True
 
     def get_cudagraph_capture_sizes(self) -> list[int]:
         """The decode batch sizes that get a CUDA graph, ascending; none above max_num_seqs or the token budget."""
@@ -106,6 +123,7 @@ class EngineArgs(_ConfigFields):
 
     speculative_config: str | dict | None = None  # JSON (or a dict, offline) of EngineConfig.speculative_config
     kv_transfer_config: str | None = None  # JSON of EngineConfig.kv_transfer_config
+    kv_events_config: str | dict | None = None  # JSON (or a dict, offline) of EngineConfig.kv_events_config
 
     def __post_init__(self):
         config = self.create_engine_config()
@@ -124,17 +142,19 @@ class EngineArgs(_ConfigFields):
             lora_config=config_from(LoRAConfig, self),
             speculative_config=self.get_speculative_config(),
             kv_transfer_config=self.get_kv_transfer_config(),
+            kv_events_config=self.get_kv_events_config(),
         )
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "EngineArgs":
         """The flat settings of composed configs: what crosses a process boundary as JSON."""
         values = {f.name: getattr(c, f.name) for c in vars(config).values() if type(c) in _CONFIGS for f in fields(c)}
-        spec, kv = config.speculative_config, config.kv_transfer_config
+        spec, kv, events = config.speculative_config, config.kv_transfer_config, config.kv_events_config
         return cls(
             **values,
             speculative_config=None if spec is None else spec.to_dict(),
             kv_transfer_config=None if kv is None else json.dumps(dataclasses.asdict(kv)),
+            kv_events_config=None if events is None else events.to_dict(),
         )
 
     def get_lora_modules(self) -> dict[str, str]:
@@ -147,6 +167,9 @@ class EngineArgs(_ConfigFields):
 
     def get_kv_transfer_config(self) -> KVTransferConfig | None:
         return None if self.kv_transfer_config is None else KVTransferConfig.from_json(self.kv_transfer_config)
+
+    def get_kv_events_config(self) -> KVEventsConfig | None:
+        return None if self.kv_events_config is None else KVEventsConfig.from_json(self.kv_events_config)
 
     def get_speculative_config(self) -> SpeculativeConfig | None:
         return None if self.speculative_config is None else SpeculativeConfig.from_json(self.speculative_config)

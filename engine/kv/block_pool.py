@@ -17,6 +17,9 @@ class BlockStored:
     loaded_from: str | None = None
     # The KV cache group the blocks hold (engine.kv.kv_cache_spec): each group caches a prefix's blocks apart.
     group_id: int = 0
+    # The LoRA adapter the blocks were computed under (their hashes carry its digest), for routers that key on it.
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass
@@ -70,8 +73,10 @@ class BlockPool:
         token_ids: list[int],
         loaded_from: str | None = None,
         group_id: int = 0,
+        lora=None,
     ) -> None:
-        """Register blocks[num_cached_blocks:num_full_blocks] of group group_id under their chained hashes."""
+        """Register blocks[num_cached_blocks:num_full_blocks] of group group_id under their chained hashes (lora:
+        the LoRARequest they were computed under, if any)."""
         stored = []
         for i in range(num_cached_blocks, num_full_blocks):
             block, key = blocks[i], (block_hashes[i], group_id)
@@ -93,6 +98,8 @@ class BlockPool:
                     block_size=block_size,
                     loaded_from=loaded_from,
                     group_id=group_id,
+                    lora_id=None if lora is None else lora.lora_int_id,
+                    lora_name=None if lora is None else lora.lora_name,
                 )
             )
 

@@ -162,6 +162,7 @@ class KVCacheManager:
                     request.all_token_ids,
                     loaded_from,
                     group_id,
+                    request.lora_request,
                 )
             self.num_cached_block[request.request_id] = num_full
 
