@@ -155,10 +155,10 @@ class AsyncLLM:
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use by a running request.")
         first = requests[0]
+        sampling = first.sampling_params if first.pooling_params else params  # a pooling request samples nothing
         state = self.output_processor.add_request(
-            request_id, None, first.prompt_token_ids, first.sampling_params if first.pooling_params else params,
-            first.arrival_time, output_kind, requests,
-        )  # fmt: skip
+            request_id, None, first.prompt_token_ids, sampling, first.arrival_time, output_kind, requests
+        )
         stream = self.streams[request_id] = RequestStream(request_id, state)
         self.inbox.put(("add", requests))
         return stream

@@ -193,8 +193,10 @@ class Processor:
         self.check_ids(request_id, cache_salt)
         self.process_lora(lora_request)
         if isinstance(params, PoolingParams):
-            return [self.process_pooling_inputs(request_id, prompt_token_ids, params, arrival_time, priority,
-                                                cache_salt, lora_request, trace_headers)]  # fmt: skip
+            request = self.process_pooling_inputs(
+                request_id, prompt_token_ids, params, arrival_time, priority, cache_salt, lora_request, trace_headers
+            )
+            return [request]
         if self.pooler_config is not None:
             raise ValueError(
                 "this engine runs --runner pooling (an embedding model): it embeds prompts and generates nothing; "
@@ -226,6 +228,8 @@ class Processor:
         lora_request: LoRARequest | None,
         trace_headers: tuple[tuple[str, str], ...],
     ) -> Request:
+        """One pooling request (process_inputs checked its ids and adapter): the prompt checked, its params told
+        whether its pooling reads the prefix cache."""
         if self.pooler_config is None:
             raise ValueError(
                 "this engine runs --runner generate: it cannot embed; serve an embedding model with --runner pooling."

@@ -89,10 +89,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Embed(self, request: engine_pb2.EngineEmbedRequest, context):
         engine = await self.ready(context)
         params = PoolingParams(normalize=request.normalize if request.HasField("normalize") else None)
+        prompt_ids = list(request.prompt_token_ids)
         out = await serve_embedding(
-            engine, self.observer, context, request.request_id, list(request.prompt_token_ids), params,
-            request.priority, request.cache_salt,
-        )  # fmt: skip
+            engine, self.observer, context, request.request_id, prompt_ids, params, request.priority, request.cache_salt
+        )
         return engine_pb2.EngineEmbedResponse(
             embedding=out.outputs.data.tolist(),
             num_prompt_tokens=len(out.prompt_token_ids),

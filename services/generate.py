@@ -1,5 +1,5 @@
-"""One Generate (or Embed) call of either engine protocol (llmmesh.v1.Engine, vLLM's VllmEngine), driven the same way: the
-request admitted, its outputs streamed, its failures mapped to gRPC status codes, its telemetry watched."""
+"""One Generate (or Embed) call of either engine protocol (llmmesh.v1.Engine, vLLM's VllmEngine), driven the same
+way: the request admitted, its outputs streamed, its failures mapped to gRPC status codes, its telemetry watched."""
 
 import contextlib
 import time
@@ -64,9 +64,15 @@ async def serve_request(
 
 
 async def serve_embedding(
-    engine, observer: EngineTelemetry | None, context, request_id: str, prompt_ids: list[int], params: PoolingParams,
-    priority: int = 0, cache_salt: str = "",
-) -> PoolingRequestOutput:  # fmt: skip
+    engine,
+    observer: EngineTelemetry | None,
+    context,
+    request_id: str,
+    prompt_ids: list[int],
+    params: PoolingParams,
+    priority: int = 0,
+    cache_salt: str = "",
+) -> PoolingRequestOutput:
     """One Embed call of either engine protocol: FAILED_PRECONDITION from a generating engine, else the request run
     as serve_request runs a Generate one (its refusals and failures mapped alike); its pooled output."""
     if engine.info.runner_type != "pooling":
@@ -78,9 +84,15 @@ async def serve_embedding(
 
     def add_request(arrival, trace_headers):
         return engine.add_request(
-            request_id, prompt_ids, params, priority=priority, cache_salt=cache_salt, arrival_time=arrival,
-            output_kind=RequestOutputKind.FINAL_ONLY, trace_headers=trace_headers,
-        )  # fmt: skip
+            request_id,
+            prompt_ids,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            arrival_time=arrival,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            trace_headers=trace_headers,
+        )
 
     async with contextlib.aclosing(serve_request(engine, observer, context, request_id, add_request)) as outputs:
         async for out in outputs:
