@@ -29,6 +29,7 @@ from engine.limits import RequestLimits
 from engine.lora.request import LoRARequest
 from engine.output_processor import OutputProcessor, RequestOutputKind
 from engine.outputs import RequestOutput
+from engine.pooling.params import PoolingParams
 from engine.processor import Processor
 from engine.request import SamplingParams
 from engine.sample.sampler import SamplerUnavailableError
@@ -121,7 +122,7 @@ class AsyncLLM:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
@@ -133,11 +134,12 @@ class AsyncLLM:
         """Check and queue a request (n engine requests when n > 1); ValueError names what is wrong.
         trace_headers: the request span's traceparent/tracestate, for the calls the engine makes for it.
         kv_transfer_params: vLLM's, already checked by the caller, for the KV connector.
-        lora_request: an adapter the engine has loaded (add_lora, --lora-modules); None: the base model."""
+        lora_request: an adapter the engine has loaded (add_lora, --lora-modules); None: the base model.
+        PoolingParams (a pooling engine's requests): one PoolingRequestOutput once the prompt has run."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine thread has stopped: {self.dead}")
         request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
-        if params.bad_words and self.tokenizer is None:
+        if isinstance(params, SamplingParams) and params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs the engine's tokenizer, which is not loaded.")
         requests = self.processor.process_inputs(
             request_id,
@@ -153,8 +155,9 @@ class AsyncLLM:
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use by a running request.")
         first = requests[0]
+        sampling = first.sampling_params if first.pooling_params else params  # a pooling request samples nothing
         state = self.output_processor.add_request(
-            request_id, None, first.prompt_token_ids, params, first.arrival_time, output_kind, requests
+            request_id, None, first.prompt_token_ids, sampling, first.arrival_time, output_kind, requests
         )
         stream = self.streams[request_id] = RequestStream(request_id, state)
         self.inbox.put(("add", requests))

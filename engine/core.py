@@ -20,6 +20,7 @@ from engine.lora.registry import LoRARegistry
 from engine.lora.request import LoRARequest
 from engine.models.files import load_config
 from engine.models.loader import prepare_model_dir
+from engine.pooling.config import get_pooler_config
 from engine.request import Request, RequestStatus
 from engine.sched.output import EngineCoreOutput, SchedulerStats
 from engine.sched.scheduler import Scheduler
@@ -62,6 +63,13 @@ class EngineCore:
                 f"max_position_embeddings={cfg.max_position_embeddings}."
             )
 
+        # --runner pooling: how prompts are pooled (the worker's Pooler has the same); None: the engine generates.
+        self.pooler_config = get_pooler_config(
+            model.runner, model.pooler_config, cfg.has_lm_head, cfg.hidden_size, self.model_dir
+        )
+        self.runner_type = "generate" if self.pooler_config is None else "pooling"
+        if self.pooler_config is not None and self.config.speculative_config is not None:
+            raise ValueError("speculative_config is set, but a pooling engine (--runner pooling) decodes nothing.")
         # The layers grouped by what they keep in the KV cache (the worker shapes its cache by the same groups).
         self.kv_cache_groups = kv_cache_groups(cfg)
         self.executor = make_executor(self.config, cfg, self.model_dir, self.max_model_len)
@@ -162,7 +170,8 @@ class EngineCore:
         return EngineInfo(
             model=config.model_config.model,
             model_dir=self.model_dir,
-            architecture=cfg.architecture,
+            architecture=cfg.embedding_architecture or cfg.architecture,
+            runner_type=self.runner_type,
             vocab_size=cfg.vocab_size,
             max_model_len=self.max_model_len,
             eos_token_ids=tuple(cfg.eos_token_ids),

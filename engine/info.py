@@ -20,6 +20,7 @@ class EngineInfo:
     model: str  # as given (--model): the served model's name
     model_dir: Path  # its files, the tokenizer's among them
     architecture: str
+    runner_type: str  # "generate" or "pooling" (--runner): whether requests generate tokens or embed their prompt
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]

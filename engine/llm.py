@@ -1,4 +1,5 @@
-"""The offline API, following vllm.LLM: generate() and chat() over an in-process EngineCore."""
+"""The offline API, following vllm.LLM: generate() and chat() over an in-process EngineCore, and embed() with
+--runner pooling."""
 
 import time
 from collections.abc import Sequence
@@ -10,7 +11,8 @@ from engine.core import EngineCore
 from engine.lora.request import LoRARequest
 from engine.models.loader import DEFAULT_MODEL
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
+from engine.outputs import EmbeddingRequestOutput, RequestOutput
+from engine.pooling.params import PoolingParams
 from engine.processor import Processor
 from engine.request import SamplingParams
 from engine.text.tokenizer import Tokenizer
@@ -67,7 +69,24 @@ class LLM:
         one adapter for all prompts or one per prompt (None: the base model); one not loaded yet is loaded first,
         as vLLM does."""
         prompts = self._as_prompt_list(prompts)
-        params = self._as_params_list(sampling_params, len(prompts))
+        params = self._as_params_list(sampling_params, len(prompts), SamplingParams)
+        return self._run(prompts, params, use_tqdm, priority, lora_request)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (an engine with --runner pooling): its prompt runs once, and its hidden states
+        are pooled as the engine's pooler config says."""
+        prompts = self._as_prompt_list(prompts)
+        params = self._as_params_list(pooling_params, len(prompts), PoolingParams)
+        return [EmbeddingRequestOutput.from_base(o) for o in self._run(prompts, params, use_tqdm, None, lora_request)]
+
+    def _run(self, prompts, params, use_tqdm: bool, priority, lora_request) -> list:
+        """Admit every prompt with its params (SamplingParams or PoolingParams), then step until all are done."""
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries, expected one per prompt ({len(prompts)}).")
         loras = self._as_lora_list(lora_request, len(prompts))
@@ -85,6 +104,7 @@ class LLM:
         index: dict[str, int] = {}
         for i, ((request_id, text, requests), sp) in enumerate(zip(built, params)):
             index[request_id] = i
+            sp = requests[0].sampling_params if requests[0].pooling_params else sp  # a pooling request samples nothing
             self.output_processor.add_request(
                 request_id, text, requests[0].prompt_token_ids, sp, now, engine_requests=requests
             )
@@ -124,15 +144,16 @@ class LLM:
         return prompts
 
     @staticmethod
-    def _as_params_list(sampling_params, n: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams() for _ in range(n)]
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        sampling_params = list(sampling_params)
-        if len(sampling_params) != n:
-            raise ValueError(f"Got {len(sampling_params)} sampling_params for {n} prompts; pass one or one per prompt.")
-        return sampling_params
+    def _as_params_list(params, n: int, cls: type) -> list:
+        """One cls (SamplingParams or PoolingParams) per prompt, from None (the defaults), one, or one per prompt."""
+        if params is None:
+            return [cls() for _ in range(n)]
+        if isinstance(params, cls):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"Got {len(params)} {cls.__name__} for {n} prompts; pass one or one per prompt.")
+        return params
 
     def _as_lora_list(self, lora_request, n: int) -> list[LoRARequest | None]:
         """One per prompt; adapters not loaded yet are loaded (and checked) now."""

@@ -10,7 +10,14 @@ its engine request, and outputs still in flight for it are dropped), and keeps t
 import enum
 import time
 
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from engine.processor import child_request_id, fan_out
 from engine.request import EngineCoreEventType, FinishReason, Request, RequestFailure, SamplingParams
 from engine.text.detokenizer import RequestDetokenizer
@@ -103,6 +110,7 @@ class RequestState:
         self.num_cached_tokens = 0
         self.error: RequestFailure | None = None  # the request failed on its own (its outputs end "error")
         self.engine_requests: list[Request] = []  # what the engine runs (OutputProcessor.add_request sets it)
+        self.pooling_output = None  # a pooling request's vector, once its prompt has run
         with_logprobs = params.logprobs is not None
         self.completions = [
             CompletionState(i, request_id if params.n == 1 else child_request_id(i, request_id), with_logprobs)
@@ -178,6 +186,15 @@ class RequestState:
         delta = self.output_kind == RequestOutputKind.DELTA
         if not delta and not self.finished:
             return None
+        if self.pooling_output is not None and self.error is None:
+            return PoolingRequestOutput(
+                self.request_id,
+                PoolingOutput(self.pooling_output),
+                self.prompt_token_ids,
+                self.finished,
+                self.metrics,
+                self.num_cached_tokens,
+            )
         prompt_logprobs = self.prompt_logprobs
         if delta and prompt_logprobs is not None:
             prompt_logprobs, self._prompt_logprobs_sent = (
@@ -292,6 +309,8 @@ class OutputProcessor:
         stop string ended it while the engine still runs it (to abort there), else None."""
         state.add_events(out.events)
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+        if out.pooling_output is not None:
+            state.pooling_output = out.pooling_output
         token_text = self.tokenizer.token_text if completion.detokenizer is not None else _no_text
         if out.new_prompt_logprobs is not None:
             state.add_prompt_logprobs(logprob_dicts(out.new_prompt_logprobs, token_text))

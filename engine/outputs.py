@@ -4,6 +4,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.request import RequestFailure
 
 
@@ -91,3 +93,46 @@ class RequestOutput:
     # Set when the request failed on its own (its completions end with finish_reason "error"); its batch mates
     # were not affected.
     error: "RequestFailure | None" = None
+
+
+@dataclass
+class PoolingOutput:
+    data: "torch.Tensor"  # the pooled vector, float32 on the host
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling request's one output, once its prompt has run (vllm.PoolingRequestOutput)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    error: "RequestFailure | None" = None  # never set: a failed request's output is a RequestOutput
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns for each prompt (vllm.EmbeddingRequestOutput)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        embedding = EmbeddingOutput(output.outputs.data.tolist())
+        return cls(output.request_id, embedding, output.prompt_token_ids, output.finished, output.num_cached_tokens)

@@ -12,10 +12,13 @@ the engine checks. Every refusal is a ValueError naming the field and what it al
 """
 
 import time
+from dataclasses import replace
 
 from engine.limits import RequestLimits
 from engine.lora.registry import LoRARegistry
 from engine.lora.request import LoRARequest
+from engine.pooling.config import PoolerConfig
+from engine.pooling.params import PoolingParams
 from engine.request import Request, SamplingParams
 
 
@@ -69,6 +72,7 @@ class Processor:
         tokenizer=None,
         structured_output_manager=None,
         lora_registry: LoRARegistry | None = None,
+        pooler_config: PoolerConfig | None = None,
     ):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -81,6 +85,8 @@ class Processor:
         self.structured_output_manager = structured_output_manager
         # The engine's loaded adapters (EngineCore.lora_registry, kept current); None: LoRA is off.
         self.lora_registry = LoRARegistry(enable_lora=False) if lora_registry is None else lora_registry
+        # A pooling engine's (--runner pooling): it takes PoolingParams requests only; None: SamplingParams only.
+        self.pooler_config = pooler_config
 
     @classmethod
     def for_engine(cls, core, limits: RequestLimits | None = None, tokenizer=None) -> "Processor":
@@ -95,6 +101,7 @@ class Processor:
             tokenizer,
             core.structured_output_manager,
             core.lora_registry,
+            core.pooler_config,
         )
 
     def check_ids(self, request_id: str, cache_salt: str | None) -> None:
@@ -135,9 +142,12 @@ class Processor:
         if lora_request is not None:
             self.lora_registry.check(lora_request)
 
-    def process_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        """The prompt after truncate_prompt_tokens, if the model and the KV cache can ever run it."""
-        ids = truncate_prompt(list(prompt_token_ids), params.truncate_prompt_tokens, self.max_model_len)
+    def process_prompt(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> list[int]:
+        """The prompt after truncate_prompt_tokens, if the model and the KV cache can ever run it. A pooling
+        request's may fill max_model_len (it generates nothing)."""
+        pooling = isinstance(params, PoolingParams)
+        keep = None if pooling else params.truncate_prompt_tokens
+        ids = truncate_prompt(list(prompt_token_ids), keep, self.max_model_len)
         n, vocab = len(ids), self.vocab_size
         if n == 0:
             raise ValueError("prompt_token_ids: the prompt is empty; it must contain at least one token.")
@@ -146,7 +156,12 @@ class Processor:
             raise ValueError(
                 f"prompt_token_ids: token id {bad[0]} is out of vocabulary; token ids must be in [0, {vocab})."
             )
-        if n >= self.max_model_len:
+        if pooling and n > self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids: the prompt (length {n}) is longer than the maximum model length of "
+                f"{self.max_model_len}."
+            )
+        if not pooling and n >= self.max_model_len:
             raise ValueError(
                 f"prompt_token_ids: the prompt (length {n}) is longer than the maximum model length of "
                 f"{self.max_model_len}; it must be at most {self.max_model_len - 1} tokens so one can be "
@@ -163,7 +178,7 @@ class Processor:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -173,9 +188,20 @@ class Processor:
     ) -> list[Request]:
         """Everything above, in the order a client's mistakes are best reported; the engine requests to run.
         trace_headers: the request span's traceparent/tracestate, for the calls the engine makes for it.
-        kv_transfer_params: vLLM's, already checked by the caller, for the KV connector."""
+        kv_transfer_params: vLLM's, already checked by the caller, for the KV connector. PoolingParams make one
+        pooling request (a pooling engine's only kind), SamplingParams a generating one (n, when n > 1)."""
         self.check_ids(request_id, cache_salt)
         self.process_lora(lora_request)
+        if isinstance(params, PoolingParams):
+            request = self.process_pooling_inputs(
+                request_id, prompt_token_ids, params, arrival_time, priority, cache_salt, lora_request, trace_headers
+            )
+            return [request]
+        if self.pooler_config is not None:
+            raise ValueError(
+                "this engine runs --runner pooling (an embedding model): it embeds prompts and generates nothing; "
+                "send an embedding request."
+            )
         self.process_params(params)
         prompt_token_ids = self.process_prompt(prompt_token_ids, params)
         return fan_out(
@@ -189,4 +215,36 @@ class Processor:
             lora_request=lora_request,
             trace_headers=trace_headers,
             kv_transfer_params=kv_transfer_params or {},
+        )
+
+    def process_pooling_inputs(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        arrival_time: float | None,
+        priority: int,
+        cache_salt: str | None,
+        lora_request: LoRARequest | None,
+        trace_headers: tuple[tuple[str, str], ...],
+    ) -> Request:
+        """One pooling request (process_inputs checked its ids and adapter): the prompt checked, its params told
+        whether its pooling reads the prefix cache."""
+        if self.pooler_config is None:
+            raise ValueError(
+                "this engine runs --runner generate: it cannot embed; serve an embedding model with --runner pooling."
+            )
+        prompt_token_ids = self.process_prompt(prompt_token_ids, params)
+        params = replace(params, skip_reading_prefix_cache=self.pooler_config.needs_all_positions)
+        return Request(
+            request_id,
+            prompt_token_ids,
+            SamplingParams(max_tokens=1, detokenize=False),  # never sampled: the request ends after its prefill
+            self.eos_token_ids,
+            time.monotonic() if arrival_time is None else arrival_time,
+            priority,
+            cache_salt or None,
+            lora_request,
+            trace_headers,
+            pooling_params=params,
         )

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.lora.request import LoRARequest
+from engine.pooling.params import PoolingParams
 from engine.structured_output.request import StructuredOutputRequest
 
 
@@ -322,6 +323,7 @@ class Request:
         lora_request: LoRARequest | None = None,
         trace_headers: tuple[tuple[str, str], ...] = (),
         kv_transfer_params: dict | None = None,
+        pooling_params: PoolingParams | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -338,6 +340,9 @@ class Request:
         # vLLM's kv_transfer_params with disaggregated prefill: do_remote_prefill makes the KV connector load what the
         # store holds of the prompt, whatever its own load-or-recompute estimate says.
         self.kv_transfer_params: dict = kv_transfer_params or {}
+        # A pooling request (--runner pooling): its prompt runs once and it ends with the pooled vector. Its
+        # sampling_params are the defaults, never used to sample.
+        self.pooling_params = pooling_params
 
         # Its grammar and matcher (StructuredOutputManager.grammar_init compiles it); None without structured outputs.
         self.structured_output_request = (
@@ -375,6 +380,13 @@ class Request:
     @property
     def num_tokens_with_spec(self) -> int:
         return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Whether every prompt position must be computed: for its prompt logprobs, or a pooling that reads them."""
+        if self.pooling_params is not None:
+            return self.pooling_params.skip_reading_prefix_cache
+        return self.sampling_params.prompt_logprobs is not None
 
     def append_output_token_ids(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -238,6 +238,13 @@ class Dependencies:
         """Open a Generate call on an engine."""
         return self.engines[address].Generate(request, timeout=timeout, metadata=metadata)
 
+    async def embed(self, address: str, request: engine_pb2.EngineEmbedRequest, timeout, metadata):
+        """One Embed call on an engine."""
+        try:
+            return await self.engines[address].Embed(request, timeout=timeout, metadata=metadata)
+        except grpc.aio.AioRpcError as e:
+            raise dependency_error("engine", address, e) from None
+
     def prefill(self, address: str, request: engine_pb2.EngineGenerateRequest, time_remaining, metadata):
         """Open a Generate call on a prefill engine: a hung one costs at most --prefill-timeout (or the time the
         client has left)."""

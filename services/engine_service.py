@@ -10,12 +10,13 @@ from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.kv.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
+from engine.pooling.params import PoolingParams
 from engine.text.tokenizer import Tokenizer
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services import config
 from services.convert import request_output_to_llmmesh, sampling_params_from_llmmesh
 from services.engine_telemetry import EngineTelemetry
-from services.generate import serve_request
+from services.generate import refuse_generate_on_pooling, serve_embedding, serve_request
 from services.kv_transfer_params import REMOTE_PREFILL_PARAMS, parse_kv_transfer_params
 from services.server import Server, llmmesh_version
 from services.vllm_engine import VLLM_ENGINE_SERVICE, VllmEngineServicer, vllm_engine_pb2_grpc
@@ -44,6 +45,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def Generate(self, request: engine_pb2.EngineGenerateRequest, context):
         engine = await self.ready(context)
+        refusal = refuse_generate_on_pooling(engine)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
         try:
             kv_transfer = parse_kv_transfer_params(request.kv_transfer_params, engine.info.kv_role)
             engine.limits.check_chars("lora_name", request.lora_name, "max_id_chars")
@@ -82,6 +86,19 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 yield msg
                 first_tokens = first_tokens and not moved
 
+    async def Embed(self, request: engine_pb2.EngineEmbedRequest, context):
+        engine = await self.ready(context)
+        params = PoolingParams(normalize=request.normalize if request.HasField("normalize") else None)
+        prompt_ids = list(request.prompt_token_ids)
+        out = await serve_embedding(
+            engine, self.observer, context, request.request_id, prompt_ids, params, request.priority, request.cache_salt
+        )
+        return engine_pb2.EngineEmbedResponse(
+            embedding=out.outputs.data.tolist(),
+            num_prompt_tokens=len(out.prompt_token_ids),
+            num_cached_tokens=out.num_cached_tokens,
+        )
+
     async def Abort(self, request: engine_pb2.AbortRequest, context):
         engine = await self.ready(context)
         return engine_pb2.AbortResponse(num_aborted=engine.abort(request.request_ids, request.stop_string))
@@ -103,6 +120,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             enable_lora=info.enable_lora,
             max_loras=info.max_loras,
             max_lora_rank=info.max_lora_rank,
+            runner_type=info.runner_type,
         )
 
     async def GetServerInfo(self, request, context):

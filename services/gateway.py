@@ -22,9 +22,10 @@ import grpc
 
 from engine.config.utils import add_cli_args
 from engine.limits import RequestLimits
+from engine.pooling.params import PoolingParams
 from engine.processor import Processor
 from engine.request import SamplingParams
-from llmmesh.v1 import gateway_pb2, gateway_pb2_grpc, tokenizer_pb2
+from llmmesh.v1 import common_pb2, engine_pb2, gateway_pb2, gateway_pb2_grpc, tokenizer_pb2
 from services import config
 from services.completions import GatewayRequest
 from services.convert import sampling_params_from_llmmesh
@@ -199,9 +200,12 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         what the gateway cannot: --max-logprobs and the bad words' tokens). Returns the params and the LoRA adapter
         the model names ("" for the base model)."""
         lora_name = self._check_model(request.model)
-        if self.processor is None:
-            info = await self.deps.get_model_info()
-            self.processor = Processor(info.vocab_size, info.max_model_len, info.eos_token_ids, self.limits)
+        await self._get_processor()
+        if (await self.deps.get_model_info()).runner_type == "pooling":
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the engines run --runner pooling (an embedding model): they embed prompts (Embed) and generate nothing",
+            )
         try:
             self.processor.check_ids(request.request_id, request.cache_salt)
         except ValueError as e:
@@ -212,6 +216,13 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         except ValueError as e:
             raise invalid(f"sampling_params.{e}") from None
         return params, lora_name
+
+    async def _get_processor(self) -> Processor:
+        """Admission for the engines' model, built from their ModelInfo on first use."""
+        if self.processor is None:
+            info = await self.deps.get_model_info()
+            self.processor = Processor(info.vocab_size, info.max_model_len, info.eos_token_ids, self.limits)
+        return self.processor
 
     async def _tokenize_prompt(self, request, metadata=()) -> list[int]:
         if request.WhichOneof("prompt") == "token_ids":
@@ -260,6 +271,58 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             yield gateway_pb2.GenerateResponse(request_id=request_id, complete=complete)
         finally:
             req.close()
+
+    # ---- Embed -----------------------------------------------------------------------------------
+
+    async def Embed(self, request, context):
+        async def embed():
+            if self._check_model(request.model):
+                raise invalid(f"model: {request.model[:256]!r} is a LoRA adapter; embeddings are the base model's")
+            info = await self.deps.get_model_info()
+            if info.runner_type != "pooling":
+                raise RequestError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"Embed: the engines run --runner {info.runner_type or 'generate'} (a generative model); "
+                    "embeddings need engines serving an embedding model with --runner pooling",
+                )
+            processor = await self._get_processor()
+            request_id = request.request_id or uuid.uuid4().hex
+            try:
+                processor.check_ids(request_id, request.cache_salt)
+            except ValueError as e:
+                raise invalid(str(e)) from None
+            field = request.WhichOneof("input") or "text"
+            if field == "token_ids":
+                prompt_ids = list(request.token_ids.ids)
+            elif not request.text:
+                raise invalid("input is empty: set text or token_ids")
+            else:
+                try:
+                    self.limits.check_chars("text", request.text, "max_prompt_chars")
+                except ValueError as e:
+                    raise invalid(str(e)) from None
+                reply = await self.deps.tokenize(tokenizer_pb2.TokenizeRequest(text=request.text))
+                prompt_ids = list(reply.token_ids)
+            try:
+                prompt_ids = processor.process_prompt(prompt_ids, PoolingParams())
+            except ValueError as e:  # named as the client's field
+                raise invalid(field + str(e).removeprefix("prompt_token_ids")) from None
+            engine_request = engine_pb2.EngineEmbedRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_ids,
+                normalize=request.normalize if request.HasField("normalize") else None,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+            )
+            routed = self.deps.route(prompt_ids, request.cache_salt)
+            try:
+                reply = await self.deps.embed(routed.address, engine_request, context.time_remaining(), ())
+            finally:
+                self.deps.release(routed)
+            usage = common_pb2.Usage(prompt_tokens=reply.num_prompt_tokens, cached_tokens=reply.num_cached_tokens)
+            return gateway_pb2.EmbedResponse(request_id=request_id, embedding=reply.embedding, usage=usage)
+
+        return await self._unary(context, embed)
 
     # ---- the rest of the API ---------------------------------------------------------------------
 

@@ -1,11 +1,15 @@
-"""One Generate call of either engine protocol (llmmesh.v1.Engine, vLLM's VllmEngine), driven the same way: the
-request admitted, its outputs streamed, its failures mapped to gRPC status codes, its telemetry watched."""
+"""One Generate (or Embed) call of either engine protocol (llmmesh.v1.Engine, vLLM's VllmEngine), driven the same
+way: the request admitted, its outputs streamed, its failures mapped to gRPC status codes, its telemetry watched."""
 
+import contextlib
 import time
 
 import grpc
 
 from engine.async_llm import EngineDeadError, EngineRequestError
+from engine.output_processor import RequestOutputKind
+from engine.outputs import PoolingRequestOutput
+from engine.pooling.params import PoolingParams
 from services.engine_telemetry import EngineTelemetry
 from services.telemetry import CURRENT_SERVER_SPAN
 
@@ -57,3 +61,51 @@ async def serve_request(
             engine.close_stream(stream)
         if watch is not None:
             engine.call_hook(watch.end)
+
+
+async def serve_embedding(
+    engine,
+    observer: EngineTelemetry | None,
+    context,
+    request_id: str,
+    prompt_ids: list[int],
+    params: PoolingParams,
+    priority: int = 0,
+    cache_salt: str = "",
+) -> PoolingRequestOutput:
+    """One Embed call of either engine protocol: FAILED_PRECONDITION from a generating engine, else the request run
+    as serve_request runs a Generate one (its refusals and failures mapped alike); its pooled output."""
+    if engine.info.runner_type != "pooling":
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "Embed: this engine runs --runner generate (a generative model); embeddings need an engine serving an "
+            "embedding model with --runner pooling",
+        )
+
+    def add_request(arrival, trace_headers):
+        return engine.add_request(
+            request_id,
+            prompt_ids,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            arrival_time=arrival,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            trace_headers=trace_headers,
+        )
+
+    async with contextlib.aclosing(serve_request(engine, observer, context, request_id, add_request)) as outputs:
+        async for out in outputs:
+            if isinstance(out, PoolingRequestOutput):
+                return out
+    await context.abort(grpc.StatusCode.ABORTED, f"request {request_id}: aborted before its prompt ran")
+
+
+def refuse_generate_on_pooling(engine) -> str | None:
+    """Why a Generate call cannot run here (a pooling engine), or None."""
+    if engine.info.runner_type == "pooling":
+        return (
+            "Generate: this engine runs --runner pooling (an embedding model): it embeds prompts (Embed) and "
+            "generates nothing"
+        )
+    return None

@@ -24,7 +24,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from engine.async_llm import AsyncLLM
 from engine.output_processor import RequestOutputKind
-from services.generate import serve_request
+from engine.pooling.params import PoolingParams
+from services.generate import refuse_generate_on_pooling, serve_embedding, serve_request
 from services.server import llmmesh_version
 from services.vllm_convert import kv_events_to_vllm, request_output_to_vllm, sampling_params_from_vllm
 
@@ -58,6 +59,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def Generate(self, request: vllm_engine_pb2.GenerateRequest, context):
         engine = await self._ready(context)
         self.last_receive_timestamp = time.time()
+        refusal = refuse_generate_on_pooling(engine)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
         if request.HasField("mm_inputs") or request.extra_mm_inputs or request.HasField("media_refs"):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "multimodal inputs: this engine serves text-only models")
         try:
@@ -96,6 +100,29 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 for message in request_output_to_vllm(out, request.stream, num_logprobs, num_prompt_logprobs):
                     yield message
 
+    # ---- Embed -------------------------------------------------------------------------
+
+    async def Embed(self, request: vllm_engine_pb2.EmbedRequest, context):
+        """One prompt's embedding, pooled as the engine's pooler config says (smg's /v1/embeddings sends one
+        request a prompt)."""
+        engine = await self._ready(context)
+        self.last_receive_timestamp = time.time()
+        if self.lora_name:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Embed: not offered on a LoRA adapter's port")
+        prompt_ids, params = list(request.tokenized.input_ids), PoolingParams()
+        if engine.info.runner_type == "pooling":
+            try:  # named as this protocol's field
+                engine.processor.process_prompt(prompt_ids, params)
+            except ValueError as e:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "tokenized.input_ids" + str(e).removeprefix("prompt_token_ids")
+                )
+        out = await serve_embedding(engine, self.owner.observer, context, request.request_id, prompt_ids, params)
+        embedding = out.outputs.data.tolist()
+        return vllm_engine_pb2.EmbedResponse(
+            embedding=embedding, prompt_tokens=len(out.prompt_token_ids), embedding_dim=len(embedding)
+        )
+
     async def Abort(self, request, context):
         engine = await self._ready(context)
         engine.abort(request.request_ids)
@@ -120,7 +147,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         hf_config = json.loads((info.model_dir / "config.json").read_text())
         return vllm_engine_pb2.GetModelInfoResponse(
             model_path=str(info.model_dir),
-            is_generation=True,
+            is_generation=info.runner_type == "generate",
             max_context_length=info.max_model_len,
             vocab_size=info.vocab_size,
             supports_vision=False,
@@ -217,9 +244,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         )
 
     # ---- not offered --------------------------------------------------------------------
-
-    async def Embed(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Embed: this engine serves generative models only")
 
     async def FlushCache(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "FlushCache: not offered by this engine yet")

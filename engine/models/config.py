@@ -28,6 +28,14 @@ _MODEL_TYPE_TO_ARCH = {
     "gpt_oss": "GptOssForCausalLM",
 }
 
+# Base models without an LM head, as embedding checkpoints (Qwen3-Embedding...) are saved: each runs as its family's
+# causal LM with --runner pooling, its LM head tied to the embeddings and never used.
+EMBEDDING_ARCHS = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
 
 # The rope types layers.get_rope implements.
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
@@ -320,6 +328,12 @@ class ModelArchConfig:
     qk_rope_head_dim: int | None = None
     # The whole config.json, for the fields only some families read (FAMILY_FIELDS).
     hf_config: dict = field(default_factory=dict, repr=False)
+    # The checkpoint's own architecture where it is a base model without an LM head (EMBEDDING_ARCHS); None else.
+    embedding_architecture: str | None = None
+
+    @property
+    def has_lm_head(self) -> bool:
+        return self.embedding_architecture is None
 
     def attention_features(self) -> frozenset[str]:
         """What the layers ask of the attention backend beyond causal attention (AttentionBackend.features)."""
@@ -349,6 +363,10 @@ class ModelArchConfig:
     def from_hf_config(cls, d: dict) -> "ModelArchConfig":
         archs = d.get("architectures") or []
         arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(d.get("model_type", ""), d.get("model_type"))
+        embedding_arch = arch if arch in EMBEDDING_ARCHS else None
+        if embedding_arch is not None:
+            # No lm_head.weight to load: the head shares the embeddings' (and is never run).
+            arch, d = EMBEDDING_ARCHS[arch], {**d, "tie_word_embeddings": True}
         if not ModelRegistry.is_supported(arch):
             raise UnsupportedModelError(
                 f"unsupported model architecture {arch!r}; supported: {', '.join(ModelRegistry.get_supported_archs())}"
@@ -417,6 +435,7 @@ class ModelArchConfig:
             kv_lora_rank=int(family["kv_lora_rank"]) if arch in MLA_ARCHS else None,
             qk_rope_head_dim=int(family["qk_rope_head_dim"]) if arch in MLA_ARCHS else None,
             hf_config=family,
+            embedding_architecture=embedding_arch,
         )
 
 

@@ -54,6 +54,8 @@ class ModelRunnerOutput:
     kv_connector_output: object = None
     # Requests that failed on their own in this step (their row has no token); the core ends them alone.
     failed: dict[str, RequestFailure] = field(default_factory=dict)
+    # Pooling requests whose prompt completed in this step -> their pooled vector (float32, on the host).
+    pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)
     sample_s: float = 0.0  # the step's sampling, in process or on the sampler service (host time)
 
 
@@ -68,6 +70,7 @@ class EngineCoreOutput:
     new_logprobs: LogprobsTensors | None = None
     new_prompt_logprobs: LogprobsTensors | None = None
     failure: RequestFailure | None = None  # with FinishReason.ERROR
+    pooling_output: torch.Tensor | None = None  # a finished pooling request's vector
 
     @property
     def finished(self) -> bool:

@@ -226,9 +226,9 @@ class Scheduler:
             # A request back from a KV load already holds its computed prefix.
             num_cached = request.num_computed_tokens
             computed_blocks, num_local, num_external, load_async = [], 0, 0, False
-            # Prompt logprobs need every prompt position to run, so such requests skip cache hits.
+            # Prompt logprobs and a MEAN or CLS pooling need every prompt position to run: no cache hits for them.
             caching = self.kv_cache_manager.enable_caching
-            queried = caching and num_cached == 0 and request.sampling_params.prompt_logprobs is None
+            queried = caching and num_cached == 0 and not request.skip_reading_prefix_cache
             if queried:
                 computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
                 if self.connector is not None:
@@ -466,6 +466,10 @@ class Scheduler:
         spec = scheduler_output.scheduled_spec_decode_tokens
         for request, token_ids in zip(scheduler_output.scheduled_requests, runner_output.sampled_token_ids):
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
+            if request.pooling_params is not None:
+                if request.num_computed_tokens >= request.num_tokens:  # its one prefill is done: so is it
+                    outputs.append(self._finish_pooling(request, runner_output.pooler_output[request.request_id]))
+                continue
             if not token_ids or request.num_computed_tokens < request.num_tokens:
                 continue  # a partial prefill chunk emits nothing
             drafts = spec.get(request.request_id)
@@ -517,6 +521,20 @@ class Scheduler:
                 )
             )
         return outputs
+
+    def _finish_pooling(self, request: Request, pooled) -> EngineCoreOutput:
+        """A pooling request whose prompt has run: it ends "stop" with its pooled vector, and its blocks are free."""
+        self.running.remove(request)
+        request.status = RequestStatus.FINISHED_STOPPED
+        self._free_request(request)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=request.get_finished_reason(),
+            events=request.take_events(),
+            num_cached_tokens=request.num_cached_tokens,
+            pooling_output=pooled,
+        )
 
     def _num_lookahead(self, num_tokens: int) -> int:
         """Lookahead slots after num_tokens, within the length cap."""

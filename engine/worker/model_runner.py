@@ -16,6 +16,7 @@ import torch
 
 from engine.attention.backend import layer_metadata
 from engine.kv.manager import cdiv
+from engine.pooling.pooler import Pooler
 from engine.request import RequestFailure
 from engine.sample.metadata import GrammarBitmask
 from engine.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, DraftTokens
@@ -38,8 +39,10 @@ class ModelRunner:
         lora_manager=None,
         is_driver: bool = True,
         layer_to_group: list[int] | None = None,
+        pooler: Pooler | None = None,
     ):
-        """layer_to_group: each layer's KV cache group (engine.kv.kv_cache_spec); None: one group."""
+        """layer_to_group: each layer's KV cache group (engine.kv.kv_cache_spec); None: one group. pooler: a pooling
+        engine's (--runner pooling), which pools each prompt's hidden states instead of sampling."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -60,6 +63,9 @@ class ModelRunner:
         # Seconds the last step waited for the device (reading its sampled tokens): the rest was host work.
         self.device_wait_s = 0.0
         self.sampler = sampler or LocalSampler(device)
+        self.pooler = pooler
+        # Hidden states of pooling requests whose prompt is still being prefilled in chunks (MEAN and CLS pool them).
+        self.pooling_in_progress: dict[str, list[torch.Tensor]] = {}
         # Prompt logprobs of requests whose prompt is still being prefilled in chunks.
         self.prompt_logprobs_in_progress: dict[str, list[LogprobsTensors]] = {}
         # Speculative decoding's proposer (engine.spec_decode); None: off.
@@ -167,6 +173,7 @@ class ModelRunner:
         """
         for request_id in so.finished_req_ids:
             self.prompt_logprobs_in_progress.pop(request_id, None)
+            self.pooling_in_progress.pop(request_id, None)
         self.sampler.forget(so.finished_req_ids)
         if self.drafter is not None:
             self.drafter.forget(so.finished_req_ids)
@@ -184,6 +191,10 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.run_batch(input_ids, positions, metadata[0])  # the draft's KV lives in group 0's blocks
         output = ModelRunnerOutput([[] for _ in order], failed=dict(self.lora_failures))
+        if self.pooler is not None:  # nothing samples: the requests whose prompt is complete are pooled
+            if self.is_driver:
+                output.pooler_output = self._pool(requests, metadata[0], hidden)
+            return output
         prompt_chunks, prompts_done = self._prompt_logprob_chunks(requests, metadata[0], hidden)
         sampled_requests = [requests[i] for i in rows]
         drafts = None
@@ -226,6 +237,24 @@ class ModelRunner:
                 [sampled_requests[row] for row in proposing], [new_token_ids[row] for row in proposing], so
             )
         return output
+
+    def _pool(self, requests, metadata, hidden) -> dict[str, torch.Tensor]:
+        """The pooled vector (on the host) of each request whose prompt completes in this step; the chunks of the
+        others are kept where the pooling reads more than the last position."""
+        pooled = {}
+        keep_chunks = self.pooler.config.needs_all_positions
+        for i, request in enumerate(requests):
+            q_start, q_end = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
+            chunk, start = hidden[q_start:q_end], request.num_computed_tokens
+            if start == 0:  # its first chunk, or its first again after a preemption
+                self.pooling_in_progress.pop(request.request_id, None)
+            if start + len(chunk) < request.num_tokens:
+                if keep_chunks:  # copied: the next step's forward may write where this one's hidden states are
+                    self.pooling_in_progress.setdefault(request.request_id, []).append(chunk.clone())
+                continue
+            chunks = self.pooling_in_progress.pop(request.request_id, [])
+            pooled[request.request_id] = self.pooler(torch.cat([*chunks, chunk]), request.pooling_params).cpu()
+        return pooled
 
     def _while_waiting(self, so: SchedulerOutput, schedule_ahead) -> None:
         """The engine's work for the next step while this one's tokens are sampled: its blocks, then its inputs."""

@@ -38,6 +38,8 @@ from engine.models.linear import process_weights_after_loading
 from engine.models.loader import check_dtype, dtype_reason, load_weights, prepare_quantized_weights
 from engine.models.quantization import QUANTIZED_AT_LOAD, check_quantization, resolve_quantization
 from engine.models.registry import ModelRegistry
+from engine.pooling.config import get_pooler_config
+from engine.pooling.pooler import Pooler
 from engine.request import Request, SamplingParams
 from engine.sample.factory import remote_sampler_class
 from engine.sample.metadata import SamplingMetadata
@@ -74,6 +76,10 @@ class Worker:
         self.model_config = model_config
         self.model_dir = model_dir
         self.max_model_len = max_model_len
+        pooler_config = get_pooler_config(
+            settings.runner, settings.pooler_config, model_config.has_lm_head, model_config.hidden_size, model_dir
+        )
+        self.pooler = Pooler(pooler_config) if pooler_config is not None else None  # --runner pooling
         self.rank, self.world_size = get_tp_rank(), get_tp_size()
         self.device = resolve_device(settings.device, self.rank, self.world_size)
         self.num_kv_heads = model_config.num_key_value_heads // self.world_size  # this rank's, in its KV cache
@@ -360,6 +366,7 @@ class Worker:
             self.lora_manager,
             is_driver=self.rank == 0,
             layer_to_group=layer_to_group(self.kv_cache_groups),
+            pooler=self.pooler,
         )
         if self.use_cudagraphs:
             began, sizes = time.perf_counter(), self.config.get_cudagraph_capture_sizes()
