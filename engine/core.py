@@ -1,8 +1,14 @@
 """EngineCore: the scheduler and the KV cache manager, advanced one step at a time by an executor (one Worker in
-this process, or one per tensor-parallel rank)."""
+this process, or one per rank).
+
+With pipeline parallelism (P stages) a step is vLLM's step_with_batch_queue: it schedules a batch and hands it to the
+ranks while up to P - 1 earlier ones are still in the pipeline, and takes the oldest batch's output once P are in
+flight (or nothing new could be scheduled), so every stage has a batch to work on. Outputs are taken in the order
+the batches were scheduled."""
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, fields, replace
 from functools import partial
 from types import MappingProxyType
@@ -42,6 +48,9 @@ class StepStats:
     sample_s: float  # sampling, in process or on the sampler service (host time: on a GPU, kernels run ahead and
     # their time shows where the host next waits for them)
     update_s: float  # turning the runner's output into request outputs
+    # Batches handed to the ranks whose output was not taken yet, after this step scheduled (pipeline parallelism:
+    # up to --pipeline-parallel-size; otherwise 0, as each step takes its own batch's output).
+    num_batches_in_flight: int = 0
 
 
 class EngineCore:
@@ -146,7 +155,10 @@ class EngineCore:
             num_lookahead_tokens=num_lookahead,
             max_loras=lora.max_loras if lora.enable_lora else 0,
             rope_switch_len=cfg.rope_switch_len(),
+            pipeline_parallel_size=config.parallel_config.pipeline_parallel_size,
         )
+        # Pipeline parallelism: (scheduler output, its PipelineOutput) of the batches in flight, oldest first.
+        self.batch_queue: deque = deque()
         self._aborted: list[EngineCoreOutput] = []
         self.info = self._make_info(layouts)
         for name, path in lora.get_lora_modules().items():
@@ -242,6 +254,8 @@ class EngineCore:
         return [r.request_id for r in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)]
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.scheduler.pipelined:
+            return self.step_with_batch_queue()
         began = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         scheduler_output.trace_headers = self.step_trace_headers  # the step carries its span context to the sampler
@@ -274,12 +288,60 @@ class EngineCore:
         aborted, self._aborted = self._aborted, []
         return aborted + outputs
 
+    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Schedule a batch into the pipeline while it has room; take the oldest batch's output once it is full or
+        nothing new was scheduled. A batch with nothing to run is handed on (the ranks forget finished requests)
+        but not queued."""
+        began = time.perf_counter()
+        scheduled = None
+        if len(self.batch_queue) < self.config.parallel_config.pipeline_parallel_size:
+            scheduler_output = self.scheduler.schedule()
+            scheduler_output.trace_headers = self.step_trace_headers
+            started = time.perf_counter()
+            future = self.executor.execute_model(scheduler_output, non_block=True)
+            if not scheduler_output.is_empty:
+                self.scheduler.update_after_schedule(scheduler_output)
+                self.batch_queue.append((scheduler_output, future))
+                scheduled = scheduler_output
+        else:
+            started = began
+        in_flight = len(self.batch_queue)
+        outputs = []
+        ran = time.perf_counter()
+        if self.batch_queue and (scheduled is None or in_flight == self._pp_size):
+            scheduler_output, future = self.batch_queue.popleft()
+            runner_output = future.result()
+            ran = time.perf_counter()
+            outputs = self._end_failed_requests(scheduler_output, runner_output)
+            outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.num_steps += 1
+        self.last_step = StepStats(
+            self.num_steps,
+            len(scheduled.scheduled_requests) if scheduled else 0,
+            scheduled.total_num_scheduled_tokens if scheduled else 0,
+            started - began,
+            ran - started,
+            0.0,  # the last stage samples, in another process
+            time.perf_counter() - ran,
+            in_flight,
+        )
+        aborted, self._aborted = self._aborted, []
+        return aborted + outputs
+
+    @property
+    def _pp_size(self) -> int:
+        return self.config.parallel_config.pipeline_parallel_size
+
     def _end_failed_requests(self, so, runner_output) -> list[EngineCoreOutput]:
         """Requests that failed on their own in this step (runner_output.failed) end now with FinishReason.ERROR,
         their blocks free; they leave the step's batch, so the rest of it is advanced as without them."""
         if not runner_output.failed:
             return []
         keep = [i for i, r in enumerate(so.scheduled_requests) if r.request_id not in runner_output.failed]
+        if self.scheduler.pipelined:  # they leave the batch: it is back for them here
+            for r in so.scheduled_requests:
+                if r.request_id in runner_output.failed:
+                    self.scheduler.batch_done(r)
         so.scheduled_requests = [so.scheduled_requests[i] for i in keep]
         runner_output.sampled_token_ids = [runner_output.sampled_token_ids[i] for i in keep]
         outputs = []
@@ -334,6 +396,8 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         """Requests to step, or KV transfers whose end the engine must still see (blocks they hold)."""
         pending = self.connector is not None and self.connector.has_pending_transfers()
+        # A batch in flight whose requests ended (aborted) still has its output to take.
+        pending = pending or bool(self.batch_queue)
         return self.scheduler.has_unfinished_requests() or bool(self._aborted) or pending
 
     def num_unfinished_requests(self) -> int:

@@ -84,6 +84,8 @@ class EngineConfig:
                 "speculative_config.method draft_model is not supported with tensor_parallel_size > 1 yet; "
                 "method ngram is."
             )
+        if self.parallel_config.pipeline_parallel_size > 1:
+            self._check_pipeline_parallel()
         if self.kv_transfer_config is not None and not self.cache_config.enable_prefix_caching:
             raise ValueError("kv_transfer_config needs prefix caching: its blocks are named by their prefix hashes.")
         events = self.kv_events_config
@@ -94,6 +96,22 @@ class EngineConfig:
                 )
             # The block pool records events for the ZMQ publisher and the engine protocol's streams alike.
             self.cache_config.enable_kv_cache_events = True
+
+    def _check_pipeline_parallel(self) -> None:
+        """What does not combine with pipeline stages yet is refused, naming the flags."""
+        size = self.parallel_config.pipeline_parallel_size
+        refused = {
+            "--speculative-config": self.speculative_config is not None,  # drafts need the last stage's tokens
+            "--enable-lora": self.lora_config.enable_lora,  # adapters are put in slots on one rank's runner
+            "--kv-transfer-config": self.kv_transfer_config is not None,  # a block's layers live on several ranks
+            "--sampler-address": bool(self.sampler_config.sampler_address),  # the last stage samples in process
+            "--runner pooling": self.model_config.runner == "pooling",  # its vectors do not travel back to rank 0
+        }
+        for flag, used in refused.items():
+            if used:
+                raise ValueError(
+                    f"{flag} is not implemented with --pipeline-parallel-size {size}; use one or the other"
+                )
 
     def get_cudagraph_capture_sizes(self) -> list[int]:
         """The decode batch sizes that get a CUDA graph, ascending; none above max_num_seqs or the token budget."""

@@ -1,4 +1,4 @@
-"""The tensor-parallel process group (vLLM's parallel_state, one group): gloo on CPU, NCCL on CUDA.
+"""The tensor- and pipeline-parallel process groups (vLLM's parallel_state): gloo on CPU, NCCL on CUDA.
 
 Ranks meet at rank 0's address and port (torch.distributed's MASTER_ADDR and MASTER_PORT, which the executor
 reads), so they may live on separate hosts. Every collective has the group's timeout: a rank that stops
@@ -8,6 +8,11 @@ rank 0 of 1; a layer built then never calls a collective, so a model runs unchan
 Expert parallelism (--enable-expert-parallel) uses the same group as its expert-parallel group (vLLM's EP group with
 one data-parallel rank): its mixture-of-experts layers hold whole experts, E / N a rank, instead of a slice of
 every expert.
+
+Pipeline parallelism (--pipeline-parallel-size P) runs P stages of TP ranks each, TP x P ranks in all, laid out as
+vLLM lays them: tensor-parallel ranks innermost, so rank = pp_rank * TP + tp_rank, and a stage's TP ranks form its
+tensor-parallel group. Activations pass from each rank to the rank of the same tp_rank in the next stage
+(send_to_next_stage, recv_from_prev_stage).
 """
 
 import datetime
@@ -21,7 +26,11 @@ import torch.distributed as dist
 COLLECTIVE_TIMEOUT_S = 60.0
 
 _tp_rank, _tp_size = 0, 1
+_pp_rank, _pp_size = 0, 1
+_tp_group = None  # this stage's ranks; None: every rank (no pipeline parallelism)
 _enable_expert_parallel = False
+# Sends to the next stage not yet known to be done, each with its tensor, which must live until then.
+_pending_sends: list = []
 
 
 def init_distributed(
@@ -31,9 +40,12 @@ def init_distributed(
     master_addr: str,
     master_port: int,
     enable_expert_parallel: bool = False,
+    tensor_parallel_size: int | None = None,
 ) -> None:
-    """Join the group of `world_size` ranks as `rank`, meeting rank 0 at master_addr:master_port."""
-    global _tp_rank, _tp_size, _enable_expert_parallel
+    """Join the group of `world_size` ranks as `rank`, meeting rank 0 at master_addr:master_port; with
+    tensor_parallel_size below world_size, the ranks are world_size / tensor_parallel_size pipeline stages."""
+    global _tp_rank, _tp_size, _pp_rank, _pp_size, _tp_group, _enable_expert_parallel
+    tp = tensor_parallel_size or world_size
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
@@ -43,7 +55,11 @@ def init_distributed(
         world_size=world_size,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
-    _tp_rank, _tp_size, _enable_expert_parallel = rank, world_size, enable_expert_parallel
+    _tp_rank, _tp_size, _pp_rank, _pp_size = rank % tp, tp, rank // tp, world_size // tp
+    _enable_expert_parallel = enable_expert_parallel
+    if _pp_size > 1:  # every rank creates every stage's group, in the same order
+        groups = [dist.new_group(list(range(stage * tp, (stage + 1) * tp))) for stage in range(_pp_size)]
+        _tp_group = groups[_pp_rank]
 
 
 def set_cpu_threads(local_world_size: int) -> None:
@@ -54,10 +70,11 @@ def set_cpu_threads(local_world_size: int) -> None:
 
 
 def destroy_distributed() -> None:
-    global _tp_rank, _tp_size, _enable_expert_parallel
+    global _tp_rank, _tp_size, _pp_rank, _pp_size, _tp_group, _enable_expert_parallel
+    _pending_sends.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
-    _tp_rank, _tp_size, _enable_expert_parallel = 0, 1, False
+    _tp_rank, _tp_size, _pp_rank, _pp_size, _tp_group, _enable_expert_parallel = 0, 1, 0, 1, None, False
 
 
 def get_tp_rank() -> int:
@@ -66,6 +83,22 @@ def get_tp_rank() -> int:
 
 def get_tp_size() -> int:
     return _tp_size
+
+
+def get_pp_rank() -> int:
+    return _pp_rank
+
+
+def get_pp_size() -> int:
+    return _pp_size
+
+
+def is_first_stage() -> bool:
+    return _pp_rank == 0
+
+
+def is_last_stage() -> bool:
+    return _pp_rank == _pp_size - 1
 
 
 def get_ep_rank() -> int:
@@ -89,12 +122,35 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of x over the ranks (in place), on every rank."""
-    dist.all_reduce(x)
+    dist.all_reduce(x, group=_tp_group)
     return x
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Every rank's x concatenated along dim, in rank order, on every rank."""
     parts = [torch.empty_like(x) for _ in range(_tp_size)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=_tp_group)
     return torch.cat(parts, dim=dim)
+
+
+def send_to_next_stage(tensors: dict[str, torch.Tensor]) -> None:
+    """Send a stage's activations (vLLM's IntermediateTensors) to the next stage's rank of this tp_rank, in name
+    order, without waiting for it to take them: a stage goes on to the next batch meanwhile. The previous sends are
+    done first, so at most one batch's tensors are held."""
+    for work, _ in _pending_sends:
+        work.wait()
+    _pending_sends.clear()
+    peer = (_pp_rank + 1) * _tp_size + _tp_rank
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        _pending_sends.append((dist.isend(tensor, peer), tensor))
+
+
+def recv_from_prev_stage(shapes: dict[str, tuple], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """The previous stage's activations for this batch, named and shaped as `shapes` says."""
+    peer = (_pp_rank - 1) * _tp_size + _tp_rank
+    tensors = {}
+    for name in sorted(shapes):
+        tensors[name] = torch.empty(shapes[name], dtype=dtype, device=device)
+        dist.recv(tensors[name], peer)
+    return tensors

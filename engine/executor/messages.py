@@ -93,8 +93,10 @@ def _dataclass(module: str, qualname: str) -> type:
     return cls
 
 
-def scheduler_output_to_wire(so: SchedulerOutput, sent: dict[str, int]) -> dict:
-    """so for the other ranks. sent: request id -> how many of its tokens they hold (updated here)."""
+def scheduler_output_to_wire(so: SchedulerOutput, sent: dict[str, int], with_sampling: bool = False) -> dict:
+    """so for the other ranks. sent: request id -> how many of its tokens they hold (updated here). with_sampling:
+    a new request's sampling parameters and EOS tokens go too, for a rank that samples (pipeline parallelism's
+    last stage); the other ranks read only its prompt logprobs."""
     for request_id in so.finished_req_ids:
         sent.pop(request_id, None)
     new_reqs, cached_reqs = [], []
@@ -111,6 +113,8 @@ def scheduler_output_to_wire(so: SchedulerOutput, sent: dict[str, int]) -> dict:
                     "num_computed_tokens": r.num_computed_tokens,
                 }
             )
+            if with_sampling:
+                new_reqs[-1].update(sampling_params=r.sampling_params, eos_token_ids=list(r.eos_token_ids))
         else:  # vLLM's CachedRequestData: the tokens sampled since the rank last saw it
             new_token_ids = r.all_token_ids[known:]
             cached_reqs.append([r.request_id, new_token_ids, r.num_computed_tokens])
@@ -136,8 +140,9 @@ def scheduler_output_from_wire(wire: dict, states: dict[str, Request]) -> Schedu
     for request_id in wire["finished_req_ids"]:
         states.pop(request_id, None)
     for new in wire["scheduled_new_reqs"]:
-        params = SamplingParams(prompt_logprobs=new["prompt_logprobs"])
-        request = Request(new["req_id"], new["prompt_token_ids"], params, lora_request=new["lora_request"])
+        params = new.get("sampling_params") or SamplingParams(prompt_logprobs=new["prompt_logprobs"])
+        eos = new.get("eos_token_ids", ())
+        request = Request(new["req_id"], new["prompt_token_ids"], params, eos, lora_request=new["lora_request"])
         for token_id in new["output_token_ids"]:
             request.append_output_token_ids(token_id)
         request.num_computed_tokens = new["num_computed_tokens"]

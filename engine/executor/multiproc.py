@@ -1,4 +1,4 @@
-"""The multiprocess executor: one worker per tensor-parallel rank (vLLM's MultiprocExecutor).
+"""The multiprocess executor: one worker per rank, tensor- and pipeline-parallel (vLLM's MultiprocExecutor).
 
 Rank 0's worker runs in the engine core's process and does everything a lone worker does (sizing the KV cache
 with the others, sampling); ranks 1..N-1 are processes of their own (`python -m engine.executor.multiproc
@@ -7,6 +7,12 @@ gets each step's SchedulerOutput and runs its own Worker and ModelRunner on it, 
 block tables and request states, so the ranks meet in the same collectives in the same order. Rank 0 alone
 samples and returns the ModelRunnerOutput. collective_rpc runs a Worker method on every rank (adapters, the KV
 cache's sizing) and returns each rank's result.
+
+With pipeline parallelism (P stages of TP ranks, rank = stage * TP + tp_rank: engine.distributed.parallel_state)
+rank 0 is the first stage's first rank, and it is the last stage's first rank, rank (P - 1) * TP, that samples and
+sends the ModelRunnerOutput back to rank 0 over its connection. execute_model(non_block=True) returns once rank 0
+has run its stage, with a PipelineOutput to take the step's output from later: the engine core schedules the next
+batch meanwhile (EngineCore.step_with_batch_queue), and the stages work on different batches at once.
 
 Messages cross a TCP connection from each rank to rank 0 (at MASTER_PORT + 1) as engine.executor.messages
 encodes them, never pickled. A connection that closes is a rank gone: the engine ends with an error naming it
@@ -27,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,6 +47,7 @@ from engine.kv.connector.base import KVConnectorOutput
 from engine.models.config import ModelArchConfig
 from engine.models.files import load_config
 from engine.models.linear import check_tensor_parallel_size
+from engine.models.utils import get_pp_indices
 from engine.request import Request
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import Worker, resolve_device
@@ -100,11 +108,27 @@ class KVOutputAggregator:
         return len(reports[key]) == self.world_size
 
 
+class PipelineOutput:
+    """A step's ModelRunnerOutput, which the last pipeline stage sends when it has sampled (vLLM's Future)."""
+
+    def __init__(self, take=None, output: ModelRunnerOutput | None = None):
+        self.take, self.output = take, output
+
+    def result(self) -> ModelRunnerOutput:
+        if self.output is None:
+            self.output = self.take()
+        return self.output
+
+
 class MultiprocExecutor(UniProcExecutor):
     def __init__(self, config: EngineConfig, model_config: ModelArchConfig, model_dir: Path, max_model_len: int):
-        size = config.parallel_config.tensor_parallel_size
-        check_tensor_parallel_size(model_config, size, config.parallel_config.enable_expert_parallel)  # before any rank
+        parallel = config.parallel_config
+        tp, size = parallel.tensor_parallel_size, parallel.world_size
+        check_tensor_parallel_size(model_config, tp, parallel.enable_expert_parallel)  # before any process starts
+        get_pp_indices(model_config.num_hidden_layers, 0, parallel.pipeline_parallel_size)
         self.world_size = size
+        # The rank that samples: the last pipeline stage's first (rank 0 without pipeline parallelism).
+        self.output_rank = size - tp
         self.dead: str | None = None
         self.closing = False
         self.on_failure = None
@@ -125,13 +149,15 @@ class MultiprocExecutor(UniProcExecutor):
             device = resolve_device(config.model_config.device, 0, size)
             if device.type == "cpu":
                 set_cpu_threads(1 + len(local_ranks))
-            ep = config.parallel_config.enable_expert_parallel
-            init_distributed(0, size, device, self.master_addr, self.master_port, enable_expert_parallel=ep)
+            init_distributed(0, size, device, self.master_addr, self.master_port, parallel.enable_expert_parallel, tp)
             super().__init__(config, model_config, model_dir, max_model_len)
         except BaseException:
             self.shutdown()
             raise
-        logger.info("Tensor parallel: %d ranks, meeting at %s:%d", size, self.master_addr, self.master_port)
+        logger.info(
+            "Tensor parallel: %d ranks x %d pipeline stages, meeting at %s:%d",
+            tp, parallel.pipeline_parallel_size, self.master_addr, self.master_port,
+        )  # fmt: skip
 
     def _start_ranks(self, config: EngineConfig, model_dir: Path, max_model_len: int) -> list[int]:
         """Start this host's ranks, wait until every rank has connected, and send each what to load; the ranks
@@ -230,8 +256,11 @@ class MultiprocExecutor(UniProcExecutor):
         for conn in self.conns.values():
             send_frame(conn, data)
 
-    def execute_model(self, scheduler_output: SchedulerOutput, *args) -> ModelRunnerOutput:
-        """Every rank runs the step; rank 0's output (args: as UniProcExecutor's). A failure of any rank ends the
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, *args, non_block: bool = False
+    ) -> ModelRunnerOutput | PipelineOutput:
+        """Every rank runs the step; the sampling rank's output (args: as UniProcExecutor's). non_block: return
+        once this rank's stage has run, with a PipelineOutput to take it from. A failure of any rank ends the
         engine."""
         if self.dead is not None:
             raise ExecutorDeadError(self.dead)
@@ -239,21 +268,36 @@ class MultiprocExecutor(UniProcExecutor):
             self._send(
                 {
                     "op": "execute_model",
-                    "scheduler_output": scheduler_output_to_wire(scheduler_output, self.sent_tokens),
+                    "scheduler_output": scheduler_output_to_wire(
+                        scheduler_output, self.sent_tokens, with_sampling=self.output_rank > 0
+                    ),
                 }
             )
             output = super().execute_model(scheduler_output, *args)
+            if self.output_rank and not scheduler_output.is_empty:  # the last stage sends it when it has sampled
+                future = PipelineOutput(partial(self._take_output, self.output_rank))
+                return future if non_block else future.result()
             if output.kv_connector_output is not None:  # each other rank reports its own transfers
                 reports = [self._reply(rank)["kv_connector_output"] for rank in sorted(self.conns)]
                 output.kv_connector_output = self.kv_outputs.aggregate([output.kv_connector_output, *reports])
-            return output
         except Exception as e:
-            # A collective fails as soon as a peer's connection drops; give the reader a moment to name the rank.
-            deadline = time.monotonic() + 3.0
-            while self.dead is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            self._fail(f"a tensor-parallel step failed ({type(e).__name__}: {e})")
-            raise ExecutorDeadError(self.dead) from e
+            raise self._step_failed(e) from e
+        return PipelineOutput(output=output) if non_block else output
+
+    def _take_output(self, rank: int) -> ModelRunnerOutput:
+        try:
+            return self._reply(rank)["runner_output"]
+        except Exception as e:
+            raise self._step_failed(e) from e
+
+    def _step_failed(self, e: Exception) -> ExecutorDeadError:
+        """The error to end the engine with (every rank's step is lost)."""
+        # A collective fails as soon as a peer's connection drops; give the reader a moment to name the rank.
+        deadline = time.monotonic() + 3.0
+        while self.dead is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._fail(f"a parallel step failed ({type(e).__name__}: {e})")
+        return ExecutorDeadError(self.dead)
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
         """Worker.<method>(*args, **kwargs) on every rank at once (rank 0 here); the results in rank order.
@@ -330,11 +374,14 @@ def run_worker(rank: int) -> None:
         raise SystemExit(f"rank {rank}: rank 0 closed the connection at start")
     config = EngineArgs(**init["engine_args"]).create_engine_config()
     model_dir = Path(init["model_dir"])
-    size = config.parallel_config.tensor_parallel_size
+    parallel = config.parallel_config
+    tp, size = parallel.tensor_parallel_size, parallel.world_size
     device = resolve_device(config.model_config.device, rank, size)
     if device.type == "cpu":
         set_cpu_threads(int(os.environ.get(LOCAL_WORLD_SIZE_ENV) or 1))
-    init_distributed(rank, size, device, addr, port, config.parallel_config.enable_expert_parallel)
+    init_distributed(rank, size, device, addr, port, parallel.enable_expert_parallel, tp)
+    # The last pipeline stage's first rank samples, and sends rank 0 each step's output.
+    sends_output = parallel.pipeline_parallel_size > 1 and rank == size - tp
     worker = Worker(config, load_config(model_dir), model_dir, init["max_len"])
     worker.load_model()
     states: dict[str, Request] = {}  # this rank's request states, kept up to date by each step's SchedulerOutput
@@ -342,8 +389,11 @@ def run_worker(rank: int) -> None:
         message = decode(data, torch.device("cpu"))
         op = message["op"]
         if op == "execute_model":
-            output = worker.execute_model(scheduler_output_from_wire(message["scheduler_output"], states))
-            if output.kv_connector_output is not None:
+            scheduler_output = scheduler_output_from_wire(message["scheduler_output"], states)
+            output = worker.execute_model(scheduler_output)
+            if sends_output and not scheduler_output.is_empty:
+                send_frame(sock, encode({"runner_output": output}))
+            elif output.kv_connector_output is not None:
                 send_frame(sock, encode({"kv_connector_output": output.kv_connector_output}))
         elif op == "rpc":
             send_frame(sock, encode(_call(worker, message)))

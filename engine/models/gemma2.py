@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.distributed.parallel_state import get_tp_size
+from engine.distributed.parallel_state import get_tp_size, is_first_stage, is_last_stage
 from engine.models.config import ModelArchConfig
 from engine.models.layers import MLP, Attention, GemmaRMSNorm, RotaryEmbedding, get_rope, use_cpu_ops
 from engine.models.linear import (
@@ -23,6 +23,7 @@ from engine.models.linear import (
 )
 from engine.models.llama import LlamaAttention, LlamaForCausalLM
 from engine.models.quantization import get_embedding_method, get_linear_method
+from engine.models.utils import first_stage_only, last_stage_only, make_layers
 
 
 class Gemma2Attention(LlamaAttention):
@@ -71,21 +72,24 @@ class Gemma2ForCausalLM(nn.Module):
         super().__init__()
         check_tensor_parallel_size(config, get_tp_size())
         self.config = config
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, get_embedding_method(quantization)
+        # With pipeline parallelism, this stage's part of the model (as LlamaForCausalLM's).
+        self.embed_tokens = first_stage_only(
+            lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, get_embedding_method(quantization))
         )
         # A buffer, so that model.to(dtype) rounds it as Hugging Face rounds its embed_scale.
         self.register_buffer("normalizer", torch.tensor(config.hidden_size**0.5), persistent=False)
-        self.layers = nn.ModuleList(
-            Gemma2DecoderLayer(config, self.attention_cls(config, backend, quantization, i), i, quantization)
-            for i in range(config.num_hidden_layers)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda i: Gemma2DecoderLayer(config, self.attention_cls(config, backend, quantization, i), i, quantization),
         )
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = last_stage_only(lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
         self.rotary = self.make_ropes(config)
         self.attn_backend = backend
         self.final_logit_softcapping = config.hf_config.get("final_logit_softcapping") or None
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, get_linear_method(quantization))
-        if config.tie_word_embeddings:
+        self.lm_head = last_stage_only(
+            lambda: ParallelLMHead(config.hidden_size, config.vocab_size, get_linear_method(quantization))
+        )
+        if config.tie_word_embeddings and is_first_stage() and is_last_stage():
             tie_weights(self.lm_head, self.embed_tokens)
 
     def make_ropes(self, config: ModelArchConfig) -> dict[str, RotaryEmbedding]:
@@ -93,13 +97,18 @@ class Gemma2ForCausalLM(nn.Module):
         rope = get_rope(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
         return {"full_attention": rope, "sliding_attention": rope}
 
-    def forward(self, input_ids, positions, attn_metadata: list[AttentionMetadata], kv_caches) -> torch.Tensor:
-        """attn_metadata: each layer's, already prepared (engine.attention.backend.layer_metadata)."""
-        x = self.embed_tokens(input_ids) * self.normalizer
+    def forward(
+        self, input_ids, positions, attn_metadata: list[AttentionMetadata], kv_caches, intermediate_tensors=None
+    ) -> torch.Tensor:
+        """As LlamaForCausalLM.forward."""
+        if is_first_stage():
+            x = self.embed_tokens(input_ids) * self.normalizer
+        else:
+            x = intermediate_tensors["hidden_states"]
         cos_sin = {kind: rope(positions, x.dtype) for kind, rope in self.rotary.items()}
-        for layer, kv_cache, metadata in zip(self.layers, kv_caches, attn_metadata):
+        for layer, kv_cache, metadata in zip(self.layers[self.start_layer : self.end_layer], kv_caches, attn_metadata):
             x = layer(x, kv_cache, metadata, cos_sin[layer.layer_type])
-        return self.norm(x)
+        return self.norm(x) if is_last_stage() else x
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden_states)

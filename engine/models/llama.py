@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.distributed.parallel_state import get_ep_size, get_tp_size
+from engine.distributed.parallel_state import get_ep_size, get_tp_size, is_first_stage, is_last_stage
 from engine.models.config import ModelArchConfig
 from engine.models.layers import MLP, Attention, RMSNorm, apply_rotary, get_rope, use_cpu_ops
 from engine.models.linear import (
@@ -24,7 +24,7 @@ from engine.models.linear import (
     tie_weights,
 )
 from engine.models.quantization import get_embedding_method, get_linear_method
-from engine.models.utils import load_fused_weights
+from engine.models.utils import first_stage_only, last_stage_only, load_fused_weights, make_layers
 
 
 class LlamaAttention(nn.Module):
@@ -106,26 +106,34 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         check_tensor_parallel_size(config, get_tp_size(), get_ep_size() > 1)
         self.config = config
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, get_embedding_method(quantization)
+        # With pipeline parallelism: this stage's layers only; the embedding on the first, the norm and LM head on
+        # the last (engine.models.utils.make_layers).
+        self.embed_tokens = first_stage_only(
+            lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, get_embedding_method(quantization))
         )
-        self.layers = nn.ModuleList(
-            self.decoder_layer_cls(config, backend, quantization, i) for i in range(config.num_hidden_layers)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers, lambda i: self.decoder_layer_cls(config, backend, quantization, i)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = last_stage_only(lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.rotary = get_rope(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
         self.attn_backend = backend
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, get_linear_method(quantization))
-        if config.tie_word_embeddings:
+        self.lm_head = last_stage_only(
+            lambda: ParallelLMHead(config.hidden_size, config.vocab_size, get_linear_method(quantization))
+        )
+        if config.tie_word_embeddings and is_first_stage() and is_last_stage():
             tie_weights(self.lm_head, self.embed_tokens)
 
-    def forward(self, input_ids, positions, attn_metadata: list[AttentionMetadata], kv_caches) -> torch.Tensor:
-        """attn_metadata: each layer's, already prepared (engine.attention.backend.layer_metadata)."""
-        x = self.embed_tokens(input_ids)
+    def forward(
+        self, input_ids, positions, attn_metadata: list[AttentionMetadata], kv_caches, intermediate_tensors=None
+    ) -> torch.Tensor:
+        """attn_metadata, kv_caches: each of this stage's layers'; attn_metadata already prepared
+        (engine.attention.backend.layer_metadata). A stage after the first starts from the previous one's hidden
+        states (intermediate_tensors); one before the last returns its hidden states unnormed."""
+        x = self.embed_tokens(input_ids) if is_first_stage() else intermediate_tensors["hidden_states"]
         cos_sin = self.rotary(positions, x.dtype)
-        for layer, kv_cache, metadata in zip(self.layers, kv_caches, attn_metadata):
+        for layer, kv_cache, metadata in zip(self.layers[self.start_layer : self.end_layer], kv_caches, attn_metadata):
             x = layer(x, kv_cache, metadata, cos_sin)
-        return self.norm(x)
+        return self.norm(x) if is_last_stage() else x
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)

@@ -1,8 +1,57 @@
-"""Weight loading shared by the families: Hugging Face–named tensors into a model whose projections may be fused."""
+"""Shared by the families: weight loading (Hugging Face–named tensors into a model whose projections may be
+fused), and the split of the decoder layers into pipeline stages (vLLM's get_pp_indices and make_layers)."""
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.nn.parameter import UninitializedParameter
+
+from engine.distributed.parallel_state import get_pp_rank, get_pp_size, is_first_stage, is_last_stage
+
+
+class PPMissingLayer(nn.Identity):
+    """A layer another pipeline stage holds: in its place here so that names and indices stay the checkpoint's,
+    with no weights."""
+
+
+def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """The layers [start, end) of stage pp_rank: an even split, the remainder one each to the stages before the
+    last (which also computes the final norm and the logits), as vLLM splits them."""
+    if num_layers < pp_size:
+        raise ValueError(
+            f"the model's {num_layers} decoder layers (num_hidden_layers) do not split into "
+            f"--pipeline-parallel-size {pp_size} stages; use at most {num_layers} stages"
+        )
+    sizes = [num_layers // pp_size] * pp_size
+    for i in range(2, num_layers % pp_size + 2):
+        sizes[-i] += 1
+    start = sum(sizes[:pp_rank])
+    return start, start + sizes[pp_rank]
+
+
+def make_layers(num_layers: int, layer_fn: Callable[[int], nn.Module]) -> tuple[int, int, nn.ModuleList]:
+    """This stage's decoder layers, layer_fn(i) each, in a list of all num_layers where the others are
+    PPMissingLayer; and its [start, end)."""
+    start, end = get_pp_indices(num_layers, get_pp_rank(), get_pp_size())
+    layers = [layer_fn(i) if start <= i < end else PPMissingLayer() for i in range(num_layers)]
+    return start, end, nn.ModuleList(layers)
+
+
+def first_stage_only(make: Callable[[], nn.Module]) -> nn.Module:
+    """make() on the first pipeline stage (the embedding); a PPMissingLayer elsewhere."""
+    return make() if is_first_stage() else PPMissingLayer()
+
+
+def last_stage_only(make: Callable[[], nn.Module]) -> nn.Module:
+    """make() on the last pipeline stage (the final norm, the LM head); a PPMissingLayer elsewhere."""
+    return make() if is_last_stage() else PPMissingLayer()
+
+
+def is_pp_missing(name: str, modules: dict[str, nn.Module]) -> bool:
+    """Whether a checkpoint tensor belongs to a layer another pipeline stage holds."""
+    parts = name.split(".")
+    return any(isinstance(modules.get(".".join(parts[:i])), PPMissingLayer) for i in range(1, len(parts)))
 
 
 def _cat_rows(shards: list[torch.Tensor]) -> torch.Tensor:
@@ -32,11 +81,20 @@ def load_fused_weights(
 
     shards: dict[str, dict[int, torch.Tensor]] = {}
     loaded = set()
+    # A last pipeline stage without the embedding takes its tied LM head from the embedding's tensor (a quantized
+    # one has its own codes in the checkpoint).
+    embedding_to_head = (
+        tie_word_embeddings and isinstance(modules.get("embed_tokens"), PPMissingLayer) and "lm_head.weight" in params
+    )
     for name, tensor in weights:
         name = name.removeprefix("model.")
         if "rotary_emb.inv_freq" in name:
             continue
         if name == "lm_head.weight" and tie_word_embeddings:
+            continue
+        if name == "embed_tokens.weight" and embedding_to_head:
+            name = "lm_head.weight"
+        if is_pp_missing(name, modules):
             continue
         done = load_other(name, tensor) if load_other is not None else None
         if done is not None:

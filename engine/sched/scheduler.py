@@ -3,6 +3,12 @@
 There is no separate prefill phase: a request owes `num_tokens - num_computed_tokens`
 tokens, and each step gives it as many as the budget allows. A prompt larger than the
 budget is therefore chunked across steps, and decodes ride in the same batch.
+
+With pipeline parallelism several batches are in flight at once (EngineCore.step_with_batch_queue), so a request's
+computed tokens advance when its batch is handed to the ranks (update_after_schedule), as vLLM's do: its next prompt
+chunk can go in the next batch, while a request whose last batch samples a token owes nothing until that token is
+back (update_from_output). A request preempted with a batch in flight is not admitted again before that batch's
+output is back, and that output is dropped.
 """
 
 import concurrent.futures
@@ -33,6 +39,7 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         max_loras: int = 0,
         rope_switch_len: int | None = None,
+        pipeline_parallel_size: int = 1,
     ):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -63,6 +70,9 @@ class Scheduler:
         self.rope_switch_len = rope_switch_len
         # Async scheduling: request id -> the new tokens its blocks were allocated for by schedule_ahead.
         self.allocated_ahead: dict[str, int] = {}
+        # Pipeline parallelism: batches in flight at once; each request with batches in flight -> how many.
+        self.pipelined = pipeline_parallel_size > 1
+        self.num_batches_in_flight: dict[Request, int] = {}
 
     # ---- requests in and out -------------------------------------------------
 
@@ -213,6 +223,9 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting.peek_request()
+            if request in self.num_batches_in_flight:  # preempted in flight: its stale output is still to come
+                skipped.append(self.waiting.pop_request())
+                continue
             if request.status == RequestStatus.WAITING_FOR_FSM:
                 if not request.structured_output_request.is_grammar_ready():  # the requests behind it go first
                     skipped.append(self.waiting.pop_request())
@@ -294,6 +307,21 @@ class Scheduler:
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
+
+    def update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Pipeline parallelism: once the batch is handed to the ranks (which read where each request starts), its
+        requests' tokens count as computed, so that the next batch schedules what comes after them."""
+        for request in scheduler_output.scheduled_requests:
+            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
+            self.num_batches_in_flight[request] = self.num_batches_in_flight.get(request, 0) + 1
+
+    def batch_done(self, request: Request) -> bool:
+        """Pipeline parallelism: one of the request's batches is back; whether its output is still wanted (not if
+        the request was preempted or finished since)."""
+        left = self.num_batches_in_flight.pop(request) - 1
+        if left:
+            self.num_batches_in_flight[request] = left
+        return request.status == RequestStatus.RUNNING
 
     def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
         """While in_flight's tokens are being sampled, allocate the running requests' blocks for the next step
@@ -465,7 +493,10 @@ class Scheduler:
             self.update_from_connector_output(runner_output.kv_connector_output)
         spec = scheduler_output.scheduled_spec_decode_tokens
         for request, token_ids in zip(scheduler_output.scheduled_requests, runner_output.sampled_token_ids):
-            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
+            if not self.pipelined:
+                request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
+            elif not self.batch_done(request):
+                continue
             if request.pooling_params is not None:
                 if request.num_computed_tokens >= request.num_tokens:  # its one prefill is done: so is it
                     outputs.append(self._finish_pooling(request, runner_output.pooler_output[request.request_id]))

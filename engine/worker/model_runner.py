@@ -7,6 +7,10 @@ on its own in sampling gets no token, and the request is reported in ModelRunner
 Nothing in a step waits for the device but the one read of the sampled tokens: inputs are built on the
 host and copied without waiting (engine.worker.cuda_graphs.InputBuffers), and a decode-only step with
 CUDA graphs captured replays one instead of launching the model's kernels one by one.
+
+With pipeline parallelism a stage's runner runs its layers only: a stage after the first receives the previous
+stage's hidden states for the batch (the residual is part of them in these decoder layers), and a stage before the
+last sends its own on and returns no tokens; the last computes the logits and samples as a lone runner does.
 """
 
 import time
@@ -15,6 +19,7 @@ from functools import partial
 import torch
 
 from engine.attention.backend import layer_metadata
+from engine.distributed.parallel_state import is_first_stage, is_last_stage, recv_from_prev_stage, send_to_next_stage
 from engine.kv.manager import cdiv
 from engine.pooling.pooler import Pooler
 from engine.request import RequestFailure
@@ -40,10 +45,13 @@ class ModelRunner:
         is_driver: bool = True,
         layer_to_group: list[int] | None = None,
         pooler: Pooler | None = None,
+        dtype: torch.dtype = torch.float32,
     ):
         """layer_to_group: each layer's KV cache group (engine.kv.kv_cache_spec); None: one group. pooler: a pooling
-        engine's (--runner pooling), which pools each prompt's hidden states instead of sampling."""
+        engine's (--runner pooling), which pools each prompt's hidden states instead of sampling. dtype: the
+        model's compute dtype, that of the hidden states pipeline stages pass on."""
         self.model = model
+        self.dtype = dtype
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -185,9 +193,16 @@ class ModelRunner:
         requests, order, rows, size, input_ids, positions, metadata, logits_indices = self.prepare_inputs(so)
         if size is None:
             attn_metadata = layer_metadata(self.model.attn_backend, metadata, self.layer_to_group)
-            hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches)
+            intermediate = None
+            if not is_first_stage():
+                shape = (input_ids.shape[0], self.model.config.hidden_size)
+                intermediate = recv_from_prev_stage({"hidden_states": shape}, self.dtype, self.device)
+            hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches, intermediate)
         else:
             hidden = self.cudagraphs.replay(size)
+        if not is_last_stage():
+            send_to_next_stage({"hidden_states": hidden})
+            return ModelRunnerOutput([[] for _ in order])
         if self.drafter is not None:
             self.drafter.run_batch(input_ids, positions, metadata[0])  # the draft's KV lives in group 0's blocks
         output = ModelRunnerOutput([[] for _ in order], failed=dict(self.lora_failures))

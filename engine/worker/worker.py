@@ -17,13 +17,20 @@ from engine.attention.backend import AttentionMetadata, layer_metadata, resolve_
 from engine.attention.mla import mla_kv_cache_shape
 from engine.attention.selector import get_attn_backend
 from engine.config import EngineConfig, parse_memory_size
-from engine.distributed.parallel_state import destroy_distributed, get_tp_rank, get_tp_size
+from engine.distributed.parallel_state import (
+    destroy_distributed,
+    get_pp_rank,
+    get_pp_size,
+    get_tp_rank,
+    get_tp_size,
+    is_first_stage,
+    is_last_stage,
+)
 from engine.kv.connector.base import KVConnectorBase, KVConnectorRole
 from engine.kv.connector.factory import create_connector
 from engine.kv.kv_cache_spec import (
     MLAAttentionSpec,
     SlidingWindowSpec,
-    group_size,
     kv_cache_groups,
     layer_to_group,
     layer_to_tensor,
@@ -38,6 +45,7 @@ from engine.models.linear import process_weights_after_loading
 from engine.models.loader import check_dtype, dtype_reason, load_weights, prepare_quantized_weights
 from engine.models.quantization import QUANTIZED_AT_LOAD, check_quantization, resolve_quantization
 from engine.models.registry import ModelRegistry
+from engine.models.utils import get_pp_indices
 from engine.pooling.config import get_pooler_config
 from engine.pooling.pooler import Pooler
 from engine.request import Request, SamplingParams
@@ -81,7 +89,11 @@ class Worker:
         )
         self.pooler = Pooler(pooler_config) if pooler_config is not None else None  # --runner pooling
         self.rank, self.world_size = get_tp_rank(), get_tp_size()
-        self.device = resolve_device(settings.device, self.rank, self.world_size)
+        self.pp_rank, self.pp_size = get_pp_rank(), get_pp_size()
+        global_rank = self.pp_rank * self.world_size + self.rank
+        self.device = resolve_device(settings.device, global_rank, self.world_size * self.pp_size)
+        # This pipeline stage's layers (all of them without pipeline parallelism): it caches K and V for these only.
+        self.start_layer, self.end_layer = get_pp_indices(model_config.num_hidden_layers, self.pp_rank, self.pp_size)
         self.num_kv_heads = model_config.num_key_value_heads // self.world_size  # this rank's, in its KV cache
         self.dtype = check_dtype(settings.dtype, self.device.type)
         self.quantization = resolve_quantization(
@@ -105,8 +117,11 @@ class Worker:
         )
         self.kv_cache_dtype = resolve_kv_cache_dtype(self.cache_config.kv_cache_dtype, self.dtype)
         self.attn_backend.check_kv_cache_dtype(self.kv_cache_dtype, self.device)
-        # The layers grouped by what they keep in the KV cache: the groups share group_size K/V tensors.
+        # The layers grouped by what they keep in the KV cache: the groups share group_size K/V tensors, of which
+        # this stage allocates those its layers use.
         self.kv_cache_groups = kv_cache_groups(model_config)
+        self.layer_to_tensor = layer_to_tensor(self.kv_cache_groups)[self.start_layer : self.end_layer]
+        self.num_kv_tensors = len(set(self.layer_to_tensor))
         # Multi-head latent attention's one latent vector a token (its spec), or None: K and V per head.
         spec = self.kv_cache_groups[0].spec
         self.mla_spec = spec if isinstance(spec, MLAAttentionSpec) else None
@@ -120,7 +135,9 @@ class Worker:
         self.lora_manager: LoRAModelManager | None = None  # with --enable-lora, once the model is loaded
         self.connector: KVConnectorBase | None = None  # the worker's half of the KV connector, with the KV cache
         # With tensor parallelism every rank runs every step eagerly (no collectives are captured in graphs).
-        self.use_cudagraphs = self.world_size == 1 and use_cudagraphs(config, self.device, self.attn_backend)
+        self.use_cudagraphs = self.world_size == self.pp_size == 1 and use_cudagraphs(
+            config, self.device, self.attn_backend
+        )
         if self.device.type == "cuda" and self.cache_config.kv_cache_memory is None:
             self._snapshot_gpu_memory()
 
@@ -182,35 +199,35 @@ class Worker:
 
     def get_cache_block_size_bytes(self) -> int:
         """K and V of one block across the layers of a KV cache group (a block id belongs to one group at a time):
-        every layer where the model has one kind of layer. With MLA, one latent vector a token and layer instead,
-        whole on every tensor-parallel rank."""
+        every layer where the model has one kind of layer (of this pipeline stage's). With MLA, one latent vector a
+        token and layer instead, whole on every tensor-parallel rank."""
         cfg = self.model_config
         element = self.kv_cache_dtype.itemsize
-        num_layers = group_size(self.kv_cache_groups)
+        num_layers = self.num_kv_tensors
         if self.mla_spec is not None:
             return num_layers * self.cache_config.block_size * self.mla_spec.head_size * element
         return 2 * num_layers * self.cache_config.block_size * self.num_kv_heads * cfg.head_dim * element
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """group_size K/V tensor pairs of num_blocks blocks, shared by the groups: each layer's (K, V) is the pair
-        of its place in its group. With MLA a layer has one latent tensor in place of the pair."""
+        """The K/V tensor pairs of num_blocks blocks that the groups share (group_size of them, those this
+        pipeline stage's layers use): each of the stage's layers' (K, V) is the pair of its place in its group.
+        With MLA a layer has one latent tensor in place of the pair."""
         cfg, bs = self.model_config, self.cache_config.block_size
         if self.mla_spec is not None:
             shape = mla_kv_cache_shape(num_blocks, bs, self.mla_spec.head_size)
-            latents = [
-                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-                for _ in range(group_size(self.kv_cache_groups))
-            ]
-            return [latents[i] for i in layer_to_tensor(self.kv_cache_groups)]
+            latents = {
+                i: torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for i in set(self.layer_to_tensor)
+            }
+            return [latents[i] for i in self.layer_to_tensor]
         shape = self.attn_backend.get_kv_cache_shape(num_blocks, bs, self.num_kv_heads, cfg.head_dim)
-        pairs = [
-            (
+        pairs = {
+            i: (
                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
             )
-            for _ in range(group_size(self.kv_cache_groups))
-        ]
-        return [pairs[i] for i in layer_to_tensor(self.kv_cache_groups)]
+            for i in set(self.layer_to_tensor)
+        }
+        return [pairs[i] for i in self.layer_to_tensor]
 
     def determine_num_available_blocks(self) -> int:
         """How many KV blocks fit: the configured budget, or on a GPU what profiling leaves free."""
@@ -253,15 +270,24 @@ class Worker:
             seq_lens_cpu=[n],
         )
         # Every group's block table is the same here: the throwaway cache holds one request's blocks.
-        metadata = layer_metadata(self.attn_backend, [metadata], [0] * cfg.num_hidden_layers)
-        hidden = self.model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), metadata, caches)
-        logits = self.model.compute_logits(hidden[-min(n, self.scheduler_config.max_num_seqs) :])
-        # Sampling every row at its costliest (penalties, a top-p sort, logprobs): float32 copies of the logits.
-        params = SamplingParams(presence_penalty=0.5, repetition_penalty=1.1, top_p=0.9, logprobs=1)
-        dummy = [Request(str(i), [0], params) for i in range(len(logits))]
-        Sampler()(logits, SamplingMetadata.from_requests(dummy, {}, logits.shape[-1], dev))
+        metadata = layer_metadata(self.attn_backend, [metadata], [0] * len(caches))
+        # A pipeline stage after the first starts from hidden states (the shape of those it receives).
+        intermediate = (
+            None
+            if is_first_stage()
+            else {"hidden_states": torch.zeros(n, cfg.hidden_size, dtype=self.dtype, device=dev)}
+        )
+        ids, positions = torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev)
+        hidden = self.model(ids, positions, metadata, caches, intermediate)
+        if is_last_stage():
+            logits = self.model.compute_logits(hidden[-min(n, self.scheduler_config.max_num_seqs) :])
+            # Sampling every row at its costliest (penalties, a top-p sort, logprobs): float32 copies of the logits.
+            params = SamplingParams(presence_penalty=0.5, repetition_penalty=1.1, top_p=0.9, logprobs=1)
+            dummy = [Request(str(i), [0], params) for i in range(len(logits))]
+            Sampler()(logits, SamplingMetadata.from_requests(dummy, {}, logits.shape[-1], dev))
+            del logits
         torch.cuda.synchronize()
-        del hidden, logits
+        del hidden, intermediate
         weights_and_activations = torch.cuda.max_memory_allocated(dev) - self.torch_allocated_at_start - cache_bytes
         free, _ = torch.cuda.mem_get_info(dev)
         torch_growth = torch.cuda.memory_reserved(dev) - self.torch_reserved_at_start
@@ -347,7 +373,7 @@ class Worker:
             self.connector.shutdown()
         if self.model_runner is not None:
             self.model_runner.sampler.close()
-        if self.world_size > 1:
+        if self.world_size * self.pp_size > 1:
             destroy_distributed()
 
     def _make_model_runner(self, kv_caches, sampler: BatchSampler | None = None) -> tuple[ModelRunner, int]:
@@ -364,9 +390,11 @@ class Worker:
             self.max_model_len,
             sampler,
             self.lora_manager,
-            is_driver=self.rank == 0,
-            layer_to_group=layer_to_group(self.kv_cache_groups),
+            # The last pipeline stage's first tensor-parallel rank samples (rank 0 without pipeline parallelism).
+            is_driver=self.rank == 0 and is_last_stage(),
+            layer_to_group=layer_to_group(self.kv_cache_groups)[self.start_layer : self.end_layer],
             pooler=self.pooler,
+            dtype=self.dtype,
         )
         if self.use_cudagraphs:
             began, sizes = time.perf_counter(), self.config.get_cudagraph_capture_sizes()
