@@ -322,6 +322,7 @@ class Request:
         lora_request: LoRARequest | None = None,
         trace_headers: tuple[tuple[str, str], ...] = (),
         kv_transfer_params: dict | None = None,
+        mm_features: list | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -338,6 +339,9 @@ class Request:
         # vLLM's kv_transfer_params with disaggregated prefill: do_remote_prefill makes the KV connector load what the
         # store holds of the prompt, whatever its own load-or-recompute estimate says.
         self.kv_transfer_params: dict = kv_transfer_params or {}
+        # Its images (engine.multimodal.inputs.MultiModalFeatureSpec), in prompt order: processed tensors, placeholder
+        # range and content hash each. Empty for a text-only prompt.
+        self.mm_features: list = list(mm_features or ())
 
         # Its grammar and matcher (StructuredOutputManager.grammar_init compiles it); None without structured outputs.
         self.structured_output_request = (

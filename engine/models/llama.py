@@ -119,9 +119,12 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             tie_weights(self.lm_head, self.embed_tokens)
 
-    def forward(self, input_ids, positions, attn_metadata: list[AttentionMetadata], kv_caches) -> torch.Tensor:
-        """attn_metadata: each layer's, already prepared (engine.attention.backend.layer_metadata)."""
-        x = self.embed_tokens(input_ids)
+    def forward(
+        self, input_ids, positions, attn_metadata: list[AttentionMetadata], kv_caches, inputs_embeds=None
+    ) -> torch.Tensor:
+        """attn_metadata: each layer's, already prepared (engine.attention.backend.layer_metadata); inputs_embeds:
+        the tokens' embeddings where a vision-language model merged images into them (None: input_ids')."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos_sin = self.rotary(positions, x.dtype)
         for layer, kv_cache, metadata in zip(self.layers, kv_caches, attn_metadata):
             x = layer(x, kv_cache, metadata, cos_sin)
