@@ -274,3 +274,9 @@ def test_a_text_only_model_refuses_images(tiny_llama_dir):
     feature_like = type("F", (), {})()
     with pytest.raises(ValueError, match=r"multi_modal_data: the model takes no images"):
         Processor.for_engine(engine).process_inputs("r", [5, 6], SamplingParams(), mm_features=[feature_like])
+
+
+def test_lora_is_refused_for_a_vision_language_model(llava):
+    path, _, _ = llava
+    with pytest.raises(ValueError, match=r"--enable-lora is not implemented for LlavaForConditionalGeneration"):
+        EngineCore(EngineArgs(model=str(path), kv_cache_memory="8MiB", block_size=8, enable_lora=True))

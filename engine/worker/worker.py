@@ -33,7 +33,7 @@ from engine.kv.manager import cdiv
 from engine.lora.manager import LoRAModelManager
 from engine.lora.request import LoRARequest
 from engine.malloc import keep_freed_memory_in_process
-from engine.models.config import ModelArchConfig
+from engine.models.config import MULTIMODAL_ARCHS, ModelArchConfig
 from engine.models.linear import process_weights_after_loading
 from engine.models.loader import check_dtype, dtype_reason, load_weights, prepare_quantized_weights
 from engine.models.quantization import QUANTIZED_AT_LOAD, check_quantization, resolve_quantization
@@ -106,6 +106,8 @@ class Worker:
             raise ValueError(
                 f"--enable-lora is not implemented for {model_config.architecture}'s multi-head latent attention"
             )
+        if model_config.architecture in MULTIMODAL_ARCHS and config.lora_config.enable_lora:
+            raise ValueError(f"--enable-lora is not implemented for {model_config.architecture}")
         self.model: torch.nn.Module | None = None  # the architecture's class in engine/models/, from ModelRegistry
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model_runner: ModelRunner | None = None
