@@ -26,6 +26,8 @@ from engine.lora.registry import LoRARegistry
 from engine.lora.request import LoRARequest
 from engine.models.files import load_config
 from engine.models.loader import prepare_model_dir
+from engine.multimodal.checks import MultiModalLimits, image_info
+from engine.multimodal.encoder_cache import EncoderCacheManager
 from engine.pooling.config import get_pooler_config
 from engine.request import Request, RequestStatus
 from engine.sched.output import EngineCoreOutput, SchedulerStats
@@ -134,6 +136,15 @@ class EngineCore:
             logger.info("KV connector %s (%s), model fingerprints %s", kv_transfer_config.kv_connector,
                         kv_transfer_config.kv_role, fingerprints)  # fmt: skip
         self.structured_output_manager = StructuredOutputManager(self.model_dir, cfg.vocab_size, cfg.eos_token_ids)
+        # A vision-language model's images: their checks, and the encoder cache the scheduler keeps (None: text-only).
+        self.mm_info = image_info(cfg)
+        self.mm_limits = MultiModalLimits(
+            config.model_config.limit_mm_per_prompt,
+            config.model_config.max_image_pixels,
+            sched.max_num_encoder_input_tokens,
+            sched.encoder_cache_size,
+        )
+        encoder_cache = EncoderCacheManager(sched.encoder_cache_size) if self.mm_info is not None else None
         # A request can never grow past the whole pool, so that is its length cap too.
         num_lookahead = self.executor.num_lookahead_tokens
         self.scheduler = Scheduler(
@@ -156,6 +167,8 @@ class EngineCore:
             max_loras=lora.max_loras if lora.enable_lora else 0,
             rope_switch_len=cfg.rope_switch_len(),
             pipeline_parallel_size=config.parallel_config.pipeline_parallel_size,
+            encoder_cache_manager=encoder_cache,
+            max_num_encoder_input_tokens=sched.max_num_encoder_input_tokens,
         )
         # Pipeline parallelism: (scheduler output, its PipelineOutput) of the batches in flight, oldest first.
         self.batch_queue: deque = deque()

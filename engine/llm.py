@@ -10,6 +10,8 @@ from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.lora.request import LoRARequest
 from engine.models.loader import DEFAULT_MODEL
+from engine.multimodal.media import parse_chat_images
+from engine.multimodal.processing import MultiModalProcessor
 from engine.output_processor import OutputProcessor
 from engine.outputs import EmbeddingRequestOutput, RequestOutput
 from engine.pooling.params import PoolingParams
@@ -26,6 +28,12 @@ class LLM:
         self.tokenizer = Tokenizer.from_pretrained(self.engine.model_dir)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.processor = Processor.for_engine(self.engine, tokenizer=self.tokenizer)
+        # A vision-language model's Hugging Face processor, for prompts with images; None for a text-only model.
+        self.mm_processor = (
+            None
+            if self.engine.mm_info is None
+            else MultiModalProcessor(self.engine.model_dir, self.engine.mm_info, self.engine.mm_limits)
+        )
         self._num_requests = 0  # request ids so far: the next is str(_num_requests)
 
     def get_tokenizer(self):
@@ -65,7 +73,9 @@ class LLM:
         priority: list[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Prompts are strings, token-id lists, or {"prompt": ...} / {"prompt_token_ids": ...} dicts. lora_request:
+        """Prompts are strings, token-id lists, or {"prompt": ...} / {"prompt_token_ids": ...} dicts, which may
+        carry images as vLLM's {"multi_modal_data": {"image": <PIL image or list>}} (a text prompt names each with
+        the model's image token, which the processor expands). lora_request:
         one adapter for all prompts or one per prompt (None: the base model); one not loaded yet is loaded first,
         as vLLM does."""
         prompts = self._as_prompt_list(prompts)
@@ -93,11 +103,12 @@ class LLM:
         # Check and build every request before adding any, so a bad one leaves the engine untouched.
         now, built = time.monotonic(), []
         for i, (prompt, sp, lora) in enumerate(zip(prompts, params, loras)):
-            text, token_ids = self._tokenize(prompt)
+            text, token_ids, mm_features = self._tokenize(prompt)
             request_id = str(self._num_requests + i)
             requests = self.processor.process_inputs(
-                request_id, token_ids, sp, now, priority[i] if priority else 0, lora_request=lora
-            )
+                request_id, token_ids, sp, now, priority[i] if priority else 0, lora_request=lora,
+                mm_features=mm_features,
+            )  # fmt: skip
             built.append((request_id, text, requests))
         self._num_requests += len(prompts)
 
@@ -121,13 +132,18 @@ class LLM:
         add_generation_prompt: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
+        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template. Content may
+        be OpenAI-style parts: text, and image_url with a data: URL (nothing is fetched)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
+            conversation, images = parse_chat_images(conversation)
             text = self.tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt
             )
+            if images:  # the processor expands the template's image tokens
+                prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
+                continue
             # The template already holds the special tokens.
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
@@ -165,7 +181,28 @@ class LLM:
                 self.add_lora(lora)
         return loras
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], list]:
+        """The prompt's text, token ids and images (engine.multimodal.inputs.MultiModalFeatureSpec)."""
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if mm_data:
+            return self._process_images(prompt, mm_data)
+        return (*self._tokenize_text(prompt), [])
+
+    def _process_images(self, prompt: dict, mm_data: dict) -> tuple[str | None, list[int], list]:
+        if self.mm_processor is None:
+            raise ValueError("multi_modal_data: the model takes no images (it is text-only).")
+        unknown = sorted(set(mm_data) - {"image"})
+        if unknown:
+            raise ValueError(f"multi_modal_data: modalities {unknown} are not supported; image is.")
+        images = mm_data["image"]
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        token_ids = prompt.get("prompt_token_ids")
+        if token_ids is None and "prompt" not in prompt:
+            raise ValueError("A prompt dict needs a 'prompt' or 'prompt_token_ids' key.")
+        token_ids, features = self.mm_processor(prompt.get("prompt"), token_ids, images)
+        return prompt.get("prompt"), token_ids, features
+
+    def _tokenize_text(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict):

@@ -73,6 +73,8 @@ class Processor:
         structured_output_manager=None,
         lora_registry: LoRARegistry | None = None,
         pooler_config: PoolerConfig | None = None,
+        mm_info=None,
+        mm_limits=None,
     ):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -87,6 +89,10 @@ class Processor:
         self.lora_registry = LoRARegistry(enable_lora=False) if lora_registry is None else lora_registry
         # A pooling engine's (--runner pooling): it takes PoolingParams requests only; None: SamplingParams only.
         self.pooler_config = pooler_config
+        # A vision-language model's image info and the engine's multi-modal limits (engine.multimodal.processing);
+        # None for a text-only model, which refuses images.
+        self.mm_info = mm_info
+        self.mm_limits = mm_limits
 
     @classmethod
     def for_engine(cls, core, limits: RequestLimits | None = None, tokenizer=None) -> "Processor":
@@ -102,6 +108,8 @@ class Processor:
             core.structured_output_manager,
             core.lora_registry,
             core.pooler_config,
+            core.mm_info,
+            core.mm_limits,
         )
 
     def check_ids(self, request_id: str, cache_salt: str | None) -> None:
@@ -185,11 +193,14 @@ class Processor:
         lora_request: LoRARequest | None = None,
         trace_headers: tuple[tuple[str, str], ...] = (),
         kv_transfer_params: dict | None = None,
+        mm_features: list | None = None,
     ) -> list[Request]:
         """Everything above, in the order a client's mistakes are best reported; the engine requests to run.
         trace_headers: the request span's traceparent/tracestate, for the calls the engine makes for it.
         kv_transfer_params: vLLM's, already checked by the caller, for the KV connector. PoolingParams make one
-        pooling request (a pooling engine's only kind), SamplingParams a generating one (n, when n > 1)."""
+        pooling request (a pooling engine's only kind), SamplingParams a generating one (n, when n > 1).
+        mm_features: the prompt's images (engine.multimodal.inputs.MultiModalFeatureSpec), placeholders expanded in
+        prompt_token_ids."""
         self.check_ids(request_id, cache_salt)
         self.process_lora(lora_request)
         if isinstance(params, PoolingParams):
@@ -203,7 +214,13 @@ class Processor:
                 "send an embedding request."
             )
         self.process_params(params)
+        if mm_features and params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens cannot be used with images: it would cut their placeholders.")
         prompt_token_ids = self.process_prompt(prompt_token_ids, params)
+        if mm_features:
+            from engine.multimodal.checks import check_mm_features
+
+            check_mm_features(prompt_token_ids, mm_features, self.mm_info, self.mm_limits)
         return fan_out(
             request_id,
             prompt_token_ids,
@@ -215,6 +232,7 @@ class Processor:
             lora_request=lora_request,
             trace_headers=trace_headers,
             kv_transfer_params=kv_transfer_params or {},
+            mm_features=mm_features,
         )
 
     def process_pooling_inputs(

@@ -324,6 +324,7 @@ class Request:
         trace_headers: tuple[tuple[str, str], ...] = (),
         kv_transfer_params: dict | None = None,
         pooling_params: PoolingParams | None = None,
+        mm_features: list | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -343,6 +344,9 @@ class Request:
         # A pooling request (--runner pooling): its prompt runs once and it ends with the pooled vector. Its
         # sampling_params are the defaults, never used to sample.
         self.pooling_params = pooling_params
+        # Its images (engine.multimodal.inputs.MultiModalFeatureSpec), in prompt order: processed tensors, placeholder
+        # range and content hash each. Empty for a text-only prompt.
+        self.mm_features: list = list(mm_features or ())
 
         # Its grammar and matcher (StructuredOutputManager.grammar_init compiles it); None without structured outputs.
         self.structured_output_request = (

@@ -27,6 +27,7 @@ FAMILIES = {
     "DeepseekV2ForCausalLM": "DeepseekV2Config",
     "DeepseekV3ForCausalLM": "DeepseekV3Config",
     "GptOssForCausalLM": "GptOssConfig",
+    "LlavaForConditionalGeneration": "LlavaConfig",
 }
 
 
@@ -163,4 +164,5 @@ def test_the_checkpoint_each_config_class_describes_is_accepted(arch):
 
     d = {**getattr(transformers, FAMILIES[arch])().to_dict(), "architectures": [arch]}
     config = ModelArchConfig.from_hf_config(d)
-    assert config.architecture == arch and config.num_hidden_layers == d["num_hidden_layers"]
+    # A vision-language config holds its language model's in text_config.
+    assert config.architecture == arch and config.num_hidden_layers == d.get("text_config", d)["num_hidden_layers"]

@@ -74,9 +74,18 @@ class ModelConfig:
         help="decode batch sizes captured as CUDA graphs at start-up (a batch runs as the next size up), capped at "
         f"--max-num-seqs; unset: 1, 2, 4, then every multiple of 8 up to {MAX_CUDAGRAPH_CAPTURE_SIZE}",
     )
+    # vLLM's MultiModalConfig limits, for vision-language models (ignored by text-only ones).
+    limit_mm_per_prompt: int = setting(4, help="images one prompt may carry at most (vision-language models)")
+    max_image_pixels: int = setting(
+        4096 * 4096, help="pixels (width x height) of one image before preprocessing, at most (vision-language models)"
+    )
 
     def __post_init__(self):
         check_choices(self)
+        if self.limit_mm_per_prompt < 0:
+            raise ValueError(f"limit_mm_per_prompt must be >= 0, got {self.limit_mm_per_prompt}.")
+        if self.max_image_pixels < 1:
+            raise ValueError(f"max_image_pixels must be at least 1, got {self.max_image_pixels}.")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0, got {self.max_logprobs}.")
         if self.cudagraph_capture_sizes is not None and not all(s >= 1 for s in self.cudagraph_capture_sizes):

@@ -27,8 +27,31 @@ class SchedulerConfig:
         help="allocate the next step's KV blocks, and build a step of decodes' inputs, while this step's tokens "
         "are being sampled (on the sampler service, or on the device); outputs are the same either way",
     )
+    # vLLM's encoder budgets, for vision-language models, in embedding tokens (an image's placeholder length).
+    max_num_encoder_input_tokens: int | None = setting(
+        None,
+        help="image embedding tokens the vision encoder computes in one step at most; unset: max_num_batched_tokens",
+    )
+    encoder_cache_size: int | None = setting(
+        None,
+        help="image embedding tokens the encoder cache holds (shared by requests with the same image); unset: "
+        "max_num_batched_tokens",
+    )
 
     def __post_init__(self):
+        if self.max_num_encoder_input_tokens is None:
+            self.max_num_encoder_input_tokens = self.max_num_batched_tokens
+        if self.encoder_cache_size is None:
+            self.encoder_cache_size = self.max_num_batched_tokens
+        if self.max_num_encoder_input_tokens < 1:
+            raise ValueError(
+                f"max_num_encoder_input_tokens must be at least 1, got {self.max_num_encoder_input_tokens}."
+            )
+        if self.encoder_cache_size < self.max_num_encoder_input_tokens:
+            raise ValueError(
+                f"encoder_cache_size ({self.encoder_cache_size}) must be at least max_num_encoder_input_tokens "
+                f"({self.max_num_encoder_input_tokens}): a step's images must fit the cache."
+            )
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
         if self.max_num_seqs < 1:

@@ -5,6 +5,9 @@ The extra keys (block 0's, which every later block inherits through the chain) a
 LoRA adapter's digest, so requests under different adapters never share a block, and the rope its KV was rotated
 with where a model has two (LongRoPE's long factors past the switch length); a request with none of them hashes as
 it always did.
+A block that holds any of an image's placeholder tokens also mixes in that image's content hash (vLLM's multi-modal
+extra keys): the placeholders are the same token id whatever the image, so two prompts with the same text and
+different images never share a block, while the same image in the same place does.
 The encoding is fixed-width little-endian, so the same tokens give the same hash in every
 process and on every machine; that is what lets a KV store share blocks across engines.
 Never Python's hash() (salted per process) and never pickle.
@@ -46,6 +49,15 @@ def request_extra_key(cache_salt: str | None, lora_key: bytes | None = None, rop
     return salt + lora + (b"" if rope_key is None else b"rope:" + rope_key)
 
 
+def mm_extra_key(mm_features, start: int, end: int) -> bytes:
+    """The content hashes of the images whose placeholders overlap token positions [start, end)."""
+    return b"".join(
+        b"mm:" + f.identifier.encode()
+        for f in mm_features
+        if f.mm_position.offset < end and start < f.mm_position.offset + f.mm_position.length
+    )
+
+
 def extend_block_hashes(
     hashes: list[bytes],
     token_ids,
@@ -55,15 +67,19 @@ def extend_block_hashes(
     cache_salt: str | None,
     lora_key: bytes | None = None,
     rope_key: bytes | None = None,
+    mm_features=(),
 ) -> list[bytes]:
     """Append to `hashes` the hash of every full block of `token_ids` past those already hashed (the salt, the
-    adapter's digest, lora_key, and the rope's name, rope_key, are mixed into block 0 only). The engine names its
-    blocks this way; a router names a prompt's blocks the same way."""
+    adapter's digest, lora_key, and the rope's name, rope_key, are mixed into block 0 only; the images whose
+    placeholders overlap a block, mm_features (each with .identifier and .mm_position), into that block). The
+    engine names its blocks this way; a router names a prompt's blocks the same way."""
     num_full = len(token_ids) // block_size
     while len(hashes) < num_full:
         i = len(hashes)
         parent = hashes[-1] if hashes else root
         extra = request_extra_key(cache_salt, lora_key, rope_key) if i == 0 else b""
+        if mm_features:
+            extra += mm_extra_key(mm_features, i * block_size, (i + 1) * block_size)
         hashes.append(hash_block_tokens(hash_fn, parent, token_ids[i * block_size : (i + 1) * block_size], extra))
     return hashes
 
@@ -79,5 +95,13 @@ def update_block_hashes(
     """Append hashes for every newly full block of `request` (lora_key: the digest of its adapter, if any; rope_key:
     the name of the rope its KV is rotated with, where not the model's first)."""
     extend_block_hashes(
-        request.block_hashes, request.all_token_ids, block_size, hash_fn, root, request.cache_salt, lora_key, rope_key
+        request.block_hashes,
+        request.all_token_ids,
+        block_size,
+        hash_fn,
+        root,
+        request.cache_salt,
+        lora_key,
+        rope_key,
+        request.mm_features,
     )

@@ -6,7 +6,7 @@ engine does not implement is refused at start-up with a message naming the field
 the classes).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.models.registry import ModelRegistry
 
@@ -26,6 +26,7 @@ _MODEL_TYPE_TO_ARCH = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "llava": "LlavaForConditionalGeneration",
 }
 
 # Base models without an LM head, as embedding checkpoints (Qwen3-Embedding...) are saved: each runs as its family's
@@ -128,7 +129,22 @@ _DEEPSEEK_V3_FIELDS = (_DEEPSEEK_V2_FIELDS - {"topk_method"}) | {
     "num_mtp_layers",
     "num_nextn_predict_layers",
 }
+# LLaVA: its vision tower's and language model's own configs (each checked in _llava_config), and how the image
+# features are chosen, projected and placed.
+_LLAVA_FIELDS = frozenset(
+    {
+        "vision_config",
+        "text_config",
+        "image_token_index",
+        "image_seq_length",  # the processor's count of placeholders an image; the vision tower's shape decides it
+        "projector_hidden_act",
+        "vision_feature_select_strategy",
+        "vision_feature_layer",
+        "multimodal_projector_bias",
+    }
+)
 FAMILY_FIELDS: dict[str, frozenset[str]] = {
+    "LlavaForConditionalGeneration": _LLAVA_FIELDS,
     # Phi-3 keeps LongRoPE's pretraining length outside its rope parameters (from_hf_config moves it in).
     "Phi3ForCausalLM": frozenset({"original_max_position_embeddings"}),
     "Gemma2ForCausalLM": _GEMMA2_FIELDS,
@@ -146,6 +162,21 @@ FAMILY_FIELDS: dict[str, frozenset[str]] = {
     # gpt-oss's experts (engine/models/gpt_oss.py): their number, a token's, and their clamped SwiGLU's gain and clamp.
     "GptOssForCausalLM": frozenset({"num_local_experts", "num_experts_per_tok", "swiglu_alpha", "swiglu_limit"}),
 }
+
+# The vision-language families: a vision encoder feeding a language model of one of the text families.
+MULTIMODAL_ARCHS = ("LlavaForConditionalGeneration",)
+# The language models LLaVA's model file builds (engine/models/llava.py), and the vision towers.
+_LLAVA_TEXT_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_LLAVA_VISION_TYPES = ("clip_vision_model",)
+# A CLIP vision config's fields: read by engine/models/llava.py, or with no effect on the image features.
+_CLIP_VISION_FIELDS = frozenset(
+    {
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels", "image_size",
+        "patch_size", "hidden_act", "layer_norm_eps", "model_type",
+        "projection_dim",  # CLIP's contrastive projection, which LLaVA does not use
+        "attention_dropout", "dropout", "initializer_range", "initializer_factor",
+    }
+)  # fmt: skip
 
 # The families with multi-head latent attention (engine/attention/mla.py).
 MLA_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -372,6 +403,8 @@ class ModelArchConfig:
                 f"unsupported model architecture {arch!r}; supported: {', '.join(ModelRegistry.get_supported_archs())}"
             )
 
+        if arch in MULTIMODAL_ARCHS:
+            return _llava_config(cls, d, arch)
         if arch == "GptOssForCausalLM":
             # Its defaults differ from the other families' in fields read below (window, biases, rope, eps).
             d = {**FAMILY_DEFAULTS[arch], **d}
@@ -437,6 +470,38 @@ class ModelArchConfig:
             hf_config=family,
             embedding_architecture=embedding_arch,
         )
+
+
+def _llava_config(cls, d: dict, arch: str) -> "ModelArchConfig":
+    """LLaVA: its language model's config, under LLaVA's architecture, with the whole config.json (the vision
+    tower's and projector's settings) as hf_config; what the engine does not implement is refused by name."""
+    text = dict(d.get("text_config") or {})
+    text_arch = (text.get("architectures") or [_MODEL_TYPE_TO_ARCH.get(text.get("model_type", "llama"))])[0]
+    if text_arch not in _LLAVA_TEXT_ARCHS:
+        raise ModelLoadError(f"text_config architecture {text_arch!r} is not implemented for LLaVA; supported: "
+                             f"{', '.join(_LLAVA_TEXT_ARCHS)}")  # fmt: skip
+    vision = dict(d.get("vision_config") or {})
+    if vision.get("model_type", "clip_vision_model") not in _LLAVA_VISION_TYPES:
+        raise ModelLoadError(f"vision_config model_type {vision.get('model_type')!r} is not implemented; supported: "
+                             f"{', '.join(_LLAVA_VISION_TYPES)}")  # fmt: skip
+    unknown = sorted(set(vision) - _CLIP_VISION_FIELDS - USED_FIELDS - NO_EFFECT_FIELDS)
+    if unknown:
+        raise ModelLoadError(f"vision_config fields {unknown} are not implemented")
+    checks = [
+        ("vision_config.hidden_act", vision.get("hidden_act", "quick_gelu"), ("quick_gelu", "gelu")),
+        ("projector_hidden_act", d.get("projector_hidden_act", "gelu"), ("gelu",)),
+        ("vision_feature_select_strategy", d.get("vision_feature_select_strategy", "default"), ("default", "full")),
+    ]
+    for name, value, allowed in checks:
+        if value not in allowed:
+            raise ModelLoadError(f"{name}={value!r} is not implemented; supported: {', '.join(allowed)}")
+    layer = d.get("vision_feature_layer", -2)
+    if not isinstance(layer, int):
+        raise ModelLoadError(f"vision_feature_layer={layer!r} is not implemented; one layer (an integer) is")
+    text_cfg = cls.from_hf_config({**text, "architectures": [text_arch]})
+    image_token = d.get("image_token_index", d.get("image_token_id", 32000))
+    family = {**d, "image_token_index": image_token, "vision_feature_layer": layer, "text_architecture": text_arch}
+    return replace(text_cfg, architecture=arch, hf_config=family)
 
 
 def _attention_bias(d: dict, arch: str) -> bool:

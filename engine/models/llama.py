@@ -124,12 +124,22 @@ class LlamaForCausalLM(nn.Module):
             tie_weights(self.lm_head, self.embed_tokens)
 
     def forward(
-        self, input_ids, positions, attn_metadata: list[AttentionMetadata], kv_caches, intermediate_tensors=None
+        self,
+        input_ids,
+        positions,
+        attn_metadata: list[AttentionMetadata],
+        kv_caches,
+        intermediate_tensors=None,
+        inputs_embeds=None,
     ) -> torch.Tensor:
         """attn_metadata, kv_caches: each of this stage's layers'; attn_metadata already prepared
         (engine.attention.backend.layer_metadata). A stage after the first starts from the previous one's hidden
-        states (intermediate_tensors); one before the last returns its hidden states unnormed."""
-        x = self.embed_tokens(input_ids) if is_first_stage() else intermediate_tensors["hidden_states"]
+        states (intermediate_tensors); one before the last returns its hidden states unnormed. inputs_embeds: the
+        tokens' embeddings where a vision-language model merged images into them (None: input_ids')."""
+        if not is_first_stage():
+            x = intermediate_tensors["hidden_states"]
+        else:
+            x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos_sin = self.rotary(positions, x.dtype)
         for layer, kv_cache, metadata in zip(self.layers[self.start_layer : self.end_layer], kv_caches, attn_metadata):
             x = layer(x, kv_cache, metadata, cos_sin)

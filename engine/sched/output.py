@@ -31,6 +31,10 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # The step span's traceparent/tracestate (--collect-detailed-traces): the step's sampler calls join its trace.
     trace_headers: tuple[tuple[str, str], ...] = ()
+    # Images: request_id -> the images (engine.multimodal.inputs.MultiModalFeatureSpec) whose embeddings the runner
+    # computes in this step, before the forward pass; and the content hashes of embeddings it may drop, before those.
+    scheduled_encoder_inputs: dict[str, list] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -40,6 +40,8 @@ class Scheduler:
         max_loras: int = 0,
         rope_switch_len: int | None = None,
         pipeline_parallel_size: int = 1,
+        encoder_cache_manager=None,
+        max_num_encoder_input_tokens: int = 0,
     ):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -73,6 +75,10 @@ class Scheduler:
         # Pipeline parallelism: batches in flight at once; each request with batches in flight -> how many.
         self.pipelined = pipeline_parallel_size > 1
         self.num_batches_in_flight: dict[Request, int] = {}
+        # A vision-language model's encoder cache (engine.multimodal.encoder_cache), and the image embedding tokens
+        # the encoder computes in one step at most; None: a text-only model.
+        self.encoder_cache_manager = encoder_cache_manager
+        self.max_num_encoder_input_tokens = max_num_encoder_input_tokens
 
     # ---- requests in and out -------------------------------------------------
 
@@ -117,6 +123,8 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         if request.structured_output_request is not None and request.structured_output_request.grammar is not None:
             request.structured_output_request.grammar.cancel()  # a compile that has not started yet never runs
+        if self.encoder_cache_manager is not None:
+            self.encoder_cache_manager.free(request)
         if self.connector is not None:
             self.connector.request_finished(request)
         self.kv_cache_manager.free(request)
@@ -172,12 +180,19 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int] = {}
         scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         preempted: list[Request] = []
+        encoder_budget = self.max_num_encoder_input_tokens
+        scheduled_encoder_inputs: dict[str, list] = {}
 
         # Running requests first: decodes and unfinished prefill chunks.
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, token_budget)
+            encoder_inputs: list[int] = []
+            if num_new_tokens and request.mm_features and self.encoder_cache_manager is not None:
+                encoder_inputs, num_new_tokens, encoder_budget = self._try_schedule_encoder_inputs(
+                    request, request.num_computed_tokens, num_new_tokens, encoder_budget
+                )
             if num_new_tokens == 0:
                 req_index += 1
                 continue
@@ -209,6 +224,7 @@ class Scheduler:
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
+            self._allocate_encoder_inputs(request, encoder_inputs, scheduled_encoder_inputs)
             # The drafts that fit this step go to the runner; the request proposes anew after it.
             num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
             if num_spec > 0:
@@ -254,6 +270,13 @@ class Scheduler:
                     break
                 continue
             num_new_tokens = self._num_new_tokens(request, num_cached + num_local, token_budget)
+            encoder_inputs = []
+            if request.mm_features and self.encoder_cache_manager is not None:
+                encoder_inputs, num_new_tokens, encoder_budget = self._try_schedule_encoder_inputs(
+                    request, num_cached + num_local, num_new_tokens, encoder_budget
+                )
+                if num_new_tokens == 0:  # its next image does not fit this step's encoder budget or the cache
+                    break
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request,
                 num_new_tokens + self._num_lookahead(num_cached + num_local + num_new_tokens),
@@ -283,6 +306,7 @@ class Scheduler:
             scheduled.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            self._allocate_encoder_inputs(request, encoder_inputs, scheduled_encoder_inputs)
             if self.connector is not None:
                 self.connector.update_state_after_alloc(
                     request, self.kv_cache_manager.req_to_blocks[request.request_id], 0
@@ -301,7 +325,10 @@ class Scheduler:
             preempted_req_ids={r.request_id for r in preempted},
             finished_req_ids=self.finished_req_ids,
             scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
+            scheduled_encoder_inputs=scheduled_encoder_inputs,
         )
+        if self.encoder_cache_manager is not None:
+            output.free_encoder_mm_hashes = self.encoder_cache_manager.get_freed_mm_hashes()
         self._add_grammar_bitmask(output)
         self.finished_req_ids = set()
         if self.connector is not None:
@@ -359,6 +386,49 @@ class Scheduler:
             total_num_scheduled_tokens=len(decodes),
             block_ids={r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r in decodes},
         )
+
+    # ---- images: the encoder's budget and cache -------------------------------------------------------
+
+    def _try_schedule_encoder_inputs(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int, encoder_budget: int
+    ) -> tuple[list[int], int, int]:
+        """The images whose embeddings this step's tokens [num_computed, num_computed + num_new) need and the
+        encoder must compute (those not held already); the new-token count, cut short before the first image that
+        does not fit the step's encoder budget or the cache (an image is encoded whole, in one step); the budget
+        left (vLLM's _try_schedule_encoder_inputs)."""
+        manager, to_schedule, num_tokens_to_schedule = self.encoder_cache_manager, [], 0
+        end = num_computed_tokens + num_new_tokens
+        for i, feature in enumerate(request.mm_features):
+            start, length = feature.mm_position.offset, feature.mm_position.length
+            if start >= end:
+                break  # this step's tokens end before it
+            if start + length <= num_computed_tokens:
+                continue  # its embeddings are in the KV cache already
+            if feature.identifier in {request.mm_features[j].identifier for j in to_schedule}:
+                continue  # the same image again in this prompt: computed once
+            if manager.check_and_update_cache(request, i):
+                continue  # held: computed for an earlier chunk, or for another request with the same image
+            if not manager.can_allocate(request, i, encoder_budget, num_tokens_to_schedule):
+                num_new_tokens = max(0, start - num_computed_tokens)  # stop before it; it goes in a later step
+                break
+            num_tokens_to_schedule += length
+            encoder_budget -= length
+            to_schedule.append(i)
+        return to_schedule, num_new_tokens, encoder_budget
+
+    def _allocate_encoder_inputs(self, request: Request, input_ids: list[int], scheduled: dict[str, list]) -> None:
+        if input_ids:
+            for i in input_ids:
+                self.encoder_cache_manager.allocate(request, i)
+            scheduled[request.request_id] = [request.mm_features[i] for i in input_ids]
+
+    def _free_encoder_inputs(self, request: Request) -> None:
+        """Images whose placeholders are all in the KV cache now: the request needs their embeddings no more
+        (unless the same image comes again later in its prompt)."""
+        pending = {f.identifier for f in request.mm_features if f.mm_position.end > request.num_computed_tokens}
+        for i, feature in enumerate(request.mm_features):
+            if feature.mm_position.end <= request.num_computed_tokens and feature.identifier not in pending:
+                self.encoder_cache_manager.free_encoder_input(request, i)
 
     # ---- structured output ---------------------------------------------------------------------------
 
@@ -462,6 +532,8 @@ class Scheduler:
         # Recompute preemption: drop the KV cache and start the request over later. Its output tokens stay, and so
         # does its grammar matcher, which has accepted exactly them.
         self.kv_cache_manager.free(request)
+        if self.encoder_cache_manager is not None:
+            self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -497,6 +569,8 @@ class Scheduler:
                 request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
             elif not self.batch_done(request):
                 continue
+            if request.mm_features and self.encoder_cache_manager is not None:
+                self._free_encoder_inputs(request)
             if request.pooling_params is not None:
                 if request.num_computed_tokens >= request.num_tokens:  # its one prefill is done: so is it
                     outputs.append(self._finish_pooling(request, runner_output.pooler_output[request.request_id]))

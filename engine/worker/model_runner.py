@@ -88,6 +88,10 @@ class ModelRunner:
         # inputs); steps that used it.
         self.prepared_ahead: tuple[tuple, tuple] | None = None
         self.num_prepared_ahead = 0
+        # A vision-language model's image embeddings by content hash (the scheduler's EncoderCacheManager says what
+        # to compute and what to drop); and where each request of the batch last prepared starts.
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.batch_starts: list[int] = []
 
     def capture_cudagraphs(self, sizes: list[int]) -> None:
         """CUDA graphs of the model's forward for decode batches of these sizes (after the KV cache exists)."""
@@ -136,6 +140,7 @@ class ModelRunner:
         if num_computed is None:
             num_computed = [r.num_computed_tokens for r in so.scheduled_requests]
         starts = [num_computed[i] for i in order]
+        self.batch_starts = starts
         rows = [i for i, (r, start, n) in enumerate(zip(requests, starts, num_scheduled)) if start + n >= r.num_tokens]
         size = self.cudagraphs.padded_size(num_scheduled) if self.cudagraphs is not None else None
         spec = so.scheduled_spec_decode_tokens
@@ -186,18 +191,21 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.forget(so.finished_req_ids)
         self.device_wait_s = 0.0
+        for mm_hash in so.free_encoder_mm_hashes:
+            self.encoder_cache.pop(mm_hash, None)
         if so.is_empty:
             return ModelRunnerOutput([])
         if while_waiting is not None:
             while_waiting = partial(self._while_waiting, so, while_waiting)
         requests, order, rows, size, input_ids, positions, metadata, logits_indices = self.prepare_inputs(so)
-        if size is None:
+        mm_inputs = self._multimodal_inputs(so, requests, metadata[0], input_ids)
+        if size is None or mm_inputs:  # a step with image embeddings runs eagerly (graphs take token ids)
             attn_metadata = layer_metadata(self.model.attn_backend, metadata, self.layer_to_group)
             intermediate = None
             if not is_first_stage():
                 shape = (input_ids.shape[0], self.model.config.hidden_size)
                 intermediate = recv_from_prev_stage({"hidden_states": shape}, self.dtype, self.device)
-            hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches, intermediate)
+            hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches, intermediate, **mm_inputs)
         else:
             hidden = self.cudagraphs.replay(size)
         if not is_last_stage():
@@ -270,6 +278,31 @@ class ModelRunner:
             chunks = self.pooling_in_progress.pop(request.request_id, [])
             pooled[request.request_id] = self.pooler(torch.cat([*chunks, chunk]), request.pooling_params).cpu()
         return pooled
+
+    def _multimodal_inputs(self, so: SchedulerOutput, requests, metadata, input_ids) -> dict:
+        """{"inputs_embeds": ...} when this step's tokens include image placeholders, else {}: the images the
+        scheduler scheduled are encoded first (once each), then each placeholder token in the batch takes its row of
+        its image's embeddings (a chunk of a prompt takes the slice of an image it covers), as vLLM's
+        merge_multimodal_embeddings."""
+        for features in so.scheduled_encoder_inputs.values():
+            for feature in features:
+                if feature.identifier not in self.encoder_cache:
+                    self.encoder_cache[feature.identifier] = self.model.get_multimodal_embeddings(feature.data)
+        pieces, rows = [], []
+        qsl = metadata.query_start_loc_cpu
+        for i, (request, start) in enumerate(zip(requests, self.batch_starts)):
+            end = start + int(qsl[i + 1] - qsl[i])
+            for feature in request.mm_features:
+                lo, hi = max(start, feature.mm_position.offset), min(end, feature.mm_position.end)
+                if lo < hi:
+                    offset = feature.mm_position.offset
+                    pieces.append(self.encoder_cache[feature.identifier][lo - offset : hi - offset])
+                    rows.extend(range(int(qsl[i]) + lo - start, int(qsl[i]) + hi - start))
+        if not pieces:
+            return {}
+        embeds = self.model.get_input_embeddings(input_ids)
+        embeds[torch.tensor(rows, device=embeds.device)] = torch.cat(pieces).to(embeds.dtype)
+        return {"inputs_embeds": embeds}
 
     def _while_waiting(self, so: SchedulerOutput, schedule_ahead) -> None:
         """The engine's work for the next step while this one's tokens are sampled: its blocks, then its inputs."""

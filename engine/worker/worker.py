@@ -40,7 +40,7 @@ from engine.kv.manager import cdiv
 from engine.lora.manager import LoRAModelManager
 from engine.lora.request import LoRARequest
 from engine.malloc import keep_freed_memory_in_process
-from engine.models.config import ModelArchConfig
+from engine.models.config import MULTIMODAL_ARCHS, ModelArchConfig
 from engine.models.linear import process_weights_after_loading
 from engine.models.loader import check_dtype, dtype_reason, load_weights, prepare_quantized_weights
 from engine.models.quantization import QUANTIZED_AT_LOAD, check_quantization, resolve_quantization
@@ -129,6 +129,13 @@ class Worker:
             raise ValueError(
                 f"--enable-lora is not implemented for {model_config.architecture}'s multi-head latent attention"
             )
+        if model_config.architecture in MULTIMODAL_ARCHS:
+            for flag, used in (
+                ("--enable-lora", config.lora_config.enable_lora),
+                ("--pipeline-parallel-size > 1", config.parallel_config.pipeline_parallel_size > 1),
+            ):
+                if used:
+                    raise ValueError(f"{flag} is not implemented for {model_config.architecture}")
         self.model: torch.nn.Module | None = None  # the architecture's class in engine/models/, from ModelRegistry
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model_runner: ModelRunner | None = None
