@@ -458,3 +458,21 @@ def test_autoscaling(overlay):
         assert any("activationThreshold" in t["metadata"] and t not in queue for t in spec["triggers"])
     else:
         assert spec["minReplicaCount"] >= 1
+
+
+def test_variables_are_flags_of_their_service(overlay):
+    """Every LLMMESH_* a container sets is a flag its service reads (an unknown one would be ignored)."""
+    from services.cli import build_parser
+    from services.config import env_name
+
+    _, objects = overlay
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    flags = {name: {env_name(a.dest) for a in p._actions if a.option_strings} for name, p in commands.items()}
+    # The weights cache's directory is read by the model loader, not through a flag.
+    not_flags = {"LLMMESH_CACHE_DIR"}
+    for key in objects["ConfigMap", "llmmesh-config"]["data"]:
+        assert any(key in f for f in flags.values()), key
+    for _, c, service in llmmesh_containers(objects):
+        for e in c.get("env", []):
+            if e["name"].startswith("LLMMESH_") and e["name"] not in not_flags:
+                assert e["name"] in flags[service], (c["name"], e["name"])
