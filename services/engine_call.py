@@ -171,8 +171,11 @@ class EngineCall:
         self.counters["request_migrations"] = self.counters.get("request_migrations", 0) + 1
 
     async def _migrate(self, error: grpc.aio.AioRpcError) -> None:
-        """The engine of the whole request went away mid-stream: each unfinished completion resumes elsewhere."""
+        """The engine of the whole request went away mid-stream: each unfinished completion resumes elsewhere. With
+        no other engine healthy, the request fails with the engine's error."""
         gone = self.address
+        if not self.deps.any_healthy_engine(exclude=(gone,)):
+            raise error
         if self.engine_span is not None:
             set_error(self.engine_span, error.code(), error.details() or "")
             self.engine_span.end()
@@ -247,6 +250,8 @@ class EngineCall:
                 tried, gone = (*tried, address), address
                 if index in self.finished or self.is_finished(index):
                     return
+                if not self.deps.any_healthy_engine(exclude=tried):
+                    raise dependency_error("engine", address, e) from None
                 self._count_migration(address, e)
             finally:
                 self.resumed_calls.pop(index, None)
