@@ -130,12 +130,16 @@ class AsyncLLM:
         trace_headers: tuple[tuple[str, str], ...] = (),
         kv_transfer_params: dict | None = None,
         lora_request: LoRARequest | None = None,
+        output_token_ids: list[int] = (),
     ) -> RequestStream:
         """Check and queue a request (n engine requests when n > 1); ValueError names what is wrong.
         trace_headers: the request span's traceparent/tracestate, for the calls the engine makes for it.
         kv_transfer_params: vLLM's, already checked by the caller, for the KV connector.
         lora_request: an adapter the engine has loaded (add_lora, --lora-modules); None: the base model.
-        PoolingParams (a pooling engine's requests): one PoolingRequestOutput once the prompt has run."""
+        PoolingParams (a pooling engine's requests): one PoolingRequestOutput once the prompt has run.
+
+        output_token_ids: a request resumed from another engine (n=1), the tokens it generated there; only the
+        tokens after them are streamed."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine thread has stopped: {self.dead}")
         request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
@@ -151,6 +155,7 @@ class AsyncLLM:
             lora_request=lora_request,
             trace_headers=trace_headers,
             kv_transfer_params=kv_transfer_params,
+            output_token_ids=output_token_ids,
         )
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use by a running request.")

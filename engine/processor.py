@@ -182,6 +182,24 @@ class Processor:
             )
         return ids
 
+    def check_output_token_ids(self, output_token_ids: list[int], num_prompt_tokens: int, params) -> None:
+        """A resumed request's output so far: one completion, in the vocabulary, with room for one more token."""
+        if params.n != 1:
+            raise ValueError(f"output_token_ids: a resumed request has one completion (n=1), got n={params.n}.")
+        bad = [t for t in output_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"output_token_ids: token ids must be in [0, {self.vocab_size}), got {bad[:3]}.")
+        n = len(output_token_ids)
+        if params.max_tokens is not None and n >= params.max_tokens:
+            raise ValueError(
+                f"output_token_ids: {n} tokens leave none to generate under max_tokens={params.max_tokens}."
+            )
+        if num_prompt_tokens + n >= self.max_model_len:
+            raise ValueError(
+                f"output_token_ids: the prompt and output ({num_prompt_tokens + n} tokens) leave none to generate "
+                f"under the maximum model length of {self.max_model_len}."
+            )
+
     def process_inputs(
         self,
         request_id: str,
@@ -194,13 +212,14 @@ class Processor:
         trace_headers: tuple[tuple[str, str], ...] = (),
         kv_transfer_params: dict | None = None,
         mm_features: list | None = None,
+        output_token_ids: list[int] = (),
     ) -> list[Request]:
         """Everything above, in the order a client's mistakes are best reported; the engine requests to run.
         trace_headers: the request span's traceparent/tracestate, for the calls the engine makes for it.
         kv_transfer_params: vLLM's, already checked by the caller, for the KV connector. PoolingParams make one
         pooling request (a pooling engine's only kind), SamplingParams a generating one (n, when n > 1).
         mm_features: the prompt's images (engine.multimodal.inputs.MultiModalFeatureSpec), placeholders expanded in
-        prompt_token_ids."""
+        prompt_token_ids. output_token_ids: a request resumed from another engine, the tokens it generated there."""
         self.check_ids(request_id, cache_salt)
         self.process_lora(lora_request)
         if isinstance(params, PoolingParams):
@@ -221,6 +240,8 @@ class Processor:
             from engine.multimodal.checks import check_mm_features
 
             check_mm_features(prompt_token_ids, mm_features, self.mm_info, self.mm_limits)
+        if output_token_ids:
+            self.check_output_token_ids(list(output_token_ids), len(prompt_token_ids), params)
         return fan_out(
             request_id,
             prompt_token_ids,
@@ -233,6 +254,7 @@ class Processor:
             trace_headers=trace_headers,
             kv_transfer_params=kv_transfer_params or {},
             mm_features=mm_features,
+            output_token_ids=list(output_token_ids),
         )
 
     def process_pooling_inputs(

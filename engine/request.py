@@ -325,6 +325,7 @@ class Request:
         kv_transfer_params: dict | None = None,
         pooling_params: PoolingParams | None = None,
         mm_features: list | None = None,
+        output_token_ids: list[int] = (),
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -356,8 +357,9 @@ class Request:
         )
         self.status = RequestStatus.WAITING if self.structured_output_request is None else RequestStatus.WAITING_FOR_FSM
         self.stop_reason: int | str | None = None
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        # A request resumed from another engine starts with the output it had there, as one preempted here does.
+        self.output_token_ids: list[int] = list(output_token_ids)
+        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         # Speculative decoding: the drafts proposed to follow all_token_ids, verified in the request's next step.
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0

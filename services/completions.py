@@ -81,6 +81,9 @@ class GatewayRequest:
             prompt_ids,
             self.results,
             lambda msg: self.detokenizer.send(self._detokenize_items(msg)),
+            is_finished=lambda index: self.state.completions[index].finished,
+            migration_limit=gateway.migration_limit,
+            counters=gateway.counters,
         )
 
     def start(self, context) -> None:
@@ -220,13 +223,16 @@ class GatewayRequest:
         if abort is not None:
             # End this completion's engine request alone (its blocks are free next step; the others go on), as
             # finished by a stop: the engine counts it "stop", and ends its stream itself if it was the last.
-            self.stop_aborts.append(asyncio.get_running_loop().create_task(self._abort_engine(abort, stop_str)))
+            address, abort = self.engine.where(c.index, abort)  # a migrated completion runs elsewhere now
+            self.stop_aborts.append(
+                asyncio.get_running_loop().create_task(self._abort_engine(address, abort, stop_str))
+            )
 
-    async def _abort_engine(self, engine_request_id: str, stop_str: str) -> bool:
+    async def _abort_engine(self, address: str, engine_request_id: str, stop_str: str) -> bool:
         """Tell the engine a stop string ended one completion's engine request (a child span of the request's)."""
         attributes = {"llmmesh.engine_request_id": engine_request_id, "llmmesh.stop_str": stop_str}
         with self.telemetry.client_call("stop_string_abort", self.span, attributes) as s:
-            return await self.deps.abort(self.engine.address, engine_request_id, inject(s), stop_string=True)
+            return await self.deps.abort(address, engine_request_id, inject(s), stop_string=True)
 
     async def end(self) -> None:
         """Every completion is finished, or the engine's stream ended (what it left unfinished is aborted)."""

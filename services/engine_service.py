@@ -71,6 +71,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 trace_headers=trace_headers,
                 kv_transfer_params=kv_transfer,
                 lora_request=lora_request,
+                output_token_ids=list(request.output_token_ids),
             )
 
         first_tokens = True

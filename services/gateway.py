@@ -71,8 +71,11 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         max_requests_in_flight: int = 1024,
         api_key: str | None = None,
         trust_request_chat_template: bool = False,
+        migration_limit: int = 3,
     ):
         self.deps = deps
+        self.migration_limit = migration_limit  # moves a request may make when its engine goes away mid-stream
+        self.counters = {"request_migrations": 0}  # exported as llmmesh:<name>_total
         self.served_model_name = served_model_name
         self.limits = limits
         self.max_requests_in_flight = max_requests_in_flight
@@ -381,10 +384,12 @@ async def serve(args) -> None:
         args.max_requests_in_flight,
         args.api_key,
         args.trust_request_chat_template,
+        args.migration_limit,
     )
     # The public port takes prompts of up to --max-prompt-chars (4 bytes a character at most) and no more.
     server = Server("gateway", [SERVICE_NAME], args, max_receive_bytes=4 * limits.max_prompt_chars + 2**20)
     gateway.telemetry = server.telemetry
+    server.telemetry.count("llmmesh:", gateway.counters)
     server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, gateway)
     await server.start()  # from here SIGINT/SIGTERM set server.stop_requested
     monitor = asyncio.create_task(deps.monitor(server, server.stop_requested))  # announces once all are healthy
@@ -417,6 +422,8 @@ def run(args) -> None:
             raise ValueError(f"--{name} is required (the {name} service's HOST:PORT, or LLMMESH_{name.upper()}).")
     if args.max_requests_in_flight < 1:
         raise ValueError(f"max_requests_in_flight must be at least 1, got {args.max_requests_in_flight}.")
+    if args.migration_limit < 0:
+        raise ValueError(f"--migration-limit must be at least 0, got {args.migration_limit}.")
     if not 0 < args.prefill_timeout <= 3600:
         raise ValueError(f"--prefill-timeout must be a number of seconds in (0, 3600], got {args.prefill_timeout}.")
     config.run(serve(args), args)

@@ -12,6 +12,7 @@ import torch
 
 from engine.request import RequestFailure, SamplingParams
 from engine.sample.metadata import MetadataCache, SamplingMetadata
+from engine.sample.ops import seeded_generators
 from engine.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, expand_positions
 from engine.sample.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
 from kernels.cpu_ops import try_load
@@ -42,7 +43,7 @@ class SamplingState:
     prompt_token_ids: list[int]
     eos_token_ids: tuple[int, ...]
     output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    generators: list[torch.Generator] = field(default_factory=list)  # seeded: one per row it has in a step
     failure: RequestFailure | None = None  # its parameters were refused: its row fails, the others go on
 
 
@@ -115,8 +116,7 @@ class StreamState:
         states = [rows[request_id] for request_id in msg.request_ids]
         # With drafts, a request's rows are its verified positions (the rejection sampler's views of it).
         positions = states if drafts is None else expand_positions(states, drafts)
-        generators = {row: rows[s.request_id].generator for row, s in enumerate(positions)}
-        generators = {row: g for row, g in generators.items() if g is not None}
+        generators = seeded_generators(positions, {s.request_id: s.generators for s in states}, self.device)
         first_rows = itertools.accumulate(drafts.num_positions, initial=0) if drafts else range(len(states))
         failed = {row: s.failure for row, s in zip(first_rows, states) if s.failure is not None}
         if not failed:  # a failed row's failure is added to the metadata, which then is this step's alone
@@ -182,11 +182,8 @@ class StreamState:
                 failure = RequestFailure(f"request {new.request_id}: sampling failed: {e}", invalid_input=True)
                 news[new.request_id] = SamplingState(new.request_id, _FAILED_ROW, [], (), failure=failure)
                 continue
-            generator = None
-            if params.seed is not None and not params.greedy:
-                generator = torch.Generator(self.device).manual_seed(params.seed)
             news[new.request_id] = SamplingState(
-                new.request_id, params, list(new.prompt_token_ids), tuple(new.params.eos_token_ids), generator=generator
+                new.request_id, params, list(new.prompt_token_ids), tuple(new.params.eos_token_ids)
             )
         rows = {}
         for i, request_id in enumerate(msg.request_ids):

@@ -157,6 +157,11 @@ class GatewayConfig:
         "up on it and the decode engine computes the prompt itself (a hung prefill engine costs a request at most "
         "this; one that fails its health checks is skipped until it passes them again)",
     )
+    migration_limit: int = setting(
+        3,
+        help="times one request may move to another engine when its engine goes away mid-stream (it resumes "
+        "there with the tokens already sent); past it the client gets UNAVAILABLE. 0: never",
+    )
 
 
 @dataclass

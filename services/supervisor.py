@@ -52,6 +52,7 @@ def serve(args: argparse.Namespace) -> None:
         **sampler_options(args),
         env=telemetry_env(args),
         service_args=flags,
+        kv_connector_options=migration_kv_options(args, num_engines),
     )
     stop, started = threading.Event(), threading.Event()
 
@@ -209,6 +210,14 @@ def disaggregated_engines(args: argparse.Namespace) -> int:
     return decode
 
 
+def migration_kv_options(args: argparse.Namespace, num_engines: int) -> dict:
+    """With more than one engine and the KV store, each engine stores its requests' generated tokens' full blocks
+    too (store_decode_blocks), so that a request that migrates loads them on its new engine, not recomputes them."""
+    if num_engines > 1 and args.kv_store and args.migration_limit > 0:
+        return {"store_decode_blocks": True}
+    return {}
+
+
 def as_flags(args: argparse.Namespace, dests) -> list[str]:
     """`--name value` for each dest, as args holds it."""
     return [flag for dest in dests for flag in ("--" + dest.replace("_", "-"), str(getattr(args, dest)))]
@@ -224,7 +233,7 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     store = as_flags(args, ("redis_timeout", "max_blocks_per_request", "max_block_bytes"))
     trust = ["--trust-request-chat-template"] if args.trust_request_chat_template else []
     gateway = ["--host", args.host, "--max-requests-in-flight", str(args.max_requests_in_flight)]
-    gateway += ["--prefill-timeout", str(args.prefill_timeout)]
+    gateway += ["--prefill-timeout", str(args.prefill_timeout), "--migration-limit", str(args.migration_limit)]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
     if args.api_key:

@@ -119,6 +119,40 @@ def sorted_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return logits.scatter_(1, logits_idx, logits_sort)
 
 
+MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The seed of a seeded request's draw for its output token `index` (splitmix64 of the pair).
+
+    Each draw depends on the request's seed and the token's place alone, not on how many draws came before on
+    this engine: a request resumed on another engine with its output so far draws its next token exactly as it
+    would have where it started. Child i of a seeded request has seed + i; the mixing keeps its draws unrelated
+    to child 0's later ones."""
+    x = (seed * 0x9E3779B97F4A7C15 + index) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_generators(rows, kept: dict, device: torch.device) -> dict[int, torch.Generator]:
+    """Row -> its generator, for the seeded random rows, each set for that row's token (draw_seed with the
+    row's output so far: a draft position's row counts the drafts before it). kept: request id -> its
+    generators, one per row it has in a step, kept from step to step (a metadata kept for a steady batch holds
+    the same objects)."""
+    generators, taken = {}, {}
+    for row, request in enumerate(rows):
+        params = request.sampling_params
+        if params.seed is None or params.greedy:
+            continue
+        k = taken[request.request_id] = taken.get(request.request_id, -1) + 1
+        own = kept.setdefault(request.request_id, [])
+        if len(own) <= k:
+            own.append(torch.Generator(device))
+        generators[row] = own[k].manual_seed(draw_seed(params.seed, len(request.output_token_ids)))
+    return generators
+
+
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """One draw per row from probs, without torch.multinomial (it makes the host wait).
 

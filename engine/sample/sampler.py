@@ -27,6 +27,7 @@ from engine.sample.ops import (
     apply_top_p,
     argmax,
     random_sample,
+    seeded_generators,
 )
 from engine.sample.rejection_sampler import DraftTokens, expand_positions, rejection_sample
 
@@ -209,8 +210,8 @@ class LocalSampler(BatchSampler):
     def __init__(self, device: torch.device):
         self.device = device
         self.sampler = Sampler()
-        # Seeded requests keep one generator for their whole life.
-        self.generators: dict[str, torch.Generator] = {}
+        # Seeded requests' generators, set again for each draw (ops.seeded_generators).
+        self.generators: dict[str, list[torch.Generator]] = {}
         self.metadata = MetadataCache()
 
     def forget(self, request_ids) -> None:
@@ -226,12 +227,6 @@ class LocalSampler(BatchSampler):
 
     def _sample_rows(self, requests, logits, grammar, drafts) -> SamplerOutput:
         rows = requests if drafts is None else expand_positions(requests, drafts)
-        generators = {}
-        for row, request in enumerate(rows):
-            params = request.sampling_params
-            if params.seed is not None and not params.greedy:
-                if request.request_id not in self.generators:
-                    self.generators[request.request_id] = torch.Generator(self.device).manual_seed(params.seed)
-                generators[row] = self.generators[request.request_id]
+        generators = seeded_generators(rows, self.generators, self.device)
         metadata = self.metadata.get(rows, generators, logits.shape[-1], self.device, grammar)
         return self.sampler(logits, metadata, drafts)

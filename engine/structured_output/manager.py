@@ -70,7 +70,7 @@ class StructuredOutputManager:
     def grammar_init(self, request: Request) -> None:
         """Start compiling the request's grammar; it waits in WAITING_FOR_FSM until the matcher is ready."""
         request.structured_output_request.grammar = self.executor.submit(
-            self._compile, request.structured_output_request.params
+            self._compile, request.structured_output_request.params, list(request.output_token_ids)
         )
 
     def get_compiler(self) -> xgr.GrammarCompiler:
@@ -101,11 +101,18 @@ class StructuredOutputManager:
             return compiler.compile_grammar(params.grammar)
         return compiler.compile_structural_tag(params.structural_tag)
 
-    def _compile(self, params: StructuredOutputsParams) -> xgr.GrammarMatcher:
+    def _compile(self, params: StructuredOutputsParams, output_token_ids: list[int]) -> xgr.GrammarMatcher:
+        """The matcher, advanced over a resumed request's output so far (the state it had on its first engine)."""
         try:
-            return xgr.GrammarMatcher(self.compile(params))
+            matcher = xgr.GrammarMatcher(self.compile(params))
         except RuntimeError as e:
             raise ValueError(f"structured_outputs.{params.kind} does not compile: {grammar_error(e)}") from None
+        for i, token in enumerate(output_token_ids):
+            if not matcher.accept_token(token):
+                raise ValueError(
+                    f"output_token_ids[{i}]: token {token} does not follow structured_outputs.{params.kind}"
+                )
+        return matcher
 
     # ---- each step ---------------------------------------------------------------------------------
 
