@@ -24,6 +24,9 @@ _defaults = EngineArgs.__init__.__defaults__
 _names = [f.name for f in dataclasses.fields(EngineArgs)][-len(_defaults) :]
 EngineArgs.__init__.__defaults__ = tuple("float32" if n == "dtype" else d for n, d in zip(_names, _defaults))
 os.environ.setdefault("LLMMESH_DTYPE", "float32")
+# One KV block key for every engine the tests start, in process or not, as `llmmesh serve` gives its engines one:
+# engines that share a KV store load each other's blocks.
+os.environ.setdefault("LLMMESH_KV_BLOCK_KEY", os.urandom(32).hex())
 
 # One float32 KV block of SmolLM2: K and V x 30 layers x 16 tokens x 3 KV heads x 64 dims x 4 bytes.
 SMOLLM2_BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4
