@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from engine.config import DEFAULT_MODEL
 from engine.config.utils import setting
 from mesh.grpc_policy import MAX_MESSAGE_BYTES
+from mesh.tls import default_state_dir
 from services.routing import ROUTING_POLICIES
 
 # Each service's own port, so the mesh runs on one machine with every default.
@@ -35,6 +36,18 @@ class ServerConfig:
     port: int | None = setting(None, help="0: any free port")
     shutdown_timeout: float = setting(30.0, help="seconds in-flight calls get to finish after SIGTERM")
     log_level: str = setting("INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="the lowest level logged")
+    # Read when the parser is built (LLMMESH_STATE_DIR, XDG_STATE_HOME).
+    tls_dir: str = setting(
+        default_factory=lambda: str(default_state_dir() / "tls"),
+        help="the mesh's credentials (`llmmesh certs` makes them): its CA's certificate, this service's certificate "
+        "and key; every gRPC link is mutual TLS, and a peer must hold a certificate of this CA whose identity may "
+        "call the service (docs/security.md)",
+    )
+    insecure_plaintext: bool = setting(
+        False,
+        help="no TLS and no peer identities, for development on one machine: binds loopback only, and reaches the "
+        "other services in plaintext",
+    )
 
 
 @dataclass
@@ -121,7 +134,12 @@ class KVStoreConfig:
 
 @dataclass
 class KVStoreFlags:
-    redis_url: str = setting("redis://127.0.0.1:6379/0", help="redis://HOST:PORT/DB")
+    redis_url: str = setting(
+        "redis://127.0.0.1:6379/0", help="redis://[USER@]HOST:PORT/DB (rediss:// for TLS); no password in it"
+    )
+    redis_password_file: str | None = setting(
+        None, help="a file holding the Redis user's password (`llmmesh certs` writes redis.password)"
+    )
 
 
 @dataclass
@@ -156,6 +174,18 @@ class GatewayConfig:
         help="with disaggregated prefill: seconds a prefill engine may take over a prompt before the gateway gives "
         "up on it and the decode engine computes the prompt itself (a hung prefill engine costs a request at most "
         "this; one that fails its health checks is skipped until it passes them again)",
+    )
+
+
+@dataclass
+class GatewayTLSConfig:
+    """The gateway's public port (`llmmesh serve` takes them too). Without --tls-cert it serves the mesh's own
+    gateway certificate (its CA: ca.crt in --tls-dir)."""
+
+    tls_cert: str | None = setting(None, help="the public port's certificate chain (PEM), for the names clients use")
+    tls_key: str | None = setting(None, help="the key of --tls-cert (PEM)")
+    tls_ca: str | None = setting(
+        None, help="require client certificates signed by this CA (PEM) on the public port; unset: none asked for"
     )
 
 
@@ -243,6 +273,12 @@ class ClientConfig:
 
     address: str = setting(DEFAULT_ADDRESS, help="the gateway's HOST:PORT")
     api_key: str | None = setting(None, help="the key the gateway was started with (--api-key)")
+    tls_ca: str | None = setting(
+        None,
+        help="the CA that signed the gateway's certificate (PEM); unset: the mesh's ca.crt in LLMMESH_TLS_DIR or "
+        "the state directory, which signed the certificate of a gateway without --tls-cert",
+    )
+    insecure_plaintext: bool = setting(False, help="call a gateway that serves plaintext (on loopback)")
     request_model: str = setting("", flag="--model", help="the model to ask for; empty: the served one")
     max_tokens: int = setting(128, help="most tokens to generate")
     temperature: float | None = setting(None, help="default 1.0; 0: greedy")
@@ -265,7 +301,26 @@ class ChatFlags:
 
 
 @dataclass
+class CertsFlags:
+    dir: str = setting(
+        default_factory=lambda: str(default_state_dir() / "tls"), help="the credentials directory to fill"
+    )
+    host: list[str] | None = setting(
+        None,
+        repeatable=True,
+        help="a further name or IP address of the gateway's public port for its certificate (repeatable)",
+    )
+
+
+@dataclass
 class HealthFlags:
     address: str = setting(positional=True, help="HOST:PORT")
+    identity: str = setting(
+        "engine",
+        help="the service at the address (its certificate must name it), whose certificate in --tls-dir the "
+        "check presents too",
+    )
+    tls_dir: str = setting(default_factory=lambda: str(default_state_dir() / "tls"), help="the mesh's credentials")
+    insecure_plaintext: bool = setting(False, help="check in plaintext")
     service: str = setting("", help="a full service name; empty means the whole server")
     timeout: float = setting(2.0, help="seconds to wait for the answer")
