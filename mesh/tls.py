@@ -34,7 +34,7 @@ CALLERS = {
     "llmmesh.v1.KVStore": ("engine",),
     "llmmesh.v1.Sampler": ("engine",),
 }
-ANY_PEER = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection")
+ANY_PEER = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")
 
 TLS_DIR_ENV = "LLMMESH_TLS_DIR"
 PLAINTEXT_ENV = "LLMMESH_INSECURE_PLAINTEXT"
@@ -154,3 +154,11 @@ def refusal(service: str, identity: str | None) -> str | None:
     who = f"the identity {san(identity)}" if identity else "a peer with no mesh identity"
     callers = ", ".join(san(i) for i in allowed) or "no service of the mesh"
     return f"{who} may not call {service} (its callers: {callers})"
+
+
+def callers_table() -> str:
+    """CALLERS as the Markdown table of docs/security.md."""
+    rows = ["| gRPC service | identities that may call it |", "| --- | --- |"]
+    rows += [f"| `{service}` | {', '.join(f'`{san(i)}`' for i in callers)} |" for service, callers in CALLERS.items()]
+    rows += [f"| `{service}` | any certificate of the mesh's CA |" for service in ANY_PEER]
+    return "\n".join(rows) + "\n"

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from engine.config.utils import add_cli_args
-from mesh.tls import IDENTITIES, san
+from mesh.tls import IDENTITIES, default_tls_dir, san
 from services.settings import CertsFlags
 
 REDIS_USER = "llmmesh"
@@ -130,9 +130,12 @@ def redis_password(directory) -> str:
 
 
 def run_certs(args) -> None:
-    written = make_credentials(args.dir, args.host or [])
+    directory = args.dir or default_tls_dir()
+    written = make_credentials(directory, args.host or [])
     print(
-        f"llmmesh certs: wrote {', '.join(written)} to {args.dir}" if written else f"llmmesh certs: {args.dir} is whole"
+        f"llmmesh certs: wrote {', '.join(written)} to {directory}"
+        if written
+        else f"llmmesh certs: {directory} is whole"
     )
 
 

@@ -292,7 +292,7 @@ async def serve(args) -> None:
     for s in (server, *adapter_servers):
         await s.start()  # health answers NOT_SERVING while the model loads
     # The engine's plug-ins (the KV connector, the remote sampler) present its credentials: they read them here.
-    os.environ[tls.TLS_DIR_ENV] = args.tls_dir
+    os.environ[tls.TLS_DIR_ENV] = args.tls_dir or tls.default_tls_dir()
     os.environ[tls.PLAINTEXT_ENV] = "1" if args.insecure_plaintext else ""
     engine = AsyncLLM(lambda: EngineCore(engine_args), config.limits_from_args(args))
     try:

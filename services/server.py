@@ -32,7 +32,7 @@ from services.telemetry import Telemetry  # noqa: E402
 
 def credentials(args, identity: str) -> tls.MeshCredentials | None:
     """A service's own credentials from its flags (--tls-dir); None under --insecure-plaintext."""
-    return None if args.insecure_plaintext else tls.MeshCredentials(args.tls_dir, identity)
+    return None if args.insecure_plaintext else tls.MeshCredentials(args.tls_dir or tls.default_tls_dir(), identity)
 
 
 def channel(address: str, server: str, credentials: tls.MeshCredentials | None) -> grpc.aio.Channel:

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from engine.config import DEFAULT_MODEL
 from engine.config.utils import setting
 from mesh.grpc_policy import MAX_MESSAGE_BYTES
-from mesh.tls import default_state_dir
 from services.routing import ROUTING_POLICIES
 
 # Each service's own port, so the mesh runs on one machine with every default.
@@ -36,12 +35,12 @@ class ServerConfig:
     port: int | None = setting(None, help="0: any free port")
     shutdown_timeout: float = setting(30.0, help="seconds in-flight calls get to finish after SIGTERM")
     log_level: str = setting("INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="the lowest level logged")
-    # Read when the parser is built (LLMMESH_STATE_DIR, XDG_STATE_HOME).
-    tls_dir: str = setting(
-        default_factory=lambda: str(default_state_dir() / "tls"),
+    tls_dir: str | None = setting(
+        None,
         help="the mesh's credentials (`llmmesh certs` makes them): its CA's certificate, this service's certificate "
         "and key; every gRPC link is mutual TLS, and a peer must hold a certificate of this CA whose identity may "
-        "call the service (docs/security.md)",
+        "call the service (docs/security.md); unset: tls/ in the state directory ($LLMMESH_STATE_DIR, else "
+        "$XDG_STATE_HOME/llmmesh, else ~/.local/state/llmmesh)",
     )
     insecure_plaintext: bool = setting(
         False,
@@ -302,9 +301,7 @@ class ChatFlags:
 
 @dataclass
 class CertsFlags:
-    dir: str = setting(
-        default_factory=lambda: str(default_state_dir() / "tls"), help="the credentials directory to fill"
-    )
+    dir: str | None = setting(None, help="the credentials directory to fill; unset: tls/ in the state directory")
     host: list[str] | None = setting(
         None,
         repeatable=True,
@@ -320,7 +317,7 @@ class HealthFlags:
         help="the service at the address (its certificate must name it), whose certificate in --tls-dir the "
         "check presents too",
     )
-    tls_dir: str = setting(default_factory=lambda: str(default_state_dir() / "tls"), help="the mesh's credentials")
+    tls_dir: str | None = setting(None, help="the mesh's credentials; unset: tls/ in the state directory")
     insecure_plaintext: bool = setting(False, help="check in plaintext")
     service: str = setting("", help="a full service name; empty means the whole server")
     timeout: float = setting(2.0, help="seconds to wait for the answer")

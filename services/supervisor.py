@@ -42,6 +42,7 @@ def serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--engines must be from 1 to {MAX_ENGINES}, got {args.engines}.")
     if args.insecure_plaintext:
         tls.check_plaintext_host(args.host)  # before anything starts
+    args.tls_dir = args.tls_dir or tls.default_tls_dir()
     num_engines = disaggregated_engines(args)
     engine_args = EngineArgs.from_cli_args(args)
     flags = service_flags(args)
@@ -226,7 +227,7 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     """`llmmesh serve`'s flags for each service that takes them, by service. The engine's own (EngineArgs) go to it
     as Mesh's engine_args, --model also to the text services, and tracing and metrics as telemetry_env; the
     gateway alone binds --host and --port, the others listen on loopback."""
-    every = ["--log-level", args.log_level, "--tls-dir", args.tls_dir]
+    every = ["--log-level", args.log_level, *(["--tls-dir", args.tls_dir] if args.tls_dir else [])]
     every += ["--insecure-plaintext"] if args.insecure_plaintext else []
     drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
     limits = as_flags(args, [f.name for f in dataclasses.fields(RequestLimits)])

@@ -24,6 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from conftest import mesh_channel
 from engine.config import EngineArgs
 from hostile_cases import (
     ALLOWED_CODES,
@@ -96,11 +97,13 @@ class Ctx:
     def __init__(self, mesh):
         self.mesh = mesh
         self.addresses = {name: mesh.services[name].address for name in SERVICES}
-        self.channels = {name: grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for name, a in self.addresses.items()}
+        self.channels = {name: mesh_channel(a, options=CHANNEL_OPTIONS) for name, a in self.addresses.items()}
+        # vLLM's protocol is the router's to call (mesh/tls.py)
+        self.channels["router"] = mesh_channel(self.addresses["engine"], "router", options=CHANNEL_OPTIONS)
         self.stubs = {
             "gateway": gateway_pb2_grpc.GatewayStub(self.channels["gateway"]),
             "engine": engine_pb2_grpc.EngineStub(self.channels["engine"]),
-            "vllm": vllm_engine_pb2_grpc.VllmEngineStub(self.channels["engine"]),
+            "vllm": vllm_engine_pb2_grpc.VllmEngineStub(self.channels["router"]),
             "tokenizer": tokenizer_pb2_grpc.TokenizerStub(self.channels["tokenizer"]),
             "detokenizer": detokenizer_pb2_grpc.DetokenizerStub(self.channels["detokenizer"]),
         }
@@ -286,7 +289,7 @@ def assert_mesh_healthy(ctx: Ctx, after: str) -> None:
     dead = dead_services(ctx)
     assert not dead, f"after {after}: dead services: {', '.join(dead)}"
     for name in SERVICES:
-        with grpc.insecure_channel(ctx.addresses[name]) as ch:
+        with mesh_channel(ctx.addresses[name]) as ch:
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
         assert status == health_pb2.HealthCheckResponse.SERVING, f"after {after}: the {name} reports {status}"
     wait_idle(ctx)

@@ -20,11 +20,10 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from conftest import InProcessService
+from conftest import InProcessService, mesh_channel
 from engine import LLM, SamplingParams
 from engine.models.loader import DEFAULT_MODEL, prepare_model_dir
 from services.client import chat, collect, generate
@@ -341,6 +340,6 @@ def test_smg_cache_aware_over_two_engines_matches_gateway(two_engines, tmp_path)
     finally:
         router.stop()
     for address in addresses:  # each engine's VllmEngine saw a Generate from smg
-        with grpc.insecure_channel(address) as channel:
+        with mesh_channel(address, "router") as channel:
             info = vllm_engine_pb2_grpc.VllmEngineStub(channel).GetServerInfo(vllm_engine_pb2.GetServerInfoRequest())
         assert info.last_receive_timestamp > 0, f"smg sent nothing to the engine at {address}"
