@@ -19,18 +19,29 @@ from services.settings import DEFAULT_ADDRESS, ChatFlags, ClientConfig, Generate
 # ---- the client ----------------------------------------------------------------------------------
 
 
-def gateway_channel(address: str, tls_ca: str | None = None, insecure_plaintext: bool | None = None) -> grpc.Channel:
-    """A channel to a gateway: TLS, its certificate checked against tls_ca (default: the mesh's ca.crt in
-    LLMMESH_TLS_DIR or the state directory); plaintext only when asked (default: LLMMESH_INSECURE_PLAINTEXT)."""
+def gateway_credentials(tls_ca: str | None = None, insecure_plaintext: bool | None = None):
+    """TLS credentials for a gateway, its certificate checked against tls_ca (default: the mesh's ca.crt in
+    LLMMESH_TLS_DIR or the state directory); None (plaintext) only when asked (default: LLMMESH_INSECURE_PLAINTEXT)."""
     if insecure_plaintext if insecure_plaintext is not None else tls.plaintext_from_env():
-        return grpc.insecure_channel(address)
+        return None
     path = tls_ca or os.path.join(tls.default_tls_dir(), "ca.crt")
     try:
         with open(path, "rb") as f:
-            ca = f.read()
+            return grpc.ssl_channel_credentials(root_certificates=f.read())
     except OSError as e:
         raise ValueError(f"the gateway's CA {path}: {e.strerror} (--tls-ca, or --insecure-plaintext)") from None
-    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca))
+
+
+def gateway_channel(address: str, tls_ca: str | None = None, insecure_plaintext: bool | None = None) -> grpc.Channel:
+    """A channel to a gateway (gateway_credentials)."""
+    credentials = gateway_credentials(tls_ca, insecure_plaintext)
+    return grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+
+
+def aio_gateway_channel(address: str, tls_ca: str | None = None, insecure_plaintext: bool | None = None):
+    """gateway_channel for asyncio."""
+    credentials = gateway_credentials(tls_ca, insecure_plaintext)
+    return grpc.aio.insecure_channel(address) if credentials is None else grpc.aio.secure_channel(address, credentials)
 
 
 @functools.cache

@@ -289,6 +289,14 @@ async def serve(args) -> None:
         adapter_servers[-1].add(
             vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer, name)
         )
+    if args.vllm_plaintext_port is not None:
+        # smg reaches its workers in plaintext only (it sends no TLS to a grpcs:// worker): vLLM's protocol for it
+        # on a loopback port, which only processes of this host reach.
+        plain = server.sibling(
+            [VLLM_ENGINE_SERVICE], args.vllm_plaintext_port, host="127.0.0.1", insecure_plaintext=True
+        )
+        plain.add(vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer))
+        adapter_servers.append(plain)
     for s in (server, *adapter_servers):
         await s.start()  # health answers NOT_SERVING while the model loads
     # The engine's plug-ins (the KV connector, the remote sampler) present its credentials: they read them here.

@@ -248,10 +248,12 @@ class Server:
         self._watchers: list[asyncio.Task] = []
         self.servicers: list = []  # what add() registered, for whoever holds the server (an in-process test)
 
-    def sibling(self, service_names: list[str], port: int) -> "Server":
+    def sibling(self, service_names: list[str], port: int, **args) -> "Server":
         """Another server of this process on `port`, for services that need a port of their own: it shares this
-        one's telemetry and stop signal (SIGTERM stops both); start and stop it beside this one."""
-        return Server(self.name, service_names, argparse.Namespace(**{**vars(self.args), "port": port}), owner=self)
+        one's telemetry and stop signal (SIGTERM stops both); start and stop it beside this one. args: flags of
+        its own (host, insecure_plaintext)."""
+        namespace = argparse.Namespace(**{**vars(self.args), "port": port, **args})
+        return Server(self.name, service_names, namespace, owner=self)
 
     def add(self, add_servicer_to_server, servicer) -> None:
         add_servicer_to_server(servicer, self.registrar)

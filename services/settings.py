@@ -85,6 +85,11 @@ class EngineObservabilityConfig:
 
 @dataclass
 class EngineFlags:
+    vllm_plaintext_port: int | None = setting(
+        None,
+        help="serve vllm.grpc.engine.VllmEngine also on this port of loopback in plaintext, for a router on this host "
+        "that cannot reach a worker over mutual TLS (smg); off when unset",
+    )
     lora_vllm_ports: list[str] | None = setting(
         None,
         help="serve each named LoRA adapter also as a model of its own, on vllm.grpc.engine.VllmEngine at PORT, "

@@ -20,10 +20,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from conftest import InProcessService, mesh_channel
+from conftest import InProcessService
 from engine import LLM, SamplingParams
 from engine.models.loader import DEFAULT_MODEL, prepare_model_dir
 from services.client import chat, collect, generate
@@ -50,9 +51,12 @@ class InProcessMesh:
     def __init__(self, engine_flags: list[str], num_engines: int = 1):
         self.services: dict[str, InProcessService] = {}
         self.engine_names = ["engine"] + [f"engine-{i}" for i in range(2, num_engines + 1)]
+        # smg reaches workers in plaintext only: each engine's VllmEngine on a plaintext loopback port for it
+        self.vllm_addresses = {name: f"127.0.0.1:{free_port()}" for name in self.engine_names}
         try:
             for name in self.engine_names:
-                self.services[name] = InProcessService("engine", [*engine_flags, "--shutdown-timeout", "5"])
+                plain = ["--vllm-plaintext-port", self.vllm_addresses[name].rsplit(":", 1)[1]]
+                self.services[name] = InProcessService("engine", [*engine_flags, *plain, "--shutdown-timeout", "5"])
             for name in ("tokenizer", "detokenizer"):
                 self.services[name] = InProcessService(name, ["--shutdown-timeout", "5"])
             backends = [
@@ -231,7 +235,7 @@ def smg(mesh, tmp_path_factory):
     if reason:
         pytest.skip(reason)
     router = SmgRouter(
-        [mesh.services["engine"].address], prepare_model_dir(DEFAULT_MODEL), tmp_path_factory.mktemp("smg") / "smg.log"
+        [mesh.vllm_addresses["engine"]], prepare_model_dir(DEFAULT_MODEL), tmp_path_factory.mktemp("smg") / "smg.log"
     )
     try:
         model = router.wait_ready()
@@ -306,7 +310,7 @@ def test_smg_cache_aware_over_two_engines_matches_gateway(two_engines, tmp_path)
     reason = smg_missing()
     if reason:
         pytest.skip(reason)
-    addresses = [two_engines.services[name].address for name in two_engines.engine_names]
+    addresses = [two_engines.vllm_addresses[name] for name in two_engines.engine_names]
     router = SmgRouter(addresses, prepare_model_dir(DEFAULT_MODEL), tmp_path / "smg.log", ["--policy", "cache_aware"])
     try:
         model = router.wait_ready()
@@ -340,6 +344,6 @@ def test_smg_cache_aware_over_two_engines_matches_gateway(two_engines, tmp_path)
     finally:
         router.stop()
     for address in addresses:  # each engine's VllmEngine saw a Generate from smg
-        with mesh_channel(address, "router") as channel:
+        with grpc.insecure_channel(address) as channel:
             info = vllm_engine_pb2_grpc.VllmEngineStub(channel).GetServerInfo(vllm_engine_pb2.GetServerInfoRequest())
         assert info.last_receive_timestamp > 0, f"smg sent nothing to the engine at {address}"
