@@ -95,13 +95,15 @@ def caller(server: str) -> str:
 def mesh_channel(address: str, identity: str | None = None, options=(), server: str | None = None):
     """A blocking channel to the service at address (`server`, default: the identity its certificate names) with the
     suite's certificate of `identity` (default: the first that mesh/tls.py lets call it: the gateway for an engine);
-    options: further channel options."""
+    options: channel options over the mesh's own."""
     from mesh import tls
 
     server = server or server_identity(address)
     credentials = mesh_credentials_of(identity or caller(server))
     return grpc.secure_channel(
-        address, credentials.channel_credentials(), options=tls.channel_options(server) + list(options)
+        address,
+        credentials.channel_credentials(),
+        options=list({**dict(tls.channel_options(server)), **dict(options)}.items()),
     )
 
 
@@ -112,7 +114,9 @@ def aio_mesh_channel(address: str, identity: str | None = None, options=(), serv
     server = server or server_identity(address)
     credentials = mesh_credentials_of(identity or caller(server))
     return grpc.aio.secure_channel(
-        address, credentials.channel_credentials(), options=tls.channel_options(server) + list(options)
+        address,
+        credentials.channel_credentials(),
+        options=list({**dict(tls.channel_options(server)), **dict(options)}.items()),
     )
 
 

@@ -75,7 +75,7 @@ def test_the_policy_accepts_what_the_clients_send():
 async def idle_detokenize_stream(address: str, idle_s: float):
     """Open a Detokenize stream with one request, let it idle for idle_s (the client pings all along), then finish the
     request on the same stream. Returns its last result, or the error that broke the stream while it idled."""
-    async with aio_mesh_channel(address, server="detokenizer") as channel:
+    async with aio_mesh_channel(address, server="detokenizer", options=services.server.CHANNEL_OPTIONS) as channel:
         call = detokenizer_pb2_grpc.DetokenizerStub(channel).Detokenize()
         start = detokenizer_pb2.DetokenizeItem(request_id="idle", start=detokenizer_pb2.DetokenizeStart())
         await call.write(detokenizer_pb2.DetokenizeBatch(items=[start]))
