@@ -23,7 +23,10 @@ TTFT): all at once after the mesh run, or, with --max-concurrency 1, paired: eac
 the mesh and then offline. It reports the mesh/offline throughput ratio and the median TTFT the
 mesh adds. --rounds N alternates the two N times, each
 round with new prompts (seed + round), and reports the median of the per-round figures. --launch
-starts the whole mesh (`llmmesh serve`'s processes) on loopback first.
+starts the whole mesh (`llmmesh serve`'s processes) on loopback first. --launch --tls-cost starts a second mesh
+beside it, in plaintext (--insecure-plaintext), and runs each round's requests through both, the mutual-TLS one
+first: it reports the TLS / plaintext output throughput ratio and the median TTFT TLS adds (run it at
+--max-concurrency 1, 32 and 64 for TLS's cost by streams).
 
 --launch --engines N (N > 1) compares routing instead: --conversations multi-turn conversations at once, each
 turn's prompt the whole history (a prefix of --shared-prefix-len tokens shared by all, then each one's own first
@@ -52,6 +55,7 @@ from engine.config import EngineArgs
 from engine.models.loader import prepare_model_dir
 from engine.text.tokenizer import Tokenizer
 from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.client import aio_gateway_channel
 
 FIRST_REGULAR_ID = 17  # SmolLM2's special tokens are ids 0..16
 
@@ -153,9 +157,9 @@ async def one_request(stub, request: BenchRequest, model: str, api_key: str | No
     return result
 
 
-async def run_mesh(address, requests, rate, burstiness, max_concurrency, seed, model, api_key):
+async def run_mesh(address, requests, rate, burstiness, max_concurrency, seed, model, api_key, plaintext=None):
     limit = asyncio.Semaphore(max_concurrency)
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with aio_gateway_channel(address, insecure_plaintext=plaintext) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         async def limited(request):
@@ -206,7 +210,7 @@ def run_offline(llm, requests: list[BenchRequest]):
 
 async def run_paired(address, llm, requests, model, api_key):
     """One request at a time, each through the mesh and then offline, so the machine's drifts hit both."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with aio_gateway_channel(address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         await one_request(stub, BenchRequest("Hello", 2, 2), model, api_key)  # warm-up, untimed
         mesh, offline = [], []
@@ -332,7 +336,7 @@ async def run_conversations(address: str, conversations, reply_len: int, model: 
     reply_len tokens), sent think_time seconds on average after the last reply. The results of every turn, and the
     seconds it all took."""
     rng = random.Random(seed)
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with aio_gateway_channel(address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         await one_request(stub, BenchRequest("Hello", 2, 2), model, None)  # warm-up, untimed
 
@@ -422,6 +426,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=1, help="alternate mesh and offline runs this many times")
     ap.add_argument("--api-key", default=None, help="the gateway's --api-key, with --address")
     ap.add_argument(
+        "--tls-cost", action="store_true", help="with --launch: the same rounds through a plaintext mesh too"
+    )
+    ap.add_argument(
         "--output-json",
         default="benchmarks/results/serve.json",
         help="the report: every figure and each request's TTFT and ITLs",
@@ -469,8 +476,10 @@ def main():
         )
     # Loaded before the mesh starts and kept between rounds, so mesh and offline rounds alternate
     # on a warm machine and share its slow drifts.
+    if args.tls_cost and (args.offline or not args.launch):
+        raise SystemExit("--tls-cost needs --launch, and not --offline")
     llm = load_offline(engine_args) if args.offline else None
-    mesh = None
+    mesh = plain_mesh = None
     address = args.address
     if args.launch:
         from services.local_mesh import Mesh
@@ -484,6 +493,9 @@ def main():
         mesh = Mesh(engine_args, gateway_args)
         address = mesh.start()
         print(f"mesh up, gateway at {address}")
+        if args.tls_cost:
+            plain_mesh = Mesh(engine_args, gateway_args, insecure_plaintext=True)
+            print(f"plaintext mesh up, gateway at {plain_mesh.start()}")
     model = engine_args.model if args.launch else ""
     try:
         for i in range(args.rounds):
@@ -511,6 +523,27 @@ def main():
                     offline_out, offline_s = run_offline(llm, requests)
             entry["mesh"] = summarize(mesh_results, mesh_s, goodput)
             print_table(f"round {i + 1}: mesh (through the gateway)", entry["mesh"])
+            if plain_mesh is not None:
+                plain_results, plain_s = asyncio.run(
+                    run_mesh(
+                        plain_mesh.address,
+                        requests,
+                        args.request_rate,
+                        args.burstiness,
+                        args.max_concurrency,
+                        args.seed,
+                        model,
+                        None,
+                        plaintext=True,
+                    )
+                )
+                entry["plaintext"] = summarize(plain_results, plain_s, goodput)
+                print_table(f"round {i + 1}: the plaintext mesh", entry["plaintext"])
+                secure, plain = entry["mesh"], entry["plaintext"]
+                entry["tls_over_plaintext"] = {
+                    "output_throughput_ratio": secure["output_token_throughput"] / plain["output_token_throughput"],
+                    "median_ttft_added_ms": secure["ttft_ms"]["p50"] - plain["ttft_ms"]["p50"],
+                }
             if llm is not None:
                 entry["offline"] = summarize(offline_out, offline_s, goodput)
                 print_table(f"round {i + 1}: offline LLM.generate (in-process)", entry["offline"])
@@ -527,10 +560,13 @@ def main():
                     print(f"round {i + 1}: median over requests of (mesh TTFT - offline TTFT) {paired:.1f} ms")
             report["rounds"].append(entry)
     finally:
-        if mesh is not None:
-            mesh.stop()
+        for m in (mesh, plain_mesh):
+            if m is not None:
+                m.stop()
     if llm is not None:
         print(f"\n{median_over_rounds(report, 'mesh_over_offline', 'mesh / offline', 'the mesh')}")
+    if plain_mesh is not None:
+        print(f"\n{median_over_rounds(report, 'tls_over_plaintext', 'TLS / plaintext', 'TLS')}")
     write_report(args.output_json, report)
 
 

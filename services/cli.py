@@ -17,6 +17,7 @@ if sys.argv[1:2] == ["engine"]:
 
 from engine.config.utils import add_cli_args
 from services import (
+    certs,
     client,
     config,
     detokenizer_service,
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         gateway,
         supervisor,
         client,
+        certs,
     ):
         module.add_subcommands(sub)
     config.apply_env(parser)

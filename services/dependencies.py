@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.limits import RequestLimits
 from llmmesh.v1 import common_pb2, detokenizer_pb2_grpc, engine_pb2, engine_pb2_grpc, tokenizer_pb2_grpc
+from mesh.tls import MeshCredentials
 from services.detokenizer_client import DetokenizerStream
 from services.errors import RequestError, dependency_error, unavailable
 from services.routing import Routed, Router
@@ -50,12 +51,15 @@ class Dependencies:
         routing: str | None = None,
         prefill_engines: list[str] = (),
         prefill_timeout: float = 30.0,
+        credentials: MeshCredentials | None = None,
     ):
+        """credentials: the gateway's own, presented on every channel (None: plaintext)."""
         self.max_batch = max_batch  # items per DetokenizeBatch: the detokenizer's --max-batch (serve gives both one)
         if not engines:
             raise ValueError("engine: give at least one engine address (--engine HOST:PORT).")
-        addresses = dict.fromkeys([*engines, *prefill_engines, tokenizer, detokenizer])
-        self.channels = {address: channel(address) for address in addresses}
+        servers = {address: "engine" for address in [*engines, *prefill_engines]}
+        servers.update({tokenizer: "tokenizer", detokenizer: "detokenizer"})
+        self.channels = {address: channel(address, server, credentials) for address, server in servers.items()}
         # kv_producer engines for disaggregated prefill (the engines above are then kv_consumers), taken in turn
         self.prefill_engines = {
             address: engine_pb2_grpc.EngineStub(self.channels[address]) for address in dict.fromkeys(prefill_engines)

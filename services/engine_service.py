@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import logging
+import os
 
 import grpc
 
@@ -13,6 +14,7 @@ from engine.kv.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from engine.pooling.params import PoolingParams
 from engine.text.tokenizer import Tokenizer
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from mesh import tls
 from services import config
 from services.convert import request_output_to_llmmesh, sampling_params_from_llmmesh
 from services.engine_telemetry import EngineTelemetry
@@ -288,8 +290,19 @@ async def serve(args) -> None:
         adapter_servers[-1].add(
             vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer, name)
         )
+    if args.vllm_plaintext_port is not None:
+        # smg reaches its workers in plaintext only (it sends no TLS to a grpcs:// worker): vLLM's protocol for it
+        # on a loopback port, which only processes of this host reach.
+        plain = server.sibling(
+            [VLLM_ENGINE_SERVICE], args.vllm_plaintext_port, host="127.0.0.1", insecure_plaintext=True
+        )
+        plain.add(vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer))
+        adapter_servers.append(plain)
     for s in (server, *adapter_servers):
         await s.start()  # health answers NOT_SERVING while the model loads
+    # The engine's plug-ins (the KV connector, the remote sampler) present its credentials: they read them here.
+    os.environ[tls.TLS_DIR_ENV] = args.tls_dir or tls.default_tls_dir()
+    os.environ[tls.PLAINTEXT_ENV] = "1" if args.insecure_plaintext else ""
     engine = AsyncLLM(lambda: EngineCore(engine_args), config.limits_from_args(args))
     try:
         await engine.loaded()

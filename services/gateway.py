@@ -31,8 +31,8 @@ from services.completions import GatewayRequest
 from services.convert import sampling_params_from_llmmesh
 from services.dependencies import Dependencies
 from services.errors import RequestError, internal, invalid, unavailable
-from services.server import Server
-from services.settings import ChatTemplateConfig, GatewayConfig, GatewayFlags
+from services.server import Server, credentials
+from services.settings import ChatTemplateConfig, GatewayConfig, GatewayFlags, GatewayTLSConfig
 from services.telemetry import (
     CURRENT_SERVER_SPAN,
     Telemetry,
@@ -376,6 +376,7 @@ async def serve(args) -> None:
         args.routing,
         args.prefill_engine or (),
         args.prefill_timeout,
+        credentials(args, "gateway"),
     )
     gateway = Gateway(
         deps,
@@ -387,7 +388,7 @@ async def serve(args) -> None:
         args.migration_limit,
     )
     # The public port takes prompts of up to --max-prompt-chars (4 bytes a character at most) and no more.
-    server = Server("gateway", [SERVICE_NAME], args, max_receive_bytes=4 * limits.max_prompt_chars + 2**20)
+    server = Server("gateway", [SERVICE_NAME], args, max_receive_bytes=4 * limits.max_prompt_chars + 2**20, public=True)
     gateway.telemetry = server.telemetry
     server.telemetry.count("llmmesh:", gateway.counters)
     server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, gateway)
@@ -405,6 +406,7 @@ async def serve(args) -> None:
 def add_gateway_args(parser) -> None:
     """The gateway's own flags (not the addresses of its dependencies)."""
     add_cli_args(parser, GatewayConfig)
+    add_cli_args(parser, GatewayTLSConfig)
     add_cli_args(parser, ChatTemplateConfig)
     config.add_limit_args(parser)
 

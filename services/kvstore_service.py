@@ -23,7 +23,7 @@ import logging
 import mmap
 import time
 from collections import OrderedDict
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import grpc
 import redis.asyncio as aioredis
@@ -355,7 +355,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
 
 async def serve(args) -> None:
     keep_freed_memory_in_process()  # a Get copies its blocks into new buffers of megabytes
-    service = KVStoreService(args.redis_url, args.redis_timeout, args.max_blocks_per_request, args.max_block_bytes)
+    url = redis_url_with_password(args.redis_url, args.redis_password_file)
+    service = KVStoreService(url, args.redis_timeout, args.max_blocks_per_request, args.max_block_bytes)
     server = Server("kvstore", [SERVICE_NAME], args)
     server.add(add_to_server, service)
     server.telemetry.count("llmmesh:kvstore_", service.counters)  # hits, misses, bytes, corrupt blocks...
@@ -365,6 +366,23 @@ async def serve(args) -> None:
         await server.serve_until_stopped()
     finally:
         await service.redis.aclose()
+
+
+def redis_url_with_password(url: str, password_file: str | None) -> str:
+    """The Redis URL with the password of password_file in it: the password travels in a file, never on a command
+    line (readable by anyone in /proc), and the URL with it stays in this process."""
+    if password_file is None:
+        return url
+    try:
+        with open(password_file) as f:
+            password = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"--redis-password-file {password_file}: {e.strerror}") from None
+    scheme, rest = url.split("://", 1)
+    user, at, where = rest.rpartition("@")
+    if ":" in user:
+        raise ValueError("--redis-url holds a password: give it in --redis-password-file instead")
+    return f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{where}"
 
 
 def add_store_args(parser: argparse.ArgumentParser) -> None:

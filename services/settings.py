@@ -35,6 +35,18 @@ class ServerConfig:
     port: int | None = setting(None, help="0: any free port")
     shutdown_timeout: float = setting(30.0, help="seconds in-flight calls get to finish after SIGTERM")
     log_level: str = setting("INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="the lowest level logged")
+    tls_dir: str | None = setting(
+        None,
+        help="the mesh's credentials (`llmmesh certs` makes them): its CA's certificate, this service's certificate "
+        "and key; every gRPC link is mutual TLS, and a peer must hold a certificate of this CA whose identity may "
+        "call the service (docs/security.md); unset: tls/ in the state directory ($LLMMESH_STATE_DIR, else "
+        "$XDG_STATE_HOME/llmmesh, else ~/.local/state/llmmesh)",
+    )
+    insecure_plaintext: bool = setting(
+        False,
+        help="no TLS and no peer identities, for development on one machine: binds loopback only, and reaches the "
+        "other services in plaintext",
+    )
 
 
 @dataclass
@@ -73,6 +85,11 @@ class EngineObservabilityConfig:
 
 @dataclass
 class EngineFlags:
+    vllm_plaintext_port: int | None = setting(
+        None,
+        help="serve vllm.grpc.engine.VllmEngine also on this port of loopback in plaintext, for a router on this host "
+        "that cannot reach a worker over mutual TLS (smg); off when unset",
+    )
     lora_vllm_ports: list[str] | None = setting(
         None,
         help="serve each named LoRA adapter also as a model of its own, on vllm.grpc.engine.VllmEngine at PORT, "
@@ -121,7 +138,12 @@ class KVStoreConfig:
 
 @dataclass
 class KVStoreFlags:
-    redis_url: str = setting("redis://127.0.0.1:6379/0", help="redis://HOST:PORT/DB")
+    redis_url: str = setting(
+        "redis://127.0.0.1:6379/0", help="redis://[USER@]HOST:PORT/DB (rediss:// for TLS); no password in it"
+    )
+    redis_password_file: str | None = setting(
+        None, help="a file holding the Redis user's password (`llmmesh certs` writes redis.password)"
+    )
 
 
 @dataclass
@@ -161,6 +183,18 @@ class GatewayConfig:
         3,
         help="times one request may move to another engine when its engine goes away mid-stream (it resumes "
         "there with the tokens already sent); past it the client gets UNAVAILABLE. 0: never",
+    )
+
+
+@dataclass
+class GatewayTLSConfig:
+    """The gateway's public port (`llmmesh serve` takes them too). Without --tls-cert it serves the mesh's own
+    gateway certificate (its CA: ca.crt in --tls-dir)."""
+
+    tls_cert: str | None = setting(None, help="the public port's certificate chain (PEM), for the names clients use")
+    tls_key: str | None = setting(None, help="the key of --tls-cert (PEM)")
+    tls_ca: str | None = setting(
+        None, help="require client certificates signed by this CA (PEM) on the public port; unset: none asked for"
     )
 
 
@@ -248,6 +282,12 @@ class ClientConfig:
 
     address: str = setting(DEFAULT_ADDRESS, help="the gateway's HOST:PORT")
     api_key: str | None = setting(None, help="the key the gateway was started with (--api-key)")
+    tls_ca: str | None = setting(
+        None,
+        help="the CA that signed the gateway's certificate (PEM); unset: the mesh's ca.crt in LLMMESH_TLS_DIR or "
+        "the state directory, which signed the certificate of a gateway without --tls-cert",
+    )
+    insecure_plaintext: bool = setting(False, help="call a gateway that serves plaintext (on loopback)")
     request_model: str = setting("", flag="--model", help="the model to ask for; empty: the served one")
     max_tokens: int = setting(128, help="most tokens to generate")
     temperature: float | None = setting(None, help="default 1.0; 0: greedy")
@@ -270,7 +310,24 @@ class ChatFlags:
 
 
 @dataclass
+class CertsFlags:
+    dir: str | None = setting(None, help="the credentials directory to fill; unset: tls/ in the state directory")
+    host: list[str] | None = setting(
+        None,
+        repeatable=True,
+        help="a further name or IP address of the gateway's public port for its certificate (repeatable)",
+    )
+
+
+@dataclass
 class HealthFlags:
     address: str = setting(positional=True, help="HOST:PORT")
+    identity: str = setting(
+        "engine",
+        help="the service at the address (its certificate must name it), whose certificate in --tls-dir the "
+        "check presents too",
+    )
+    tls_dir: str | None = setting(None, help="the mesh's credentials; unset: tls/ in the state directory")
+    insecure_plaintext: bool = setting(False, help="check in plaintext")
     service: str = setting("", help="a full service name; empty means the whole server")
     timeout: float = setting(2.0, help="seconds to wait for the answer")

@@ -1,7 +1,8 @@
 """`llmmesh serve`: the mesh on one machine (services/local_mesh.py), started, watched and stopped.
 
-serve starts the engine, tokenizer, detokenizer and gateway as separate processes on loopback, waits until the
-gateway reports every service healthy, prints the gateway's address and stops everything on Ctrl-C or SIGTERM.
+serve starts the engine, tokenizer, detokenizer and gateway as separate processes on loopback, with the mesh's
+credentials from --tls-dir (made there on first start: services/certs.py), waits until the gateway reports every
+service healthy, prints the gateway's address and stops everything on Ctrl-C or SIGTERM.
 A service that dies is started again on its port (supervise); one that keeps dying stops the mesh. `llmmesh demo`
 does the same, streams a few generations through it and stops.
 """
@@ -17,6 +18,7 @@ import time
 from engine.config import EngineArgs
 from engine.config.utils import add_cli_args
 from engine.limits import RequestLimits
+from mesh import tls
 from services import client, config, kvstore_service
 from services.gateway import add_gateway_args
 from services.local_mesh import REDIS, Mesh
@@ -38,6 +40,9 @@ def serve(args: argparse.Namespace) -> None:
         raise ValueError("--prometheus-config needs --metrics-port (0: each service on a free port of its own)")
     if not 1 <= args.engines <= MAX_ENGINES:
         raise ValueError(f"--engines must be from 1 to {MAX_ENGINES}, got {args.engines}.")
+    if args.insecure_plaintext:
+        tls.check_plaintext_host(args.host)  # before anything starts
+    args.tls_dir = args.tls_dir or tls.default_tls_dir()
     num_engines = disaggregated_engines(args)
     engine_args = EngineArgs.from_cli_args(args)
     flags = service_flags(args)
@@ -53,6 +58,8 @@ def serve(args: argparse.Namespace) -> None:
         env=telemetry_env(args),
         service_args=flags,
         kv_connector_options=migration_kv_options(args, num_engines),
+        tls_dir=args.tls_dir,
+        insecure_plaintext=args.insecure_plaintext,
     )
     stop, started = threading.Event(), threading.Event()
 
@@ -81,7 +88,9 @@ def serve(args: argparse.Namespace) -> None:
         if args.prometheus_config:
             write_prometheus_config(mesh, args.prometheus_config)
         print(f"llmmesh gateway listening on {address}", flush=True)
-        print(f'  try: llmmesh generate "The capital of France is" --address {address}', flush=True)
+        own_ca = not (args.insecure_plaintext or args.tls_cert)  # the mesh's CA signed the gateway's certificate
+        ca = f" --tls-ca {os.path.join(args.tls_dir, 'ca.crt')}" if own_ca else ""
+        print(f'  try: llmmesh generate "The capital of France is" --address {address}{ca}', flush=True)
         crash_loop = supervise(mesh, stop)
         if crash_loop:
             say(crash_loop, error=True)
@@ -227,7 +236,8 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     """`llmmesh serve`'s flags for each service that takes them, by service. The engine's own (EngineArgs) go to it
     as Mesh's engine_args, --model also to the text services, and tracing and metrics as telemetry_env; the
     gateway alone binds --host and --port, the others listen on loopback."""
-    every = ["--log-level", args.log_level]
+    every = ["--log-level", args.log_level, *(["--tls-dir", args.tls_dir] if args.tls_dir else [])]
+    every += ["--insecure-plaintext"] if args.insecure_plaintext else []
     drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
     limits = as_flags(args, [f.name for f in dataclasses.fields(RequestLimits)])
     store = as_flags(args, ("redis_timeout", "max_blocks_per_request", "max_block_bytes"))
@@ -240,6 +250,9 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
         gateway += ["--api-key", args.api_key]
     if args.routing:
         gateway += ["--routing", args.routing]
+    for flag in ("tls_cert", "tls_key", "tls_ca"):
+        if getattr(args, flag):
+            gateway += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     engine = ["--collect-detailed-traces", args.collect_detailed_traces] if args.collect_detailed_traces else []
     # The sampler samples where the engine runs (its seeded draws follow that device's generator) when the engine's
     # device is named; with "auto" it stays on the CPU, its default.

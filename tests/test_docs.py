@@ -20,6 +20,7 @@ import yaml
 from google.protobuf import descriptor_pool, json_format, message_factory
 from grpc_health.v1 import health_pb2  # noqa: F401 (its descriptors, for the health example)
 
+from conftest import mesh_channel
 from engine.config import EngineArgs
 from llmmesh.v1 import gateway_pb2  # noqa: F401 (its descriptors, for the gateway examples)
 from services import client, config, flags_doc
@@ -265,7 +266,7 @@ def emulate_grpcurl(argv: list[str]) -> tuple[int, str]:
     request_class = message_factory.GetMessageClass(descriptor.input_type)
     response_class = message_factory.GetMessageClass(descriptor.output_type)
     request = json_format.Parse(body, request_class())
-    with grpc.insecure_channel(address) as channel:
+    with mesh_channel(address) as channel:
         kind = channel.unary_stream if descriptor.server_streaming else channel.unary_unary
         call = kind(
             f"/{method}",
@@ -380,3 +381,9 @@ def check_output(line: str, shown: list[str], code: int, out: str, exact_errors:
     printed = [without_volatile(obj) for obj in json_objects(out)]
     for expected in json_objects(shown_text.replace("…", "")):
         assert without_volatile(expected) in printed, (line, expected, printed)
+
+
+def test_security_doc_holds_the_table_of_callers_the_servers_enforce():
+    from mesh.tls import callers_table
+
+    assert callers_table() in (ROOT / "docs" / "security.md").read_text()

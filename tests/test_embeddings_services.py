@@ -15,7 +15,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 from test_embeddings import ATOL, hf_hidden_states, save_base_model
 from test_interop import SmgRouter, smg_missing
 
-from conftest import InProcessService
+from conftest import InProcessService, mesh_channel
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from random_model import save_word_level_tokenizer
 from test_models import COMMON
@@ -31,9 +31,11 @@ class EmbeddingMesh:
     def __init__(self, stack: contextlib.ExitStack, model_dir, generative_dir):
         def start(name: str, service: str, flags) -> None:
             self.services[name] = stack.enter_context(InProcessService(service, [*flags, "--shutdown-timeout", "5"]))
-            self.channels[name] = stack.enter_context(grpc.insecure_channel(self.services[name].address))
+            self.channels[name] = stack.enter_context(mesh_channel(self.services[name].address))
+            if service == "engine":  # vLLM's protocol is the router's to call (mesh/tls.py)
+                self.router_channels[name] = stack.enter_context(mesh_channel(self.services[name].address, "router"))
 
-        self.services, self.channels = {}, {}
+        self.services, self.channels, self.router_channels = {}, {}, {}
         start("engine", "engine", ["--model", model_dir, *FLAGS])
         start("generative", "engine", ["--model", generative_dir, *FLAGS])
         for name in ("tokenizer", "detokenizer"):
@@ -49,7 +51,7 @@ class EmbeddingMesh:
         return engine_pb2_grpc.EngineStub(self.channels[name])
 
     def vllm(self, name: str = "engine") -> vllm_engine_pb2_grpc.VllmEngineStub:
-        return vllm_engine_pb2_grpc.VllmEngineStub(self.channels[name])
+        return vllm_engine_pb2_grpc.VllmEngineStub(self.router_channels[name])
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import SERVING, InProcessService, run_to_completion, wait_for_health
+from conftest import SERVING, InProcessService, mesh_channel, run_to_completion, wait_for_health
 from engine import LLM, SamplingParams
 from engine.output_processor import OutputProcessor, RequestOutputKind
 from engine.request import Request
@@ -131,7 +131,7 @@ def service():
 
 @pytest.fixture(scope="module")
 def stub(service):
-    with grpc.insecure_channel(service.address) as channel:
+    with mesh_channel(service.address) as channel:
         yield engine_pb2_grpc.EngineStub(channel)
 
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from test_telemetry import Receiver
 
-from conftest import InProcessService, wait_until
+from conftest import InProcessService, mesh_channel, wait_until
 from engine import LLM, EngineArgs, LoRARequest, SamplingParams
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from random_model import save_random_smollm2_shaped
@@ -78,7 +78,7 @@ class LoraMesh:
         except BaseException:
             self.stop()
             raise
-        self.channels = {name: grpc.insecure_channel(s.address) for name, s in self.services.items()}
+        self.channels = {name: mesh_channel(s.address) for name, s in self.services.items()}
         self.gateway = gateway_pb2_grpc.GatewayStub(self.channels["gateway"])
         self.engines = {name: engine_pb2_grpc.EngineStub(self.channels[name]) for name in ("engine", "engine-2")}
 
@@ -357,7 +357,7 @@ def test_prefix_aware_routing_finds_an_adapters_blocks(mesh):
 def test_an_engine_without_lora_refuses_clearly(model_dir):
     path, adapters = model_dir
     flags = ["--model", str(path), "--kv-cache-memory", KV, "--shutdown-timeout", "5"]
-    with InProcessService("engine", flags) as engine, grpc.insecure_channel(engine.address) as channel:
+    with InProcessService("engine", flags) as engine, mesh_channel(engine.address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         load = common_pb2.LoadLoraAdapterRequest(lora_name="sql", lora_path=adapters["sql"])
         with pytest.raises(grpc.RpcError) as e:
@@ -397,7 +397,7 @@ def vllm_generate(address: str, tokens: list[int]) -> list[int]:
         tokenized=vllm_engine_pb2.TokenizedInput(input_ids=tokens),
         sampling_params=params,
     )
-    with grpc.insecure_channel(address) as channel:
+    with mesh_channel(address, "router") as channel:
         replies = vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(request, timeout=60)
         return [t for m in replies for t in m.complete.output_ids]
 
@@ -414,7 +414,7 @@ def test_an_adapter_port_serves_the_adapter_as_its_model(adapter_ports_engine, m
     assert offline(tokens, "sql") != offline(tokens) != offline(tokens, "late")
     assert vllm_generate(ports["sql"], tokens) == offline(tokens, "sql")
     assert vllm_generate(engine.address, tokens) == offline(tokens)
-    with grpc.insecure_channel(ports["late"]) as channel, grpc.insecure_channel(engine.address) as main:
+    with mesh_channel(ports["late"], "router") as channel, mesh_channel(engine.address) as main:
         vllm = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         info = vllm.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest(), timeout=10)
         assert info.served_model_name == "late" and info.vocab_size == COMMON["vocab_size"]

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import NOT_SERVING, SERVING, wait_for_health
+from conftest import NOT_SERVING, SERVING, mesh_channel, wait_for_health
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, tokenizer_pb2
@@ -72,7 +72,7 @@ def refs(llm):
 
 @pytest.fixture(scope="module")
 def engine(mesh):
-    return engine_pb2_grpc.EngineStub(grpc.insecure_channel(mesh.services["engine"].address))
+    return engine_pb2_grpc.EngineStub(mesh_channel(mesh.services["engine"].address))
 
 
 # The engine publishes its load after every step and has no event for it, so the waits below poll; their
@@ -368,7 +368,7 @@ def test_resource_exhausted_unauthenticated_and_drain(mesh, engine):
         in_flight = generate(address, PROMPTS[0], api_key="s3cret", temperature=0.0, max_tokens=24, ignore_eos=True)
         first_chunks(in_flight, 1)
         # Watched from before the signal: once the drain begins the gateway takes no new calls, Watch included.
-        with grpc.insecure_channel(address) as channel:
+        with mesh_channel(address) as channel:
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=60)
             assert next(watch).status == SERVING
             gateway.terminate()

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from test_serve import SERVING_LINE, Serve
 
-from conftest import HFReference, InProcessService, assert_greedy_matches, wait_until
+from conftest import HFReference, InProcessService, assert_greedy_matches, mesh_channel, wait_until
 from engine.config import EngineArgs
 from engine.limits import RequestLimits
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
@@ -170,7 +170,7 @@ def test_gateway_hashes_equal_the_engines(tiny_model):
     flags = ["--model", path, "--kv-cache-memory", "8MiB", "--enable-kv-cache-events", "--block-size", "8"]
     flags += ["--prefix-caching-hash-algo", "blake2b", "--prefix-caching-hash-seed", "deployment-7"]
     prompt = random.Random(0).choices(range(3, 512), k=45)  # 5 full blocks of 8
-    with InProcessService("engine", flags) as engine, grpc.insecure_channel(engine.address) as channel:
+    with InProcessService("engine", flags) as engine, mesh_channel(engine.address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         router = Router([engine.address])
         router.set_model_info(stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=30))
@@ -203,7 +203,7 @@ def test_a_new_subscriber_starts_from_the_engines_cached_blocks(tiny_model):
     rng = random.Random(7)
     first, second = rng.choices(range(3, 512), k=5 * BLOCK + 3), rng.choices(range(3, 512), k=2 * BLOCK + 3)
     params = client.sampling_params(temperature=0.0, max_tokens=1)
-    with InProcessService("engine", flags) as engine, grpc.insecure_channel(engine.address) as channel:
+    with InProcessService("engine", flags) as engine, mesh_channel(engine.address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         router = Router([engine.address])
         router.set_model_info(stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=30))
@@ -407,7 +407,7 @@ def test_engine_killed_mid_decode_its_request_migrates(mesh, tiny_model):
 
 
 def num_running(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
+    with mesh_channel(address) as channel:
         return engine_pb2_grpc.EngineStub(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=30).num_running
 
 
@@ -424,7 +424,7 @@ def test_serve_starts_engine_replicas_that_share_one_kvstore(tiny_model):
             services[name] = address
         assert set(services) == {"redis-server", "kvstore", "engine", "engine-2", "tokenizer", "detokenizer", "gateway"}
         for name in ("engine", "engine-2"):
-            with grpc.insecure_channel(services[name]) as channel:
+            with mesh_channel(services[name]) as channel:
                 info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=30)
             assert info.enable_kv_cache_events, name
         prompt = random.Random(5).choices(range(3, 512), k=40)

@@ -17,7 +17,7 @@ import pytest
 import redis
 import torch
 
-from conftest import NOT_SERVING, InProcessService, assert_no_leaks, run_greedy, wait_for_health
+from conftest import NOT_SERVING, InProcessService, assert_no_leaks, mesh_channel, run_greedy, wait_for_health
 from engine.attention.selector import get_attn_backend
 from engine.config import EngineArgs
 from engine.core import EngineCore
@@ -303,7 +303,7 @@ def test_a_rank_killed_mid_step_ends_the_engine_with_an_error_naming_it(tiny_mod
 
 def test_a_rank_killed_makes_the_engine_service_not_serving_and_fails_its_streams(tiny_model):
     flags = ["--model", tiny_model, "--dtype", "float32", "--kv-cache-memory", "16MiB", "--tensor-parallel-size", 2]
-    with InProcessService("engine", flags) as service, grpc.insecure_channel(service.address) as channel:
+    with InProcessService("engine", flags) as service, mesh_channel(service.address) as channel:
         (rank1,) = _rank_processes()
         params = client.sampling_params(temperature=0.0, max_tokens=200, ignore_eos=True)
         stream = engine_pb2_grpc.EngineStub(channel).Generate(

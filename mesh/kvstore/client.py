@@ -1,10 +1,9 @@
 """A blocking gRPC client for llmmesh.v1.KVStore that the KVStore connector calls from its own threads."""
 
-import grpc
-
 from engine.kv.layout import KVLayout
 from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
-from mesh.grpc_policy import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
+from mesh import tls
+from mesh.grpc_policy import MAX_MESSAGE_BYTES
 from mesh.kvstore.block_tag import TAG_BYTES
 from mesh.kvstore.wire import SEGMENT_PREFIX, layout_to_proto
 from mesh.shared_memory import create_segment, unlink_segment
@@ -45,7 +44,8 @@ class KVStoreClient:
         for layout in layouts:
             if layout.block_bytes > MAX_MESSAGE_BYTES // 2:
                 raise ValueError(f"a KV block of {layout.block_bytes} bytes is too large for the kvstore's messages")
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # Always inside an engine: it presents the engine's certificate.
+        self.channel = tls.channel(address, "kvstore", tls.credentials_from_env("engine"))
         self.stub = kvstore_pb2_grpc.KVStoreStub(self.channel)
 
     def lookup(self, fingerprint: str, block_hashes: list[bytes], timeout: float, metadata=()) -> list[bool]:
