@@ -166,7 +166,8 @@ def load_tokenizer(model_dir: Path):
 
 # ---------------------------------------------------------------------------------------------- GGUF metadata
 
-# llama.cpp architecture name -> HF architecture (llama.cpp stores Mistral models as "llama" too).
+# llama.cpp architecture name -> HF architecture (llama.cpp stores Mistral models as "llama" too, and Mixtral as
+# "llama" with experts: gguf_config tells them apart by its expert count).
 GGUF_ARCHS = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -174,9 +175,15 @@ GGUF_ARCHS = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 # HF model_type of each (Gemma 3's text-only model is "gemma3_text").
-_GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
+_GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# Whether llama.cpp renormalises the chosen experts' weights when the file does not say (expert_weights_norm):
+# Mixtral and Qwen3-MoE do, Qwen2-MoE does not (its llama-model.cpp graphs).
+_GGUF_MOE_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+_MOE_KEYS = {"expert_count", "expert_used_count", "expert_weights_norm", "expert_gating_func"}
 
 # The {arch}.* metadata keys gguf_config reads or has checked; any other is refused by name, since it may change
 # what the model computes.
@@ -187,6 +194,9 @@ _GGUF_KEYS = {
     "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear", "rope.scaling.original_context_length",
 }  # fmt: skip
 _GGUF_FAMILY_KEYS = {
+    "llama": _MOE_KEYS,
+    "qwen2moe": _MOE_KEYS | {"expert_feed_forward_length", "expert_shared_feed_forward_length"},
+    "qwen3moe": _MOE_KEYS | {"expert_feed_forward_length"},
     "phi3": {"attention.sliding_window", "rope.scaling.attn_factor"},
     "gemma2": {"attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping"},
     "gemma3": {
@@ -253,7 +263,8 @@ def gguf_config(reader, path: Path) -> dict:
         # ggml shapes are reversed: token_embd is [hidden, vocab].
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),
         "hidden_size": hidden,
-        "intermediate_size": int(meta("feed_forward_length")),
+        # A MoE file may state only its experts' width.
+        "intermediate_size": int(meta("feed_forward_length", 0 if arch in _GGUF_MOE_NORM else None)),
         "num_hidden_layers": int(meta("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
@@ -273,6 +284,8 @@ def gguf_config(reader, path: Path) -> dict:
     }
     if arch == "phi3":
         config.update(_phi3_config(reader, tensors, config, rope_dim, path))
+    elif arch in _GGUF_MOE_NORM and _field(reader, f"{arch}.expert_count"):
+        config.update(_moe_config(reader, arch, tensors, config, meta, path))
     elif arch in ("gemma2", "gemma3"):
         config.update(_gemma_config(reader, arch, config, meta))
     return config
@@ -301,6 +314,45 @@ def _phi3_config(reader, tensors, config: dict, rope_dim: int, path: Path) -> di
         attn_factor = _field(reader, "phi3.rope.scaling.attn_factor")
         if attn_factor is not None:
             extra["rope_scaling"]["attention_factor"] = float(attn_factor)
+    return extra
+
+
+def _moe_config(reader, arch: str, tensors, config: dict, meta, path: Path) -> dict:
+    """Mixtral (llama with experts), Qwen2-MoE and Qwen3-MoE: the experts' count, a token's, their width, and the
+    layers that have them (those with a router, ffn_gate_inp)."""
+    experts, top_k = int(meta("expert_count")), int(meta("expert_used_count"))
+    gating = _field(reader, f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ModelLoadError(f"{path}: GGUF metadata {arch}.expert_gating_func={gating!r} is not implemented; "
+                             "the experts are routed by softmax (1)")  # fmt: skip
+    layers = config["num_hidden_layers"]
+    if any(f"blk.{i}.ffn_gate.0.weight" in tensors for i in range(layers)):
+        raise ModelLoadError(f"{path}: GGUF file holds one tensor per expert (blk.N.ffn_gate.E.weight), llama.cpp's "
+                             "layout before its experts were merged, which is not implemented; convert the model "
+                             "again with a current convert_hf_to_gguf.py")  # fmt: skip
+    norm = bool(_field(reader, f"{arch}.expert_weights_norm", _GGUF_MOE_NORM[arch]))
+    if arch == "llama":
+        if not norm:
+            raise ModelLoadError(f"{path}: GGUF metadata llama.expert_weights_norm=False is not implemented; "
+                                 "Mixtral renormalises its chosen experts' weights")  # fmt: skip
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts,
+                "num_experts_per_tok": top_k, "sliding_window": None}  # fmt: skip
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    extra = {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+        "norm_topk_prob": norm,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+        "use_sliding_window": False,
+    }
+    if dense and not config["intermediate_size"]:
+        raise ModelLoadError(f"{path}: GGUF metadata key {arch}.feed_forward_length is missing; layers {dense} "
+                             "have a dense MLP")  # fmt: skip
+    if arch == "qwen2moe":
+        extra["shared_expert_intermediate_size"] = int(meta("expert_shared_feed_forward_length"))
+        extra["qkv_bias"] = config["attention_bias"]
     return extra
 
 

@@ -4,12 +4,15 @@ A GGUF file (llama.cpp's format) is converted once into a cached HF directory (s
 tokenizer files) so that every later start only memory-maps safetensors. Its Q8_0, Q4_0, Q4_1, Q4_K and
 Q6_K tensors are kept quantized, as int8 codes with float32 scales and zeros per group of 32 (16 for Q6_K;
 kernels/quant.py's format: `<name>.qweight`, `.scales`, `.zeros`), which dequantize to exactly the values
-the file's own dequantizer gives; other types are dequantized to float32. Finding a model and reading its config and
+the file's own dequantizer gives; other types are dequantized to float32. A mixture of experts' merged
+[experts, rows, columns] tensors (Mixtral's, Qwen2-MoE's and Qwen3-MoE's) become one tensor an expert, as Hugging
+Face checkpoints hold them. Finding a model and reading its config and
 tokenizer needs no torch and lives in files.py.
 """
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +39,8 @@ from kernels.quant import dequantize
 
 logger = logging.getLogger("llmmesh.loader")
 
+# One expert's projection in a checkpoint that holds them per expert.
+_EXPERT_WEIGHT = re.compile(r".+\.experts\.\d+\.\w+\.weight")
 # Largest safetensors file the converter writes; bounds the memory held while converting big models.
 _SHARD_BYTES = 2 << 30
 
@@ -76,8 +81,9 @@ def _quantize_weights(model_dir: Path, quantization: str, config: ModelArchConfi
         shard[key] = tensor.contiguous()
 
     for name, tensor in load_weights(model_dir, dequantized=True):
-        # A linear layer's codes replace its weight; a tied output layer's are made from the embedding, which stays.
-        linear = name.endswith("_proj.weight") or name == "lm_head.weight"
+        # A linear layer's codes replace its weight (an expert's too: Mixtral's are w1, w2, w3); a tied output
+        # layer's are made from the embedding, which stays.
+        linear = name.endswith("_proj.weight") or name == "lm_head.weight" or bool(_EXPERT_WEIGHT.fullmatch(name))
         if not linear:
             add(name, tensor)
         tied = config.tie_word_embeddings and name.endswith("embed_tokens.weight")
@@ -220,10 +226,30 @@ _GEMMA_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# A mixture of experts: the router, each projection of every expert merged into one [experts, rows, columns] tensor
+# (split per expert on conversion, "{expert}" below), and Qwen2-MoE's shared expert and its gate.
+_QWEN_MOE_LAYER_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{expert}.up_proj",
+    "ffn_down_exps": "mlp.experts.{expert}.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
 _GGUF_FAMILY_LAYER_NAMES = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "gemma2": _GEMMA_LAYER_NAMES,
     "gemma3_text": _GEMMA_LAYER_NAMES,
+    "mixtral": {
+        "ffn_gate_inp": "block_sparse_moe.gate",
+        "ffn_gate_exps": "block_sparse_moe.experts.{expert}.w1",
+        "ffn_up_exps": "block_sparse_moe.experts.{expert}.w3",
+        "ffn_down_exps": "block_sparse_moe.experts.{expert}.w2",
+    },
+    "qwen2_moe": _QWEN_MOE_LAYER_NAMES,
+    "qwen3_moe": _QWEN_MOE_LAYER_NAMES,
 }
 # Tensors that are metadata, already folded into the config: Llama 3's and Phi-3's rope frequency factors.
 _GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -251,16 +277,25 @@ def _unpermute_rope(w, n_head: int):
 _NATIVE_TYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 # Checkpoint tensors the model fuses into one layer: all of a group are native, or none (the fused layer
 # holds one format).
-_FUSED_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+_FUSED_GROUPS = (
+    ("attn_q", "attn_k", "attn_v"),
+    ("ffn_gate", "ffn_up"),
+    ("ffn_gate_exps", "ffn_up_exps"),
+    ("ffn_gate_shexp", "ffn_up_shexp"),
+)
 
 
 def _native_names(reader) -> set[str]:
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    # Norms stay float: they are no linear layer, and Gemma's are shifted on conversion.
+    # Norms stay float: they are no linear layer, and Gemma's are shifted on conversion. So do the routers (and
+    # Qwen2-MoE's shared-expert gate): their layers are unquantized, as in vLLM.
     native = {
         name
         for name, kind in types.items()
-        if kind in _NATIVE_TYPES and name.endswith(".weight") and not name.endswith("norm.weight")
+        if kind in _NATIVE_TYPES
+        and name.endswith(".weight")
+        and not name.endswith("norm.weight")
+        and ".ffn_gate_inp" not in name
     }
     for name in list(native):
         parts = name.split(".")
@@ -325,12 +360,18 @@ def _gguf_tensor(tensor, config: dict, native: bool) -> dict[str, torch.Tensor]:
     # ggml lists dims fastest-first; PyTorch wants them slowest-first.
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     if native:
-        arrays = dict(zip(("qweight", "scales", "zeros"), gguf_codes(tensor.data, tensor.tensor_type.name, shape)))
+        # A stack of experts [E, N, K] is E * N rows of codes, as the blocks run along K.
+        rows = (int(np.prod(shape[:-1])), shape[-1])
+        codes = gguf_codes(tensor.data, tensor.tensor_type.name, rows)
+        arrays = {kind: a.reshape(*shape[:-1], -1) for kind, a in zip(("qweight", "scales", "zeros"), codes)}
     else:
         arrays = {
             "weight": gguf_dequantize(tensor.data, tensor.tensor_type).astype("float32", copy=False).reshape(shape)
         }
-    if config["model_type"] == "llama":  # only llama.cpp's llama converter permutes q/k (rows, in every array)
+    if tensor.name.endswith("ffn_gate_inp_shexp.weight"):  # [hidden] in some files; its layer is [1, hidden]
+        arrays = {kind: a.reshape(1, -1) for kind, a in arrays.items()}
+    # Only llama.cpp's llama converter (Mixtral's too) permutes q/k (rows, in every array).
+    if config["model_type"] in ("llama", "mixtral"):
         heads = {".attn_q.": config["num_attention_heads"], ".attn_k.": config["num_key_value_heads"]}
         for part, n_head in heads.items():
             if part in tensor.name:
@@ -373,7 +414,11 @@ def _write_weights(reader, config: dict, out: Path) -> None:
         for hf_name, t in shard:
             base = hf_name.removesuffix(".weight")
             for kind, tensor in _gguf_tensor(t, config, t.name in native).items():
-                tensors[hf_name if kind == "weight" else f"{base}.{kind}"] = tensor
+                if "{expert}" in base:  # merged experts -> one checkpoint tensor each, as HF checkpoints hold them
+                    for e, part in enumerate(tensor):
+                        tensors[f"{base.format(expert=e)}.{kind}"] = part.clone()
+                else:
+                    tensors[hf_name if kind == "weight" else f"{base}.{kind}"] = tensor
         save_file(tensors, str(out / file_name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file_name))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
