@@ -13,6 +13,7 @@ import grpc
 from engine.config.utils import add_cli_args
 from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.settings import DEFAULT_ADDRESS, ChatFlags, ClientConfig, GenerateFlags  # noqa: F401 (the default address)
+from services.tenants import refuse_key_on_command_line
 
 # ---- the client ----------------------------------------------------------------------------------
 
@@ -152,6 +153,7 @@ def _sampling_args(args) -> dict:
 
 
 def run_generate(args: argparse.Namespace) -> None:
+    refuse_key_on_command_line(args)
     print_stream(
         generate(
             args.address,
@@ -165,6 +167,7 @@ def run_generate(args: argparse.Namespace) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> None:
+    refuse_key_on_command_line(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.message}
     ]

@@ -158,8 +158,10 @@ class Server:
         self.name = name
         self.args = args
         self.shutdown_timeout = args.shutdown_timeout
+        # Calls past the bound get RESOURCE_EXHAUSTED from gRPC itself, before any handler runs.
         self.server = grpc.aio.server(
             interceptors=list(interceptors),
+            maximum_concurrent_rpcs=args.max_concurrent_rpcs,
             options=SERVER_OPTIONS
             + [
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

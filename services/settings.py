@@ -35,6 +35,9 @@ class ServerConfig:
     port: int | None = setting(None, help="0: any free port")
     shutdown_timeout: float = setting(30.0, help="seconds in-flight calls get to finish after SIGTERM")
     log_level: str = setting("INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="the lowest level logged")
+    max_concurrent_rpcs: int = setting(
+        4096, help="calls the server runs at once (gRPC's maximum_concurrent_rpcs); past it RESOURCE_EXHAUSTED"
+    )
 
 
 @dataclass
@@ -131,6 +134,12 @@ class SamplerFlags:
         help="where to sample: cpu, cuda, cuda:1 (seeded draws follow the device's generator: use the engine's "
         "device to reproduce its in-process samples)",
     )
+    max_streams: int = setting(64, help="engines' Sample streams open at once; one more gets RESOURCE_EXHAUSTED")
+    max_requests_per_stream: int = setting(
+        65536,
+        help="requests whose sampling state one stream keeps at once; a step that would add more ends the stream "
+        "with RESOURCE_EXHAUSTED",
+    )
 
 
 # ---- the gateway ----------------------------------------------------------------------------------------
@@ -144,7 +153,17 @@ class GatewayConfig:
         None, help="the model name clients may ask for (default: the engines' --model, as in vLLM)"
     )
     max_requests_in_flight: int = setting(1024, help="requests in flight past which new ones get RESOURCE_EXHAUSTED")
-    api_key: str | None = setting(None, help="require metadata 'authorization: Bearer KEY'")
+    api_key: str | None = setting(
+        None,
+        help="require metadata 'authorization: Bearer KEY', KEY given only as LLMMESH_API_KEY (on the command line, "
+        "where /proc shows it to every local user, it is refused); one tenant, 'default', without rate limits",
+    )
+    api_keys_file: str | None = setting(
+        None,
+        help="a JSON or TOML file of the keys the gateway takes, each as its SHA-256 with its tenant and the "
+        "tenant's limits (requests_per_second, tokens_per_minute); tenants share no cached prefixes and see no "
+        "adapters of one another (docs/deployment.md, Tenants and limits)",
+    )
     routing: str | None = setting(
         None,
         choices=ROUTING_POLICIES,
@@ -242,7 +261,9 @@ class ClientConfig:
     """`llmmesh generate` and `llmmesh chat`: the gateway to call and the request's sampling."""
 
     address: str = setting(DEFAULT_ADDRESS, help="the gateway's HOST:PORT")
-    api_key: str | None = setting(None, help="the key the gateway was started with (--api-key)")
+    api_key: str | None = setting(
+        None, help="the gateway's key, given only as LLMMESH_API_KEY (on the command line it is refused)"
+    )
     request_model: str = setting("", flag="--model", help="the model to ask for; empty: the served one")
     max_tokens: int = setting(128, help="most tokens to generate")
     temperature: float | None = setting(None, help="default 1.0; 0: greedy")
