@@ -13,10 +13,18 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_tenants import small_mesh
 
 from conftest import InProcessService
-from llmmesh.v1 import engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc, sampler_pb2, sampler_pb2_grpc
-from llmmesh.v1 import tokenizer_pb2
+from llmmesh.v1 import (
+    engine_pb2,
+    engine_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    sampler_pb2,
+    sampler_pb2_grpc,
+    tokenizer_pb2,
+)
 from mesh.sampler.wire import tensor_to_proto
 from random_model import save_random_smollm2_shaped
 from services import client
@@ -73,26 +81,14 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mesh(model_dir):
-    keys = [
-        {"sha256": hashlib.sha256(KEYS[t].encode()).hexdigest(), "tenant": t, **LIMITS[t]} for t in sorted(KEYS)
-    ]
+    keys = [{"sha256": hashlib.sha256(KEYS[t].encode()).hexdigest(), "tenant": t, **LIMITS[t]} for t in sorted(KEYS)]
     (model_dir / "keys.json").write_text(json.dumps({"keys": keys}))
     model = ["--model", str(model_dir / "base"), "--shutdown-timeout", "5"]
-    services = {}
-    try:
-        # One request runs, one waits: a third is refused (--max-waiting-requests).
-        services["engine"] = InProcessService(
-            "engine", [*model, "--kv-cache-memory", "16MiB", "--max-num-seqs", "1", "--max-waiting-requests", "1"]
-        )
-        for name in ("tokenizer", "detokenizer"):
-            services[name] = InProcessService(name, model)
-        backends = [f for name, s in services.items() for f in (f"--{name}", s.address)]
-        flags = ["--api-keys-file", str(model_dir / "keys.json"), "--max-requests-in-flight", "1"]
-        services["gateway"] = InProcessService("gateway", [*backends, *flags, "--shutdown-timeout", "5"])
+    # One request runs, one waits: a third is refused (--max-waiting-requests).
+    engine = [*model, "--kv-cache-memory", "16MiB", "--max-num-seqs", "1", "--max-waiting-requests", "1"]
+    gateway = ["--api-keys-file", str(model_dir / "keys.json"), "--max-requests-in-flight", "1"]
+    with small_mesh(model, engine, gateway) as services:
         yield services
-    finally:
-        for service in reversed(services.values()):
-            service.stop()
 
 
 @pytest.fixture(scope="module")

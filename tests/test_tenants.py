@@ -7,6 +7,7 @@ the gateway's routing index; never on timing. LoRA adapters are per tenant, load
 and no refusal or listing names a path.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -62,14 +63,20 @@ def mesh(files):
         *model, "--kv-cache-memory", "16MiB", "--enable-kv-cache-events", "--enable-lora", "--max-lora-rank", "8",
         "--allow-runtime-lora-updating", "--lora-root", str(lora_root),
     ]  # fmt: skip
+    with small_mesh(model, engine_flags, ["--api-keys-file", str(keys_file), "--routing", "prefix-aware"]) as services:
+        yield services
+
+
+@contextlib.contextmanager
+def small_mesh(model: list[str], engine_flags: list[str], gateway_flags: list[str]):
+    """An engine, the text services and a gateway, in this process: the services by name."""
     services = {}
     try:
         services["engine"] = InProcessService("engine", engine_flags)
         for name in ("tokenizer", "detokenizer"):
             services[name] = InProcessService(name, model)
         backends = [f for name, s in services.items() for f in (f"--{name}", s.address)]
-        gateway_flags = [*backends, "--api-keys-file", str(keys_file), "--routing", "prefix-aware"]
-        services["gateway"] = InProcessService("gateway", [*gateway_flags, "--shutdown-timeout", "5"])
+        services["gateway"] = InProcessService("gateway", [*backends, *gateway_flags, "--shutdown-timeout", "5"])
         yield services
     finally:
         for service in reversed(services.values()):
