@@ -399,8 +399,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 def own_adapter(tenant: Tenant | None, request: common_pb2.LoadLoraAdapterRequest):
     """A tenant's LoadLoraAdapter as the engines get it: the adapter under the tenant's name, from the tenant's
     directory (services/tenants.py)."""
-    if not request.lora_name:
-        raise invalid("lora_name is required.")
+    if not request.lora_name or not request.lora_path:
+        raise invalid("lora_name and lora_path are both required.")
     try:
         path = engine_adapter_path(tenant, request.lora_path)
     except ValueError as e:
