@@ -54,6 +54,10 @@ class EngineDeadError(Exception):
     """The engine thread has stopped (vLLM's EngineDeadError): no request can be served until it is restarted."""
 
 
+class EngineQueueFullError(Exception):
+    """The engine has --max-num-seqs requests running and --max-waiting-requests waiting: it takes no more now."""
+
+
 class RequestStream:
     """The RequestOutputs of one user request (all its n completions), one per step that moved it."""
 
@@ -142,6 +146,14 @@ class AsyncLLM:
         tokens after them are streamed."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine thread has stopped: {self.dead}")
+        info = self.info
+        if info is not None and len(self.streams) >= info.max_num_seqs + info.max_waiting_requests:
+            # Counted in requests in flight (every stream not yet finished), so the bound holds without waiting
+            # for the scheduler's figures, which lag a step behind.
+            raise EngineQueueFullError(
+                f"the engine has {len(self.streams)} requests in flight, --max-num-seqs ({info.max_num_seqs}) "
+                f"running and --max-waiting-requests ({info.max_waiting_requests}) waiting; retry later"
+            )
         request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
         if isinstance(params, SamplingParams) and params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs the engine's tokenizer, which is not loaded.")

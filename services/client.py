@@ -15,6 +15,7 @@ from engine.config.utils import add_cli_args
 from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from mesh import tls
 from services.settings import DEFAULT_ADDRESS, ChatFlags, ClientConfig, GenerateFlags  # noqa: F401 (the default address)
+from services.tenants import refuse_key_on_command_line
 
 # ---- the client ----------------------------------------------------------------------------------
 
@@ -188,6 +189,7 @@ def _sampling_args(args) -> dict:
 
 
 def run_generate(args: argparse.Namespace) -> None:
+    refuse_key_on_command_line(args)
     print_stream(
         generate(
             args.address,
@@ -203,6 +205,7 @@ def run_generate(args: argparse.Namespace) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> None:
+    refuse_key_on_command_line(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.message}
     ]

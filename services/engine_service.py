@@ -9,6 +9,7 @@ import grpc
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
+from engine.config.lora import runtime_lora_path
 from engine.core import EngineCore
 from engine.kv.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from engine.pooling.params import PoolingParams
@@ -37,6 +38,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.observer: EngineTelemetry | None = None  # metrics and request spans, when either is on
         self.stopping = asyncio.Event()  # the server's stop_requested: KV event streams end, not hold its drain
         self.lora_lock = asyncio.Lock()  # one LoadLoraAdapter at a time: a name and an id are taken once
+        # --allow-runtime-lora-updating's --lora-root: LoadLoraAdapter and UnloadLoraAdapter are refused without it.
+        self.lora_root: str | None = None
 
     async def ready(self, context) -> AsyncLLM:
         if self.engine is None:
@@ -180,6 +183,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "LoRA adapters are off; start the engine with --enable-lora"
             )
+        if self.lora_root is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "loading and unloading LoRA adapters at run time is off; start the engine with "
+                "--allow-runtime-lora-updating and --lora-root",
+            )
         return engine
 
     async def LoadLoraAdapter(self, request: common_pb2.LoadLoraAdapterRequest, context):
@@ -191,6 +200,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             engine.limits.check_chars("lora_name", name, "max_id_chars")
             if len(path) > MAX_LORA_PATH_CHARS:
                 raise ValueError(f"lora_path: at most {MAX_LORA_PATH_CHARS} characters, got {len(path)}.")
+            if "\0" in path:
+                raise ValueError("lora_path: holds a NUL character.")
+            path = runtime_lora_path(self.lora_root, path)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         async with self.lora_lock:
@@ -200,8 +212,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 )
             try:
                 lora = await engine.load_lora_adapter(name, path)
-            except ValueError as e:  # a bad adapter: the message names what is wrong with it
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lora_path {path[:256]!r}: {e}")
+            except ValueError as e:  # a bad adapter: the message names what is wrong with it, and no path
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lora_path: {e}")
         logger.info("LoRA adapter %s loaded from %s (id %d)", name, path, lora.lora_int_id)
         return common_pb2.LoadLoraAdapterResponse()
 
@@ -282,6 +294,8 @@ async def serve(args) -> None:
     server = Server("engine", [ENGINE_SERVICE, VLLM_ENGINE_SERVICE], args)
     servicer = EngineServicer()
     servicer.stopping = server.stop_requested
+    if engine_args.allow_runtime_lora_updating:
+        servicer.lora_root = engine_args.lora_root
     server.add(engine_pb2_grpc.add_EngineServicer_to_server, servicer)
     server.add(vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer))
     adapter_servers = []

@@ -216,8 +216,10 @@ class Server:
             if public and (args.tls_cert or args.tls_ca):
                 raise ValueError("--insecure-plaintext serves no TLS: drop --tls-cert and --tls-ca, or it")
         self.shutdown_timeout = args.shutdown_timeout
+        # Calls past the bound get RESOURCE_EXHAUSTED from gRPC itself, before any handler runs.
         self.server = grpc.aio.server(
             interceptors=list(interceptors),
+            maximum_concurrent_rpcs=args.max_concurrent_rpcs,
             options=SERVER_OPTIONS
             + [
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

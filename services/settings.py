@@ -47,6 +47,9 @@ class ServerConfig:
         help="no TLS and no peer identities, for development on one machine: binds loopback only, and reaches the "
         "other services in plaintext",
     )
+    max_concurrent_rpcs: int = setting(
+        4096, help="calls the server runs at once (gRPC's maximum_concurrent_rpcs); past it RESOURCE_EXHAUSTED"
+    )
 
 
 @dataclass
@@ -153,6 +156,12 @@ class SamplerFlags:
         help="where to sample: cpu, cuda, cuda:1 (seeded draws follow the device's generator: use the engine's "
         "device to reproduce its in-process samples)",
     )
+    max_streams: int = setting(64, help="engines' Sample streams open at once; one more gets RESOURCE_EXHAUSTED")
+    max_requests_per_stream: int = setting(
+        65536,
+        help="requests whose sampling state one stream keeps at once; a step that would add more ends the stream "
+        "with RESOURCE_EXHAUSTED",
+    )
 
 
 # ---- the gateway ----------------------------------------------------------------------------------------
@@ -166,7 +175,17 @@ class GatewayConfig:
         None, help="the model name clients may ask for (default: the engines' --model, as in vLLM)"
     )
     max_requests_in_flight: int = setting(1024, help="requests in flight past which new ones get RESOURCE_EXHAUSTED")
-    api_key: str | None = setting(None, help="require metadata 'authorization: Bearer KEY'")
+    api_key: str | None = setting(
+        None,
+        help="require metadata 'authorization: Bearer KEY', KEY given only as LLMMESH_API_KEY (on the command line, "
+        "where /proc shows it to every local user, it is refused); one tenant, 'default', without rate limits",
+    )
+    api_keys_file: str | None = setting(
+        None,
+        help="a JSON or TOML file of the keys the gateway takes, each as its SHA-256 with its tenant and the "
+        "tenant's limits (requests_per_second, tokens_per_minute); tenants share no cached prefixes and see no "
+        "adapters of one another (docs/deployment.md, Tenants and limits)",
+    )
     routing: str | None = setting(
         None,
         choices=ROUTING_POLICIES,
@@ -281,7 +300,9 @@ class ClientConfig:
     """`llmmesh generate` and `llmmesh chat`: the gateway to call and the request's sampling."""
 
     address: str = setting(DEFAULT_ADDRESS, help="the gateway's HOST:PORT")
-    api_key: str | None = setting(None, help="the key the gateway was started with (--api-key)")
+    api_key: str | None = setting(
+        None, help="the gateway's key, given only as LLMMESH_API_KEY (on the command line it is refused)"
+    )
     tls_ca: str | None = setting(
         None,
         help="the CA that signed the gateway's certificate (PEM); unset: the mesh's ca.crt in LLMMESH_TLS_DIR or "

@@ -25,6 +25,7 @@ from services.local_mesh import REDIS, Mesh
 from services.prometheus import scrape_config
 from services.service_process import exit_status
 from services.settings import MAX_ENGINES, DemoConfig, MeshConfig, ServeFlags
+from services.tenants import refuse_key_on_command_line
 
 # `llmmesh serve` starts a service that died again after RESTART_BACKOFF_S, doubled for each time it was restarted
 # in the last RESTART_WINDOW_S. A service that dies once more after MAX_RESTARTS restarts in that window is in a
@@ -36,6 +37,7 @@ RESTART_WINDOW_S = 300.0
 
 
 def serve(args: argparse.Namespace) -> None:
+    refuse_key_on_command_line(args)
     if args.prometheus_config and args.metrics_port is None:
         raise ValueError("--prometheus-config needs --metrics-port (0: each service on a free port of its own)")
     if not 1 <= args.engines <= MAX_ENGINES:
@@ -236,7 +238,8 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     """`llmmesh serve`'s flags for each service that takes them, by service. The engine's own (EngineArgs) go to it
     as Mesh's engine_args, --model also to the text services, and tracing and metrics as telemetry_env; the
     gateway alone binds --host and --port, the others listen on loopback."""
-    every = ["--log-level", args.log_level, *(["--tls-dir", args.tls_dir] if args.tls_dir else [])]
+    every = ["--log-level", args.log_level, "--max-concurrent-rpcs", str(args.max_concurrent_rpcs)]
+    every += ["--tls-dir", args.tls_dir] if args.tls_dir else []
     every += ["--insecure-plaintext"] if args.insecure_plaintext else []
     drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
     limits = as_flags(args, [f.name for f in dataclasses.fields(RequestLimits)])
@@ -246,8 +249,9 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     gateway += ["--prefill-timeout", str(args.prefill_timeout), "--migration-limit", str(args.migration_limit)]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
-    if args.api_key:
-        gateway += ["--api-key", args.api_key]
+    # A key stays off the command lines: the gateway inherits LLMMESH_API_KEY from this process.
+    if args.api_keys_file:
+        gateway += ["--api-keys-file", args.api_keys_file]
     if args.routing:
         gateway += ["--routing", args.routing]
     for flag in ("tls_cert", "tls_key", "tls_ca"):

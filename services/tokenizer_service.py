@@ -1,5 +1,7 @@
 """llmmesh.v1.Tokenizer: text and chat messages -> token ids and back, over engine.text.Tokenizer."""
 
+import asyncio
+
 import grpc
 from google.protobuf import json_format
 
@@ -97,7 +99,11 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         await self._ready(context)
         try:
             self.limits.check_count("requests", len(request.requests), "max_batch")
-            responses = [self.tokenize(r, f"requests[{i}].") for i, r in enumerate(request.requests)]
+            # On a worker thread: a batch of long prompts would hold the event loop, and every other call, for
+            # as long as it takes.
+            responses = await asyncio.to_thread(
+                lambda: [self.tokenize(r, f"requests[{i}].") for i, r in enumerate(request.requests)]
+            )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return tokenizer_pb2.TokenizeBatchResponse(responses=responses)

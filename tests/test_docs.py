@@ -30,7 +30,7 @@ from services.local_mesh import Mesh
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 DOC_ADDRESS = f"127.0.0.1:{config.DEFAULT_PORTS['gateway']}"  # where the examples call the gateway
-API_KEY = "KEY"  # the key docs/api.md's --api-key example sends
+API_KEY = "KEY"  # the key docs/api.md's LLMMESH_API_KEY example sends
 
 
 def subcommands():
@@ -285,7 +285,9 @@ def emulate_grpcurl(argv: list[str]) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def mesh():
     with Mesh(EngineArgs(kv_cache_memory="1GiB")) as mesh:
-        gateway_with_key = mesh.start_gateway(["--api-key", API_KEY])
+        with pytest.MonkeyPatch.context() as patch:  # a key travels in the environment, never on a command line
+            patch.setenv("LLMMESH_API_KEY", API_KEY)
+            gateway_with_key = mesh.start_gateway([])
         try:
             yield mesh, gateway_with_key.address
         finally:

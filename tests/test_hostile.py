@@ -126,8 +126,10 @@ class Ctx:
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    m = Mesh(EngineArgs(kv_cache_memory="256MiB", enable_lora=True))  # the adapter RPCs past their first check
+def mesh(tmp_path_factory):
+    # The adapter RPCs past their first checks: LoRA on, and loads at run time from under an empty root.
+    lora = dict(enable_lora=True, allow_runtime_lora_updating=True, lora_root=str(tmp_path_factory.mktemp("lora")))
+    m = Mesh(EngineArgs(kv_cache_memory="256MiB", **lora))
     m.start()
     try:
         yield m

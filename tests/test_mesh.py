@@ -343,11 +343,12 @@ def test_bad_input_is_invalid_argument_and_others_go_on(mesh, refs, engine):
 # ---- admission, keys, drain -----------------------------------------------------------------------
 
 
-def test_resource_exhausted_unauthenticated_and_drain(mesh, engine):
+def test_resource_exhausted_unauthenticated_and_drain(mesh, engine, monkeypatch):
     # Also an engine address where nothing listens: the gateway routes around it (it fails its health checks).
+    monkeypatch.setenv("LLMMESH_API_KEY", "s3cret")  # a key travels in the environment, never on a command line
     gateway = mesh.start_gateway(
         # A drain long enough for the request in flight below on a busy machine (it ends as soon as that finishes).
-        ["--max-requests-in-flight", "1", "--api-key", "s3cret", "--shutdown-timeout", "300", "--engine", "127.0.0.1:1"]
+        ["--max-requests-in-flight", "1", "--shutdown-timeout", "300", "--engine", "127.0.0.1:1"]
     )
     try:
         address = gateway.address

@@ -107,6 +107,8 @@ def test_every_flag_of_serve_reaches_each_service_that_takes_it(monkeypatch):
 
     for name, value in supervisor.telemetry_env(args).items():
         monkeypatch.setenv(name, value)
+    # A key never goes on a command line: the gateway inherits serve's environment, where it is.
+    monkeypatch.setenv("LLMMESH_API_KEY", chosen["api_key"][1])
 
     def passed_on(service: str, dest: str) -> bool:
         if dest == "host":  # the services behind the gateway listen on loopback
