@@ -44,6 +44,8 @@ class SchedulerConfig:
     )
 
     def __post_init__(self):
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
         if self.max_num_encoder_input_tokens is None:
             self.max_num_encoder_input_tokens = self.max_num_batched_tokens
         if self.encoder_cache_size is None:
@@ -57,8 +59,6 @@ class SchedulerConfig:
                 f"encoder_cache_size ({self.encoder_cache_size}) must be at least max_num_encoder_input_tokens "
                 f"({self.max_num_encoder_input_tokens}): a step's images must fit the cache."
             )
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_waiting_requests < 0:
