@@ -2,8 +2,9 @@
 
 It holds a private CA (ca.crt, ca.key), one certificate per identity of mesh/tls.py signed by it (<identity>.crt and
 <identity>.key, the SAN <identity>.llmmesh; the gateway's also names loopback and any --host given, since clients
-reach its public port by address), and the KV store's Redis user: its password (redis.password) and Redis's ACL
-file (redis.acl, which holds only the password's SHA-256). Keys and the password are written mode 0600.
+reach its public port by address), the KV store's Redis user: its password (redis.password) and Redis's ACL
+file (redis.acl, which holds only the password's SHA-256), and the key the engines tag their KV blocks with
+(kv-block.key, mesh/kvstore/block_tag.py). Keys and the password are written mode 0600.
 `llmmesh serve` runs the same into its state directory on first start; compose runs it as a one-shot step.
 """
 
@@ -20,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from engine.config.utils import add_cli_args
+from mesh.kvstore.block_tag import KEY_FILE, new_block_key
 from mesh.tls import IDENTITIES, default_tls_dir, san
 from services.settings import CertsFlags
 
@@ -122,6 +124,10 @@ def make_credentials(directory, hosts: list[str] = (), ca_name: str = "llmmesh m
         digest = hashlib.sha256(password_path.read_bytes().strip()).hexdigest()
         _write(acl_path, f"user default off\nuser {REDIS_USER} on #{digest} ~* &* +@all\n".encode(), secret=False)
         written.append(acl_path.name)
+    block_key_path = directory / KEY_FILE
+    if not block_key_path.exists():
+        _write(block_key_path, new_block_key().encode(), secret=True)
+        written.append(block_key_path.name)
     return written
 
 

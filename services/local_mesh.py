@@ -15,7 +15,6 @@ import subprocess
 
 from engine.config import EngineArgs
 from mesh import tls
-from mesh.kvstore.block_tag import KEY_ENV, new_block_key
 from services.certs import REDIS_USER, make_credentials
 from services.redis_server import RedisServer
 from services.service_process import ServiceProcess, set_flag
@@ -102,9 +101,6 @@ class Mesh:
         self.redis_maxmemory = redis_maxmemory
         self.kv_connector_options = dict(kv_connector_options or {})
         self.redis: RedisServer | None = None
-        # The key the engines tag their KV blocks with (mesh/kvstore/block_tag.py): one for all of them, so that each
-        # loads what the others stored; the environment's, where it has one (meshes sharing a Redis).
-        self.block_key = os.environ.get(KEY_ENV) or new_block_key() if kv_store else None
         self.sampler = sampler  # a sampler service (started before the engines, which sample on it)
         # "engine", then "engine-2"...: replicas behind the one gateway (sharing the KV store, when there is one)
         self.engine_names = ["engine"] + [f"engine-{i}" for i in range(2, num_engines + 1)]
@@ -174,7 +170,9 @@ class Mesh:
         service = service or name
         env = self.env
         if service == "engine":
-            env = {**self.engine_threads(), **({KEY_ENV: self.block_key} if self.block_key else {}), **self.env}
+            # The engines tag their KV blocks with the credentials directory's kv-block.key (mesh/kvstore/block_tag.py),
+            # one for all of them, unless the environment has LLMMESH_KV_BLOCK_KEY (meshes sharing a Redis).
+            env = {**self.engine_threads(), **self.env}
         if service != "gateway" and "--host" not in args:
             # Loopback, even where LLMMESH_HOST says otherwise (a container's every interface): only the gateway is
             # for others to reach.

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mesh.kvstore.block_tag import KEY_ENV, KEY_FILE, block_key_from_env
 from mesh.kvstore.connector import DEFAULTS
+from mesh.tls import TLS_DIR_ENV
 from services import config
 from services.cli import build_parser
 
@@ -81,6 +83,27 @@ def test_every_service_serves_mutual_tls_from_the_certs_volume_and_redis_has_a_u
     published = {name: s["ports"] for name, s in services.items() if "ports" in s}
     assert published.pop("gateway") == ["8000:8000"]
     assert all(port.startswith("127.0.0.1:") for ports in published.values() for port in ports), published
+
+
+def test_the_engines_kv_block_key_comes_from_the_certs_volume(compose, tmp_path, monkeypatch):
+    """The certs step writes kv-block.key into the tls volume; the engine, which reads that volume as its credentials
+    directory and is given no LLMMESH_KV_BLOCK_KEY, tags and checks its KV blocks with that key: the same for every
+    engine of the store, and after a restart. Without it each start would make a key of its own."""
+    services = compose["services"]
+    certs = build_parser().parse_args(services["certs"]["command"][1:])
+    engine = services["engine"]
+    assert KEY_ENV not in engine["environment"]
+    assert engine["environment"][TLS_DIR_ENV] == certs.dir and f"tls:{certs.dir}:ro" in engine["volumes"]
+    certs.dir = str(tmp_path / "tls")  # the volume
+    certs.func(certs)
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    monkeypatch.setenv(TLS_DIR_ENV, certs.dir)
+    key = block_key_from_env()
+    assert key == bytes.fromhex((tmp_path / "tls" / KEY_FILE).read_text()) and len(key) == 32
+    assert block_key_from_env() == key
+    assert (tmp_path / "tls" / KEY_FILE).stat().st_mode & 0o077 == 0
+    monkeypatch.setenv(TLS_DIR_ENV, str(tmp_path / "empty"))
+    assert block_key_from_env() != block_key_from_env()
 
 
 def test_gateway_points_at_the_other_services(compose):

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 DOC_ADDRESS = f"127.0.0.1:{config.DEFAULT_PORTS['gateway']}"  # where the examples call the gateway
 API_KEY = "KEY"  # the key docs/api.md's LLMMESH_API_KEY example sends
+DOC_CA = "~/.local/state/llmmesh/tls/ca.crt"  # the CA the grpcurl examples trust (-cacert): `llmmesh serve`'s default
 
 
 def subcommands():
@@ -246,7 +247,7 @@ def grpcurl_binary() -> str | None:
 
 
 def emulate_grpcurl(argv: list[str]) -> tuple[int, str]:
-    """What `grpcurl -plaintext [-H h] [-max-time t] [-d json] ADDRESS METHOD` does, from the method's descriptor in
+    """What `grpcurl -cacert CA [-H h] [-max-time t] [-d json] ADDRESS METHOD` does, from the method's descriptor in
     the generated protos: the JSON parsed into its request message (an unknown field fails, as in grpcurl), the call
     made, the responses printed as JSON, an error as grpcurl prints it."""
     args, metadata, timeout, body = list(argv[1:]), [], None, "{}"
@@ -258,6 +259,8 @@ def emulate_grpcurl(argv: list[str]) -> tuple[int, str]:
             timeout = float(args.pop(0))
         elif flag == "-d":
             body = args.pop(0)
+        elif flag == "-cacert":
+            args.pop(0)  # mesh_channel trusts the suite's CA
     if args[1] in ("list", "describe"):
         return 0, ""  # the server's reflection, which only grpcurl itself shows
     address, method = args
@@ -347,7 +350,8 @@ def test_readme_and_api_examples_against_a_mesh(mesh, tmp_path):
             continue
         elif argv[0] == "grpcurl":
             address = keyed_address if f"Bearer {API_KEY}" in line else mesh.address
-            argv = [address if a == DOC_ADDRESS else a for a in argv]
+            ca = os.path.join(mesh.tls_dir, "ca.crt")
+            argv = [address if a == DOC_ADDRESS else ca if a == DOC_CA else a for a in argv]
             if grpcurl:
                 done = subprocess.run([grpcurl, *argv[1:]], capture_output=True, text=True, timeout=60, check=False)
                 code, out = done.returncode, done.stdout + done.stderr
