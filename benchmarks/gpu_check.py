@@ -32,6 +32,7 @@ import math
 import os
 import platform
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -208,9 +209,14 @@ def versions(names) -> dict[str, str | None]:
 # --- 2. Tests ---
 
 
+# pytestmark = pytest.mark.gpu, @pytest.mark.gpu, pytest.param(..., marks=pytest.mark.gpu), at the start of a line.
+GPU_MARK = re.compile(r"^(pytestmark = |@|\s*pytest\.param\(.*marks=)pytest\.mark\.gpu\b", re.MULTILINE)
+
+
 def gpu_test_files() -> list[str]:
     """The test files that hold GPU-marked tests: only these are imported, so other tests' imports need no wheels."""
-    return [str(p.relative_to(ROOT)) for p in sorted((ROOT / "tests").glob("test_*.py")) if "mark.gpu" in p.read_text()]
+    tests = sorted((ROOT / "tests").glob("test_*.py"))
+    return [str(p.relative_to(ROOT)) for p in tests if GPU_MARK.search(p.read_text())]
 
 
 def run_tests(files: list[str], env: dict, timeout: float, out: Path) -> dict:

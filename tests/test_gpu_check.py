@@ -208,7 +208,8 @@ def test_the_wheel_list_covers_what_the_gpu_run_imports():
     on_device = {canonicalize_name(n) for n in gpu_check.ON_THE_DEVICE}
     assert not pins.keys() & on_device
     roots = [ROOT / f for f in gpu_check.gpu_test_files()]
-    assert ROOT / "tests/test_gpu.py" in roots and ROOT / "tests/test_models.py" not in roots
+    assert ROOT / "tests/test_gpu.py" in roots and ROOT / "tests/test_lora.py" in roots  # pytestmark; a param
+    assert ROOT / "tests/test_models.py" not in roots and ROOT / "tests/test_gpu_check.py" not in roots
     roots += [ROOT / "tests/conftest.py", ROOT / "benchmarks/gpu_check.py"]
     roots += [p for package in ("engine", "kernels", "mesh", "services") for p in (ROOT / package).rglob("*.py")]
     owners_of = importlib.metadata.packages_distributions()
