@@ -203,3 +203,19 @@ def test_an_unimplemented_config_value_is_refused_naming_it(qwen2_vl):
     wrong["vision_config"]["deepstack_visual_indexes"] = [1]
     with pytest.raises(ModelLoadError, match=r"vision_config fields \['deepstack_visual_indexes'\]"):
         ModelArchConfig.from_hf_config(wrong)
+
+
+def test_encoder_cache_stats_and_each_requests_encoder_runs(qwen2_vl):
+    """SchedulerStats reports the encoder cache's usage and hits; a request's metrics hold the encoder's run for each
+    image computed for it (the trace's encoder spans), none for an image another request's run left cached."""
+    path, _, _ = qwen2_vl
+    llm = LLM(str(path), kv_cache_memory="8MiB", block_size=8, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    [first] = llm.generate({"prompt": f"<5> {vision()}", "multi_modal_data": {"image": image(9, (40, 50))}}, params)
+    [again] = llm.generate({"prompt": f"<6> {vision()}", "multi_modal_data": {"image": image(9, (40, 50))}}, params)
+    [(start, end, tokens)] = first.metrics.encoder_runs
+    assert tokens == 30 and first.metrics.arrival_time <= start <= end <= first.metrics.first_token_time
+    assert again.metrics.encoder_runs == []
+    stats = llm.engine.scheduler.make_stats()
+    assert (stats.encoder_cache_stats.queries, stats.encoder_cache_stats.hits) == (2, 1)
+    assert stats.encoder_cache_stats.computed == 1 and stats.encoder_cache_usage == 0.0

@@ -94,6 +94,8 @@ class ModelRunner:
         self.batch_starts: list[int] = []
         # M-RoPE (Qwen2-VL): each request's prompt positions [3, prompt length] and the delta of the tokens after.
         self.mrope_positions: dict[str, tuple[torch.Tensor, int]] = {}
+        # This step's images encoded: request_id -> (start, end, embedding tokens), for the request's trace.
+        self.encoder_runs: dict[str, list[tuple[float, float, int]]] = {}
 
     def capture_cudagraphs(self, sizes: list[int]) -> None:
         """CUDA graphs of the model's forward for decode batches of these sizes (after the KV cache exists)."""
@@ -221,7 +223,7 @@ class ModelRunner:
             return ModelRunnerOutput([[] for _ in order])
         if self.drafter is not None:
             self.drafter.run_batch(input_ids, positions, metadata[0])  # the draft's KV lives in group 0's blocks
-        output = ModelRunnerOutput([[] for _ in order], failed=dict(self.lora_failures))
+        output = ModelRunnerOutput([[] for _ in order], failed=dict(self.lora_failures), encoder_runs=self.encoder_runs)
         if self.pooler is not None:  # nothing samples: the requests whose prompt is complete are pooled
             if self.is_driver:
                 output.pooler_output = self._pool(requests, metadata[0], hidden)
@@ -292,10 +294,14 @@ class ModelRunner:
         scheduler scheduled are encoded first (once each), then each placeholder token in the batch takes its row of
         its image's embeddings (a chunk of a prompt takes the slice of an image it covers), as vLLM's
         merge_multimodal_embeddings."""
-        for features in so.scheduled_encoder_inputs.values():
+        self.encoder_runs = {}
+        for request_id, features in so.scheduled_encoder_inputs.items():
             for feature in features:
                 if feature.identifier not in self.encoder_cache:
+                    started = time.monotonic()
                     self.encoder_cache[feature.identifier] = self.model.get_multimodal_embeddings(feature.data)
+                    run = (started, time.monotonic(), feature.num_embeds)
+                    self.encoder_runs.setdefault(request_id, []).append(run)
         pieces, rows = [], []
         qsl = metadata.query_start_loc_cpu
         for i, (request, start) in enumerate(zip(requests, self.batch_starts)):
