@@ -28,6 +28,8 @@ FAMILIES = {
     "DeepseekV3ForCausalLM": "DeepseekV3Config",
     "GptOssForCausalLM": "GptOssConfig",
     "LlavaForConditionalGeneration": "LlavaConfig",
+    "Qwen2VLForConditionalGeneration": "Qwen2VLConfig",
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2_5_VLConfig",
 }
 
 

@@ -27,6 +27,8 @@ _MODEL_TYPE_TO_ARCH = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "llava": "LlavaForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
 
 # Base models without an LM head, as embedding checkpoints (Qwen3-Embedding...) are saved: each runs as its family's
@@ -143,8 +145,15 @@ _LLAVA_FIELDS = frozenset(
         "multimodal_projector_bias",
     }
 )
+# Qwen2-VL and Qwen2.5-VL: the vision tower's and language model's configs (checked in _qwen2_vl_config), and the
+# special tokens around and inside an image's placeholders (only image_token_id decides anything).
+_QWEN2_VL_FIELDS = frozenset(
+    {"vision_config", "text_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"}
+)
 FAMILY_FIELDS: dict[str, frozenset[str]] = {
     "LlavaForConditionalGeneration": _LLAVA_FIELDS,
+    "Qwen2VLForConditionalGeneration": _QWEN2_VL_FIELDS,
+    "Qwen2_5_VLForConditionalGeneration": _QWEN2_VL_FIELDS,
     # Phi-3 keeps LongRoPE's pretraining length outside its rope parameters (from_hf_config moves it in).
     "Phi3ForCausalLM": frozenset({"original_max_position_embeddings"}),
     "Gemma2ForCausalLM": _GEMMA2_FIELDS,
@@ -164,7 +173,26 @@ FAMILY_FIELDS: dict[str, frozenset[str]] = {
 }
 
 # The vision-language families: a vision encoder feeding a language model of one of the text families.
-MULTIMODAL_ARCHS = ("LlavaForConditionalGeneration",)
+MULTIMODAL_ARCHS = (
+    "LlavaForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+)
+# The Qwen2-VL families' vision configs: the fields each tower reads (engine/models/qwen2_vl.py), and those with no
+# effect on an image's embeddings.
+_QWEN2_VL_VISION_FIELDS = frozenset(
+    {
+        "depth", "embed_dim", "hidden_size", "hidden_act", "mlp_ratio", "num_heads", "in_channels", "patch_size",
+        "spatial_merge_size", "temporal_patch_size", "rope_parameters", "model_type", "initializer_range",
+    }
+)  # fmt: skip
+_QWEN2_5_VL_VISION_FIELDS = (_QWEN2_VL_VISION_FIELDS - {"embed_dim", "mlp_ratio"}) | {
+    "intermediate_size",
+    "out_hidden_size",
+    "window_size",
+    "fullatt_block_indexes",
+    "tokens_per_second",  # videos' temporal positions only
+}
 # The language models LLaVA's model file builds (engine/models/llava.py), and the vision towers.
 _LLAVA_TEXT_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _LLAVA_VISION_TYPES = ("clip_vision_model",)
@@ -403,8 +431,10 @@ class ModelArchConfig:
                 f"unsupported model architecture {arch!r}; supported: {', '.join(ModelRegistry.get_supported_archs())}"
             )
 
-        if arch in MULTIMODAL_ARCHS:
+        if arch == "LlavaForConditionalGeneration":
             return _llava_config(cls, d, arch)
+        if arch in MULTIMODAL_ARCHS:
+            return _qwen2_vl_config(cls, d, arch)
         if arch == "GptOssForCausalLM":
             # Its defaults differ from the other families' in fields read below (window, biases, rope, eps).
             d = {**FAMILY_DEFAULTS[arch], **d}
@@ -502,6 +532,52 @@ def _llava_config(cls, d: dict, arch: str) -> "ModelArchConfig":
     image_token = d.get("image_token_index", d.get("image_token_id", 32000))
     family = {**d, "image_token_index": image_token, "vision_feature_layer": layer, "text_architecture": text_arch}
     return replace(text_cfg, architecture=arch, hf_config=family)
+
+
+def _qwen2_vl_config(cls, d: dict, arch: str) -> "ModelArchConfig":
+    """Qwen2-VL and Qwen2.5-VL: the Qwen2 language model's config (transformers 5 nests it in text_config; 4 writes
+    it beside vision_config) under the family's architecture, with M-RoPE's sections and the vision tower's config
+    in hf_config; what the engine does not implement is refused by name."""
+    text = dict(d.get("text_config") or {k: v for k, v in d.items() if k not in _QWEN2_VL_FIELDS})
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or d.get("rope_scaling") or {})
+    section = rope.pop("mrope_section", [16, 24, 24])  # transformers' default
+    if rope.get("rope_type", rope.get("type")) == "mrope":  # transformers 4's name for M-RoPE over the default rope
+        rope.pop("type", None)
+        rope["rope_type"] = "default"
+    if section is None or len(section) != 3:
+        raise ModelLoadError(f"rope mrope_section={section!r} is not implemented; three sections are")
+    text.pop("rope_scaling", None)
+    text["rope_parameters"] = rope
+    vision = dict(d.get("vision_config") or {})
+    qwen2_5 = arch == "Qwen2_5_VLForConditionalGeneration"
+    fields = _QWEN2_5_VL_VISION_FIELDS if qwen2_5 else _QWEN2_VL_VISION_FIELDS
+    unknown = sorted(set(vision) - fields - USED_FIELDS - NO_EFFECT_FIELDS)
+    if unknown:
+        raise ModelLoadError(f"vision_config fields {unknown} are not implemented")
+    vision_rope = (vision.get("rope_parameters") or {}).get("rope_type", "axial")
+    if vision_rope not in ("axial", "default"):
+        raise ModelLoadError(f"vision_config rope_type {vision_rope!r} is not implemented; supported: axial")
+    act = vision.get("hidden_act", "silu" if qwen2_5 else "quick_gelu")
+    if act not in ("quick_gelu", "gelu", "silu", "gelu_pytorch_tanh"):
+        raise ModelLoadError(f"vision_config.hidden_act={act!r} is not implemented")
+    defaults = {"in_channels": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    vision = {**defaults, "hidden_act": act, **vision}
+    text_cfg = cls.from_hf_config({**text, "architectures": ["Qwen2ForCausalLM"]})
+    if 2 * sum(section) != text_cfg.head_dim:
+        raise ModelLoadError(
+            f"rope mrope_section={section!r} is not implemented for head_dim {text_cfg.head_dim}: the sections must "
+            "cover half the head"
+        )
+    family = {
+        **d,
+        "image_token_id": int(d.get("image_token_id", 151655)),
+        "vision_config": vision,
+        "mrope_section": list(section),
+        "qwen2_5": qwen2_5,
+    }
+    # A text config nested in transformers 5's layout may leave tie_word_embeddings at the top level.
+    tie = bool(text.get("tie_word_embeddings", d.get("tie_word_embeddings", False)))
+    return replace(text_cfg, architecture=arch, hf_config=family, tie_word_embeddings=tie)
 
 
 def _attention_bias(d: dict, arch: str) -> bool:

@@ -114,7 +114,43 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(F.gelu(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class VisionLanguageModel(nn.Module):
+    """What the vision-language families share: a language_model that takes the merged embeddings."""
+
+    language_model: nn.Module
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids,
+        positions,
+        attn_metadata: list[AttentionMetadata],
+        kv_caches,
+        intermediate_tensors=None,
+        inputs_embeds=None,
+    ) -> torch.Tensor:
+        return self.language_model(input_ids, positions, attn_metadata, kv_caches, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden_states)
+
+    def use_cpu_ops(self, ops) -> None:
+        use_cpu_ops(self.language_model, ops)
+
+
+def copy_weight(own: dict, name: str, tensor: torch.Tensor) -> None:
+    """A vision tower's or projector's checkpoint tensor into its parameter, as it is."""
+    if name not in own:
+        raise ValueError(f"Checkpoint has an unexpected weight {name!r}")
+    if tuple(own[name].shape) != tuple(tensor.shape):
+        raise ValueError(f"Weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
+    with torch.no_grad():
+        own[name].copy_(tensor)
+
+
+class LlavaForConditionalGeneration(VisionLanguageModel):
     def __init__(self, config: ModelArchConfig, backend: AttentionBackend, quantization: str | None = None):
         super().__init__()
         d = config.hf_config
@@ -140,26 +176,6 @@ class LlavaForConditionalGeneration(nn.Module):
             features = features[:, 1:]
         return self.multi_modal_projector(features)[0]
 
-    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids,
-        positions,
-        attn_metadata: list[AttentionMetadata],
-        kv_caches,
-        intermediate_tensors=None,
-        inputs_embeds=None,
-    ) -> torch.Tensor:
-        return self.language_model(input_ids, positions, attn_metadata, kv_caches, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
-
-    def use_cpu_ops(self, ops) -> None:
-        use_cpu_ops(self.language_model, ops)
-
     def load_weights(self, weights) -> None:
         """The language model's tensors through its own loader (fusing q/k/v and gate/up); the tower's and the
         projector's as they are. Both checkpoint layouts: transformers 4's (language_model.model.*) and 5's
@@ -172,14 +188,7 @@ class LlavaForConditionalGeneration(nn.Module):
                 name = name.removeprefix("model.")
                 if name.startswith(("vision_tower.", "multi_modal_projector.")):
                     name = name.replace("vision_tower.vision_model.", "vision_tower.")
-                    if name not in own:
-                        raise ValueError(f"Checkpoint has an unexpected weight {name!r}")
-                    if tuple(own[name].shape) != tuple(tensor.shape):
-                        raise ValueError(
-                            f"Weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}"
-                        )
-                    with torch.no_grad():
-                        own[name].copy_(tensor)
+                    copy_weight(own, name, tensor)
                     loaded.add(name)
                     continue
                 yield name.removeprefix("language_model."), tensor

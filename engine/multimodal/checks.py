@@ -43,7 +43,50 @@ class LlavaImageInfo:
         return [{"pixel_values": processed["pixel_values"][i : i + 1]} for i in range(num_images)]
 
 
-_IMAGE_INFO = {"LlavaForConditionalGeneration": LlavaImageInfo}
+class Qwen2VLImageInfo:
+    """Qwen2-VL and Qwen2.5-VL (dynamic resolution): each image is pixel_values [t * h * w, C * temporal_patch *
+    patch^2], one row a patch of its grid image_grid_thw [1, 3] = (t, h, w), and becomes t * h * w / merge^2
+    embeddings. The processor's placeholder token is expanded to that many by the front end (expand)."""
+
+    data_keys = ("pixel_values", "image_grid_thw")
+    image_token = "<|image_pad|>"
+
+    def __init__(self, hf_config: dict):
+        vision = hf_config["vision_config"]
+        self.image_token_id = int(hf_config["image_token_id"])
+        self.merge = int(vision["spatial_merge_size"])
+        self.patch_dim = (
+            int(vision["in_channels"]) * int(vision["temporal_patch_size"]) * int(vision["patch_size"]) ** 2
+        )
+
+    def num_embeds(self, data: dict, where: str) -> int:
+        grid = data["image_grid_thw"]
+        if tuple(grid.shape) != (1, 3) or grid.dtype.is_floating_point or bool((grid < 1).any()):
+            raise ValueError(f"{where}: image_grid_thw must be one row of 3 positive integers, got {grid.tolist()}.")
+        t, h, w = (int(x) for x in grid[0])
+        if h % self.merge or w % self.merge:
+            raise ValueError(f"{where}: image_grid_thw {[t, h, w]} has a side not divisible by {self.merge}.")
+        shape, expected = tuple(data["pixel_values"].shape), (t * h * w, self.patch_dim)
+        if shape != expected:
+            raise ValueError(f"{where}: pixel_values has shape {shape}, expected {expected} for grid {[t, h, w]}.")
+        return t * h * w // self.merge**2
+
+    def split(self, processed: dict, num_images: int) -> list[dict]:
+        grids, datas, at = processed["image_grid_thw"], [], 0
+        for i in range(num_images):
+            rows = int(grids[i].prod())
+            datas.append(
+                {"pixel_values": processed["pixel_values"][at : at + rows], "image_grid_thw": grids[i : i + 1]}
+            )
+            at += rows
+        return datas
+
+
+_IMAGE_INFO = {
+    "LlavaForConditionalGeneration": LlavaImageInfo,
+    "Qwen2VLForConditionalGeneration": Qwen2VLImageInfo,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2VLImageInfo,
+}
 
 
 def image_info(model_config):

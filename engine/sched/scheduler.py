@@ -12,6 +12,7 @@ output is back, and that output is dropped.
 """
 
 import concurrent.futures
+from dataclasses import replace
 
 from engine.kv.manager import KVCacheManager
 from engine.request import EngineCoreEventType, FinishReason, Request, RequestFailure, RequestStatus
@@ -140,6 +141,7 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         prefix = self.kv_cache_manager.prefix_cache_stats
+        encoder = self.encoder_cache_manager
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -151,6 +153,8 @@ class Scheduler:
             num_loading_reqs=len(self.loading),
             kv_connector_stats=self.connector.get_kv_connector_stats().data if self.connector is not None else None,
             spec_decoding_stats=self.spec_decoding_stats,
+            encoder_cache_usage=encoder.usage() if encoder is not None else None,
+            encoder_cache_stats=replace(encoder.stats) if encoder is not None else None,
             **self._lora_adapter_counts(),
         )
 
@@ -564,6 +568,11 @@ class Scheduler:
         if runner_output.kv_connector_output is not None:
             self.update_from_connector_output(runner_output.kv_connector_output)
         spec = scheduler_output.scheduled_spec_decode_tokens
+        for request_id, runs in runner_output.encoder_runs.items():
+            request = self.requests.get(request_id)
+            for start, end, num_tokens in runs if request is not None else ():
+                request.record_event(EngineCoreEventType.ENCODE_STARTED, start, num_tokens)
+                request.record_event(EngineCoreEventType.ENCODED, end, num_tokens)
         for request, token_ids in zip(scheduler_output.scheduled_requests, runner_output.sampled_token_ids):
             if not self.pipelined:
                 request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
