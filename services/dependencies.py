@@ -52,8 +52,10 @@ class Dependencies:
         prefill_engines: list[str] = (),
         prefill_timeout: float = 30.0,
         credentials: MeshCredentials | None = None,
+        routing_log: str | None = None,
     ):
-        """credentials: the gateway's own, presented on every channel (None: plaintext)."""
+        """credentials: the gateway's own, presented on every channel (None: plaintext); routing_log: a file the
+        router appends each decision to, as a JSON line (services/routing.py)."""
         self.max_batch = max_batch  # items per DetokenizeBatch: the detokenizer's --max-batch (serve gives both one)
         if not engines:
             raise ValueError("engine: give at least one engine address (--engine HOST:PORT).")
@@ -72,7 +74,8 @@ class Dependencies:
         }
         # prefix-aware by default with more than one engine; with one there is nothing to choose
         routing = routing or ("prefix-aware" if len(self.engines) > 1 else "least-loaded")
-        self.router = Router(list(self.engines), routing)
+        self.decision_log = open(routing_log, "a", encoding="utf-8") if routing_log else None
+        self.router = Router(list(self.engines), routing, decision_log=self.decision_log)
         self.kv_event_tasks: list[asyncio.Task] = []
         self.healthy_engines: set[str] = set()
         self.health_misses: dict[str, int] = {}  # address -> health checks since it last answered SERVING
@@ -160,7 +163,7 @@ class Dependencies:
                     if last is not None and batch.sequence_number != last + 1:
                         logger.debug("KV events from %s: batches %d..%d lost", address, last + 1, batch.sequence_number)
                     last = batch.sequence_number
-                    self.router.index.apply(engine, batch)
+                    self.router.apply_events(address, batch)
             except grpc.aio.AioRpcError as e:
                 if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
                     message = "the engine %s sends no KV events (%s): routing to it by load alone"
@@ -366,3 +369,5 @@ class Dependencies:
             self.detokenizer.cancel()
         for ch in self.channels.values():
             await ch.close()
+        if self.decision_log is not None:
+            self.decision_log.close()

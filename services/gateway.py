@@ -425,6 +425,7 @@ async def serve(args) -> None:
         args.prefill_engine or (),
         args.prefill_timeout,
         credentials(args, "gateway"),
+        args.routing_log,
     )
     gateway = Gateway(
         deps,

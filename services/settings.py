@@ -192,6 +192,12 @@ class GatewayConfig:
         help="how requests are spread over the engines: prefix-aware (where the prompt's KV blocks are, weighed "
         "against load; the default with more than one engine), least-loaded (fewest in flight) or round-robin",
     )
+    routing_log: str | None = setting(
+        None,
+        help="a file the gateway appends each routing decision to, as a JSON line: the engine chosen, and per "
+        "engine the prompt's blocks it holds, those in the KV store, its cost and its load (benchmarks/serve.py "
+        "reads it)",
+    )
     prefill_timeout: float = setting(
         30.0,
         help="with disaggregated prefill: seconds a prefill engine may take over a prompt before the gateway gives "

@@ -254,6 +254,8 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
         gateway += ["--api-keys-file", args.api_keys_file]
     if args.routing:
         gateway += ["--routing", args.routing]
+    if args.routing_log:
+        gateway += ["--routing-log", args.routing_log]
     for flag in ("tls_cert", "tls_key", "tls_ca"):
         if getattr(args, flag):
             gateway += ["--" + flag.replace("_", "-"), getattr(args, flag)]
