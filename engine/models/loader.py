@@ -5,9 +5,10 @@ tokenizer files) so that every later start only memory-maps safetensors. Its Q8_
 Q6_K tensors are kept quantized, as int8 codes with float32 scales and zeros per group of 32 (16 for Q6_K;
 kernels/quant.py's format: `<name>.qweight`, `.scales`, `.zeros`), which dequantize to exactly the values
 the file's own dequantizer gives; other types are dequantized to float32. A mixture of experts' merged
-[experts, rows, columns] tensors (Mixtral's, Qwen2-MoE's and Qwen3-MoE's) become one tensor an expert, as Hugging
-Face checkpoints hold them. Finding a model and reading its config and
-tokenizer needs no torch and lives in files.py.
+[experts, rows, columns] tensors (Mixtral's, Qwen2-MoE's, Qwen3-MoE's and DeepSeek's) become one tensor an expert, as
+Hugging Face checkpoints hold them; the few tensors llama.cpp reshapes otherwise (DeepSeek's kv_b_proj, split in two;
+gpt-oss's stacked experts) are put back into their checkpoint's form, in float32. Finding a model and reading its
+config and tokenizer needs no torch and lives in files.py.
 """
 
 import json
