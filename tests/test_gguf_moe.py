@@ -15,6 +15,7 @@ from engine.distributed import parallel_state
 from engine.models import files, loader
 from engine.models.config import ModelLoadError, UnsupportedModelError
 from engine.models.fused_moe import FusedMoE, expert_weight_loader, fused_experts, fused_topk
+from engine.models.gpt_oss import dequantize_mxfp4
 from engine.models.loader import gguf_codes, load_weights
 from engine.models.quantization import get_linear_method
 from kernels.quant import dequantize
@@ -39,6 +40,13 @@ def _tiny_model(family: str, vocab_size: int):
                                                  norm_topk_prob=False)  # fmt: skip
         else:  # transformers' GGUF reading of qwen3moe aside, the head width is the file's key_length
             config = transformers.Qwen3MoeConfig(**common, **qwen, head_dim=32, norm_topk_prob=True)
+    return random_model(config)
+
+
+def random_model(config):
+    """transformers' model of `config`, every parameter random."""
+    import transformers
+
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -52,16 +60,8 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_moe_gguf(path, family: str, model, vocab: dict, quantized: bool) -> dict:
-    """`model` as llama.cpp's converter writes it; returns its state dict as the file holds it (each quantized tensor
-    through gguf's own dequantizer). Quantized: the experts' gate and up as Q4_0, everything else of two dimensions
-    as Q8_0 but the routers, which the converter keeps float32."""
-    import gguf
-
-    c = model.config
-    arch = getattr(gguf.MODEL_ARCH, _ARCH[family])
-    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    # The metadata keys the converter writes for each family, by the writer's add_<key> methods.
+def base_metadata(c, vocab: dict) -> dict:
+    """The metadata keys the converter writes for every family, by the writer's add_<key> methods."""
     meta = {
         "block_count": c.num_hidden_layers,
         "context_length": c.max_position_embeddings,
@@ -76,6 +76,22 @@ def write_moe_gguf(path, family: str, model, vocab: dict, quantized: bool) -> di
         "token_list": vocab["tokens"],
         "token_types": vocab["types"],
     }
+    meta |= {f"token_{key}": vocab[key] for key in ("scores", "merges") if key in vocab}
+    meta |= {"tokenizer_pre": vocab["pre"]} if "pre" in vocab else {}
+    meta |= {f"{k}_token_id": getattr(c, f"{k}_token_id") for k in ("bos", "eos") if getattr(c, f"{k}_token_id")}
+    return meta
+
+
+def write_moe_gguf(path, family: str, model, vocab: dict, quantized: bool) -> dict:
+    """`model` as llama.cpp's converter writes it; returns its state dict as the file holds it (each quantized tensor
+    through gguf's own dequantizer). Quantized: the experts' gate and up as Q4_0, everything else of two dimensions
+    as Q8_0 but the routers, which the converter keeps float32."""
+    import gguf
+
+    c = model.config
+    arch = getattr(gguf.MODEL_ARCH, _ARCH[family])
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    meta = base_metadata(c, vocab)
     if family == "mixtral":
         meta |= {"expert_count": c.num_local_experts, "vocab_size": c.vocab_size,
                  "rope_dimension_count": c.hidden_size // c.num_attention_heads}  # fmt: skip
@@ -85,9 +101,6 @@ def write_moe_gguf(path, family: str, model, vocab: dict, quantized: bool) -> di
         meta["expert_shared_feed_forward_length"] = c.shared_expert_intermediate_size
     if family == "qwen3_moe":
         meta |= {"key_length": c.head_dim, "value_length": c.head_dim}
-    meta |= {f"token_{key}": vocab[key] for key in ("scores", "merges") if key in vocab}
-    meta |= {"tokenizer_pre": vocab["pre"]} if "pre" in vocab else {}
-    meta |= {f"{k}_token_id": getattr(c, f"{k}_token_id") for k in ("bos", "eos") if getattr(c, f"{k}_token_id")}
     for key, value in meta.items():
         getattr(w, f"add_{key}")(value)
 
@@ -169,12 +182,17 @@ def test_engine_serving_the_moe_gguf_matches_transformers(tmp_path, monkeypatch,
         q13, s13, _ = layers[0].w13_codes
         assert q13.dtype == torch.int8 and int(q13.min()) >= 0 and int(q13.max()) <= 15
         assert q13.shape[-1] // s13.shape[-1] == 32
+    assert_serves_like(engine, ref, family)
+
+
+def assert_serves_like(engine, ref, label: str) -> None:
+    """The engine's greedy tokens on three random prompts equal transformers' (the suite's near-tie rule)."""
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(10, hf.vocab_size - 10, n).tolist() for n in (3, 13, 21)]
+    prompts = [rng.integers(10, ref.config.vocab_size - 10, n).tolist() for n in (3, 13, 21)]
     reference = HFReference(ref)
     for i, (prompt, ours) in enumerate(zip(prompts, run_greedy(engine, prompts, 10))):
         tokens, logits = reference.greedy(prompt, len(ours))
-        assert_greedy_matches(ours, tokens, logits, f"{family} prompt {i}")
+        assert_greedy_matches(ours, tokens, logits, f"{label} prompt {i}")
 
 
 def test_conversion_splits_the_merged_experts(tmp_path):
@@ -210,6 +228,124 @@ def test_conversion_splits_the_merged_experts(tmp_path):
             assert "model.layers.0.mlp.shared_expert.gate_proj.qweight" in set(
                 name for name, _ in load_weights(out)
             )  # the shared expert's projections stay quantized
+
+
+# ---------------------------------------------------------------------------------------------- gpt-oss
+
+# Two layers, the first sliding over a window the prompts run past; YaRN as gpt-oss's own (unrounded ramp).
+_GPT_OSS = dict(
+    hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, max_position_embeddings=256,
+    tie_word_embeddings=False, bos_token_id=None, eos_token_id=271, pad_token_id=269,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False, "original_max_position_embeddings": 64},
+)  # fmt: skip
+
+
+def _gpt_oss_model(vocab_size: int):
+    import transformers
+
+    model = random_model(transformers.GptOssConfig(**_GPT_OSS, vocab_size=vocab_size))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.experts.gate_up_proj.mul_(4.0)
+    return model
+
+
+def _mxfp4(rng, shape: tuple[int, int, int]) -> tuple[np.ndarray, torch.Tensor]:
+    """Random MXFP4 blocks of an [E, rows, cols] tensor in GGML's layout (a block of 32 values: its e8m0 scale byte,
+    then 16 bytes whose low nibbles are values 0-15 and high nibbles values 16-31), and the float tensor they hold by
+    the engine's decoding of the checkpoints' layout (codes in pairs, the low nibble first). Scales up to 2^-1, so that
+    the experts' activations reach past the SwiGLU clamp."""
+    experts, rows, cols = shape
+    codes = rng.integers(0, 16, (experts, rows, cols // 32, 32), dtype=np.uint8)
+    scales = rng.integers(122, 127, (experts, rows, cols // 32), dtype=np.uint8)
+    blocks = np.concatenate([scales[..., None], codes[..., :16] | (codes[..., 16:] << 4)], axis=-1)
+    pairs = torch.from_numpy(codes[..., 0::2] | (codes[..., 1::2] << 4))
+    return blocks.reshape(experts, rows, -1), dequantize_mxfp4(pairs, torch.from_numpy(scales)).reshape(shape)
+
+
+def write_gpt_oss_gguf(path, model, vocab: dict, quantized: bool) -> dict:
+    """`model` as llama.cpp's converter writes it: gate and up split out of the interleaved gate_up_proj, the experts
+    [E, out, in], sinks as attn_sinks.weight; returns its state dict as the file holds it. Quantized: the experts as
+    random MXFP4 blocks (in place of the model's), every other tensor of two dimensions as Q8_0 but the router."""
+    import gguf
+
+    c, rope = model.config, model.config.rope_parameters
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPT_OSS])
+    meta = base_metadata(c, vocab) | {
+        "expert_count": c.num_local_experts,
+        "key_length": c.head_dim,
+        "value_length": c.head_dim,
+        "rope_scaling_type": gguf.RopeScalingType.YARN,
+        "rope_scaling_factor": rope["factor"],
+        "rope_scaling_orig_ctx_len": rope["original_max_position_embeddings"],
+        "rope_scaling_yarn_beta_fast": rope["beta_fast"],
+        "rope_scaling_yarn_beta_slow": rope["beta_slow"],
+        "sliding_window": c.sliding_window,
+        "expert_feed_forward_length": c.intermediate_size,
+    }
+    for key, value in meta.items():
+        getattr(w, f"add_{key}")(value)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, c.num_hidden_layers)
+    rng = np.random.default_rng(3)
+
+    def add(hf_name: str, data: torch.Tensor, kind: str = "weight") -> torch.Tensor:
+        name = f"{names.get_name(hf_name)}.{kind}"
+        if quantized and name.endswith("_exps.weight"):
+            blocks, weight = _mxfp4(rng, tuple(data.shape))
+            w.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            return weight
+        if not quantized or data.dim() == 1 or "ffn_gate_inp" in name:
+            w.add_tensor(name, data.contiguous().numpy())
+            return data
+        q = gguf.quants.quantize(data.numpy(), gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        return torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0))
+
+    stored = {}
+    for hf_name, t in model.state_dict().items():
+        prefix, _, kind = hf_name.rpartition(".")
+        if kind in ("gate_up_proj", "gate_up_proj_bias"):  # [E, H, 2I] and [E, 2I], gate and up alternating
+            t = t.transpose(1, 2) if kind == "gate_up_proj" else t
+            suffix = "weight" if kind == "gate_up_proj" else "bias"
+            gate, up = (add(f"{prefix}.{p}", t[:, i::2], suffix) for i, p in enumerate(("gate_proj", "up_proj")))
+            both = torch.stack([gate, up], dim=2).flatten(1, 2)
+            stored[hf_name] = both.transpose(1, 2) if kind == "gate_up_proj" else both
+        elif kind == "down_proj":  # [E, I, H]
+            stored[hf_name] = add(hf_name, t.transpose(1, 2)).transpose(1, 2)
+        elif kind == "down_proj_bias":
+            stored[hf_name] = add(f"{prefix}.down_proj", t, "bias")
+        elif kind == "sinks":
+            stored[hf_name] = add(hf_name, t)
+        else:
+            stored[hf_name] = add(prefix, t, kind)
+    _write(w)
+    return {name: t.float().contiguous() for name, t in stored.items()}
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["f32", "mxfp4-q8_0"])
+def test_engine_serving_the_gpt_oss_gguf_matches_transformers(tmp_path, monkeypatch, quantized):
+    """Float experts (scaled up so that the SwiGLU clamp at llama.cpp's fixed 7.0 bites), or MXFP4 experts dequantized
+    as the file converts, against transformers on the same weights; sinks, biases, window and YaRN from the file."""
+    from engine.config import EngineArgs
+    from engine.core import EngineCore
+
+    vocab = _vocab("qwen3")
+    ref = _gpt_oss_model(len(vocab["tokens"]))
+    path = tmp_path / "gpt-oss.gguf"
+    ref.load_state_dict(write_gpt_oss_gguf(path, ref, vocab, quantized))
+    monkeypatch.setenv("LLMMESH_CACHE_DIR", str(tmp_path / "cache"))
+    config = files.gguf_config(files.open_gguf(path), path)
+    assert config["architectures"] == ["GptOssForCausalLM"] and config["layer_types"] == ref.config.layer_types
+    assert config["rope_parameters"]["truncate"] is False and config["sliding_window"] == 8
+
+    engine = EngineCore(EngineArgs(model=str(path), dtype="float32", kv_cache_memory="8MiB", block_size=4))
+    layers = [m for m in engine.executor.driver_worker.model.modules() if isinstance(m, FusedMoE)]
+    assert len(layers) == 2 and all(m.w13_codes is None for m in layers)  # the experts run in float
+    gate_up = ref.model.layers[0].mlp.experts.gate_up_proj  # [E, H, 2I], gate and up alternating
+    assert torch.equal(layers[0].w13_weight, torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=2).transpose(1, 2))
+    assert_serves_like(engine, ref, "gpt-oss")
 
 
 # ---------------------------------------------------------------------------------------------- the quantized layer
@@ -374,7 +510,10 @@ def test_tensor_parallel_ranks_hold_whole_groups_of_the_quantized_experts(monkey
 def _plain_gguf(tmp_path, family: str):
     vocab = _vocab("qwen3" if family != "mixtral" else "phi3")
     path = tmp_path / f"{family}.gguf"
-    write_moe_gguf(path, family, _tiny_model(family, len(vocab["tokens"])), vocab, quantized=False)
+    if family == "gpt_oss":
+        write_gpt_oss_gguf(path, _gpt_oss_model(len(vocab["tokens"])), vocab, quantized=False)
+    else:
+        write_moe_gguf(path, family, _tiny_model(family, len(vocab["tokens"])), vocab, quantized=False)
     return path
 
 
@@ -384,6 +523,7 @@ def _plain_gguf(tmp_path, family: str):
         ("qwen3_moe", "qwen3moe.expert_gating_func", 2),  # sigmoid
         ("mixtral", "llama.expert_weights_norm", 0),
         ("qwen2_moe", "qwen2moe.expert_group_count", 4),
+        ("gpt_oss", "gpt-oss.attention.sliding_window_pattern", 3),  # llama.cpp slides on every other layer
     ],
 )
 def test_unimplemented_moe_metadata_is_refused_by_name(tmp_path, family, key, value):
@@ -396,7 +536,7 @@ def test_unimplemented_moe_metadata_is_refused_by_name(tmp_path, family, key, va
         files.gguf_config(files.open_gguf(bad), bad)
 
 
-def test_old_per_expert_mixtral_layout_and_deepseek2_are_refused(tmp_path):
+def test_old_per_expert_mixtral_layout_and_deepseek32_are_refused(tmp_path):
     import gguf
 
     old = tmp_path / "old" / "m.gguf"
@@ -407,10 +547,11 @@ def test_old_per_expert_mixtral_layout_and_deepseek2_are_refused(tmp_path):
     with pytest.raises(ModelLoadError, match=r"one tensor per expert \(blk.N.ffn_gate.E.weight\)"):
         files.gguf_config(files.open_gguf(old), old)
 
+    # DeepSeek-V3.2: V3 with a sparse attention's indexer, which is not implemented.
     deepseek = tmp_path / "ds" / "m.gguf"
     deepseek.parent.mkdir()
-    w = gguf.GGUFWriter(str(deepseek), "deepseek2")
+    w = gguf.GGUFWriter(str(deepseek), "deepseek32")
     w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     _write(w)
-    with pytest.raises(UnsupportedModelError, match="unsupported GGUF architecture 'deepseek2'"):
+    with pytest.raises(UnsupportedModelError, match="unsupported GGUF architecture 'deepseek32'"):
         files.gguf_config(files.open_gguf(deepseek), deepseek)
