@@ -98,9 +98,8 @@ def assert_matches(output, reference, logits, label):
     torch.testing.assert_close(torch.tensor(top[:same]), expected, atol=1e-3, rtol=0, msg=label)
 
 
-@pytest.mark.parametrize(
-    "backend, chunk", [("cpu", 2048), ("cpu", 5), ("torch", 2048), ("torch", 5)], ids=lambda x: str(x)
-)
+# The CPU backend hands the steps that hold placeholders to the torch backend: one CPU case covers it.
+@pytest.mark.parametrize("backend, chunk", [("cpu", 2048), ("torch", 2048), ("torch", 5)], ids=lambda x: str(x))
 def test_gemma3_vision_greedy_matches_transformers_with_0_to_2_images(gemma3v, backend, chunk):
     """chunk 5: a chunk boundary falls inside every image (boi and 4 placeholders), which the scheduler moves to
     before it."""
