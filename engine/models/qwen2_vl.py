@@ -17,7 +17,7 @@ from engine.attention.backend import AttentionBackend
 from engine.models.config import ModelArchConfig
 from engine.models.layers import RMSNorm, RotaryEmbedding, rotate_half
 from engine.models.llama import LlamaForCausalLM
-from engine.models.llava import VisionLanguageModel, copy_weight
+from engine.models.vision import VisionLanguageModel, copy_weight
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),

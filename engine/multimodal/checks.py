@@ -18,8 +18,8 @@ class MultiModalLimits:
 
 
 class LlavaImageInfo:
-    """LLaVA: each image is pixel_values [1, C, S, S] and becomes (S / patch)^2 embeddings (one more with the
-    "full" strategy, which keeps the class token)."""
+    """LLaVA: each image is pixel_values [1, C, S, S] and becomes (S / patch)^2 embeddings, one more for a CLIP
+    tower's class token, one fewer with the "default" strategy (which drops the first)."""
 
     data_keys = ("pixel_values",)
 
@@ -28,8 +28,9 @@ class LlavaImageInfo:
         self.image_token_id = int(hf_config["image_token_index"])
         self.channels = int(vision.get("num_channels", 3))
         self.image_size = int(vision["image_size"])
-        full = hf_config.get("vision_feature_select_strategy", "default") == "full"
-        self.num_tokens = (self.image_size // int(vision["patch_size"])) ** 2 + int(full)
+        class_token = vision.get("model_type", "clip_vision_model") == "clip_vision_model"
+        default = hf_config.get("vision_feature_select_strategy", "default") == "default"
+        self.num_tokens = (self.image_size // int(vision["patch_size"])) ** 2 + int(class_token) - int(default)
 
     def num_embeds(self, data: dict, where: str) -> int:
         shape = tuple(data["pixel_values"].shape)
@@ -41,6 +42,35 @@ class LlavaImageInfo:
     def split(self, processed: dict, num_images: int) -> list[dict]:
         """The processor's batch of images, one dict each."""
         return [{"pixel_values": processed["pixel_values"][i : i + 1]} for i in range(num_images)]
+
+
+class Gemma3ImageInfo(LlavaImageInfo):
+    """Gemma 3: each image is pixel_values [1, C, S, S] pooled to mm_tokens_per_image embeddings, which the
+    language model attends to both ways; one crop an image (pan and scan is not implemented)."""
+
+    def __init__(self, hf_config: dict):
+        vision = hf_config["vision_config"]
+        self.image_token_id = int(hf_config["image_token_index"])
+        self.channels = int(vision.get("num_channels", 3))
+        self.image_size = int(vision["image_size"])
+        self.num_tokens = int(hf_config["mm_tokens_per_image"])
+
+    def split(self, processed: dict, num_images: int) -> list[dict]:
+        if any(processed.get("num_crops", [])):
+            raise ValueError("multi_modal_data.image: pan-and-scan crops (do_pan_and_scan) are not implemented.")
+        return super().split(processed, num_images)
+
+    def check_chunk_budget(self, max_num_batched_tokens: int, long_prefill_token_threshold: int) -> None:
+        """At start-up: an image's placeholders are scheduled in one step, so one step must hold them."""
+        for name, limit in (
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("long_prefill_token_threshold", long_prefill_token_threshold),
+        ):
+            if 0 < limit < self.num_tokens:
+                raise ValueError(
+                    f"{name}={limit} is less than an image's {self.num_tokens} placeholder tokens, which this model "
+                    "prefills in one step (they attend to each other both ways)."
+                )
 
 
 class Qwen2VLImageInfo:
@@ -84,6 +114,7 @@ class Qwen2VLImageInfo:
 
 _IMAGE_INFO = {
     "LlavaForConditionalGeneration": LlavaImageInfo,
+    "Gemma3ForConditionalGeneration": Gemma3ImageInfo,
     "Qwen2VLForConditionalGeneration": Qwen2VLImageInfo,
     "Qwen2_5_VLForConditionalGeneration": Qwen2VLImageInfo,
 }

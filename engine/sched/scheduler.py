@@ -43,6 +43,7 @@ class Scheduler:
         pipeline_parallel_size: int = 1,
         encoder_cache_manager=None,
         max_num_encoder_input_tokens: int = 0,
+        disable_chunked_mm_input: bool = False,
     ):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -80,6 +81,9 @@ class Scheduler:
         # the encoder computes in one step at most; None: a text-only model.
         self.encoder_cache_manager = encoder_cache_manager
         self.max_num_encoder_input_tokens = max_num_encoder_input_tokens
+        # An image's placeholders go in one step, never split across prefill chunks (a prefix-LM model's attend to
+        # each other both ways).
+        self.disable_chunked_mm_input = disable_chunked_mm_input
 
     # ---- requests in and out -------------------------------------------------
 
@@ -398,8 +402,9 @@ class Scheduler:
     ) -> tuple[list[int], int, int]:
         """The images whose embeddings this step's tokens [num_computed, num_computed + num_new) need and the
         encoder must compute (those not held already); the new-token count, cut short before the first image that
-        does not fit the step's encoder budget or the cache (an image is encoded whole, in one step); the budget
-        left (vLLM's _try_schedule_encoder_inputs)."""
+        does not fit the step's encoder budget or the cache (an image is encoded whole, in one step), or, with
+        disable_chunked_mm_input, whose placeholders the step would split; the budget left (vLLM's
+        _try_schedule_encoder_inputs)."""
         manager, to_schedule, num_tokens_to_schedule = self.encoder_cache_manager, [], 0
         end = num_computed_tokens + num_new_tokens
         for i, feature in enumerate(request.mm_features):
@@ -408,6 +413,11 @@ class Scheduler:
                 break  # this step's tokens end before it
             if start + length <= num_computed_tokens:
                 continue  # its embeddings are in the KV cache already
+            if self.disable_chunked_mm_input and start + length > end:
+                # The step would end inside the image: stop before it (or, starting inside it after a prefix-cache
+                # hit, wait for a step that reaches its end).
+                num_new_tokens = max(0, start - num_computed_tokens)
+                break
             if feature.identifier in {request.mm_features[j].identifier for j in to_schedule}:
                 continue  # the same image again in this prompt: computed once
             if manager.check_and_update_cache(request, i):

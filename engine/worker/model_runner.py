@@ -205,6 +205,8 @@ class ModelRunner:
             while_waiting = partial(self._while_waiting, so, while_waiting)
         requests, order, rows, size, input_ids, positions, metadata, logits_indices = self.prepare_inputs(so)
         mm_inputs = self._multimodal_inputs(so, requests, metadata[0], input_ids)
+        if mm_inputs and self.model.config.is_mm_prefix_lm:
+            self._set_mm_prefix_range(requests, metadata)
         model_positions = positions
         if getattr(self.model, "uses_mrope", False):
             model_positions = self._mrope_batch_positions(requests, metadata[0], positions.shape[0])
@@ -335,6 +337,20 @@ class ModelRunner:
             if in_prompt > 0:
                 out[:, q_start : q_start + in_prompt] = prompt[:, start : start + in_prompt]
         return out.to(self.device, non_blocking=True)
+
+    def _set_mm_prefix_range(self, requests, metadata) -> None:
+        """A prefix-LM model (Gemma 3) attends both ways within each image: the positions of each request's images
+        that this step's tokens touch, for every KV cache group's attention (vLLM's mm_prefix_range). The scheduler
+        never splits an image across steps, so its keys are all there."""
+        ranges, qsl = {}, metadata[0].query_start_loc_cpu
+        for i, (request, start) in enumerate(zip(requests, self.batch_starts)):
+            end = start + int(qsl[i + 1] - qsl[i])
+            spans = [(f.mm_position.offset, f.mm_position.end) for f in request.mm_features]
+            spans = [(lo, hi) for lo, hi in spans if lo < end and hi > start]
+            if spans:
+                ranges[i] = spans
+        for group_metadata in metadata:
+            group_metadata.mm_prefix_range = ranges
 
     def _while_waiting(self, so: SchedulerOutput, schedule_ahead) -> None:
         """The engine's work for the next step while this one's tokens are sampled: its blocks, then its inputs."""
