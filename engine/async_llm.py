@@ -135,6 +135,7 @@ class AsyncLLM:
         kv_transfer_params: dict | None = None,
         lora_request: LoRARequest | None = None,
         output_token_ids: list[int] = (),
+        mm_features: list | None = None,
     ) -> RequestStream:
         """Check and queue a request (n engine requests when n > 1); ValueError names what is wrong.
         trace_headers: the request span's traceparent/tracestate, for the calls the engine makes for it.
@@ -143,7 +144,8 @@ class AsyncLLM:
         PoolingParams (a pooling engine's requests): one PoolingRequestOutput once the prompt has run.
 
         output_token_ids: a request resumed from another engine (n=1), the tokens it generated there; only the
-        tokens after them are streamed."""
+        tokens after them are streamed. mm_features: the prompt's images (MultiModalFeatureSpec), placeholders expanded
+        in prompt_token_ids."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine thread has stopped: {self.dead}")
         info = self.info
@@ -168,6 +170,7 @@ class AsyncLLM:
             trace_headers=trace_headers,
             kv_transfer_params=kv_transfer_params,
             output_token_ids=output_token_ids,
+            mm_features=mm_features,
         )
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use by a running request.")

@@ -215,9 +215,11 @@ class Dependencies:
                 return address
         return None
 
-    def route(self, prompt_ids: list[int], cache_salt: str = "", exclude=(), lora_name: str = "") -> Routed:
+    def route(
+        self, prompt_ids: list[int], cache_salt: str = "", exclude=(), lora_name: str = "", mm_features=()
+    ) -> Routed:
         """The engine for this prompt, among the healthy ones not excluded that have its LoRA adapter, if it names
-        one (router.release(...) once it ends)."""
+        one (router.release(...) once it ends). mm_features: its images (MultiModalInputs)."""
         candidates = self.healthy_engines.difference(exclude)
         lora_key = None
         if lora_name:
@@ -231,7 +233,7 @@ class Dependencies:
             lora_key = self.lora_adapters[next(iter(candidates))][lora_name].digest or None
         if not candidates:
             raise unavailable(f"no engine is healthy (engines: {', '.join(self.engines)})")
-        return self.router.route(candidates, prompt_ids, cache_salt, lora_key)
+        return self.router.route(candidates, prompt_ids, cache_salt, lora_key, mm_features)
 
     def any_healthy_engine(self, exclude=()) -> bool:
         """Whether some engine not excluded is healthy."""

@@ -17,9 +17,9 @@ from engine.text.tokenizer import Tokenizer
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from mesh import tls
 from services import config
-from services.convert import request_output_to_llmmesh, sampling_params_from_llmmesh
+from services.convert import mm_features_from_llmmesh, request_output_to_llmmesh, sampling_params_from_llmmesh
 from services.engine_telemetry import EngineTelemetry
-from services.generate import refuse_generate_on_pooling, serve_embedding, serve_request
+from services.generate import images_named, refuse_generate_on_pooling, serve_embedding, serve_request
 from services.kv_transfer_params import REMOTE_PREFILL_PARAMS, parse_kv_transfer_params
 from services.server import Server, llmmesh_version
 from services.vllm_engine import VLLM_ENGINE_SERVICE, VllmEngineServicer, vllm_engine_pb2_grpc
@@ -66,18 +66,20 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         def add_request(arrival, trace_headers):
             params = sampling_params_from_llmmesh(request.sampling_params)
             params.detokenize = bool(params.stop)  # token ids travel; text only to find stop strings
-            return engine.add_request(
-                request.request_id,
-                list(request.prompt_token_ids),
-                params,
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-                arrival_time=arrival,
-                trace_headers=trace_headers,
-                kv_transfer_params=kv_transfer,
-                lora_request=lora_request,
-                output_token_ids=list(request.output_token_ids),
-            )
+            with images_named("mm_inputs"):
+                return engine.add_request(
+                    request.request_id,
+                    list(request.prompt_token_ids),
+                    params,
+                    priority=request.priority,
+                    cache_salt=request.cache_salt,
+                    arrival_time=arrival,
+                    trace_headers=trace_headers,
+                    kv_transfer_params=kv_transfer,
+                    lora_request=lora_request,
+                    output_token_ids=list(request.output_token_ids),
+                    mm_features=mm_features_from_llmmesh(request.mm_inputs),
+                )
 
         first_tokens = True
         async with contextlib.aclosing(

@@ -31,7 +31,7 @@ from services.convert import sampling_params_from_llmmesh
 from services.dependencies import Dependencies
 from services.errors import RequestError, internal, invalid, unavailable
 from services.server import Server, credentials
-from services.settings import ChatTemplateConfig, GatewayConfig, GatewayFlags, GatewayTLSConfig
+from services.settings import ChatTemplateConfig, GatewayConfig, GatewayFlags, GatewayTLSConfig, ImageBytesConfig
 from services.telemetry import (
     CURRENT_SERVER_SPAN,
     Telemetry,
@@ -176,7 +176,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 if span is not None and lora_name:
                     span.set_attributes(lora_attributes(lora_name))
                 with self.telemetry.client_call("llmmesh.v1.Tokenizer/Tokenize", span) as tokenize_span:
-                    prompt_ids = await tokenize(inject(tokenize_span))
+                    prompt_ids, mm_inputs = await tokenize(inject(tokenize_span))
                 try:
                     prompt_ids = self.processor.process_prompt(prompt_ids, params)
                 except ValueError as e:  # named as the client's field: its token_ids, or the text they come from
@@ -184,7 +184,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 if tenant is not None:
                     tenant.take_tokens(context, len(prompt_ids))
                 async for response in self._generate(
-                    request, context, request_id, params, prompt_ids, arrival, span, lora_name
+                    request, context, request_id, params, prompt_ids, arrival, span, lora_name, mm_inputs
                 ):
                     if tenant is not None and response.HasField("complete"):
                         tenant.charge_tokens(response.complete.usage.completion_tokens)
@@ -251,18 +251,24 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             self.processor = Processor(info.vocab_size, info.max_model_len, info.eos_token_ids, self.limits)
         return self.processor
 
-    async def _tokenize_prompt(self, request, metadata=()) -> list[int]:
+    async def _tokenize_prompt(self, request, metadata=()) -> tuple[list[int], list]:
+        """The prompt's token ids and its images, preprocessed by the tokenizer (MultiModalInputs)."""
         if request.WhichOneof("prompt") == "token_ids":
-            return list(request.token_ids.ids)
+            if request.images:
+                raise invalid("images: a prompt with images must be text (the tokenizer expands their placeholders)")
+            return list(request.token_ids.ids), []
         if not request.text:
             raise invalid("prompt is empty: set prompt text or token_ids")
         try:
             self.limits.check_chars("text", request.text, "max_prompt_chars")
         except ValueError as e:
             raise invalid(str(e)) from None
-        return list((await self.deps.tokenize(tokenizer_pb2.TokenizeRequest(text=request.text), metadata)).token_ids)
+        reply = await self.deps.tokenize(
+            tokenizer_pb2.TokenizeRequest(text=request.text, images=request.images), metadata
+        )
+        return list(reply.token_ids), list(reply.mm_inputs)
 
-    async def _tokenize_chat(self, request, metadata=()) -> list[int]:
+    async def _tokenize_chat(self, request, metadata=()) -> tuple[list[int], list]:
         try:
             check_messages(request.messages, self.limits)
         except ValueError as e:
@@ -281,12 +287,12 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             reply = await self.deps.tokenize(tokenizer_pb2.TokenizeRequest(chat=chat), metadata)
         except RequestError as e:
             raise chat_fields_named(e, bool(request.chat_template)) from None
-        return list(reply.token_ids)
+        return list(reply.token_ids), list(reply.mm_inputs)
 
     async def _generate(
-        self, request, context, request_id: str, params, prompt_ids: list[int], arrival: float, span, lora_name: str
+        self, request, context, request_id: str, params, prompt_ids, arrival: float, span, lora_name: str, mm_inputs
     ):
-        req = GatewayRequest(self, request, request_id, params, prompt_ids, arrival, span, lora_name)
+        req = GatewayRequest(self, request, request_id, params, prompt_ids, arrival, span, lora_name, mm_inputs)
         try:
             req.start(context)
             async for deltas in req.deltas():
@@ -436,8 +442,10 @@ async def serve(args) -> None:
         args.trust_request_chat_template,
         args.migration_limit,
     )
-    # The public port takes prompts of up to --max-prompt-chars (4 bytes a character at most) and no more.
-    server = Server("gateway", [SERVICE_NAME], args, max_receive_bytes=4 * limits.max_prompt_chars + 2**20, public=True)
+    # The public port takes prompts of up to --max-prompt-chars (4 bytes a character at most) and their images, and
+    # no more (the tokenizer checks each image against the same limits).
+    max_receive_bytes = 4 * limits.max_prompt_chars + args.max_image_bytes + 2**20
+    server = Server("gateway", [SERVICE_NAME], args, max_receive_bytes=max_receive_bytes, public=True)
     gateway.telemetry = server.telemetry
     server.telemetry.count("llmmesh:", gateway.counters)
     server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, gateway)
@@ -457,6 +465,7 @@ def add_gateway_args(parser) -> None:
     add_cli_args(parser, GatewayConfig)
     add_cli_args(parser, GatewayTLSConfig)
     add_cli_args(parser, ChatTemplateConfig)
+    add_cli_args(parser, ImageBytesConfig)
     config.add_limit_args(parser)
 
 

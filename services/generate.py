@@ -111,3 +111,13 @@ def refuse_generate_on_pooling(engine) -> str | None:
             "generates nothing"
         )
     return None
+
+
+@contextlib.contextmanager
+def images_named(field: str):
+    """The engine's checks name a request's images multi_modal_data.image[i] (the offline API's field); a service
+    names its own protocol's field."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(str(e).replace("multi_modal_data.image", field)) from None

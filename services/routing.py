@@ -206,12 +206,23 @@ class Router:
         self.root = root_hash(self.hash_fn, info.prefix_caching_hash_seed or None)
         self.block_size = info.block_size
 
-    def block_hashes(self, prompt_ids: list[int], cache_salt: str | None, lora_key: bytes | None = None) -> list[bytes]:
-        """lora_key: the digest of the request's LoRA adapter, which the engines mix into its blocks' hashes."""
+    def block_hashes(
+        self, prompt_ids: list[int], cache_salt: str | None, lora_key: bytes | None = None, mm_features=()
+    ) -> list[bytes]:
+        """lora_key: the digest of the request's LoRA adapter, which the engines mix into its blocks' hashes, as they
+        do the content hash of each image (mm_features: MultiModalInputs, whose identifier and mm_position are
+        named as the engine's MultiModalFeatureSpec's) into the blocks its placeholders fall in."""
         if not self.block_size:
             return []
         return extend_block_hashes(
-            [], prompt_ids, self.block_size, self.hash_fn, self.root, cache_salt or None, lora_key
+            [],
+            prompt_ids,
+            self.block_size,
+            self.hash_fn,
+            self.root,
+            cache_salt or None,
+            lora_key,
+            mm_features=mm_features,
         )
 
     def engine_index(self, address: str) -> int:
@@ -238,12 +249,17 @@ class Router:
         return [address for address in order if address in healthy]
 
     def route(
-        self, healthy, prompt_ids: list[int], cache_salt: str | None = None, lora_key: bytes | None = None
+        self,
+        healthy,
+        prompt_ids: list[int],
+        cache_salt: str | None = None,
+        lora_key: bytes | None = None,
+        mm_features=(),
     ) -> Routed:
         """Choose an engine among the healthy ones and count the request there (release() when it ends)."""
         candidates = self._in_turn(healthy)
         weigh = self.policy == "prefix-aware" or self.decision_log is not None
-        hashes = self.block_hashes(prompt_ids, cache_salt, lora_key) if weigh else []
+        hashes = self.block_hashes(prompt_ids, cache_salt, lora_key, mm_features) if weigh else []
         matches = self.index.match(hashes) if weigh else []
         load_cost = self.kv_load_cost()
         costs = {}

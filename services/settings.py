@@ -113,6 +113,27 @@ class TextModelConfig:
 
 
 @dataclass
+class ImageBytesConfig:
+    """The gateway's bound on the images a request carries (the tokenizer checks each against its own limits)."""
+
+    max_image_bytes: int = setting(32 * 2**20, help="bytes of encoded images one request may carry, in all")
+
+
+@dataclass
+class MediaConfig:
+    """A vision-language model's images in the tokenizer, which preprocesses them: where it may read them from
+    besides the request itself, and how many and how large they may be (the engine's flags of the same names)."""
+
+    allowed_local_media_path: str = setting(
+        "",
+        help="a directory whose files (judged on the resolved path) requests may name as images; empty: only images "
+        "sent as bytes. Nothing is ever fetched from the network",
+    )
+    limit_mm_per_prompt: int = setting(4, help="images one prompt may carry at most")
+    max_image_pixels: int = setting(4096 * 4096, help="pixels (width x height) of one image, at most")
+
+
+@dataclass
 class ChatTemplateConfig:
     """Whether a request may bring its own chat template (the tokenizer, the gateway and `llmmesh serve`)."""
 
