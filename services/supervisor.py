@@ -14,6 +14,9 @@ import sys
 import threading
 import time
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from engine.config import EngineArgs
 from engine.config.utils import add_cli_args
 from engine.limits import RequestLimits
@@ -21,8 +24,15 @@ from services import client, config, kvstore_service
 from services.gateway import add_gateway_args
 from services.local_mesh import REDIS, Mesh
 from services.prometheus import scrape_config
-from services.service_process import exit_status
-from services.settings import MAX_ENGINES, DemoConfig, MeshConfig, ServeFlags
+from services.service_process import ServiceProcess, exit_status
+from services.settings import (
+    MAX_ENGINES,
+    DemoConfig,
+    MeshConfig,
+    ServeFlags,
+    WatchdogConfig,
+    check_step_timeouts,
+)
 
 # `llmmesh serve` starts a service that died again after RESTART_BACKOFF_S, doubled for each time it was restarted
 # in the last RESTART_WINDOW_S. A service that dies once more after MAX_RESTARTS restarts in that window is in a
@@ -31,6 +41,10 @@ from services.settings import MAX_ENGINES, DemoConfig, MeshConfig, ServeFlags
 RESTART_BACKOFF_S = 0.25
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 300.0
+# serve checks each service's gRPC health every HEALTH_INTERVAL_S, a check failing unless answered within
+# HEALTH_TIMEOUT_S (an engine's event loop answers between the GIL-holding parts of a step).
+HEALTH_INTERVAL_S = 1.0
+HEALTH_TIMEOUT_S = 5.0
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -39,6 +53,7 @@ def serve(args: argparse.Namespace) -> None:
     if not 1 <= args.engines <= MAX_ENGINES:
         raise ValueError(f"--engines must be from 1 to {MAX_ENGINES}, got {args.engines}.")
     num_engines = disaggregated_engines(args)
+    check_step_timeouts(args.step_timeout, args.step_timeout_exit)
     engine_args = EngineArgs.from_cli_args(args)
     flags = service_flags(args)
     mesh = Mesh(
@@ -63,6 +78,7 @@ def serve(args: argparse.Namespace) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    health = HealthWatch(mesh, stop)
     began = time.perf_counter()
     store = (", Redis, the kvstore" if mesh.kv_store else "") + (", the sampler" if mesh.sampler else "")
     engines = "the engine" if num_engines == 1 else f"{num_engines} engines"
@@ -82,11 +98,13 @@ def serve(args: argparse.Namespace) -> None:
             write_prometheus_config(mesh, args.prometheus_config)
         print(f"llmmesh gateway listening on {address}", flush=True)
         print(f'  try: llmmesh generate "The capital of France is" --address {address}', flush=True)
-        crash_loop = supervise(mesh, stop)
+        health.start()
+        crash_loop = supervise(mesh, stop, health=health, unanswered_limit=args.step_timeout_exit)
         if crash_loop:
             say(crash_loop, error=True)
             sys.exit(1)
     finally:
+        stop.set()  # ends the health checks
         say("stopping")
         mesh.stop(args.shutdown_timeout)
         say("stopped")
@@ -112,14 +130,71 @@ def restart_backoff(restarts: list[float], now: float) -> float | None:
     return None if len(recent) >= MAX_RESTARTS else RESTART_BACKOFF_S * 2 ** len(recent)
 
 
-def supervise(mesh: Mesh, stop: threading.Event, poll_s: float = 0.1) -> str | None:
-    """Start every process of the mesh that dies again, on its ports, after restart_backoff, until stop is set.
+class HealthWatch:
+    """Each service's gRPC health, checked from a thread of its own every HEALTH_INTERVAL_S until stop is set. A
+    process that stopped (SIGSTOP) freezes the watchdog inside it too: from outside, it answers nothing. An answer
+    counts whatever its status: NOT_SERVING is the service's own account (a gateway waiting for its engine, an
+    engine draining or stuck, which exits on its own), which no restart would mend."""
+
+    def __init__(self, mesh: Mesh, stop: threading.Event):
+        self.mesh, self.stop = mesh, stop
+        self.answered: dict[str, tuple[ServiceProcess, float]] = {}  # name -> (its process, when it last answered)
+
+    def start(self) -> None:
+        for name in self.mesh.services:
+            threading.Thread(target=self._watch, args=(name,), name=f"{name}-health", daemon=True).start()
+
+    def _watch(self, name: str) -> None:
+        while not self.stop.wait(HEALTH_INTERVAL_S):
+            process = self.mesh.services[name]
+            if not process.listening.is_set() or not process.alive():
+                continue  # starting, or dead: supervise's to handle
+            if self.answered.get(name, (None,))[0] is not process:
+                self.answered[name] = (process, time.monotonic())  # the clock starts when it began to serve
+            if answers_health(process.address, HEALTH_TIMEOUT_S):
+                self.answered[name] = (process, time.monotonic())
+
+    def unanswered(self, name: str, now: float) -> float:
+        """Seconds since the service's current process last answered (0 until it began to serve)."""
+        process, when = self.answered.get(name, (None, now))
+        return now - when if process is self.mesh.services[name] else 0.0
+
+
+def answers_health(address: str, timeout: float) -> bool:
+    """Whether the server at address answers a health check within timeout, SERVING or not."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return True
+
+
+def supervise(
+    mesh: Mesh,
+    stop: threading.Event,
+    poll_s: float = 0.1,
+    health: HealthWatch | None = None,
+    unanswered_limit: float = 0.0,
+) -> str | None:
+    """Start every process of the mesh that dies again, on its ports, after restart_backoff, until stop is set; kill
+    (SIGKILL) one that has answered none of health's checks for unanswered_limit s (0: never), to start it again.
     Returns why it gave up instead: a process in a crash loop."""
     restarts: dict[str, list[float]] = {}  # name -> when it was started again, in the last RESTART_WINDOW_S
     due: dict[str, float] = {}  # a dead process -> when to start it again
     starting: set[str] = set()  # started again, not serving yet
     while not stop.wait(poll_s):
         now = time.monotonic()
+        if health is not None and unanswered_limit:
+            for name, process in mesh.services.items():
+                silent = health.unanswered(name, now)
+                if silent > unanswered_limit and process.alive():
+                    say(
+                        f"the {name} (pid {process.popen.pid}) has answered no health check for {silent:.0f} s, "
+                        f"past --step-timeout-exit ({unanswered_limit:g} s): killing it",
+                        error=True,
+                    )
+                    process.kill()
         for name in mesh.dead():
             if name in due:
                 continue
@@ -240,7 +315,9 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
         gateway += ["--api-key", args.api_key]
     if args.routing:
         gateway += ["--routing", args.routing]
-    engine = ["--collect-detailed-traces", args.collect_detailed_traces] if args.collect_detailed_traces else []
+    engine = as_flags(args, [f.name for f in dataclasses.fields(WatchdogConfig)])
+    if args.collect_detailed_traces:
+        engine += ["--collect-detailed-traces", args.collect_detailed_traces]
     # The sampler samples where the engine runs (its seeded draws follow that device's generator) when the engine's
     # device is named; with "auto" it stays on the CPU, its default.
     device = ["--device", args.device] if args.device != "auto" else []
@@ -279,6 +356,7 @@ def add_subcommands(subparsers) -> None:
     )
     add_gateway_args(p)
     add_cli_args(p, ServeFlags, grouped=False)
+    add_cli_args(p, WatchdogConfig)
     EngineArgs.add_cli_args(p)
     config.add_detailed_traces_arg(p)
     add_mesh_args(p)
