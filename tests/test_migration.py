@@ -121,9 +121,9 @@ def run_all(mesh, during=None) -> dict:
     return results
 
 
-def wait_restarted(mesh, name: str) -> None:
-    """serve started the killed engine again, and it serves."""
-    mesh.expect(rf"the {name} exited \(killed by SIGKILL\)")
+def wait_restarted(mesh, name: str, status: str = "killed by SIGKILL") -> None:
+    """serve started the engine that exited (its exit status) again, and it serves."""
+    mesh.expect(rf"the {name} exited \({status}\)")
     while True:
         started, address, pid, metrics = mesh.expect(SERVING_LINE).groups()
         if started == name:

@@ -124,9 +124,10 @@ def mesh(tiny_model):
         yield process
 
 
-def run_all(mesh, during=None) -> dict:
-    """Every request at once, each choice's tokens and finish; during(): called once each has streamed tokens."""
-    streams = {name: generate(mesh.address, prompt, timeout=WAIT_S, **p) for name, (prompt, p) in REQUESTS.items()}
+def run_all(mesh, during=None, requests: dict = REQUESTS) -> dict:
+    """Every request at once (name -> prompt, sampling), each choice's tokens and finish; during(): called once each
+    has streamed tokens."""
+    streams = {name: generate(mesh.address, prompt, timeout=WAIT_S, **p) for name, (prompt, p) in requests.items()}
     firsts = {name: next(stream) for name, stream in streams.items()}
     if during is not None:
         during()
