@@ -352,7 +352,8 @@ def add_subcommands(subparsers) -> None:
         "Run the whole mesh on loopback, one process per service; each flag reaches every service that takes it. "
         f"A service that dies is started again on its port after {RESTART_BACKOFF_S:g} s, doubled for each restart "
         f"of it in the last {RESTART_WINDOW_S:g} s; one that dies after {MAX_RESTARTS} restarts within "
-        f"{RESTART_WINDOW_S:g} s is in a crash loop, and serve stops the mesh and exits with code 1."
+        f"{RESTART_WINDOW_S:g} s is in a crash loop, and serve stops the mesh and exits with code 1. One that answers "
+        "no gRPC health check for --step-timeout-exit s is killed (SIGKILL) and started again."
     )
     add_gateway_args(p)
     add_cli_args(p, ServeFlags, grouped=False)
