@@ -108,6 +108,12 @@ def run(store: bool, args) -> dict:
     return results
 
 
+def summary(results: list[dict]) -> dict:
+    """The medians over rounds of one context length, and whether every round's output was the undisturbed one."""
+    medians = {m: statistics.median(x[m] for x in results) for m in ("gap_at_kill_ms", "longest_gap_before_ms")}
+    return {**medians, "same_output": all(x["same_output"] for x in results)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[256, 2048])
@@ -123,21 +129,11 @@ def main() -> None:
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     print(f"machine: {machine}", flush=True)
     runs = {"with the KV store": run(True, args), "without it": run(False, args)}
-    report = {"machine": machine, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args)}
-    report["runs"] = runs
-    report["median"] = {
-        name: {
-            context: {
-                metric: statistics.median(x[metric] for x in results)
-                for metric in ("gap_at_kill_ms", "longest_gap_before_ms")
-            }
-            | {"same_output": all(x["same_output"] for x in results)}
-            for context, results in by_context.items()
-        }
-        for name, by_context in runs.items()
-    }
-    print(json.dumps(report["median"], indent=2))
+    medians = {name: {c: summary(results) for c, results in by_context.items()} for name, by_context in runs.items()}
+    print(json.dumps(medians, indent=2))
     if args.output_json:
+        date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        report = dict(machine=machine, date=date, args=vars(args), runs=runs, median=medians)
         Path(args.output_json).write_text(json.dumps(report, indent=2))
 
 
