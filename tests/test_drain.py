@@ -17,7 +17,7 @@ from services.client import sampling_params
 SHUTDOWN_TIMEOUT = 3
 # Half end within the drain, half run far longer; greedy and seeded, one of n=2.
 REQUESTS = {
-    f"{kind}/{i}": ([5 + i, 6 + i, 7 + i], dict(params, max_tokens=8 if i % 2 else 800, ignore_eos=True))
+    f"{kind}/{i}": ([5 + i, 6 + i, 7 + i], dict(params, max_tokens=8 if i % 2 else 2000, ignore_eos=True))
     for i, (kind, params) in enumerate(
         [
             ("greedy", dict(temperature=0.0)),
@@ -45,10 +45,11 @@ def test_sigterm_to_an_engine_loses_no_stream(mesh):
     assert migrations(mesh) == 0
     address, pid, _ = mesh.services["engine"]
     with grpc.insecure_channel(address) as channel:
-        # A client of the engine itself: at the end of the drain, UNAVAILABLE saying why, never CANCELLED.
+        # A client of the engine itself, its request far longer than the drain: at its end, UNAVAILABLE saying
+        # why, never CANCELLED.
         direct = engine_pb2_grpc.EngineStub(channel).Generate(
             engine_pb2.EngineGenerateRequest(
-                prompt_token_ids=[1, 2, 3], sampling_params=sampling_params(max_tokens=900, ignore_eos=True)
+                prompt_token_ids=[1, 2, 3], sampling_params=sampling_params(max_tokens=8000, ignore_eos=True)
             ),
             timeout=WAIT_S,
         )

@@ -28,7 +28,7 @@ WAIT_S = 120.0
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-watchdog")
-    save_random_smollm2_shaped(path, **{**COMMON, "max_position_embeddings": 1024})
+    save_random_smollm2_shaped(path, **{**COMMON, "max_position_embeddings": 8192})
     return path
 
 
