@@ -16,6 +16,7 @@ another would put its stepping thread to sleep and wake it again many times in e
 import asyncio
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -37,6 +38,9 @@ from engine.sample.sampler import SamplerUnavailableError
 logger = logging.getLogger("llmmesh.engine")
 
 _STOP = object()
+# Fault injection for the step watchdog's tests: "N:S[,N:S...]" makes the engine's Nth step (counted from 1) sleep
+# S seconds before it runs, as a step stuck in a kernel would. Unset, as it is outside tests, it costs nothing.
+STUCK_STEP_ENV = "LLMMESH_STUCK_STEP"
 
 
 class EngineRequestError(Exception):
@@ -103,6 +107,11 @@ class AsyncLLM:
         self.on_step_start: Callable | None = None
         # Telemetry hooks that raised (logged and counted, nothing else: telemetry never fails a request).
         self.hook_errors = 0
+        # The step watchdog's view of the engine thread: when its current pass over the inbox and a step began
+        # (time.monotonic()), None while it sleeps on an empty inbox; and how many steps it has run.
+        self.busy_since: float | None = None
+        self.num_steps = 0
+        self._stuck_steps = _parse_stuck_steps(os.environ.get(STUCK_STEP_ENV, ""))
         self._ids = itertools.count()
         self.thread = threading.Thread(target=self._run, args=(build_core,), name="engine-core", daemon=True)
         self.thread.start()
@@ -345,6 +354,15 @@ class AsyncLLM:
         for request_id, stream in list(self.streams.items()):
             self._fail(stream, request_id, EngineDeadError(message))
 
+    def fail_requests(self, message: str) -> int:
+        """End every running request now with an EngineRequestError(unavailable=True) saying `message` (the engine
+        is stopping, or its step is stuck), so that its caller can send it elsewhere; the engine goes on. Returns
+        how many there were."""
+        streams = list(self.streams.items())
+        for request_id, stream in streams:
+            self._fail(stream, request_id, EngineRequestError(message, unavailable=True))
+        return len(streams)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         self.inbox.put((_STOP, None))
         self.thread.join(timeout)
@@ -396,7 +414,11 @@ class AsyncLLM:
         core = self.core
         while True:
             # Sleep on the inbox only when there is nothing to step.
-            commands = [self.inbox.get()] if not core.has_unfinished_requests() else []
+            commands = []
+            if not core.has_unfinished_requests():
+                self.busy_since = None  # asleep, not stuck
+                commands.append(self.inbox.get())
+            self.busy_since = time.monotonic()
             while True:
                 try:
                     commands.append(self.inbox.get_nowait())
@@ -423,6 +445,12 @@ class AsyncLLM:
             if core.has_unfinished_requests():
                 if self.on_step_start is not None:
                     core.set_step_trace_headers(self.call_hook(self.on_step_start) or ())
+                self.num_steps += 1
+                if self.num_steps in self._stuck_steps:
+                    logger.warning(
+                        "step %d sleeps %g s (%s)", self.num_steps, self._stuck_steps[self.num_steps], STUCK_STEP_ENV
+                    )
+                    time.sleep(self._stuck_steps[self.num_steps])
                 try:
                     outputs = core.step()
                 except SamplerUnavailableError as e:  # the sampler service is down: fail the batch, keep serving
@@ -446,6 +474,12 @@ class AsyncLLM:
                 self._deliver, time.monotonic(), outputs, failed, kv_events
             ):
                 return
+
+
+def _parse_stuck_steps(value: str) -> dict[int, float]:
+    """STUCK_STEP_ENV's value as step -> seconds."""
+    entries = [entry.partition(":") for entry in value.split(",") if entry]
+    return {int(step): float(seconds) for step, _, seconds in entries}
 
 
 def _settle(future: asyncio.Future, result, error: Exception | None) -> None:

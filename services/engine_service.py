@@ -4,6 +4,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
+import threading
+import time
 
 import grpc
 
@@ -22,12 +25,17 @@ from services.engine_telemetry import EngineTelemetry
 from services.generate import images_named, refuse_generate_on_pooling, serve_embedding, serve_request
 from services.kv_transfer_params import REMOTE_PREFILL_PARAMS, parse_kv_transfer_params
 from services.server import Server, llmmesh_version
+from services.settings import check_step_timeouts
 from services.vllm_engine import VLLM_ENGINE_SERVICE, VllmEngineServicer, vllm_engine_pb2_grpc
 
 logger = logging.getLogger("llmmesh.engine")
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 MAX_LORA_PATH_CHARS = 4096  # PATH_MAX
+# The end of the drain: requests still running this long before --shutdown-timeout expires end UNAVAILABLE, which
+# reaches the gateway (and moves them to another engine) before gRPC would cancel their calls.
+HANDOVER_S = 1.0
+WATCHDOG_POLL_S = 0.25  # how often the step watchdog looks at the engine thread
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
@@ -40,12 +48,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.lora_lock = asyncio.Lock()  # one LoadLoraAdapter at a time: a name and an id are taken once
         # --allow-runtime-lora-updating's --lora-root: LoadLoraAdapter and UnloadLoraAdapter are refused without it.
         self.lora_root: str | None = None
+        self.stuck: str | None = None  # the step watchdog's finding while the engine's step is stuck
 
     async def ready(self, context) -> AsyncLLM:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still loading its model; retry shortly")
         if self.engine.dead is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.engine.dead)
+        if self.stuck is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.stuck)
         return self.engine
 
     async def Generate(self, request: engine_pb2.EngineGenerateRequest, context):
@@ -289,9 +300,63 @@ def lora_vllm_ports(args) -> dict[str, int]:
     return ports
 
 
+class StepWatchdog:
+    """The engine thread watched from a thread of its own, so that health tells whether the engine steps, not only
+    whether its gRPC server answers. A stuck kernel, a collective that never completes and a stopped tensor-parallel
+    rank all look alike from here: a pass of the engine loop (its inbox and one step) that does not end.
+
+    Past step_timeout s, on_stuck(seconds) runs on the event loop (health NOT_SERVING, requests sent elsewhere), and
+    on_unstuck(seconds) if the step then ends. Past exit_timeout s the process exits with code 1 at once, from this
+    thread (the engine thread cannot be joined), to be restarted. A limit of 0 is off."""
+
+    def __init__(self, engine: AsyncLLM, step_timeout: float, exit_timeout: float, on_stuck, on_unstuck):
+        self.engine = engine
+        self.step_timeout, self.exit_timeout = step_timeout, exit_timeout
+        self.on_stuck, self.on_unstuck = on_stuck, on_unstuck
+        self.stuck = False
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="step-watchdog", daemon=True)
+
+    def start(self) -> None:
+        if self.step_timeout or self.exit_timeout:
+            self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(WATCHDOG_POLL_S):
+            since = self.engine.busy_since
+            busy = 0.0 if since is None else time.monotonic() - since
+            if self.exit_timeout and busy >= self.exit_timeout:
+                logger.critical(
+                    "the engine's step has run for %.0f s, past --step-timeout-exit (%g s): exiting with code 1",
+                    busy,
+                    self.exit_timeout,
+                )
+                logging.shutdown()  # flush the log: nothing else runs after this
+                os._exit(1)
+            stuck = bool(self.step_timeout) and busy >= self.step_timeout
+            if stuck != self.stuck:
+                self.stuck = stuck
+                self.engine.loop.call_soon_threadsafe(self.on_stuck if stuck else self.on_unstuck, busy)
+
+
+async def hand_over_at_drain_end(engine: AsyncLLM, stop_requested: asyncio.Event, shutdown_timeout: float) -> None:
+    """Once the drain is about to end, the requests still running end UNAVAILABLE saying the engine is stopping,
+    which the gateway answers by moving them to another engine: a drained engine loses no stream. gRPC itself
+    would cancel their calls, and CANCELLED reaches a client that called the engine directly as an error."""
+    await stop_requested.wait()
+    await asyncio.sleep(max(0.0, shutdown_timeout - min(HANDOVER_S, shutdown_timeout / 2)))
+    ended = engine.fail_requests(f"the engine is stopping: its --shutdown-timeout ({shutdown_timeout:g} s) is over")
+    if ended:
+        logger.warning("%d requests still running at the end of the drain end UNAVAILABLE", ended)
+
+
 async def serve(args) -> None:
     engine_args = EngineArgs.from_cli_args(args)
     adapter_ports = lora_vllm_ports(args)
+    check_step_timeouts(args.step_timeout, args.step_timeout_exit)
     # Both protocols on one port, over one AsyncLLM; each of --lora-vllm-ports' adapters on VllmEngine at its own.
     server = Server("engine", [ENGINE_SERVICE, VLLM_ENGINE_SERVICE], args)
     servicer = EngineServicer()
@@ -314,7 +379,8 @@ async def serve(args) -> None:
         )
         plain.add(vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer))
         adapter_servers.append(plain)
-    for s in (server, *adapter_servers):
+    servers = (server, *adapter_servers)
+    for s in servers:
         await s.start()  # health answers NOT_SERVING while the model loads
     # The engine's plug-ins (the KV connector, the remote sampler) present its credentials: they read them here.
     os.environ[tls.TLS_DIR_ENV] = args.tls_dir or tls.default_tls_dir()
@@ -338,7 +404,38 @@ async def serve(args) -> None:
         s.watch(engine.died)  # health turns NOT_SERVING if the engine thread dies
     for name, s in zip(adapter_ports, adapter_servers):
         logger.info("LoRA adapter %s served as a model of its own on %s (vllm.grpc.engine.VllmEngine)", name, s.address)
+
+    def on_stuck(busy: float) -> None:
+        servicer.stuck = f"the engine's step has run for {busy:.0f} s, past --step-timeout ({args.step_timeout:g} s)"
+        logger.error("%s: health is NOT_SERVING", servicer.stuck)
+        engine.fail_requests(servicer.stuck)
+        for s in servers:
+            asyncio.ensure_future(s.set_serving(False))
+
+    def on_unstuck(busy: float) -> None:
+        servicer.stuck = None
+        logger.warning("the engine's stuck step ended: health is SERVING again")
+        for s in servers:
+            asyncio.ensure_future(s.set_serving(True))
+
+    watchdog = StepWatchdog(engine, args.step_timeout, args.step_timeout_exit, on_stuck, on_unstuck)
+    watchdog.start()
+
+    async def stop_when_dead() -> None:  # a dead engine serves nothing again: the process ends, to be restarted
+        await engine.died.wait()
+        logger.error("the engine core died (%s): the engine stops and exits with code 1", engine.dead)
+        server.stop_requested.set()
+
+    tasks = [
+        asyncio.ensure_future(stop_when_dead()),
+        asyncio.ensure_future(hand_over_at_drain_end(engine, server.stop_requested, args.shutdown_timeout)),
+    ]
     try:  # one stop signal: every port drains at once
-        await asyncio.gather(*(s.serve_until_stopped() for s in (server, *adapter_servers)))
+        await asyncio.gather(*(s.serve_until_stopped() for s in servers))
     finally:
+        for task in tasks:
+            task.cancel()
+        watchdog.stop()
         engine.shutdown()
+    if engine.dead is not None:
+        sys.exit(1)

@@ -87,6 +87,36 @@ class EngineObservabilityConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    """The engine's step watchdog (`llmmesh serve` passes it on to its engines, and acts on its second limit).
+
+    The defaults are well above the longest step measured: a 2,048-token prefill of SmolLM2-135M, one step, takes
+    up to 30 s in float32 on two loaded CPU cores. A larger model on a CPU needs larger limits; 0 turns one off."""
+
+    step_timeout: float = setting(
+        120.0,
+        help="seconds an engine step may run: past it the engine's health is NOT_SERVING and its requests end "
+        "UNAVAILABLE (the gateway moves them to another engine); it serves again if the step then finishes",
+    )
+    step_timeout_exit: float = setting(
+        300.0,
+        help="seconds an engine step may run before the engine exits with code 1 (to be restarted); `llmmesh serve` "
+        "also kills (SIGKILL) and restarts a service that has not answered its health check for this long",
+    )
+
+
+def check_step_timeouts(step_timeout: float, step_timeout_exit: float) -> None:
+    """WatchdogConfig's limits; ValueError naming the flag at fault."""
+    for name, value in (("step_timeout", step_timeout), ("step_timeout_exit", step_timeout_exit)):
+        if value < 0:
+            raise ValueError(f"{name} must be at least 0 (0: off), got {value:g}.")
+    if step_timeout and step_timeout_exit and step_timeout_exit <= step_timeout:
+        raise ValueError(
+            f"step_timeout_exit ({step_timeout_exit:g} s) must be longer than step_timeout ({step_timeout:g} s)."
+        )
+
+
+@dataclass
 class EngineFlags:
     vllm_plaintext_port: int | None = setting(
         None,

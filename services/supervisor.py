@@ -15,6 +15,9 @@ import sys
 import threading
 import time
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from engine.config import EngineArgs
 from engine.config.utils import add_cli_args
 from engine.limits import RequestLimits
@@ -23,8 +26,15 @@ from services import client, config, kvstore_service
 from services.gateway import add_gateway_args
 from services.local_mesh import REDIS, Mesh
 from services.prometheus import scrape_config
-from services.service_process import exit_status
-from services.settings import MAX_ENGINES, DemoConfig, MeshConfig, ServeFlags
+from services.service_process import ServiceProcess, exit_status
+from services.settings import (
+    MAX_ENGINES,
+    DemoConfig,
+    MeshConfig,
+    ServeFlags,
+    WatchdogConfig,
+    check_step_timeouts,
+)
 from services.tenants import refuse_key_on_command_line
 
 # `llmmesh serve` starts a service that died again after RESTART_BACKOFF_S, doubled for each time it was restarted
@@ -34,6 +44,10 @@ from services.tenants import refuse_key_on_command_line
 RESTART_BACKOFF_S = 0.25
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 300.0
+# serve checks each service's gRPC health every HEALTH_INTERVAL_S, a check failing unless answered within
+# HEALTH_TIMEOUT_S (an engine's event loop answers between the GIL-holding parts of a step).
+HEALTH_INTERVAL_S = 1.0
+HEALTH_TIMEOUT_S = 5.0
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -46,6 +60,7 @@ def serve(args: argparse.Namespace) -> None:
         tls.check_plaintext_host(args.host)  # before anything starts
     args.tls_dir = args.tls_dir or tls.default_tls_dir()
     num_engines = disaggregated_engines(args)
+    check_step_timeouts(args.step_timeout, args.step_timeout_exit)
     engine_args = EngineArgs.from_cli_args(args)
     flags = service_flags(args)
     mesh = Mesh(
@@ -72,6 +87,7 @@ def serve(args: argparse.Namespace) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    health = HealthWatch(mesh, stop)
     began = time.perf_counter()
     store = (", Redis, the kvstore" if mesh.kv_store else "") + (", the sampler" if mesh.sampler else "")
     engines = "the engine" if num_engines == 1 else f"{num_engines} engines"
@@ -93,11 +109,13 @@ def serve(args: argparse.Namespace) -> None:
         own_ca = not (args.insecure_plaintext or args.tls_cert)  # the mesh's CA signed the gateway's certificate
         ca = f" --tls-ca {os.path.join(args.tls_dir, 'ca.crt')}" if own_ca else ""
         print(f'  try: llmmesh generate "The capital of France is" --address {address}{ca}', flush=True)
-        crash_loop = supervise(mesh, stop)
+        health.start()
+        crash_loop = supervise(mesh, stop, health=health, unanswered_limit=args.step_timeout_exit)
         if crash_loop:
             say(crash_loop, error=True)
             sys.exit(1)
     finally:
+        stop.set()  # ends the health checks
         say("stopping")
         mesh.stop(args.shutdown_timeout)
         say("stopped")
@@ -123,14 +141,71 @@ def restart_backoff(restarts: list[float], now: float) -> float | None:
     return None if len(recent) >= MAX_RESTARTS else RESTART_BACKOFF_S * 2 ** len(recent)
 
 
-def supervise(mesh: Mesh, stop: threading.Event, poll_s: float = 0.1) -> str | None:
-    """Start every process of the mesh that dies again, on its ports, after restart_backoff, until stop is set.
+class HealthWatch:
+    """Each service's gRPC health, checked from a thread of its own every HEALTH_INTERVAL_S until stop is set. A
+    process that stopped (SIGSTOP) freezes the watchdog inside it too: from outside, it answers nothing. An answer
+    counts whatever its status: NOT_SERVING is the service's own account (a gateway waiting for its engine, an
+    engine draining or stuck, which exits on its own), which no restart would mend."""
+
+    def __init__(self, mesh: Mesh, stop: threading.Event):
+        self.mesh, self.stop = mesh, stop
+        self.answered: dict[str, tuple[ServiceProcess, float]] = {}  # name -> (its process, when it last answered)
+
+    def start(self) -> None:
+        for name in self.mesh.services:
+            threading.Thread(target=self._watch, args=(name,), name=f"{name}-health", daemon=True).start()
+
+    def _watch(self, name: str) -> None:
+        while not self.stop.wait(HEALTH_INTERVAL_S):
+            process = self.mesh.services[name]
+            if not process.listening.is_set() or not process.alive():
+                continue  # starting, or dead: supervise's to handle
+            if self.answered.get(name, (None,))[0] is not process:
+                self.answered[name] = (process, time.monotonic())  # the clock starts when it began to serve
+            if answers_health(process.address, HEALTH_TIMEOUT_S):
+                self.answered[name] = (process, time.monotonic())
+
+    def unanswered(self, name: str, now: float) -> float:
+        """Seconds since the service's current process last answered (0 until it began to serve)."""
+        process, when = self.answered.get(name, (None, now))
+        return now - when if process is self.mesh.services[name] else 0.0
+
+
+def answers_health(address: str, timeout: float) -> bool:
+    """Whether the server at address answers a health check within timeout, SERVING or not."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return True
+
+
+def supervise(
+    mesh: Mesh,
+    stop: threading.Event,
+    poll_s: float = 0.1,
+    health: HealthWatch | None = None,
+    unanswered_limit: float = 0.0,
+) -> str | None:
+    """Start every process of the mesh that dies again, on its ports, after restart_backoff, until stop is set; kill
+    (SIGKILL) one that has answered none of health's checks for unanswered_limit s (0: never), to start it again.
     Returns why it gave up instead: a process in a crash loop."""
     restarts: dict[str, list[float]] = {}  # name -> when it was started again, in the last RESTART_WINDOW_S
     due: dict[str, float] = {}  # a dead process -> when to start it again
     starting: set[str] = set()  # started again, not serving yet
     while not stop.wait(poll_s):
         now = time.monotonic()
+        if health is not None and unanswered_limit:
+            for name, process in mesh.services.items():
+                silent = health.unanswered(name, now)
+                if silent > unanswered_limit and process.alive():
+                    say(
+                        f"the {name} (pid {process.popen.pid}) has answered no health check for {silent:.0f} s, "
+                        f"past --step-timeout-exit ({unanswered_limit:g} s): killing it",
+                        error=True,
+                    )
+                    process.kill()
         for name in mesh.dead():
             if name in due:
                 continue
@@ -259,7 +334,9 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     for flag in ("tls_cert", "tls_key", "tls_ca"):
         if getattr(args, flag):
             gateway += ["--" + flag.replace("_", "-"), getattr(args, flag)]
-    engine = ["--collect-detailed-traces", args.collect_detailed_traces] if args.collect_detailed_traces else []
+    engine = as_flags(args, [f.name for f in dataclasses.fields(WatchdogConfig)])
+    if args.collect_detailed_traces:
+        engine += ["--collect-detailed-traces", args.collect_detailed_traces]
     # The sampler samples where the engine runs (its seeded draws follow that device's generator) when the engine's
     # device is named; with "auto" it stays on the CPU, its default.
     device = ["--device", args.device] if args.device != "auto" else []
@@ -294,10 +371,12 @@ def add_subcommands(subparsers) -> None:
         "Run the whole mesh on loopback, one process per service; each flag reaches every service that takes it. "
         f"A service that dies is started again on its port after {RESTART_BACKOFF_S:g} s, doubled for each restart "
         f"of it in the last {RESTART_WINDOW_S:g} s; one that dies after {MAX_RESTARTS} restarts within "
-        f"{RESTART_WINDOW_S:g} s is in a crash loop, and serve stops the mesh and exits with code 1."
+        f"{RESTART_WINDOW_S:g} s is in a crash loop, and serve stops the mesh and exits with code 1. One that answers "
+        "no gRPC health check for --step-timeout-exit s is killed (SIGKILL) and started again."
     )
     add_gateway_args(p)
     add_cli_args(p, ServeFlags, grouped=False)
+    add_cli_args(p, WatchdogConfig)
     EngineArgs.add_cli_args(p)
     config.add_detailed_traces_arg(p)
     add_mesh_args(p)

@@ -320,6 +320,14 @@ class InProcessService:
     def port(self) -> int:
         return int(self.address.rsplit(":", 1)[1])
 
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        """Wait for the service to end on its own (an engine whose core died); the code its process would exit with."""
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"the in-process {self.service} did not end within {timeout:.0f} s"
+        error, self.error = self.error, None
+        assert isinstance(error, SystemExit), f"the in-process {self.service} ended with {error!r}"
+        return error.code
+
     def stop(self, timeout: float = 60.0) -> None:
         if self.thread.is_alive():
             self.loop.call_soon_threadsafe(self.server.stop_requested.set)
