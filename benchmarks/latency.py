@@ -18,6 +18,7 @@ batch size on every engine in turn, so the machine's slow drifts hit all alike; 
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -35,20 +36,25 @@ from engine.models.files import resolve_model
 from engine.request import Request, SamplingParams
 
 FIRST_REGULAR_ID = 17  # SmolLM2's special tokens are ids 0..16
+REQUEST_IDS = itertools.count()
 LLAMA_BATCHED_BENCH = Path(__file__).resolve().parent.parent / "build/llama-cpp/build/bin/llama-batched-bench"
 
 
 def run_batch(engine, batch: int, input_len: int, output_len: int, rng: random.Random) -> tuple[float, float]:
-    """(prefill s, decode s) of one batch driven step by step."""
+    """(prefill s, decode s) of one batch of random prompts driven step by step."""
     vocab = engine.model_config.vocab_size
+    prompts = [[rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(input_len)] for _ in range(batch)]
+    return run_prompts(engine, prompts, output_len)
+
+
+def run_prompts(engine, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+    """(prefill s, decode s) of these prompts at once, driven step by step."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     waiting = set()
-    for _ in range(batch):
-        request_id = f"r{rng.getrandbits(64)}"
+    for prompt in prompts:
+        request_id = f"r{next(REQUEST_IDS)}"
         waiting.add(request_id)
-        engine.add_request(
-            Request(request_id, [rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(input_len)], params)
-        )
+        engine.add_request(Request(request_id, prompt, params))
     started, prefilled = time.perf_counter(), None
     while engine.has_unfinished_requests():
         for out in engine.step():
