@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineArgs, parse_int_list
+from engine.config.utils import parse_memory_size
 from engine.core import EngineCore
 from engine.models.files import resolve_model
 from engine.request import Request, SamplingParams
@@ -84,10 +85,10 @@ class Ours:
 class Vllm:
     """vLLM's CPU backend in a worker of its venv (benchmarks/vllm_peer.py), driven step by step as Ours is."""
 
-    def __init__(self, variant: str, model_dir: Path, dtype: str, seed: int):
+    def __init__(self, variant: str, model_dir: Path, dtype: str, seed: int, kv_gib: int | None, vllm_args: str):
         from vllm_peer import VllmPeer
 
-        self.peer = VllmPeer(variant, model_dir, dtype, seed)
+        self.peer = VllmPeer(variant, model_dir, dtype, seed, kv_gib, vllm_args)
         self.name, self.config, self.rng = self.peer.name, self.peer.config, random.Random(seed)
         self.vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
 
@@ -154,6 +155,7 @@ def main() -> None:
         help="llama.cpp's llama-batched-bench (`make llama-cpp`), run on the same .gguf file; '' none",
     )
     parser.add_argument("--vllm", default="", help="vLLM's CPU backend variants, from default,tuned; '' none")
+    parser.add_argument("--vllm-args", default="{}", help="further keyword arguments of vLLM's LLM, as JSON")
     parser.add_argument("--output-json", help="write the results here too")
     EngineArgs.add_cli_args(parser)
     args = parser.parse_args()
@@ -177,7 +179,10 @@ def main() -> None:
         model_dir = resolve_model(engine_args.model)
         if not model_dir.is_dir():
             raise SystemExit(f"--vllm needs --model to be a safetensors checkpoint, not {engine_args.model}")
-        engines.append(Vllm(variant, model_dir, str(engines[0].engine.dtype).removeprefix("torch."), args.seed))
+        # The engine's --kv-cache-memory, in whole GiB, for vLLM's too; unset, vLLM's default.
+        kv = engine_args.kv_cache_memory and -(-parse_memory_size(engine_args.kv_cache_memory) // 2**30)
+        dtype = str(engines[0].engine.dtype).removeprefix("torch.")
+        engines.append(Vllm(variant, model_dir, dtype, args.seed, kv or None, args.vllm_args))
     for engine in engines:
         for batch in args.batch_size:
             engine.warm_up(batch, args.input_len)

@@ -207,6 +207,7 @@ def main():
     parser.add_argument(
         "--hf-cb-attn", default="sdpa", help="attn_implementation for hf-cb/hf-cb-req: sdpa or paged|eager"
     )
+    parser.add_argument("--vllm-args", default="{}", help="further keyword arguments of vLLM's LLM, as JSON")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's)")
     parser.add_argument("--output-json", default="benchmarks/results/throughput.json")
     parser.add_argument("--quick", action="store_true", help="smoke run: 16 prompts, input 32-256, max_tokens 16-64")
@@ -282,7 +283,8 @@ def main():
 
         # The engine's --kv-cache-memory, in whole GiB, for vLLM's too; unset, vLLM's default.
         kv = args.kv_cache_memory and -(-parse_memory_size(args.kv_cache_memory) // 2**30)
-        peer = VllmPeer(VLLM_PEERS[name], model_dir, str(dtype).removeprefix("torch."), args.seed, kv or None)
+        dtype_name = str(dtype).removeprefix("torch.")
+        peer = VllmPeer(VLLM_PEERS[name], model_dir, dtype_name, args.seed, kv or None, args.vllm_args)
         try:
             peer.generate(*warm)
             elapsed, tokens = peer.generate(prompts, max_tokens)
