@@ -22,6 +22,7 @@ and ITL medians (ms) per system and concurrency, medians over rounds, and llmmes
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -217,6 +218,7 @@ def main() -> None:
                     )
             finally:
                 server.stop()
+    shutil.rmtree(model_dir)  # the logs and vllm bench serve's results stay
 
     rows = []
     for concurrency in concurrencies:

@@ -290,6 +290,7 @@ def main() -> None:
 def compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     import platform
     import random
+    import shutil
     import tempfile
 
     from throughput import FIRST_REGULAR_ID, make_workload
@@ -359,6 +360,7 @@ def compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     finally:
         for system in systems[1:]:
             system.close()
+        shutil.rmtree(model_dir.parent)
 
     rows = median_table(names, runs, higher)
     header = ["workload", *names, *(f"llmmesh / {n}" for n in names[1:])]
