@@ -11,6 +11,7 @@ import pytest
 from test_migration import migrations, serving_two_engines, wait_restarted
 from test_watchdog import WAIT_S, run_all, tiny_model  # noqa: F401 (tiny_model: a fixture)
 
+from conftest import mesh_channel
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.client import sampling_params
 
@@ -44,7 +45,7 @@ def test_sigterm_to_an_engine_loses_no_stream(mesh):
     undisturbed = run_all(mesh, requests=REQUESTS)
     assert migrations(mesh) == 0
     address, pid, _ = mesh.services["engine"]
-    with grpc.insecure_channel(address) as channel:
+    with mesh_channel(address) as channel:
         # A client of the engine itself, its request far longer than the drain: at its end, UNAVAILABLE saying
         # why, never CANCELLED.
         direct = engine_pb2_grpc.EngineStub(channel).Generate(

@@ -15,7 +15,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_tenants import small_mesh
 
-from conftest import InProcessService
+from conftest import InProcessService, mesh_channel
 from llmmesh.v1 import (
     engine_pb2,
     engine_pb2_grpc,
@@ -93,7 +93,7 @@ def mesh(model_dir):
 
 @pytest.fixture(scope="module")
 def gateway(mesh):
-    with grpc.insecure_channel(mesh["gateway"].address) as channel:
+    with mesh_channel(mesh["gateway"].address) as channel:
         yield gateway_pb2_grpc.GatewayStub(channel)
 
 
@@ -164,7 +164,7 @@ def test_the_in_flight_limit_covers_tokenize_detokenize_and_list_models(gateway,
 
 def test_the_engine_waiting_queue_is_bounded(mesh):
     params = client.sampling_params(max_tokens=LONG, ignore_eos=True)
-    with grpc.insecure_channel(mesh["engine"].address) as channel:
+    with mesh_channel(mesh["engine"].address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
 
         def call(i):
@@ -226,7 +226,7 @@ class HeldStream:
 
 
 def test_sampler_streams_and_their_state_are_bounded(sampler):
-    with grpc.insecure_channel(sampler.address) as channel:
+    with mesh_channel(sampler.address) as channel:
         stub = sampler_pb2_grpc.SamplerStub(channel)
         held = HeldStream(stub, step(1, ["a", "b"]))  # its two requests: the most one stream keeps
         try:
@@ -249,7 +249,7 @@ def test_sampler_streams_and_their_state_are_bounded(sampler):
 
 def test_every_server_bounds_its_concurrent_calls(sampler):
     """--max-concurrent-rpcs 2: two open Watch streams, and a third call of any kind is refused by gRPC itself."""
-    with grpc.insecure_channel(sampler.address) as channel:
+    with mesh_channel(sampler.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         watches = [health.Watch(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(2)]
         try:

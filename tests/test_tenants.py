@@ -17,7 +17,7 @@ import grpc
 import pytest
 from test_lora_services import save_random_adapter
 
-from conftest import InProcessService, wait_until
+from conftest import InProcessService, mesh_channel, wait_until
 from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, tokenizer_pb2
 from random_model import save_random_smollm2_shaped
 from services import client
@@ -85,7 +85,7 @@ def small_mesh(model: list[str], engine_flags: list[str], gateway_flags: list[st
 
 @pytest.fixture(scope="module")
 def gateway(mesh):
-    with grpc.insecure_channel(mesh["gateway"].address) as channel:
+    with mesh_channel(mesh["gateway"].address) as channel:
         yield gateway_pb2_grpc.GatewayStub(channel)
 
 
@@ -94,7 +94,7 @@ def generate(mesh, tenant: str, tokens, model: str = "", cache_salt: str = "") -
         model=model, stream=True, cache_salt=cache_salt, sampling_params=client.sampling_params(max_tokens=2)
     )
     request.token_ids.ids.extend(tokens)
-    with grpc.insecure_channel(mesh["gateway"].address) as channel:
+    with mesh_channel(mesh["gateway"].address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         return client.collect(stub.Generate(request, metadata=auth(tenant), timeout=60))
 
@@ -260,7 +260,7 @@ def test_the_engine_judges_the_resolved_path_and_says_the_same_of_any_refusal(me
     root, lora_root, _ = files
     from llmmesh.v1 import engine_pb2_grpc
 
-    with grpc.insecure_channel(mesh["engine"].address) as channel:
+    with mesh_channel(mesh["engine"].address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         details = set()
         for path in (lora_root / "alpha" / "escape", root / "outside", lora_root / "nothing", "../outside"):
@@ -290,7 +290,7 @@ def test_the_weights_file_is_sized_against_the_rank_before_it_is_read(gateway, f
 def test_runtime_loading_is_off_without_the_flag(files):
     root, lora_root, _ = files
     flags = ["--model", str(root / "base"), "--kv-cache-memory", "16MiB", "--enable-lora", "--shutdown-timeout", "5"]
-    with InProcessService("engine", flags) as engine, grpc.insecure_channel(engine.address) as channel:
+    with InProcessService("engine", flags) as engine, mesh_channel(engine.address) as channel:
         from llmmesh.v1 import engine_pb2_grpc
 
         stub = engine_pb2_grpc.EngineStub(channel)

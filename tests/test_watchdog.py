@@ -13,7 +13,7 @@ import grpc
 import pytest
 from test_migration import migrations, serving_two_engines, wait_restarted
 
-from conftest import NOT_SERVING, SERVING, wait_for_health
+from conftest import NOT_SERVING, SERVING, mesh_channel, wait_for_health
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
 from random_model import save_random_smollm2_shaped
 from services.client import collect, generate, sampling_params
@@ -60,7 +60,7 @@ def test_a_stuck_step_makes_the_engine_not_serving_then_exit(tiny_model):
     in time: the engine exits with code 1."""
     engine = start_engine(tiny_model, env={"LLMMESH_STUCK_STEP": f"3:{STEP_TIMEOUT + 3},10:600"})
     try:
-        with grpc.insecure_channel(engine.address) as channel:
+        with mesh_channel(engine.address) as channel:
             stream = open_stream(channel, max_tokens=10)
             next(stream)  # step 1, its prefill
             assert_ends_stuck(stream)
@@ -92,7 +92,7 @@ def test_a_stopped_tensor_parallel_rank_is_seen_from_inside(tiny_model):
     engine = start_engine(tiny_model, "--tensor-parallel-size", "2")
     (rank1,) = rank_processes(engine.popen.pid)
     try:
-        with grpc.insecure_channel(engine.address) as channel:
+        with mesh_channel(engine.address) as channel:
             stream = open_stream(channel, max_tokens=500)
             next(stream)
             os.kill(rank1, signal.SIGSTOP)
