@@ -87,6 +87,7 @@ class Mesh:
         self.tls_dir = tls_dir or tls.default_tls_dir()
         if insecure_plaintext is None:
             insecure_plaintext = tls.plaintext_from_env()
+        self.insecure_plaintext = insecure_plaintext
         # Every service gets these on top of this process's (LLMMESH_*, OTEL_*), and the mesh's credentials.
         self.env = {
             **(env or {}),

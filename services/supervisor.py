@@ -162,8 +162,12 @@ class HealthWatch:
                 continue  # starting, or dead: supervise's to handle
             if self.answered.get(name, (None,))[0] is not process:
                 self.answered[name] = (process, time.monotonic())  # the clock starts when it began to serve
-            if answers_health(process.address, HEALTH_TIMEOUT_S):
+            if answers_health(process.address, HEALTH_TIMEOUT_S, self.credentials(process.service), process.service):
                 self.answered[name] = (process, time.monotonic())
+
+    def credentials(self, service: str) -> tls.MeshCredentials | None:
+        """A service's own certificate, which its health service answers (None under plaintext)."""
+        return None if self.mesh.insecure_plaintext else tls.MeshCredentials(self.mesh.tls_dir, service)
 
     def unanswered(self, name: str, now: float) -> float:
         """Seconds since the service's current process last answered (0 until it began to serve)."""
@@ -171,9 +175,10 @@ class HealthWatch:
         return now - when if process is self.mesh.services[name] else 0.0
 
 
-def answers_health(address: str, timeout: float) -> bool:
-    """Whether the server at address answers a health check within timeout, SERVING or not."""
-    with grpc.insecure_channel(address) as channel:
+def answers_health(address: str, timeout: float, credentials: tls.MeshCredentials | None, server: str) -> bool:
+    """Whether the server at address (the identity `server`) answers a health check within timeout, SERVING or
+    not; credentials: what the check presents (None: plaintext)."""
+    with tls.channel(address, server, credentials) as channel:
         try:
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError:

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from test_migration import migrations, serving_two_engines, wait_restarted
 
-from conftest import NOT_SERVING, SERVING, mesh_channel, wait_for_health
+from conftest import NOT_SERVING, SERVING, mesh_channel, mesh_credentials_of, wait_for_health
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
 from random_model import save_random_smollm2_shaped
 from services.client import collect, generate, sampling_params
@@ -150,9 +150,10 @@ def test_a_stopped_engine_loses_no_stream_and_serve_restarts_it(mesh):
     address, pid, _ = mesh.services["engine"]
 
     def stop_engine():
+        assert answers_health(address, 5.0, mesh_credentials_of("engine"), "engine")  # as serve checks it
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
-        assert not answers_health(address, 1.0)  # what serve and the gateway see of it: no answer
+        assert not answers_health(address, 1.0, mesh_credentials_of("engine"), "engine")  # what serve sees: no answer
         # serve gives it --step-timeout-exit: not killed before.
         time.sleep(max(0.0, stopped + SERVE_STEP_TIMEOUT_EXIT - 3 - time.monotonic()))
         assert process_state(pid) == "T"
