@@ -285,18 +285,18 @@ def kv_events_to_llmmesh(seq: int, timestamp: float, events: list) -> engine_pb2
 # ---- the process -----------------------------------------------------------------
 
 
-def lora_vllm_ports(args) -> dict[str, int]:
-    """--lora-vllm-ports as adapter name -> port; ValueError naming what is wrong."""
+def lora_vllm_ports(args, flag: str = "lora_vllm_ports") -> dict[str, int]:
+    """--lora-vllm-ports (or the flag named) as adapter name -> port; ValueError naming what is wrong."""
     ports: dict[str, int] = {}
-    for entry in args.lora_vllm_ports or []:
+    for entry in getattr(args, flag) or []:
         name, _, port = entry.partition("=")
         if not name or not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise ValueError(f"lora_vllm_ports entries must be NAME=PORT with PORT in [1, 65535], got {entry!r}.")
+            raise ValueError(f"{flag} entries must be NAME=PORT with PORT in [1, 65535], got {entry!r}.")
         if name in ports or int(port) in ports.values() or int(port) == args.port:
-            raise ValueError(f"lora_vllm_ports: each name and port once, and not --port, got {entry!r} again.")
+            raise ValueError(f"{flag}: each name and port once, and not --port, got {entry!r} again.")
         ports[name] = int(port)
     if ports and not args.enable_lora:
-        raise ValueError("lora_vllm_ports needs enable_lora (--enable-lora).")
+        raise ValueError(f"{flag} needs enable_lora (--enable-lora).")
     return ports
 
 
@@ -357,6 +357,7 @@ async def serve(args) -> None:
     engine_args = EngineArgs.from_cli_args(args)
     adapter_ports = lora_vllm_ports(args)
     check_step_timeouts(args.step_timeout, args.step_timeout_exit)
+    plaintext_adapter_ports = lora_vllm_ports(args, "lora_vllm_plaintext_ports")
     # Both protocols on one port, over one AsyncLLM; each of --lora-vllm-ports' adapters on VllmEngine at its own.
     server = Server("engine", [ENGINE_SERVICE, VLLM_ENGINE_SERVICE], args)
     servicer = EngineServicer()
@@ -366,19 +367,22 @@ async def serve(args) -> None:
     server.add(engine_pb2_grpc.add_EngineServicer_to_server, servicer)
     server.add(vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer))
     adapter_servers = []
-    for name, port in adapter_ports.items():
-        adapter_servers.append(server.sibling([VLLM_ENGINE_SERVICE], port))
+
+    def serve_vllm(port: int, lora_name: str = "", **transport) -> None:
+        adapter_servers.append(server.sibling([VLLM_ENGINE_SERVICE], port, **transport))
         adapter_servers[-1].add(
-            vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer, name)
+            vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer, lora_name)
         )
+
+    for name, port in adapter_ports.items():
+        serve_vllm(port, name)
+    # smg reaches its workers in plaintext only (it sends no TLS to a grpcs:// worker): vLLM's protocol for it on
+    # loopback ports, which only processes of this host reach.
+    plaintext = dict(host="127.0.0.1", insecure_plaintext=True)
     if args.vllm_plaintext_port is not None:
-        # smg reaches its workers in plaintext only (it sends no TLS to a grpcs:// worker): vLLM's protocol for it
-        # on a loopback port, which only processes of this host reach.
-        plain = server.sibling(
-            [VLLM_ENGINE_SERVICE], args.vllm_plaintext_port, host="127.0.0.1", insecure_plaintext=True
-        )
-        plain.add(vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer))
-        adapter_servers.append(plain)
+        serve_vllm(args.vllm_plaintext_port, **plaintext)
+    for name, port in plaintext_adapter_ports.items():
+        serve_vllm(port, name, **plaintext)
     servers = (server, *adapter_servers)
     for s in servers:
         await s.start()  # health answers NOT_SERVING while the model loads

@@ -130,6 +130,11 @@ class EngineFlags:
         "model, smg, reaches the adapter there); needs --enable-lora; the adapter may be loaded later, and the "
         "port answers NOT_FOUND while it is not",
     )
+    lora_vllm_plaintext_ports: list[str] | None = setting(
+        None,
+        help="as --lora-vllm-ports, on ports of loopback in plaintext, for a router on this host that cannot reach a "
+        "worker over mutual TLS (smg), as --vllm-plaintext-port",
+    )
 
 
 # ---- the text services, the kvstore, the sampler -------------------------------------------------------

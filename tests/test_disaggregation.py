@@ -17,6 +17,7 @@ from engine.config import EngineArgs
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
 from random_model import save_random_smollm2_shaped
 from services import client
+from services.certs import redis_password
 from services.cli import build_parser
 from services.local_mesh import Mesh, kv_transfer_config
 from services.routing import Router
@@ -141,7 +142,7 @@ def block_keys(mesh, tokens: list[int]) -> tuple[redis.Redis, list[bytes]]:
         info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=30)
     router = Router(["engine"])
     router.set_model_info(info)
-    store = redis.Redis.from_url(mesh.redis.url)
+    store = redis.Redis.from_url(mesh.redis.url, password=redis_password(mesh.tls_dir))  # its ACL user's
     return store, [next(iter(store.keys(f"kv:*:{h.hex()}")), None) for h in router.block_hashes(tokens, "")]
 
 

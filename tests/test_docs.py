@@ -20,7 +20,6 @@ import yaml
 from google.protobuf import descriptor_pool, json_format, message_factory
 from grpc_health.v1 import health_pb2  # noqa: F401 (its descriptors, for the health example)
 
-from conftest import mesh_channel
 from engine.config import EngineArgs
 from llmmesh.v1 import gateway_pb2  # noqa: F401 (its descriptors, for the gateway examples)
 from services import client, config, flags_doc
@@ -247,20 +246,23 @@ def grpcurl_binary() -> str | None:
 
 
 def emulate_grpcurl(argv: list[str]) -> tuple[int, str]:
-    """What `grpcurl -cacert CA [-H h] [-max-time t] [-d json] ADDRESS METHOD` does, from the method's descriptor in
-    the generated protos: the JSON parsed into its request message (an unknown field fails, as in grpcurl), the call
-    made, the responses printed as JSON, an error as grpcurl prints it."""
-    args, metadata, timeout, body = list(argv[1:]), [], None, "{}"
+    """What `grpcurl [-plaintext | -cacert ca] [-H h] [-max-time t] [-d json] ADDRESS METHOD` does, from the method's
+    descriptor in the generated protos: the JSON parsed into its request message (an unknown field fails, as in
+    grpcurl), the call made over TLS (the server's certificate checked against ca) or plaintext, the responses printed
+    as JSON, an error as grpcurl prints it."""
+    args, metadata, timeout, body, plaintext, ca = list(argv[1:]), [], None, "{}", False, None
     while args[0].startswith("-"):
         flag = args.pop(0)
-        if flag == "-H":
+        if flag == "-plaintext":
+            plaintext = True
+        elif flag == "-cacert":
+            ca = Path(args.pop(0)).read_bytes()
+        elif flag == "-H":
             metadata.append(tuple(part.strip() for part in args.pop(0).split(":", 1)))
         elif flag == "-max-time":
             timeout = float(args.pop(0))
         elif flag == "-d":
             body = args.pop(0)
-        elif flag == "-cacert":
-            args.pop(0)  # mesh_channel trusts the suite's CA
     if args[1] in ("list", "describe"):
         return 0, ""  # the server's reflection, which only grpcurl itself shows
     address, method = args
@@ -269,7 +271,8 @@ def emulate_grpcurl(argv: list[str]) -> tuple[int, str]:
     request_class = message_factory.GetMessageClass(descriptor.input_type)
     response_class = message_factory.GetMessageClass(descriptor.output_type)
     request = json_format.Parse(body, request_class())
-    with mesh_channel(address) as channel:
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca)
+    with grpc.insecure_channel(address) if plaintext else grpc.secure_channel(address, credentials) as channel:
         kind = channel.unary_stream if descriptor.server_streaming else channel.unary_unary
         call = kind(
             f"/{method}",

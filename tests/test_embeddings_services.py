@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 from test_embeddings import ATOL, hf_hidden_states, save_base_model
-from test_interop import SmgRouter, smg_missing
+from test_interop import SmgRouter, free_port, smg_missing
 
 from conftest import InProcessService, mesh_channel
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
@@ -36,7 +36,10 @@ class EmbeddingMesh:
                 self.router_channels[name] = stack.enter_context(mesh_channel(self.services[name].address, "router"))
 
         self.services, self.channels, self.router_channels = {}, {}, {}
-        start("engine", "engine", ["--model", model_dir, *FLAGS])
+        # smg reaches workers in plaintext only: the embedding engine's VllmEngine also on a loopback port for it
+        self.vllm_plaintext_address = f"127.0.0.1:{free_port()}"
+        plain = ["--vllm-plaintext-port", self.vllm_plaintext_address.rsplit(":", 1)[1]]
+        start("engine", "engine", ["--model", model_dir, *FLAGS, *plain])
         start("generative", "engine", ["--model", generative_dir, *FLAGS])
         for name in ("tokenizer", "detokenizer"):
             start(name, name, ["--model", model_dir])
@@ -200,7 +203,7 @@ def test_openai_client_embeddings_through_smg(mesh, model, tmp_path):
     import openai
 
     path, hf = model
-    router = SmgRouter([mesh.services["engine"].address], path, tmp_path / "smg.log")
+    router = SmgRouter([mesh.vllm_plaintext_address], path, tmp_path / "smg.log")
     try:
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", timeout=60, max_retries=0)
         model_id = wait_for_embeddings(router, client)

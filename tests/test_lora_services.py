@@ -379,12 +379,15 @@ def test_an_engine_without_lora_refuses_clearly(model_dir):
 
 @pytest.fixture(scope="module")
 def adapter_ports_engine(model_dir):
-    """An engine serving `sql` (loaded) and `late` (not yet) each on a VllmEngine port of its own."""
+    """An engine serving `sql` (loaded) and `late` (not yet) each on a VllmEngine port of its own; for smg, which
+    reaches workers in plaintext only, the base model and `sql` also on plaintext loopback ports ("plain", "plain-sql").
+    """
     from test_interop import free_port
 
     path, adapters = model_dir
-    ports = {"sql": free_port(), "late": free_port()}
-    flags = [*lora_flags(path, adapters), "--lora-vllm-ports", *(f"{name}={port}" for name, port in ports.items())]
+    ports = {name: free_port() for name in ("sql", "late", "plain", "plain-sql")}
+    flags = [*lora_flags(path, adapters), "--lora-vllm-ports", f"sql={ports['sql']}", f"late={ports['late']}"]
+    flags += ["--vllm-plaintext-port", ports["plain"], "--lora-vllm-plaintext-ports", f"sql={ports['plain-sql']}"]
     with InProcessService("engine", flags) as engine:
         yield engine, {name: f"127.0.0.1:{port}" for name, port in ports.items()}
 
@@ -458,6 +461,10 @@ def test_bad_lora_vllm_ports_are_refused_naming_the_flag(ports, words):
     args = build_parser().parse_args(["engine", "--lora-vllm-ports", "sql=5000"])
     with pytest.raises(ValueError, match="needs enable_lora"):
         lora_vllm_ports(args)
+    args = build_parser().parse_args(["engine", "--enable-lora", "--lora-vllm-plaintext-ports", *ports])
+    with pytest.raises(ValueError, match="lora_vllm_plaintext_ports") as e:
+        lora_vllm_ports(args, "lora_vllm_plaintext_ports")
+    assert words in str(e.value)
 
 
 def listening(url: str) -> bool:
@@ -470,19 +477,20 @@ def listening(url: str) -> bool:
 
 @pytest.mark.slow
 def test_smg_selects_an_adapter_by_its_model_name(adapter_ports_engine, model_dir, offline, tmp_path):
-    """smg (multi-model mode) in front of the engine's own port and the `sql` adapter's: `model` set to the adapter's
-    name gives the adapter's output, the base model's name the base model's, as the offline API gives them."""
+    """smg (multi-model mode) in front of the engine's plaintext loopback ports for the base model and the `sql`
+    adapter: `model` set to the adapter's name gives the adapter's output, the base model's name the base model's, as
+    the offline API gives them."""
     from test_interop import SmgRouter, http_json, smg_missing
 
     reason = smg_missing()
     if reason:
         pytest.skip(reason)
-    engine, ports = adapter_ports_engine
+    _, ports = adapter_ports_engine
     path, _ = model_dir
     router = SmgRouter([], None, tmp_path / "smg.log", ["--enable-igw"])
     try:
         wait_until(lambda: listening(router.url), timeout=60)
-        for address in (engine.address, ports["sql"]):  # multi-model mode takes its workers over its API
+        for address in (ports["plain"], ports["plain-sql"]):  # multi-model mode takes its workers over its API
             http_json(f"{router.url}/workers", {"url": f"grpc://{address}"})
 
         def models() -> set[str]:

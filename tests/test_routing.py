@@ -19,7 +19,14 @@ import grpc
 import pytest
 from test_serve import SERVING_LINE, Serve
 
-from conftest import HFReference, InProcessService, assert_greedy_matches, mesh_channel, wait_until
+from conftest import (
+    HFReference,
+    InProcessService,
+    assert_greedy_matches,
+    mesh_channel,
+    mesh_credentials_of,
+    wait_until,
+)
 from engine.config import EngineArgs
 from engine.limits import RequestLimits
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
@@ -591,7 +598,9 @@ class StoppingEngine:
         self.server.add_generic_rpc_handlers(
             [grpc.method_handlers_generic_handler("llmmesh.v1.Engine", {"Generate": handler})]
         )
-        port = self.server.add_insecure_port("127.0.0.1:0")
+        # An engine of the mesh: the gateway reaches it over mutual TLS, as it reaches the others.
+        credentials = mesh_credentials_of("engine").server_credentials()
+        port = self.server.add_secure_port("127.0.0.1:0", credentials)
         self.server.start()
         return f"127.0.0.1:{port}"
 
@@ -624,7 +633,8 @@ def test_a_request_whose_engine_is_gone_goes_to_another(tiny_model, how):
 async def generate_with_a_stale_health_view(gone, live, tokenizer, detokenizer, prompt):
     """A gateway in this process whose view of the engines' health is set by hand (no monitor runs): round-robin
     first tries `gone`. The reply through both engines, the router, and the error with only `gone` healthy."""
-    deps = Dependencies([gone, live], tokenizer, detokenizer, routing="round-robin")
+    credentials = mesh_credentials_of("gateway")
+    deps = Dependencies([gone, live], tokenizer, detokenizer, routing="round-robin", credentials=credentials)
     deps.healthy_engines = {live}
     await deps.load_model_info()
     server = grpc.aio.server()

@@ -341,7 +341,8 @@ def test_smg_response_format_json_schema_reaches_the_engine(mesh, tmp_path):
     reason = smg_missing()
     if reason:
         pytest.skip(reason)
-    router = SmgRouter([mesh.services["engine"].address], prepare_model_dir(DEFAULT_MODEL), tmp_path / "smg.log")
+    # smg reaches workers in plaintext only: the engine's VllmEngine on its loopback port for it
+    router = SmgRouter([mesh.vllm_addresses["engine"]], prepare_model_dir(DEFAULT_MODEL), tmp_path / "smg.log")
     try:
         model = router.wait_ready()
         body = {
