@@ -196,7 +196,7 @@ class LLM:
 
     def _process_images(self, prompt: dict, mm_data: dict) -> tuple[str | None, list[int], list]:
         if self.mm_processor is None:
-            raise ValueError("multi_modal_data: the model takes no images (it is text-only).")
+            raise ValueError("multi_modal_data.image: the model takes no images (it is text-only).")
         unknown = sorted(set(mm_data) - {"image"})
         if unknown:
             raise ValueError(f"multi_modal_data: modalities {unknown} are not supported; image is.")

@@ -66,6 +66,8 @@ HOSTILE_REQUEST = {
         lambda r: setattr(r, "kv_transfer_params", '{"do_remote_decode": "yes"}'),
         "kv_transfer_params",
     ),
+    "output_token_ids": (lambda r: r.output_token_ids.append(VOCAB), "output_token_ids"),
+    "mm_inputs": (lambda r: r.mm_inputs.add(), "mm_inputs"),  # an image for a text-only model, and an empty one
 }
 HOSTILE_PARAMS = {
     "n": (MAX_N + 1, "n"),

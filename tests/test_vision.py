@@ -298,7 +298,7 @@ def test_core_refuses_placeholders_that_do_not_match_the_images(llava):
 def test_a_text_only_model_refuses_images(tiny_llama_dir):
     engine = EngineCore(EngineArgs(model=str(tiny_llama_dir), kv_cache_memory="8MiB", block_size=8))
     feature_like = type("F", (), {})()
-    with pytest.raises(ValueError, match=r"multi_modal_data: the model takes no images"):
+    with pytest.raises(ValueError, match=r"multi_modal_data.image: the model takes no images"):
         Processor.for_engine(engine).process_inputs("r", [5, 6], SamplingParams(), mm_features=[feature_like])
 
 

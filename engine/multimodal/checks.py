@@ -133,7 +133,7 @@ def check_mm_features(prompt_token_ids: list[int], features: list, info, limits:
     if not features:
         return
     if info is None:
-        raise ValueError("multi_modal_data: the model takes no images (it is text-only).")
+        raise ValueError("multi_modal_data.image: the model takes no images (it is text-only).")
     if len(features) > limits.limit_mm_per_prompt:
         raise ValueError(
             f"multi_modal_data.image: {len(features)} images, more than limit_mm_per_prompt="
