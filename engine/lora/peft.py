@@ -99,6 +99,30 @@ def max_weights_bytes(config: dict, rank: int, cfg: ModelArchConfig) -> int:
     return 4 * per_layer * cfg.num_hidden_layers + HEADER_BYTES_PER_TENSOR * tensors + 8
 
 
+# The most of a safetensors header read to look at its tensors' names before the file's size is judged.
+MAX_PEEKED_HEADER_BYTES = 16 * 2**20
+
+
+def _refuse_expert_tensors(name: str, file: Path) -> None:
+    """PEFT's tensors for a mixture of experts (mlp.experts.lora_A, mlp.shared_expert.*), named from the file's
+    header alone (its first 8 bytes give the header's length); a header too long or unreadable is left to the
+    checks that follow."""
+    try:
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 0 < length <= MAX_PEEKED_HEADER_BYTES:
+                return
+            header = json.loads(f.read(length))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return
+    experts = sorted(k for k in header if "expert" in k) if isinstance(header, dict) else []
+    if experts:
+        raise ValueError(
+            f"LoRA adapter {name!r}: tensor {experts[0]!r} adapts a mixture-of-experts layer's experts; LoRA on "
+            "experts is not supported (target the attention projections)."
+        )
+
+
 def _read_config(name: str, path: Path) -> dict:
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
@@ -154,6 +178,7 @@ def load_peft_adapter(lora_request: LoRARequest, cfg: ModelArchConfig, max_lora_
     rank, scaling = _check_config(name, config, max_lora_rank)
     weights_file = path / "adapter_model.safetensors"
     max_bytes = max_weights_bytes(config, rank, cfg)
+    _refuse_expert_tensors(name, weights_file)  # before the size check: experts' tensors are what make it large
     data = _read_bounded(name, weights_file, max_bytes, f"bytes rank {rank} over its target modules can take")
     try:
         tensors = load_safetensors(data)
