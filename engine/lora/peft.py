@@ -117,10 +117,14 @@ def _refuse_expert_tensors(name: str, file: Path) -> None:
         return
     experts = sorted(k for k in header if "expert" in k) if isinstance(header, dict) else []
     if experts:
-        raise ValueError(
-            f"LoRA adapter {name!r}: tensor {experts[0]!r} adapts a mixture-of-experts layer's experts; LoRA on "
-            "experts is not supported (target the attention projections)."
-        )
+        raise _experts_refused(name, experts[0])
+
+
+def _experts_refused(name: str, key: str) -> ValueError:
+    return ValueError(
+        f"LoRA adapter {name!r}: tensor {key!r} adapts a mixture-of-experts layer's experts; LoRA on experts is not "
+        "supported (target the attention projections)."
+    )
 
 
 def _read_config(name: str, path: Path) -> dict:
@@ -189,10 +193,7 @@ def load_peft_adapter(lora_request: LoRARequest, cfg: ModelArchConfig, max_lora_
     for key, tensor in sorted(tensors.items()):  # sorted: the first fault named does not depend on file order
         match = _KEY.fullmatch(key)
         if "expert" in key:  # PEFT's keys for a mixture of experts: mlp.experts.lora_A, mlp.shared_expert.*
-            raise ValueError(
-                f"LoRA adapter {name!r}: tensor {key!r} adapts a mixture-of-experts layer's experts; LoRA on experts "
-                "is not supported (target the attention projections)."
-            )
+            raise _experts_refused(name, key)
         if match is None or match.group(2) not in shapes:
             raise ValueError(
                 f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA matrix of a supported module "
