@@ -239,7 +239,9 @@ def test_the_pins_satisfy_the_project_requirements():
 
 
 def make_dry_run(*args: str) -> str:
-    return subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return subprocess.run(
+        ["make", "--no-print-directory", "-n", *args], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
 
 
 def test_make_targets_download_for_the_gpu_python_and_run_without_setup():
