@@ -28,7 +28,7 @@ from services import (
     supervisor,
     tokenizer_service,
 )
-from services.settings import DemoConfig, EngineFlags, OfflineFlags, WatchdogConfig
+from services.settings import DemoConfig, EngineFlags, LocalMediaConfig, OfflineFlags, WatchdogConfig
 from services.supervisor import DEMO_CHAT, DEMO_PROMPTS
 
 
@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     EngineArgs.add_cli_args(engine)
     add_cli_args(engine, EngineFlags, grouped=False)
+    add_cli_args(engine, LocalMediaConfig)
     add_cli_args(engine, WatchdogConfig)
     config.add_limit_args(engine)
     config.add_detailed_traces_arg(engine)

@@ -365,13 +365,14 @@ async def serve(args) -> None:
     if engine_args.allow_runtime_lora_updating:
         servicer.lora_root = engine_args.lora_root
     server.add(engine_pb2_grpc.add_EngineServicer_to_server, servicer)
-    server.add(vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer))
+    media_root = args.allowed_local_media_path  # a router's media references may name files under it
+    server.add(vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer, "", media_root))
     adapter_servers = []
 
     def serve_vllm(port: int, lora_name: str = "", **transport) -> None:
         adapter_servers.append(server.sibling([VLLM_ENGINE_SERVICE], port, **transport))
         adapter_servers[-1].add(
-            vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer, lora_name)
+            vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, VllmEngineServicer(servicer, lora_name, media_root)
         )
 
     for name, port in adapter_ports.items():

@@ -155,15 +155,22 @@ class ImageBytesConfig:
 
 
 @dataclass
-class MediaConfig:
-    """A vision-language model's images in the tokenizer, which preprocesses them: where it may read them from
-    besides the request itself, and how many and how large they may be (the engine's flags of the same names)."""
+class LocalMediaConfig:
+    """Where a service that preprocesses a vision-language model's images (the tokenizer; the engine, for a
+    router's media references) may read image files from besides the request itself."""
 
     allowed_local_media_path: str = setting(
         "",
         help="a directory whose files (judged on the resolved path) requests may name as images; empty: only images "
-        "sent as bytes. Nothing is ever fetched from the network",
+        "sent in the request. Nothing is ever fetched from the network",
     )
+
+
+@dataclass
+class MediaConfig(LocalMediaConfig):
+    """A vision-language model's images in the tokenizer, which preprocesses them: where it may read them from
+    besides the request itself, and how many and how large they may be (the engine's flags of the same names)."""
+
     limit_mm_per_prompt: int = setting(4, help="images one prompt may carry at most")
     max_image_pixels: int = setting(4096 * 4096, help="pixels (width x height) of one image, at most")
 

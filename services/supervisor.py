@@ -30,6 +30,7 @@ from services.service_process import ServiceProcess, exit_status
 from services.settings import (
     MAX_ENGINES,
     DemoConfig,
+    LocalMediaConfig,
     MeshConfig,
     ServeFlags,
     WatchdogConfig,
@@ -325,6 +326,10 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     limits = as_flags(args, [f.name for f in dataclasses.fields(RequestLimits)])
     store = as_flags(args, ("redis_timeout", "max_blocks_per_request", "max_block_bytes"))
     trust = ["--trust-request-chat-template"] if args.trust_request_chat_template else []
+    # Where image files may be read from: the tokenizer preprocesses the gateway's images, the engine a router's.
+    media_root = as_flags(args, ("allowed_local_media_path",))
+    # The engine's own image limits (EngineArgs) hold in the tokenizer too, which decodes the images first.
+    images = media_root + as_flags(args, ("limit_mm_per_prompt", "max_image_pixels"))
     gateway = ["--host", args.host, "--max-requests-in-flight", str(args.max_requests_in_flight)]
     gateway += ["--prefill-timeout", str(args.prefill_timeout), "--migration-limit", str(args.migration_limit)]
     gateway += as_flags(args, ("max_image_bytes",))
@@ -348,8 +353,8 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     device = ["--device", args.device] if args.device != "auto" else []
     return {
         "gateway": [*every, *drain, *gateway, *trust, *limits],
-        "engine": [*every, *drain, *engine, *limits],
-        "tokenizer": [*every, *drain, *trust, *limits],
+        "engine": [*every, *drain, *engine, *media_root, *limits],
+        "tokenizer": [*every, *drain, *trust, *images, *limits],
         "detokenizer": [*every, *drain, *limits],
         "kvstore": [*every, *drain, *store],
         "sampler": [*every, *device],  # its short drain stays: an engine's step stream lasts as long as the engine
@@ -383,6 +388,7 @@ def add_subcommands(subparsers) -> None:
     add_gateway_args(p)
     add_cli_args(p, ServeFlags, grouped=False)
     add_cli_args(p, WatchdogConfig)
+    add_cli_args(p, LocalMediaConfig)
     EngineArgs.add_cli_args(p)
     config.add_detailed_traces_arg(p)
     add_mesh_args(p)

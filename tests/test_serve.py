@@ -138,6 +138,12 @@ def test_every_flag_of_serve_reaches_each_service_that_takes_it(monkeypatch):
         "prefill_engines",
         "decode_engines",
     }
+    assert reached >= {"allowed_local_media_path"}  # the tokenizer's and the engine's image files
+    # The engine's image limits (EngineArgs) hold in the tokenizer too, which decodes the images first.
+    images = ["--limit-mm-per-prompt", "3", "--max-image-pixels", "1000"]
+    tokenizer_flags = supervisor.service_flags(build_parser().parse_args(["serve", *images]))["tokenizer"]
+    tokenizer = build_parser().parse_args(["tokenizer", *tokenizer_flags])
+    assert (tokenizer.limit_mm_per_prompt, tokenizer.max_image_pixels) == (3, 1000)
     # The engine's flags reach it as EngineArgs; a device named for it is the sampler's too.
     sampler = supervisor.service_flags(build_parser().parse_args(["serve", "--device", "cpu"]))["sampler"]
     assert build_parser().parse_args(["sampler", *sampler]).device == "cpu"
