@@ -144,7 +144,11 @@ class EngineCore:
             sched.max_num_encoder_input_tokens,
             sched.encoder_cache_size,
         )
-        encoder_cache = EncoderCacheManager(sched.encoder_cache_size) if self.mm_info is not None else None
+        encoder_cache = (
+            EncoderCacheManager(sched.encoder_cache_size, sched.encoder_cache_keep_unused)
+            if self.mm_info is not None
+            else None
+        )
         if cfg.is_mm_prefix_lm:
             self.mm_info.check_chunk_budget(sched.max_num_batched_tokens, sched.long_prefill_token_threshold)
         # A request can never grow past the whole pool, so that is its length cap too.

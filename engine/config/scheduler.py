@@ -42,6 +42,12 @@ class SchedulerConfig:
         help="image embedding tokens the encoder cache holds (shared by requests with the same image); unset: "
         "max_num_batched_tokens",
     )
+    encoder_cache_keep_unused: bool = setting(
+        True,
+        help="keep an image's embeddings in the encoder cache after the last request that needed them, for a later "
+        "request with the same image, until their room is needed; off: drop them at once, so only requests that need "
+        "the same image at the same time share its embeddings",
+    )
 
     def __post_init__(self):
         if self.max_num_batched_tokens < 1:

@@ -4,6 +4,7 @@ Its budget is in embedding tokens. An image's embeddings are computed once and n
 request that needs them while they are held reads them (across its prefill chunks, and across requests with the
 same image). An entry no request needs any more stays, freeable, so a later request with the same image still hits
 it, and is evicted only when a new image needs its room; the runner drops what was evicted (get_freed_mm_hashes).
+With keep_unused off, such an entry is evicted at once: images are shared only by requests that need them together.
 """
 
 from collections import OrderedDict
@@ -20,8 +21,9 @@ class EncoderCacheStats:
 
 
 class EncoderCacheManager:
-    def __init__(self, cache_size: int):
+    def __init__(self, cache_size: int, keep_unused: bool = True):
         self.cache_size = cache_size
+        self.keep_unused = keep_unused
         self.num_free_slots = cache_size
         # Free slots plus those of entries no request needs (evictable on demand).
         self.num_freeable_slots = cache_size
@@ -84,9 +86,15 @@ class EncoderCacheManager:
         if holders is None or request.request_id not in holders:
             return
         holders.discard(request.request_id)
-        if not holders:
+        if holders:
+            return
+        self.num_freeable_slots += feature.num_embeds
+        if self.keep_unused:
             self.freeable[feature.identifier] = feature.num_embeds
-            self.num_freeable_slots += feature.num_embeds
+        else:
+            del self.cached[feature.identifier]
+            self.freed.append(feature.identifier)
+            self.num_free_slots += feature.num_embeds
 
     def free(self, request) -> None:
         for input_id in self.get_cached_input_ids(request):
