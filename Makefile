@@ -97,12 +97,13 @@ trace-viewer:
 
 # The generated docs: docs/flags.md from the parsers and the sections services/docs_sections.py writes (the request
 # limits, the metrics, the restart policy; tests/test_docs.py fails when one is stale), the architecture
-# picture from its Graphviz source (Debian's graphviz), and the benchmark figures from docs/benchmarks.md's tables
-# (matplotlib, from PyPI, in a venv of its own).
+# picture from its Graphviz source (Debian's graphviz), and docs/benchmarks.md's tables and plots from the results
+# under docs/benchmarks/results/ (the plots with matplotlib, from PyPI, in a venv of its own).
 DOCS_VENV := build/docs
 docs: $(PROTO_STAMP)
 	$(BIN)/python -m services.flags_doc
 	$(BIN)/python -m services.docs_sections
+	$(BIN)/python benchmarks/report.py
 	@command -v dot >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || (DEBIAN_FRONTEND=noninteractive apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends graphviz)
 	dot -Tsvg docs/architecture.dot -o docs/architecture.svg

@@ -112,14 +112,19 @@ SECTIONS = {
 }
 
 
-def render(page: str, text: str) -> str:
-    """The page's text with each of its generated sections written afresh."""
-    for name, make in SECTIONS[page].items():
+def replace_sections(page: str, text: str, sections: dict) -> str:
+    """The page's text with each of the given sections (name -> a function writing it) written afresh."""
+    for name, make in sections.items():
         begin, end = f"<!-- generated: {name} -->\n", "<!-- end generated -->"
         assert begin in text, f"docs/{page} has no `{begin.strip()}` section"
         head, rest = text.split(begin, 1)
         text = head + begin + make() + "\n" + end + rest.split(end, 1)[1]
     return text
+
+
+def render(page: str, text: str) -> str:
+    """The page's text with each of its generated sections written afresh."""
+    return replace_sections(page, text, SECTIONS[page])
 
 
 def main() -> None:

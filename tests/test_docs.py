@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,9 @@ from llmmesh.v1 import gateway_pb2  # noqa: F401 (its descriptors, for the gatew
 from services import client, config, docs_sections, flags_doc
 from services.cli import build_parser, main
 from services.local_mesh import Mesh
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import report  # benchmarks/report.py: docs/benchmarks.md's figures from docs/benchmarks/
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [
@@ -77,6 +81,50 @@ def test_generated_sections_are_current(page):
             f"a generated section of docs/{page} is out of date with the code: run "
             f"`.venv/bin/{docs_sections.COMMAND}` (or `make docs`) and commit the result"
         )
+
+
+def test_benchmark_report_is_current():
+    """docs/benchmarks.md's summary, machines and sections, as the results under docs/benchmarks/ give them."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    if text != report.render(text):
+        pytest.fail(
+            f"docs/benchmarks.md is out of date with docs/benchmarks/results/: run `.venv/bin/{report.COMMAND}` (or "
+            "`make docs`) and commit the result"
+        )
+
+
+def png_text(path: Path) -> dict[str, str]:
+    """A PNG's tEXt chunks, key -> value."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    chunks, i = {}, 8
+    while i < len(data):
+        length, kind = struct.unpack(">I4s", data[i : i + 8])
+        if kind == b"tEXt":
+            key, _, value = data[i + 8 : i + 8 + length].partition(b"\0")
+            chunks[key.decode("latin-1")] = value.decode("latin-1")
+        i += 12 + length
+    return chunks
+
+
+def test_benchmark_plots_are_current():
+    """Each plot was drawn from its result's tables as they are now, and each result names a known machine."""
+    machines = report.machines()
+    plotted = 0
+    for name, result in report.results().items():
+        assert result["machine"] is None or result["machine"] in machines, (name, result["machine"])
+        for plot in result.get("plots", []):
+            path = report.DATA / plot["file"]
+            assert path.is_file(), f"docs/benchmarks/{plot['file']} is missing: run `make docs`"
+            drawn_from = png_text(path).get(report.DIGEST_KEY)
+            assert drawn_from == report.plot_digest(result), (
+                f"docs/benchmarks/{plot['file']} is older than docs/benchmarks/results/{name}.json: run `make docs` "
+                "(or build/docs/bin/python benchmarks/plots.py) and commit the result"
+            )
+            plotted += 1
+    assert plotted >= 8
+    drawn = {p["file"] for r in report.results().values() for p in r.get("plots", [])}
+    assert {p.name for p in report.DATA.glob("*.png")} == drawn, "a plot under docs/benchmarks/ that no result draws"
 
 
 def test_flags_doc_describes_each_group_once():
@@ -173,6 +221,31 @@ def test_the_docs_speak_of_the_project_only():
     for page in PAGES:
         for number, line in enumerate(page.read_text().splitlines(), 1):
             assert not words.search(line), f"{page.relative_to(ROOT)}:{number}: {line}"
+
+
+# What the git log keeps: a commit hash (7 to 12 hex digits, or 40), a time of day, a machine's load.
+COMMIT_HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])(?:[0-9a-f]{7,12}|[0-9a-f]{40})\b")
+TIME_OF_DAY = re.compile(r"(?<![\d:.])(?:[01]?\d|2[0-3]):[0-5]\d(?![\d:])")
+LOAD = re.compile(r"\bload averages?\b|\bload (?:of |about |at )?\d|\buptime\b", re.IGNORECASE)
+
+
+def test_the_docs_hold_no_commit_hash_time_of_day_or_load():
+    """The docs say what holds now; when it was measured, at which commit and on how busy a machine is history.
+    CHANGELOG.md may carry dates, but no hashes."""
+    files = [*PAGES, *sorted((ROOT / "docs" / "benchmarks").rglob("*.json"))]
+    checks = [(path, (COMMIT_HASH, TIME_OF_DAY, LOAD)) for path in files] + [(ROOT / "CHANGELOG.md", (COMMIT_HASH,))]
+    for path, patterns in checks:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for pattern in patterns:
+                found = pattern.search(line)
+                assert not found, f"{path.relative_to(ROOT)}:{number}: {found.group(0)!r} in {line.strip()[:160]}"
+
+
+def test_the_history_check_sees_history():
+    for line in ("at commit 680cbf0", "06:28–06:32", "load average 1.5", "load 0.9 at the start", "(4d7b1e1)"):
+        assert any(p.search(line) for p in (COMMIT_HASH, TIME_OF_DAY, LOAD)), line
+    for line in ("port 127.0.0.1:50051", "8000:8000", "1,024 tokens", "request_id 6620f43e2a424f2c9b3d973e8b65e4d5"):
+        assert not any(p.search(line) for p in (COMMIT_HASH, TIME_OF_DAY, LOAD)), line
 
 
 # ---- the commands, as written --------------------------------------------------------------------------------
