@@ -3,6 +3,7 @@ store (the new engine loads the request's blocks) and without it (it recomputes 
 
     .venv/bin/python benchmarks/migration.py [--contexts 256 2048] [--rounds 3] [--before-kill 32]
         [--after-kill 32] [--model smollm2-135m-instruct] [--dtype float32] [--output-json PATH]
+    .venv/bin/python benchmarks/migration.py --decode-cost [--rounds 3] [--streams 4] [--decode-tokens 64]
 
 Two meshes (services.local_mesh.Mesh, `llmmesh serve`'s processes with two engines), one at a time: one with the KV
 store, whose engines store their generated tokens' full blocks too (store_decode_blocks, as `llmmesh serve` turns
@@ -12,7 +13,14 @@ running it is killed with SIGKILL and the gateway moves the request to the other
 --after-kill more. Then the killed engine is started again, and the same prompt runs undisturbed. Reported per
 round and as medians: the gap in the stream at the kill (the longest between two tokens from the last one before
 the kill on), the longest gap between tokens before the kill (the decode's own; the first token's wait aside),
-and whether the output equals the undisturbed run's.
+the first token's wait (the prompt's prefill, one engine step), and whether the output equals the undisturbed
+run's.
+
+--decode-cost measures what store_decode_blocks costs a decode instead: two meshes of one engine, each with the KV
+store, one storing generated tokens' blocks and one not, run side by side; each round, in each mesh in turn,
+--streams greedy streams of --decode-tokens tokens (a prompt of 64 random ids each) run at once, after one such
+run to warm each mesh up. Reported: the tokens per second from the first token to the last, per round and as
+medians.
 """
 
 import argparse
@@ -23,12 +31,12 @@ import random
 import signal
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import grpc
 
 from engine.config import EngineArgs
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
+from mesh import tls
 from services import client
 from services.dependencies import HEALTH_INTERVAL
 from services.local_mesh import Mesh
@@ -53,9 +61,10 @@ def stream_times(address: str, prompt: list[int], max_tokens: int, on_token=None
 
 def running_engine(mesh: Mesh, tries: int = 50) -> str:
     """The engine with a request running (its load is read after each step, so ask again a few times)."""
+    credentials = None if mesh.insecure_plaintext else tls.MeshCredentials(mesh.tls_dir, "gateway")
     for _ in range(tries):
         for name in mesh.engine_names:
-            with grpc.insecure_channel(mesh.services[name].address) as ch:
+            with tls.channel(mesh.services[name].address, "engine", credentials) as ch:
                 if engine_pb2_grpc.EngineStub(ch).GetLoad(engine_pb2.GetLoadRequest(), timeout=10).num_running:
                     return name
         time.sleep(0.02)
@@ -74,6 +83,7 @@ def one_kill(mesh: Mesh, prompt: list[int], args) -> dict:
             mesh.services[killed["name"]].popen.send_signal(signal.SIGKILL)
             killed["at"] = time.perf_counter()
 
+    start = time.perf_counter()
     tokens, times = stream_times(mesh.address, prompt, args.before_kill + args.after_kill, on_token)
     mesh.restart(killed["name"])
     time.sleep(4 * HEALTH_INTERVAL)  # the gateway sees it healthy again: the next kill has somewhere to go
@@ -85,6 +95,7 @@ def one_kill(mesh: Mesh, prompt: list[int], args) -> dict:
     return {
         "killed": killed["name"],
         "tokens": tokens,
+        "first_token_ms": 1000 * (times[0] - start),  # the prompt's prefill, one step up to 2,048 tokens
         "gap_at_kill_ms": longest_gap(times[last:]),
         "longest_gap_before_ms": longest_gap(times[1 : last + 1]),
     }
@@ -108,9 +119,43 @@ def run(store: bool, args) -> dict:
     return results
 
 
+def decode_rate(mesh: Mesh, rng: random.Random, args) -> float:
+    """Tokens per second of --streams greedy streams decoding at once, from the first token to the last."""
+    prompts = [rng.choices(range(FIRST_REGULAR_ID, args.vocab), k=64) for _ in range(args.streams)]
+    with ThreadPoolExecutor(args.streams) as pool:
+        runs = list(pool.map(lambda p: stream_times(mesh.address, p, args.decode_tokens), prompts))
+    times = [t for _, ts in runs for t in ts]
+    return (len(times) - args.streams) / (max(times) - min(times))
+
+
+def decode_cost(args) -> dict:
+    """Decode tokens per second with store_decode_blocks on and off, in alternating rounds."""
+    engine_args = EngineArgs(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
+    names = {"store_decode_blocks on": True, "store_decode_blocks off": False}
+    meshes = {
+        name: Mesh(engine_args, kv_store=True, kv_connector_options={"store_decode_blocks": on})
+        for name, on in names.items()
+    }
+    rates = {name: [] for name in meshes}
+    try:
+        for mesh in meshes.values():
+            mesh.start()
+            decode_rate(mesh, random.Random("warm-up"), args)  # a fresh engine's first steps are slow
+        for r in range(args.rounds):
+            for name, mesh in meshes.items():
+                rate = decode_rate(mesh, random.Random(f"{r}/{name}"), args)
+                print(f"round {r} {name}: {rate:.1f} tokens/s", flush=True)
+                rates[name].append(rate)
+    finally:
+        for mesh in meshes.values():
+            mesh.stop()
+    return {name: {"tokens_per_s": r, "median": statistics.median(r)} for name, r in rates.items()}
+
+
 def summary(results: list[dict]) -> dict:
     """The medians over rounds of one context length, and whether every round's output was the undisturbed one."""
-    medians = {m: statistics.median(x[m] for x in results) for m in ("gap_at_kill_ms", "longest_gap_before_ms")}
+    measures = ("gap_at_kill_ms", "longest_gap_before_ms", "first_token_ms")
+    medians = {m: statistics.median(x[m] for x in results) for m in measures}
     return {**medians, "same_output": all(x["same_output"] for x in results)}
 
 
@@ -125,9 +170,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--kv-cache-memory", default="1GiB")
     ap.add_argument("--output-json")
+    ap.add_argument("--decode-cost", action="store_true", help="measure store_decode_blocks' cost on decode instead")
+    ap.add_argument("--streams", type=int, default=4, help="--decode-cost: streams decoding at once")
+    ap.add_argument("--decode-tokens", type=int, default=64, help="--decode-cost: tokens each stream decodes")
     args = ap.parse_args()
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     print(f"machine: {machine}", flush=True)
+    if args.decode_cost:
+        print(json.dumps(decode_cost(args), indent=2))
+        return
     runs = {"with the KV store": run(True, args), "without it": run(False, args)}
     medians = {name: {c: summary(results) for c, results in by_context.items()} for name, by_context in runs.items()}
     print(json.dumps(medians, indent=2))

@@ -1,7 +1,9 @@
 """The gateway's dependencies: channels to the engines, tokenizer and detokenizer, their health, and routing.
 
 A monitor checks every dependency's gRPC health twice a second and keeps the gateway's own health in
-step (NOT_SERVING until all answer); with prefix-aware routing it also reads each healthy engine's GetLoad then,
+step (NOT_SERVING until all answer). An engine that fails its checks (NOT_SERVING, or no answer) for --step-timeout
+seconds has its streams broken, so that they migrate: a stopped process (SIGSTOP, a frozen VM) cannot end them
+itself. With prefix-aware routing it also reads each healthy engine's GetLoad then,
 and follows each engine's KV events (services/routing.py chooses the engine). With no healthy engine, requests
 fail at once with UNAVAILABLE rather than wait on a dead one. The gateway calls its dependencies through the
 methods of Dependencies alone, each named for what it does, and never reads its stubs, router or health sets.
@@ -10,6 +12,7 @@ methods of Dependencies alone, each named for what it does, and never reads its 
 import asyncio
 import itertools
 import logging
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -53,9 +56,11 @@ class Dependencies:
         prefill_timeout: float = 30.0,
         credentials: MeshCredentials | None = None,
         routing_log: str | None = None,
+        step_timeout: float = 0.0,
     ):
         """credentials: the gateway's own, presented on every channel (None: plaintext); routing_log: a file the
-        router appends each decision to, as a JSON line (services/routing.py)."""
+        router appends each decision to, as a JSON line (services/routing.py); step_timeout: seconds an engine may
+        fail its health checks before its streams are broken (0: never)."""
         self.max_batch = max_batch  # items per DetokenizeBatch: the detokenizer's --max-batch (serve gives both one)
         if not engines:
             raise ValueError("engine: give at least one engine address (--engine HOST:PORT).")
@@ -79,6 +84,9 @@ class Dependencies:
         self.kv_event_tasks: list[asyncio.Task] = []
         self.healthy_engines: set[str] = set()
         self.health_misses: dict[str, int] = {}  # address -> health checks since it last answered SERVING
+        self.step_timeout = step_timeout
+        self.last_serving: dict[str, float] = {}  # engine address -> when it last answered SERVING (monotonic)
+        self.engine_calls: set = set()  # the open EngineCalls (services/engine_call.py), broken with their engine
         self.tokenizer_address, self.detokenizer_address = tokenizer, detokenizer
         self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self.channels[tokenizer])
         self.detokenizer_stub = detokenizer_pb2_grpc.DetokenizerStub(self.channels[detokenizer])
@@ -99,6 +107,8 @@ class Dependencies:
             misses = self.health_misses.get(address, HEALTH_MISSES) + 1 if late else HEALTH_MISSES
         else:
             misses = 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else HEALTH_MISSES
+        if misses == 0:
+            self.last_serving[address] = time.monotonic()
         self.health_misses[address] = misses
         return misses < HEALTH_MISSES
 
@@ -111,6 +121,7 @@ class Dependencies:
         )
         self.healthy_engines = {a for a, ok in zip(engines, results[2:]) if ok}
         self.healthy_prefill_engines = {a for a, ok in zip(prefill_engines, results[2 + len(engines) :]) if ok}
+        self._break_failed_engines()
         if self.healthy_engines and self.model_info is None:
             try:
                 await self.load_model_info()
@@ -121,6 +132,22 @@ class Dependencies:
         if self.enable_lora:
             await self.read_lora_adapters()
         return all(results[:2]) and bool(self.healthy_engines)
+
+    def _break_failed_engines(self) -> None:
+        """Break the streams of each engine that has failed its health checks for --step-timeout seconds: its own
+        watchdog would have ended them by now unless the whole process is stopped, and then nothing else will."""
+        if not self.step_timeout:
+            return
+        now = time.monotonic()
+        for address in self.engines:
+            failing = now - self.last_serving.setdefault(address, now)
+            if failing >= self.step_timeout:
+                reason = (
+                    f"the engine at {address} has failed its health checks for {failing:.0f} s, past --step-timeout "
+                    f"({self.step_timeout:g} s)"
+                )
+                for call in list(self.engine_calls):
+                    call.break_engine(address, reason)
 
     async def read_lora_adapters(self) -> None:
         """Which LoRA adapters each healthy engine has (ListLoraAdapters): requests naming one go to those."""
@@ -269,6 +296,13 @@ class Dependencies:
     def release(self, routed: Routed) -> None:
         """A routed request ended, however."""
         self.router.release(routed)
+
+    def watch(self, call) -> None:
+        """Break this EngineCall's streams on an engine that fails its health checks past --step-timeout."""
+        self.engine_calls.add(call)
+
+    def unwatch(self, call) -> None:
+        self.engine_calls.discard(call)
 
     def mark_down(self, address: str) -> None:
         """No new requests for this engine until its next health check. Its blocks stay in the router's index: if

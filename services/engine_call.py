@@ -7,7 +7,9 @@ another healthy engine (one with its LoRA adapter), with the tokens the gateway 
 output_token_ids. The engine counts them as the request's output: max_tokens, min_tokens, penalties, the
 grammar (replayed over them) and the seeded draws (keyed by seed and token index) continue where they stood, and
 it loads what the KV store holds of their blocks. Only the tokens after them come back, so the client's stream
-goes on with no token missing or repeated. A request moves at most --migration-limit times.
+goes on with no token missing or repeated. A request moves at most --migration-limit times. A stream on an engine
+that has failed its health checks for --step-timeout seconds (a stopped process, which cannot end it) is broken by
+the gateway's health watch (Dependencies) and migrates the same way.
 """
 
 import asyncio
@@ -77,6 +79,7 @@ class EngineCall:
         self.counters = counters if counters is not None else {}
         self.moved: dict[int, tuple[str, str]] = {}  # completion index -> (engine address, engine request id)
         self.resumed_calls: dict[int, tuple] = {}  # completion index -> (call, routed, span) while it runs
+        self.broken: dict[str, grpc.aio.AioRpcError] = {}  # engine address -> why the health watch broke its calls
 
     def start(self, context) -> None:
         """Open the engine call on the engine the router picks (after the remote prefill, with disaggregated
@@ -85,6 +88,7 @@ class EngineCall:
         if not self.deps.disaggregated():  # else read() calls it after the remote prefill
             self._call_engine()
         context.add_done_callback(lambda _: self.call is not None and self.call.cancel())  # even if never resumed
+        self.deps.watch(self)
         self.reader = asyncio.create_task(self.read())
 
     def _call_engine(self, tried: tuple[str, ...] = ()) -> None:
@@ -143,7 +147,7 @@ class EngineCall:
             while True:
                 received = False
                 try:
-                    async for msg in self.call:
+                    async for msg in self._messages(self.call, self.address):
                         if not received:
                             received = True
                             self.deps.first_token(self.routed)  # its prefill is done
@@ -248,7 +252,7 @@ class EngineCall:
             self.moved[index] = (address, request.request_id)
             try:
                 first = True
-                async for msg in call:
+                async for msg in self._messages(call, address):
                     if first:
                         first = False
                         self.deps.first_token(routed)
@@ -272,12 +276,38 @@ class EngineCall:
                     span.end()
                 self.deps.release(routed)
 
+    # ---- an engine that fails its health checks ---------------------------------------------------------------
+
+    def break_engine(self, address: str, reason: str) -> None:
+        """The engine at address has failed its health checks past --step-timeout: this request's calls there end
+        as if it went away (UNAVAILABLE: reason), and so move to another engine."""
+        calls = [(self.call, self.address)] + [(c, routed.address) for c, routed, _ in self.resumed_calls.values()]
+        for call, at in calls:
+            if call is not None and at == address and not call.done():
+                self.broken[address] = grpc.aio.AioRpcError(
+                    grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details=reason
+                )
+                call.cancel()
+
+    async def _messages(self, call, address: str):
+        """The call's messages. A call broken by break_engine raises its UNAVAILABLE, where gRPC raises
+        CancelledError for a call cancelled here; a cancel of the request itself stays one."""
+        try:
+            async for msg in call:
+                yield msg
+        except asyncio.CancelledError:
+            error = self.broken.get(address)
+            if error is None or asyncio.current_task().cancelling():
+                raise
+            raise error from None
+
     def where(self, index: int, engine_request_id: str) -> tuple[str, str]:
         """The engine and engine request id that run completion `index` now (engine_request_id: its first)."""
         return self.moved.get(index, (self.address, engine_request_id))
 
     def close(self) -> None:
         """End the engine call now (every call of a migrated request), and its span."""
+        self.deps.unwatch(self)
         if self.engine_span is not None:
             self.engine_span.end()
         if self.call is not None:

@@ -13,13 +13,14 @@ gateway reaches its dependencies (the engines, tokenizer and detokenizer) throug
 """
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
 
 import grpc
 
-from engine.config.utils import add_cli_args
+from engine.config.utils import add_argument, add_cli_args
 from engine.limits import RequestLimits
 from engine.pooling.params import PoolingParams
 from engine.processor import Processor
@@ -31,7 +32,15 @@ from services.convert import sampling_params_from_llmmesh
 from services.dependencies import Dependencies
 from services.errors import RequestError, internal, invalid, unavailable
 from services.server import Server, credentials
-from services.settings import ChatTemplateConfig, GatewayConfig, GatewayFlags, GatewayTLSConfig, ImageBytesConfig
+from services.settings import (
+    ChatTemplateConfig,
+    GatewayConfig,
+    GatewayFlags,
+    GatewayTLSConfig,
+    ImageBytesConfig,
+    WatchdogConfig,
+    check_step_timeouts,
+)
 from services.telemetry import (
     CURRENT_SERVER_SPAN,
     Telemetry,
@@ -432,6 +441,7 @@ async def serve(args) -> None:
         args.prefill_timeout,
         credentials(args, "gateway"),
         args.routing_log,
+        args.step_timeout,
     )
     gateway = Gateway(
         deps,
@@ -472,6 +482,9 @@ def add_gateway_args(parser) -> None:
 def add_subcommands(subparsers) -> None:
     p = config.service_parser(subparsers, "gateway", "run the public llmmesh.v1.Gateway service")
     add_cli_args(p, GatewayFlags, grouped=False)
+    # The engines' --step-timeout (serve passes it on): how long an engine may fail its health checks before the
+    # gateway moves its streams.
+    add_argument(p, next(f for f in dataclasses.fields(WatchdogConfig) if f.name == "step_timeout"))
     add_gateway_args(p)
     p.set_defaults(func=run)
 
@@ -484,6 +497,7 @@ def run(args) -> None:
     load_tenants(args)  # a bad keys file is refused before the server starts
     if args.max_requests_in_flight < 1:
         raise ValueError(f"max_requests_in_flight must be at least 1, got {args.max_requests_in_flight}.")
+    check_step_timeouts(args.step_timeout, 0.0)
     if args.migration_limit < 0:
         raise ValueError(f"--migration-limit must be at least 0, got {args.migration_limit}.")
     if not 0 < args.prefill_timeout <= 3600:

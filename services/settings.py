@@ -88,7 +88,8 @@ class EngineObservabilityConfig:
 
 @dataclass
 class WatchdogConfig:
-    """The engine's step watchdog (`llmmesh serve` passes it on to its engines, and acts on its second limit).
+    """The engine's step watchdog (`llmmesh serve` passes it on to its engines and the first limit to the gateway,
+    and acts on the second).
 
     The defaults are well above the longest step measured: a 2,048-token prefill of SmolLM2-135M, one step, takes
     up to 30 s in float32 on two loaded CPU cores. A larger model on a CPU needs larger limits; 0 turns one off."""
@@ -96,7 +97,8 @@ class WatchdogConfig:
     step_timeout: float = setting(
         120.0,
         help="seconds an engine step may run: past it the engine's health is NOT_SERVING and its requests end "
-        "UNAVAILABLE (the gateway moves them to another engine); it serves again if the step then finishes",
+        "UNAVAILABLE (the gateway moves them to another engine); it serves again if the step then finishes. The "
+        "gateway moves the requests of an engine that has failed its health checks for as long (a stopped process)",
     )
     step_timeout_exit: float = setting(
         300.0,

@@ -332,6 +332,7 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     images = media_root + as_flags(args, ("limit_mm_per_prompt", "max_image_pixels"))
     gateway = ["--host", args.host, "--max-requests-in-flight", str(args.max_requests_in_flight)]
     gateway += ["--prefill-timeout", str(args.prefill_timeout), "--migration-limit", str(args.migration_limit)]
+    gateway += as_flags(args, ("step_timeout",))
     gateway += as_flags(args, ("max_image_bytes",))
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
