@@ -47,6 +47,7 @@ ORDER = [
     "kv-store-mesh",
     "kv-store-fp8",
     "routing",
+    "migration",
     "pd",
     "latency-llama-cpp",
     "dense-linear-bf16",
