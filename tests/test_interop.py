@@ -10,6 +10,7 @@
 import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -285,6 +286,25 @@ def test_smg_streamed_chat_matches_gateway(mesh, smg):
     assert sum(1 for d in deltas if d) > 1, "smg sent the whole text in one event: it did not stream"
     assert "".join(deltas) == ours.text()
     assert finish == [ours.choice().finish_reason]
+
+
+def readme_openai_example() -> str:
+    """The README's OpenAI-client block, as a user copies it."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return re.search(r"```python\n(from openai import OpenAI\n.*?)```", text, re.S).group(1)
+
+
+def test_readme_openai_client_example_runs_through_smg(mesh, smg, capsys):
+    """The README's call, with only smg's address and model name made this test's: the official OpenAI client gets
+    the gateway's greedy answer to the same chat."""
+    router, model = smg
+    code = readme_openai_example()
+    assert '"http://127.0.0.1:30000/v1"' in code and '"smollm2-135m-instruct"' in code
+    code = code.replace("http://127.0.0.1:30000/v1", f"{router.url}/v1").replace('"smollm2-135m-instruct"', repr(model))
+    exec(compile(code, "README.md", "exec"), {})
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    ours = collect(chat(mesh.address, messages, temperature=0.0, max_tokens=16))
+    assert ours.text() and capsys.readouterr().out == ours.text() + "\n"
 
 
 # ---- smg over two engines ---------------------------------------------------------------------------------
