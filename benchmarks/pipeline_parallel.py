@@ -4,9 +4,11 @@ one rank, same model, same requests.
     .venv/bin/python benchmarks/pipeline_parallel.py [--rounds 5] [--steps 16] [--layers 30]
 
 The model is random, SmolLM2-135M's shape (30 layers: 15 a stage), float32, on CPU over gloo, with a token budget of
-128 a step. Each size is an engine in a process of its own (the model runner asks its process which pipeline stage
-it is, so a one-rank engine cannot share a process with stages), both started first and then asked in turn, round
-after round, the order alternating (the machine is shared and noisy); each waits idle while the other runs.
+128 a step. Three configurations: one rank on every core, one rank on one thread, and two stages (each rank on
+half the cores: one thread each on two cores), so that the last two differ by the stage hand-off and the overlap
+alone. Each is an engine in a process of its own (the model runner asks its process which pipeline stage it is,
+so a one-rank engine cannot share a process with stages), all started first and then asked in turn, round after
+round, the order alternating (the machine is shared and noisy); each waits idle while another runs.
 
 With two stages an engine step may only put a batch into the pipeline or only take one out, so a step's time says
 little; what is timed is a round, the time for every request to get one more token:
@@ -15,7 +17,7 @@ little; what is timed is a round, the time for every request to get one more tok
               go in one a step, so their decodes fall into batches that may overlap in the pipeline
   prefill-512 one 512-token prompt, prefilled in chunks of 128 (the chunks overlap in the pipeline), to its first
               token
-Medians are printed, with the ratio PP=2 / one rank (above 1: slower) and the mean number of batches in flight
+Medians are printed, with the ratios PP=2 / one rank (above 1: slower) and the mean number of batches in flight
 after each timed step of the pipeline (1: the stages take turns; 2: both stages have a batch).
 """
 
@@ -41,7 +43,8 @@ from random_model import save_random_smollm2_shaped
 
 CONTEXT = 128
 CHUNK = 128
-SIZES = (1, 2)
+# Each configuration: (--pipeline-parallel-size, torch threads; None: the engine's own choice).
+CONFIGS = {"one": (1, None), "one-1thread": (1, 1), "pp2": (2, None)}
 
 
 class TimedSteps:
@@ -103,9 +106,12 @@ SCENARIOS = {
 }
 
 
-def serve(size: int, model: str) -> None:
-    """One size's engine: warms up, then answers each "SCENARIO ROUNDS" line on stdin with the scenario's seconds
-    and batches in flight until stdin closes."""
+def serve(name: str, model: str) -> None:
+    """One configuration's engine: warms up, then answers each "SCENARIO ROUNDS" line on stdin with the scenario's
+    seconds and batches in flight until stdin closes."""
+    size, threads = CONFIGS[name]
+    if threads:
+        torch.set_num_threads(threads)
     engine = EngineCore(
         EngineArgs(
             model=model, dtype="float32", kv_cache_memory="256MiB", pipeline_parallel_size=size,
@@ -115,7 +121,7 @@ def serve(size: int, model: str) -> None:
     try:
         for run in SCENARIOS.values():  # oneDNN's first calls, the allocator
             run(engine, 2)
-        # Rank 0 of two stages takes half the cores (the other stage the rest), one rank all.
+        # Rank 0 of two stages takes half the cores (the other stage the rest), one rank all unless told.
         print(RESULT + json.dumps({"threads": torch.get_num_threads()}), flush=True)
         for line in sys.stdin:
             scenario, rounds = line.split()
@@ -129,43 +135,47 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=16, help="decode tokens timed per round")
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--serve", type=int, choices=SIZES, help=argparse.SUPPRESS)  # one size's process
+    parser.add_argument("--serve", choices=sorted(CONFIGS), help=argparse.SUPPRESS)  # one configuration's process
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve, args.model)
         return
-    times = {(scenario, size): [] for scenario in SCENARIOS for size in SIZES}
-    in_flight = {(scenario, size): [] for scenario in SCENARIOS for size in SIZES}
+    names = list(CONFIGS)
+    times = {(scenario, name): [] for scenario in SCENARIOS for name in names}
+    in_flight = {(scenario, name): [] for scenario in SCENARIOS for name in names}
     with tempfile.TemporaryDirectory() as tmp:
         save_random_smollm2_shaped(Path(tmp), num_hidden_layers=args.layers, max_position_embeddings=2048)
-        procs = {size: start_server(__file__, str(size), tmp) for size in SIZES}
+        procs = {name: start_server(__file__, name, tmp) for name in names}
         try:
-            threads = {size: json.loads(answer(proc))["threads"] for size, proc in procs.items()}
+            threads = {name: json.loads(answer(proc))["threads"] for name, proc in procs.items()}
             for round_ in range(args.rounds):
-                order = SIZES if round_ % 2 == 0 else SIZES[::-1]
+                order = names if round_ % 2 == 0 else names[::-1]
                 for scenario in SCENARIOS:
-                    for size in order:
-                        seconds, batches = json.loads(ask(procs[size], f"{scenario} {args.steps}"))
-                        times[scenario, size].append(seconds)
-                        in_flight[scenario, size].append(batches)
+                    for name in order:
+                        seconds, batches = json.loads(ask(procs[name], f"{scenario} {args.steps}"))
+                        times[scenario, name].append(seconds)
+                        in_flight[scenario, name].append(batches)
         finally:
             for proc in procs.values():
                 proc.stdin.close()
             for proc in procs.values():
                 proc.wait()
     result = {"load_average": os.getloadavg(), "cores": os.cpu_count(), "layers": args.layers, "threads": threads}
-    for name in SCENARIOS:
-        one, pp2 = (statistics.median(times[name, size]) for size in SIZES)
-        batches = statistics.mean(in_flight[name, 2])
-        result[name] = {
+    for scenario in SCENARIOS:
+        one, one_1t, pp2 = (statistics.median(times[scenario, name]) for name in names)
+        batches = statistics.mean(in_flight[scenario, "pp2"])
+        result[scenario] = {
             "one_ms": round(one * 1e3, 2),
+            "one_1thread_ms": round(one_1t * 1e3, 2),
             "pp2_ms": round(pp2 * 1e3, 2),
             "pp2_over_one": round(pp2 / one, 2),
+            "pp2_over_one_1thread": round(pp2 / one_1t, 2),
             "pp2_batches_in_flight": round(batches, 2),
         }
         print(
-            f"{name:12s} one rank {one * 1e3:8.2f} ms   PP=2 {pp2 * 1e3:8.2f} ms   PP=2/one {pp2 / one:5.2f}x   "
+            f"{scenario:12s} one rank {one * 1e3:8.2f} ms   one rank, 1 thread {one_1t * 1e3:8.2f} ms   "
+            f"PP=2 {pp2 * 1e3:8.2f} ms   PP=2/one {pp2 / one:5.2f}x   PP=2/one 1 thread {pp2 / one_1t:5.2f}x   "
             f"PP=2 batches in flight {batches:4.2f}"
         )
     print(json.dumps(result))
