@@ -72,11 +72,23 @@ def serve(name: str, model: str) -> None:
         engine.shutdown()
 
 
+def start_server(script: str, name: str, model: str) -> subprocess.Popen:
+    """`script --serve name --model model`: one configuration's engine, asked on stdin and answering on stdout."""
+    command = [sys.executable, script, "--serve", name, "--model", model]
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
 def answer(proc: subprocess.Popen) -> str:
     for line in proc.stdout:
         if line.startswith(RESULT):
             return line.removeprefix(RESULT).strip()
     raise RuntimeError(f"the benchmark's engine process {proc.args} ended (code {proc.wait()})")
+
+
+def ask(proc: subprocess.Popen, question: str) -> str:
+    proc.stdin.write(question + "\n")
+    proc.stdin.flush()
+    return answer(proc)
 
 
 def main() -> None:
@@ -94,15 +106,7 @@ def main() -> None:
     times = {(scenario, name): [] for scenario in SCENARIOS for name in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:
         save_model(Path(tmp), args.layers, args.experts)
-        procs = {
-            name: subprocess.Popen(
-                [sys.executable, __file__, "--serve", name, "--model", tmp],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )  # fmt: skip
-            for name in CONFIGS
-        }
+        procs = {name: start_server(__file__, name, tmp) for name in CONFIGS}
         try:
             for proc in procs.values():
                 assert answer(proc) == "ready"
@@ -110,9 +114,7 @@ def main() -> None:
                 order = list(CONFIGS) if round_ % 2 == 0 else list(reversed(CONFIGS))
                 for scenario in SCENARIOS:
                     for name in order:
-                        procs[name].stdin.write(f"{scenario} {args.steps}\n")
-                        procs[name].stdin.flush()
-                        times[scenario, name].append(float(answer(procs[name])))
+                        times[scenario, name].append(float(ask(procs[name], f"{scenario} {args.steps}")))
         finally:
             for proc in procs.values():
                 proc.stdin.close()

@@ -57,6 +57,7 @@ ORDER = [
     "spec-decode",
     "lora",
     "tensor-parallel",
+    "pipeline-parallel",
     "moe",
     "expert-parallel",
     "hybrid-kv",

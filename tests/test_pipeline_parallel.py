@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_gemma2 import gemma2_config
 from test_qwen_moe import qwen3_moe
-from test_tensor_parallel import make_engine, run
+from test_tensor_parallel import make_engine, prompts, run
 
 from conftest import assert_no_leaks, run_greedy
 from engine.attention.selector import get_attn_backend
@@ -18,6 +18,7 @@ from engine.models.gemma2 import Gemma2ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_weights
 from engine.models.utils import PPMissingLayer, get_pp_indices
+from engine.request import Request, SamplingParams
 from random_model import save_random_smollm2_shaped
 from test_models import COMMON
 
@@ -97,6 +98,27 @@ def test_qwen3_moe_in_two_stages_matches_hugging_face(tmp_path):
     finally:
         engine.shutdown()
     assert max(in_flight) == 2
+
+
+def test_a_one_rank_engine_beside_pipeline_stages_in_its_process_fails_instead_of_sampling_nothing(
+    tiny_model, one_rank
+):
+    """Which stage the model runner is, it asks its process: beside a running PP = 2 engine a one-rank engine would
+    send its activations to the other engine's stage and sample nothing, step after step (a driver waiting for its
+    tokens spins forever). It fails with a message instead, and runs as before once the other engine is gone."""
+    alone = make_engine(tiny_model, 1, max_num_batched_tokens=64)
+    try:
+        pipelined = make_engine(tiny_model, 1, pipeline_parallel_size=2)
+        try:
+            alone.add_request(Request("beside", prompts()[0], SamplingParams(temperature=0, max_tokens=2)))
+            with pytest.raises(RuntimeError, match="pipeline stage 0 of 1, but its process is now stage 0 of 2"):
+                alone.step()
+            assert alone.fail_running_requests() == ["beside"]
+        finally:
+            pipelined.shutdown()
+        assert_same(run(alone), one_rank)
+    finally:
+        alone.shutdown()
 
 
 def test_layers_split_evenly_with_the_remainder_before_the_last_stage():

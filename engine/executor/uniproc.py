@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.distributed.parallel_state import get_pp_rank, get_pp_size
 from engine.kv.layout import KVLayout
 from engine.models.config import ModelArchConfig
 from engine.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -68,7 +69,16 @@ class UniProcExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput, while_waiting=None) -> ModelRunnerOutput:
         """while_waiting: called while the step's tokens are being sampled (async scheduling)."""
-        return self.driver_worker.execute_model(scheduler_output, while_waiting)
+        worker = self.driver_worker
+        # The model runner asks the process which stage it is at every step: another engine that started pipeline
+        # stages in this process would make this one send its activations away and sample nothing, step after step.
+        if (get_pp_rank(), get_pp_size()) != (worker.pp_rank, worker.pp_size):
+            raise RuntimeError(
+                f"this engine is pipeline stage {worker.pp_rank} of {worker.pp_size}, but its process is now stage "
+                f"{get_pp_rank()} of {get_pp_size()}: an engine with --pipeline-parallel-size above 1 must be the "
+                "only engine in its process"
+            )
+        return worker.execute_model(scheduler_output, while_waiting)
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
         """Worker.<method>(*args, **kwargs) on every rank (here the one); the results in rank order."""
