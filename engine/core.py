@@ -145,6 +145,8 @@ class EngineCore:
             sched.encoder_cache_size,
         )
         encoder_cache = EncoderCacheManager(sched.encoder_cache_size) if self.mm_info is not None else None
+        if cfg.is_mm_prefix_lm:
+            self.mm_info.check_chunk_budget(sched.max_num_batched_tokens, sched.long_prefill_token_threshold)
         # A request can never grow past the whole pool, so that is its length cap too.
         num_lookahead = self.executor.num_lookahead_tokens
         self.scheduler = Scheduler(
@@ -169,6 +171,7 @@ class EngineCore:
             pipeline_parallel_size=config.parallel_config.pipeline_parallel_size,
             encoder_cache_manager=encoder_cache,
             max_num_encoder_input_tokens=sched.max_num_encoder_input_tokens,
+            disable_chunked_mm_input=cfg.is_mm_prefix_lm,
         )
         # Pipeline parallelism: (scheduler output, its PipelineOutput) of the batches in flight, oldest first.
         self.batch_queue: deque = deque()

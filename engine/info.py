@@ -29,6 +29,7 @@ class EngineInfo:
     device: str
     max_num_seqs: int
     max_num_batched_tokens: int
+    max_waiting_requests: int  # requests in flight past max_num_seqs at most (AsyncLLM refuses one more)
     max_logprobs: int
     # The KV cache.
     block_size: int

@@ -42,8 +42,14 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         reset = self.engine.reset_prefix_cache()
-        self.engine.take_kv_events()  # AllBlocksCleared, to the ZMQ publisher
+        self._publish_kv_events()  # AllBlocksCleared
         return reset
+
+    def _publish_kv_events(self) -> None:
+        """With a ZMQ publisher (--kv-events-config), hand it the events since the last step; without one they stay
+        for the caller's take_kv_events."""
+        if self.engine.kv_event_publisher is not None:
+            self.engine.take_kv_events()
 
     # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -------------
 
@@ -190,7 +196,7 @@ class LLM:
 
     def _process_images(self, prompt: dict, mm_data: dict) -> tuple[str | None, list[int], list]:
         if self.mm_processor is None:
-            raise ValueError("multi_modal_data: the model takes no images (it is text-only).")
+            raise ValueError("multi_modal_data.image: the model takes no images (it is text-only).")
         unknown = sorted(set(mm_data) - {"image"})
         if unknown:
             raise ValueError(f"multi_modal_data: modalities {unknown} are not supported; image is.")
@@ -226,7 +232,7 @@ class LLM:
                 finished, reqs_to_abort = self.output_processor.process_outputs(self.engine.step())
                 # A stop string ended these: free their blocks before the next step.
                 self.engine.abort_requests(reqs_to_abort)
-                self.engine.take_kv_events()  # the step's, to the ZMQ publisher (none without KV events on)
+                self._publish_kv_events()
                 for output in finished:
                     results[index[output.request_id]] = output
                     bar.update(1)

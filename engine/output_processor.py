@@ -154,6 +154,10 @@ class RequestState:
             elif event.type == EngineCoreEventType.PREEMPTED:
                 m.num_preemptions += 1
                 m.preemption_times.append(event.timestamp)
+            elif event.type == EngineCoreEventType.ENCODE_STARTED:
+                m.encoder_runs.append((event.timestamp, None, event.num_tokens))
+            elif event.type == EngineCoreEventType.ENCODED and m.encoder_runs:
+                m.encoder_runs[-1] = (m.encoder_runs[-1][0], event.timestamp, event.num_tokens)
             elif event.type in _KV_TRANSFERS:
                 m.kv_transfers.append((event.timestamp, _KV_TRANSFERS[event.type], event.num_tokens))
 

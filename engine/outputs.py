@@ -52,6 +52,8 @@ class RequestMetrics:
     preemption_times: list[float] = field(default_factory=list)  # when each preemption happened
     # KV connector transfers: (when, "kv_load_started" | "kv_loaded" | "kv_store_started", tokens)
     kv_transfers: list[tuple[float, str, int]] = field(default_factory=list)
+    # Images the vision encoder computed for the request: (start, end, embedding tokens).
+    encoder_runs: list[tuple[float, float | None, int]] = field(default_factory=list)
 
     @property
     def time_in_queue(self) -> float | None:

@@ -77,6 +77,9 @@ class EngineCoreEventType(enum.IntEnum):
     KV_LOAD_STARTED = 4
     KV_LOADED = 5
     KV_STORE_STARTED = 6
+    # The vision encoder began, and ended, computing one image's embeddings for the request (num_tokens of them).
+    ENCODE_STARTED = 7
+    ENCODED = 8
 
 
 @dataclass

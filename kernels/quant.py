@@ -28,6 +28,18 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> to
     return (groups * scales[..., None] + zeros[..., None]).view(n, k)
 
 
+class DequantizedExperts:
+    """Stacked experts' codes, scales and zeros ([E, N, K], [E, N, K // group_size]) that dequantize one expert when
+    indexed, to `dtype`: the torch experts (fused_experts) read only the experts a step routes to."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype):
+        self.q, self.scales, self.zeros, self.dtype = q, scales, zeros, dtype
+        self.shape = q.shape
+
+    def __getitem__(self, expert: int) -> torch.Tensor:
+        return dequantize(self.q[expert], self.scales[expert], self.zeros[expert]).to(self.dtype)
+
+
 def group_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     """The reference every quantized kernel is held to: x @ w.T in float32 on the dequantized weight."""
     return F.linear(x.float(), dequantize(q, scales, zeros)).to(x.dtype)

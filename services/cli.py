@@ -17,6 +17,7 @@ if sys.argv[1:2] == ["engine"]:
 
 from engine.config.utils import add_cli_args
 from services import (
+    certs,
     client,
     config,
     detokenizer_service,
@@ -27,7 +28,7 @@ from services import (
     supervisor,
     tokenizer_service,
 )
-from services.settings import DemoConfig, EngineFlags, OfflineFlags
+from services.settings import DemoConfig, EngineFlags, OfflineFlags, WatchdogConfig
 from services.supervisor import DEMO_CHAT, DEMO_PROMPTS
 
 
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     EngineArgs.add_cli_args(engine)
     add_cli_args(engine, EngineFlags, grouped=False)
+    add_cli_args(engine, WatchdogConfig)
     config.add_limit_args(engine)
     config.add_detailed_traces_arg(engine)
     engine.set_defaults(func=run_engine)
@@ -87,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         gateway,
         supervisor,
         client,
+        certs,
     ):
         module.add_subcommands(sub)
     config.apply_env(parser)

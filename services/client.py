@@ -3,6 +3,7 @@ and the `llmmesh generate` / `llmmesh chat` commands that stream from a running 
 
 import argparse
 import functools
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -12,15 +13,44 @@ import grpc
 
 from engine.config.utils import add_cli_args
 from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from mesh import tls
 from services.settings import DEFAULT_ADDRESS, ChatFlags, ClientConfig, GenerateFlags  # noqa: F401 (the default address)
+from services.tenants import refuse_key_on_command_line
 
 # ---- the client ----------------------------------------------------------------------------------
 
 
+def gateway_credentials(tls_ca: str | None = None, insecure_plaintext: bool | None = None):
+    """TLS credentials for a gateway, its certificate checked against tls_ca (default: the mesh's ca.crt in
+    LLMMESH_TLS_DIR or the state directory); None (plaintext) only when asked (default: LLMMESH_INSECURE_PLAINTEXT)."""
+    if insecure_plaintext if insecure_plaintext is not None else tls.plaintext_from_env():
+        return None
+    path = tls_ca or os.path.join(tls.default_tls_dir(), "ca.crt")
+    try:
+        with open(path, "rb") as f:
+            return grpc.ssl_channel_credentials(root_certificates=f.read())
+    except OSError as e:
+        raise ValueError(f"the gateway's CA {path}: {e.strerror} (--tls-ca, or --insecure-plaintext)") from None
+
+
+def gateway_channel(address: str, tls_ca: str | None = None, insecure_plaintext: bool | None = None) -> grpc.Channel:
+    """A channel to a gateway (gateway_credentials)."""
+    credentials = gateway_credentials(tls_ca, insecure_plaintext)
+    return grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+
+
+def aio_gateway_channel(address: str, tls_ca: str | None = None, insecure_plaintext: bool | None = None):
+    """gateway_channel for asyncio."""
+    credentials = gateway_credentials(tls_ca, insecure_plaintext)
+    return grpc.aio.insecure_channel(address) if credentials is None else grpc.aio.secure_channel(address, credentials)
+
+
 @functools.cache
-def gateway_stub(address: str) -> gateway_pb2_grpc.GatewayStub:
+def gateway_stub(
+    address: str, tls_ca: str | None = None, insecure_plaintext: bool | None = None
+) -> gateway_pb2_grpc.GatewayStub:
     """A stub on one shared channel per address."""
-    return gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(address))
+    return gateway_pb2_grpc.GatewayStub(gateway_channel(address, tls_ca, insecure_plaintext))
 
 
 def sampling_params(**kwargs) -> common_pb2.SamplingParams:
@@ -38,13 +68,16 @@ def generate(
     *,
     stream: bool = True,
     api_key: str | None = None,
+    tls_ca: str | None = None,
+    insecure_plaintext: bool | None = None,
     timeout: float | None = None,
     model: str = "",
     request_id: str = "",
     priority: int = 0,
     **sampling,
 ) -> Iterator[gateway_pb2.GenerateResponse]:
-    """Stream a Generate: the responses as they come (grpc.RpcError on failure; .cancel() ends it)."""
+    """Stream a Generate: the responses as they come (grpc.RpcError on failure; .cancel() ends it). tls_ca and
+    insecure_plaintext: as gateway_channel takes them."""
     request = gateway_pb2.GenerateRequest(
         model=model,
         stream=stream,
@@ -56,7 +89,9 @@ def generate(
         request.text = prompt
     else:
         request.token_ids.ids.extend(prompt)
-    return gateway_stub(address).Generate(request, timeout=timeout, metadata=_metadata(api_key))
+    return gateway_stub(address, tls_ca, insecure_plaintext).Generate(
+        request, timeout=timeout, metadata=_metadata(api_key)
+    )
 
 
 def chat(
@@ -65,6 +100,8 @@ def chat(
     *,
     stream: bool = True,
     api_key: str | None = None,
+    tls_ca: str | None = None,
+    insecure_plaintext: bool | None = None,
     timeout: float | None = None,
     model: str = "",
     **sampling,
@@ -76,7 +113,7 @@ def chat(
         sampling_params=sampling_params(**sampling),
         messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
     )
-    return gateway_stub(address).Chat(request, timeout=timeout, metadata=_metadata(api_key))
+    return gateway_stub(address, tls_ca, insecure_plaintext).Chat(request, timeout=timeout, metadata=_metadata(api_key))
 
 
 @dataclass
@@ -152,11 +189,14 @@ def _sampling_args(args) -> dict:
 
 
 def run_generate(args: argparse.Namespace) -> None:
+    refuse_key_on_command_line(args)
     print_stream(
         generate(
             args.address,
             args.prompt,
             api_key=args.api_key,
+            tls_ca=args.tls_ca,
+            insecure_plaintext=args.insecure_plaintext,
             timeout=args.timeout,
             model=args.request_model,
             **_sampling_args(args),
@@ -165,6 +205,7 @@ def run_generate(args: argparse.Namespace) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> None:
+    refuse_key_on_command_line(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.message}
     ]
@@ -173,6 +214,8 @@ def run_chat(args: argparse.Namespace) -> None:
             args.address,
             messages,
             api_key=args.api_key,
+            tls_ca=args.tls_ca,
+            insecure_plaintext=args.insecure_plaintext,
             timeout=args.timeout,
             model=args.request_model,
             **_sampling_args(args),

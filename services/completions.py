@@ -49,6 +49,7 @@ class GatewayRequest:
         arrival: float,
         span=None,
         lora_name: str = "",
+        mm_inputs=(),
     ):
         self.deps, self.telemetry, self.span = gateway.deps, gateway.telemetry, span
         self.request, self.prompt_ids = request, prompt_ids
@@ -77,7 +78,7 @@ class GatewayRequest:
             self.telemetry,
             span,
             request_id,
-            engine_request(request, engine_request_id, prompt_ids, lora_name),
+            engine_request(request, engine_request_id, prompt_ids, lora_name, mm_inputs),
             prompt_ids,
             self.results,
             lambda msg: self.detokenizer.send(self._detokenize_items(msg)),

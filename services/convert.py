@@ -4,6 +4,7 @@ The other protocols have their own modules: vLLM's VllmEngine in services/vllm_c
 mesh/sampler/wire.py.
 """
 
+import math
 import time
 
 from engine.outputs import Logprob, RequestMetrics, RequestOutput
@@ -112,3 +113,65 @@ def request_output_to_llmmesh(out: RequestOutput, first_tokens: bool) -> engine_
     if out.finished or first_tokens:
         msg.timings.CopyFrom(timings_to_llmmesh(out.metrics))
     return msg
+
+
+# ---- images (MultiModalInput <-> engine.multimodal.inputs.MultiModalFeatureSpec) -----------------------------------
+
+# The dtypes a processed image's tensors travel as.
+TENSOR_DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "uint8")
+
+
+def tensor_to_llmmesh(tensor) -> common_pb2.TensorData:
+    """Raw bytes in the tensor's own dtype (viewed as bytes: numpy has no bfloat16)."""
+    import torch
+
+    tensor = tensor.detach().cpu().contiguous()
+    data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return common_pb2.TensorData(data=data, dtype=str(tensor.dtype).removeprefix("torch."), shape=tensor.shape)
+
+
+def tensor_from_llmmesh(msg: common_pb2.TensorData, where: str):
+    import torch
+
+    if msg.dtype not in TENSOR_DTYPES:
+        raise ValueError(f"{where}.dtype: {msg.dtype[:32]!r} is not one of {', '.join(TENSOR_DTYPES)}")
+    shape, dtype = tuple(msg.shape), getattr(torch, msg.dtype)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"{where}.shape: {list(shape)} has a negative size")
+    expected = math.prod(shape) * dtype.itemsize
+    if len(msg.data) != expected:
+        raise ValueError(
+            f"{where}.data: {len(msg.data)} bytes, but shape {list(shape)} of {msg.dtype} takes {expected}"
+        )
+    if not expected:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(msg.data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def mm_features_to_llmmesh(features) -> list[common_pb2.MultiModalInput]:
+    return [
+        common_pb2.MultiModalInput(
+            modality=f.modality,
+            data={name: tensor_to_llmmesh(t) for name, t in f.data.items()},
+            mm_position=common_pb2.PlaceholderRange(offset=f.mm_position.offset, length=f.mm_position.length),
+            identifier=f.identifier,
+        )
+        for f in features
+    ]
+
+
+def mm_features_from_llmmesh(inputs, field: str = "mm_inputs") -> list:
+    """The engine's MultiModalFeatureSpecs; the tensors' bytes are checked against their shapes here, the rest
+    (tensors against the model, ranges against the prompt) by the engine's processor. An input without an
+    identifier is named by its tensors' content hash."""
+    from engine.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange, hash_tensors
+
+    features = []
+    for i, m in enumerate(inputs):
+        where = f"{field}[{i}]"
+        if m.modality not in ("", "image"):
+            raise ValueError(f"{where}.modality: {m.modality[:32]!r} is not supported; image is")
+        data = {name: tensor_from_llmmesh(t, f"{where}.data[{name[:64]!r}]") for name, t in m.data.items()}
+        position = PlaceholderRange(m.mm_position.offset, m.mm_position.length)
+        features.append(MultiModalFeatureSpec(data, m.identifier or hash_tensors(data), position))
+    return features

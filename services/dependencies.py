@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.limits import RequestLimits
 from llmmesh.v1 import common_pb2, detokenizer_pb2_grpc, engine_pb2, engine_pb2_grpc, tokenizer_pb2_grpc
+from mesh.tls import MeshCredentials
 from services.detokenizer_client import DetokenizerStream
 from services.errors import RequestError, dependency_error, unavailable
 from services.routing import Routed, Router
@@ -50,12 +51,17 @@ class Dependencies:
         routing: str | None = None,
         prefill_engines: list[str] = (),
         prefill_timeout: float = 30.0,
+        credentials: MeshCredentials | None = None,
+        routing_log: str | None = None,
     ):
+        """credentials: the gateway's own, presented on every channel (None: plaintext); routing_log: a file the
+        router appends each decision to, as a JSON line (services/routing.py)."""
         self.max_batch = max_batch  # items per DetokenizeBatch: the detokenizer's --max-batch (serve gives both one)
         if not engines:
             raise ValueError("engine: give at least one engine address (--engine HOST:PORT).")
-        addresses = dict.fromkeys([*engines, *prefill_engines, tokenizer, detokenizer])
-        self.channels = {address: channel(address) for address in addresses}
+        servers = {address: "engine" for address in [*engines, *prefill_engines]}
+        servers.update({tokenizer: "tokenizer", detokenizer: "detokenizer"})
+        self.channels = {address: channel(address, server, credentials) for address, server in servers.items()}
         # kv_producer engines for disaggregated prefill (the engines above are then kv_consumers), taken in turn
         self.prefill_engines = {
             address: engine_pb2_grpc.EngineStub(self.channels[address]) for address in dict.fromkeys(prefill_engines)
@@ -68,7 +74,8 @@ class Dependencies:
         }
         # prefix-aware by default with more than one engine; with one there is nothing to choose
         routing = routing or ("prefix-aware" if len(self.engines) > 1 else "least-loaded")
-        self.router = Router(list(self.engines), routing)
+        self.decision_log = open(routing_log, "a", encoding="utf-8") if routing_log else None
+        self.router = Router(list(self.engines), routing, decision_log=self.decision_log)
         self.kv_event_tasks: list[asyncio.Task] = []
         self.healthy_engines: set[str] = set()
         self.health_misses: dict[str, int] = {}  # address -> health checks since it last answered SERVING
@@ -156,7 +163,7 @@ class Dependencies:
                     if last is not None and batch.sequence_number != last + 1:
                         logger.debug("KV events from %s: batches %d..%d lost", address, last + 1, batch.sequence_number)
                     last = batch.sequence_number
-                    self.router.index.apply(engine, batch)
+                    self.router.apply_events(address, batch)
             except grpc.aio.AioRpcError as e:
                 if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
                     message = "the engine %s sends no KV events (%s): routing to it by load alone"
@@ -208,9 +215,11 @@ class Dependencies:
                 return address
         return None
 
-    def route(self, prompt_ids: list[int], cache_salt: str = "", exclude=(), lora_name: str = "") -> Routed:
+    def route(
+        self, prompt_ids: list[int], cache_salt: str = "", exclude=(), lora_name: str = "", mm_features=()
+    ) -> Routed:
         """The engine for this prompt, among the healthy ones not excluded that have its LoRA adapter, if it names
-        one (router.release(...) once it ends)."""
+        one (router.release(...) once it ends). mm_features: its images (MultiModalInputs)."""
         candidates = self.healthy_engines.difference(exclude)
         lora_key = None
         if lora_name:
@@ -224,7 +233,7 @@ class Dependencies:
             lora_key = self.lora_adapters[next(iter(candidates))][lora_name].digest or None
         if not candidates:
             raise unavailable(f"no engine is healthy (engines: {', '.join(self.engines)})")
-        return self.router.route(candidates, prompt_ids, cache_salt, lora_key)
+        return self.router.route(candidates, prompt_ids, cache_salt, lora_key, mm_features)
 
     def any_healthy_engine(self, exclude=()) -> bool:
         """Whether some engine not excluded is healthy."""
@@ -362,3 +371,5 @@ class Dependencies:
             self.detokenizer.cancel()
         for ch in self.channels.values():
             await ch.close()
+        if self.decision_log is not None:
+            self.decision_log.close()

@@ -27,8 +27,8 @@ logger = logging.getLogger("llmmesh.gateway")
 ENGINE_DONE = object()  # queued by the engine reader after the engine's last message
 
 
-def engine_request(request, engine_request_id: str, prompt_ids: list[int], lora_name: str):
-    """A gateway request as the engine's EngineGenerateRequest."""
+def engine_request(request, engine_request_id: str, prompt_ids: list[int], lora_name: str, mm_inputs=()):
+    """A gateway request as the engine's EngineGenerateRequest (mm_inputs: its images, as the tokenizer made them)."""
     params = common_pb2.SamplingParams()
     params.CopyFrom(request.sampling_params)
     del params.stop[:]  # stop strings are the detokenizer's job
@@ -39,6 +39,7 @@ def engine_request(request, engine_request_id: str, prompt_ids: list[int], lora_
         priority=request.priority,
         cache_salt=request.cache_salt,
         lora_name=lora_name,
+        mm_inputs=mm_inputs,
     )
 
 
@@ -89,7 +90,13 @@ class EngineCall:
     def _call_engine(self, tried: tuple[str, ...] = ()) -> None:
         """Open the Generate call (and its client span) on the engine the router picks among those not tried."""
         request = self.engine_request
-        self.routed = self.deps.route(self.prompt_ids, request.cache_salt, exclude=tried, lora_name=request.lora_name)
+        self.routed = self.deps.route(
+            self.prompt_ids,
+            request.cache_salt,
+            exclude=tried,
+            lora_name=request.lora_name,
+            mm_features=request.mm_inputs,
+        )
         self.address = self.routed.address
         self.engine_span = self.telemetry.start_span(
             "llmmesh.v1.Engine/Generate", self.span, SpanKind.CLIENT, attributes={"server.address": self.address}
@@ -206,7 +213,13 @@ class EngineCall:
         gone = tried[-1]
         while True:
             request = self._resumed_request(index)
-            routed = self.deps.route(self.prompt_ids, request.cache_salt, exclude=tried, lora_name=request.lora_name)
+            routed = self.deps.route(
+                self.prompt_ids,
+                request.cache_salt,
+                exclude=tried,
+                lora_name=request.lora_name,
+                mm_features=request.mm_inputs,
+            )
             address = routed.address
             logger.info(
                 "engine %s went away: %s completion %d resumes on %s after %d tokens",

@@ -102,6 +102,21 @@ class SchedulerCollector:
                 engine.kv_event_drops,
             ),
         ]
+        encoder = stats.encoder_cache_stats
+        if encoder is not None:
+            for key, doc in (
+                ("queries", "Images looked up in the encoder cache."),
+                ("hits", "Images whose embeddings the encoder cache held."),
+                ("computed", "Images the vision encoder computed."),
+            ):
+                counters.append((f"llmmesh:encoder_cache_{key}", doc, getattr(encoder, key)))
+            gauge = GaugeMetricFamily(
+                "llmmesh:encoder_cache_usage_perc",
+                "Encoder cache usage (image embedding tokens requests need). 1 means 100 percent usage.",
+                labels=["model_name"],
+            )
+            gauge.add_metric(labels, stats.encoder_cache_usage)
+            yield gauge
         for key, value in sorted((stats.kv_connector_stats or {}).items()):
             name, doc = KV_CONNECTOR_METRICS.get(key, (f"llmmesh:kv_connector_{key}", f"KV connector: {key}."))
             counters.append((name, doc, value))
@@ -392,6 +407,8 @@ class RequestWatch:
             m.last_token_time,
             {"gen_ai.usage.output_tokens": m.num_generation_tokens},
         )
+        for start, end, num_tokens in m.encoder_runs:  # images the vision encoder computed for it
+            telemetry.span_between("encoder", request, start, end, {"llmmesh.encoder.tokens": num_tokens})
         for when in m.preemption_times:
             request.add_event("preempted", {"llmmesh.num_preemptions": m.num_preemptions}, timestamp=epoch_ns(when))
         for when, name, tokens in m.kv_transfers:  # KV store loads and stores (the KV connector)

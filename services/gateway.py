@@ -13,7 +13,6 @@ gateway reaches its dependencies (the engines, tokenizer and detokenizer) throug
 """
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
@@ -31,8 +30,8 @@ from services.completions import GatewayRequest
 from services.convert import sampling_params_from_llmmesh
 from services.dependencies import Dependencies
 from services.errors import RequestError, internal, invalid, unavailable
-from services.server import Server
-from services.settings import ChatTemplateConfig, GatewayConfig, GatewayFlags
+from services.server import Server, credentials
+from services.settings import ChatTemplateConfig, GatewayConfig, GatewayFlags, GatewayTLSConfig, ImageBytesConfig
 from services.telemetry import (
     CURRENT_SERVER_SPAN,
     Telemetry,
@@ -41,6 +40,16 @@ from services.telemetry import (
     lora_attributes,
     set_error,
     set_response_attributes,
+)
+from services.tenants import (
+    Tenant,
+    Tenants,
+    engine_adapter_name,
+    engine_adapter_path,
+    load_tenants,
+    refuse_key_on_command_line,
+    tenant_salt,
+    visible_adapters,
 )
 from services.text_model import check_messages
 
@@ -69,7 +78,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         served_model_name: str,
         limits: RequestLimits,
         max_requests_in_flight: int = 1024,
-        api_key: str | None = None,
+        tenants: Tenants | None = None,
         trust_request_chat_template: bool = False,
         migration_limit: int = 3,
     ):
@@ -79,7 +88,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         self.served_model_name = served_model_name
         self.limits = limits
         self.max_requests_in_flight = max_requests_in_flight
-        self.api_key = api_key or None
+        self.tenants = tenants or Tenants()  # no keys: open access, requests of no tenant
         self.trust_request_chat_template = trust_request_chat_template
         self.processor: Processor | None = None  # admission, once the engines' ModelInfo is in
         self.num_in_flight = 0
@@ -88,38 +97,53 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
     # ---- access and admission --------------------------------------------------------------------
 
-    def _check_access(self, context) -> None:
-        if self.api_key is not None:
-            metadata = dict(context.invocation_metadata() or ())
-            given = metadata.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "authorization metadata must be 'Bearer <api key>'")
+    def _check_access(self, context) -> Tenant | None:
+        """The caller's tenant (None without keys)."""
+        tenant = self.tenants.authenticate(context.invocation_metadata())
         if self.draining:
             raise unavailable("the gateway is shutting down")
+        return tenant
+
+    def _check_in_flight(self, tenant: Tenant | None, context) -> None:
+        """Room for one more call of any kind: under --max-requests-in-flight, and within its tenant's rate."""
+        if self.num_in_flight >= self.max_requests_in_flight:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the gateway has {self.num_in_flight} requests in flight, its limit "
+                f"(--max-requests-in-flight={self.max_requests_in_flight}); retry later",
+            )
+        if tenant is not None:
+            tenant.admit(context)
 
     @property
     def model(self) -> str:
         """The name clients ask for: --served-model-name, else the engines' model."""
         return self.served_model_name or self.deps.model_name()
 
-    def _check_model(self, model: str) -> str:
-        """The request's model: the served model ("" returned) or a LoRA adapter's name (returned); else NOT_FOUND
-        naming the models served."""
+    def _check_model(self, model: str, tenant: Tenant | None) -> str:
+        """The request's model: the served model ("" returned) or a LoRA adapter's name (its name on the engines
+        returned); else NOT_FOUND naming the models served (to this tenant)."""
         if not model or model == self.model:
             return ""
-        adapters = self.deps.lora_adapter_paths()
+        adapters = visible_adapters(tenant, self.deps.lora_adapter_paths())
         if model not in adapters:
             served = f"the served model is {self.model!r}"
             if adapters:
                 names = ", ".join(map(repr, sorted(adapters)[:32])) + (" ..." if len(adapters) > 32 else "")
                 served += f", its LoRA adapters {names}"
             raise RequestError(grpc.StatusCode.NOT_FOUND, f"model {model[:256]!r} is not served here; {served}")
-        return model
+        return adapters[model]
 
     async def _unary(self, context, call):
+        """call(tenant), under the same access and limits as a generation."""
         try:
-            self._check_access(context)
-            return await call()
+            tenant = self._check_access(context)
+            self._check_in_flight(tenant, context)
+            self.num_in_flight += 1
+            try:
+                return await call(tenant)
+            finally:
+                self.num_in_flight -= 1
         except RequestError as e:
             await context.abort(e.code, e.message)
 
@@ -143,27 +167,27 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         request_id = request.request_id or uuid.uuid4().hex
         span, own_span = self._root_span(request, operation)
         try:
-            self._check_access(context)
-            if self.num_in_flight >= self.max_requests_in_flight:
-                raise RequestError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"the gateway has {self.num_in_flight} requests in flight, its limit "
-                    f"(--max-requests-in-flight={self.max_requests_in_flight}); retry later",
-                )
+            tenant = self._check_access(context)
+            self._check_in_flight(tenant, context)
             self.num_in_flight += 1
             try:
-                params, lora_name = await self._admit(request)
+                params, lora_name = await self._admit(request, tenant)
+                request.cache_salt = tenant_salt(tenant, request.cache_salt)  # the engines see the tenant's salt
                 if span is not None and lora_name:
                     span.set_attributes(lora_attributes(lora_name))
                 with self.telemetry.client_call("llmmesh.v1.Tokenizer/Tokenize", span) as tokenize_span:
-                    prompt_ids = await tokenize(inject(tokenize_span))
+                    prompt_ids, mm_inputs = await tokenize(inject(tokenize_span))
                 try:
                     prompt_ids = self.processor.process_prompt(prompt_ids, params)
                 except ValueError as e:  # named as the client's field: its token_ids, or the text they come from
                     raise invalid(prompt_field + str(e).removeprefix("prompt_token_ids")) from None
+                if tenant is not None:
+                    tenant.take_tokens(context, len(prompt_ids))
                 async for response in self._generate(
-                    request, context, request_id, params, prompt_ids, arrival, span, lora_name
+                    request, context, request_id, params, prompt_ids, arrival, span, lora_name, mm_inputs
                 ):
+                    if tenant is not None and response.HasField("complete"):
+                        tenant.charge_tokens(response.complete.usage.completion_tokens)
                     yield response
             finally:
                 self.num_in_flight -= 1
@@ -197,12 +221,12 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         CURRENT_SERVER_SPAN.set(span)  # this request's log lines carry its trace id
         return span, span
 
-    async def _admit(self, request) -> tuple[SamplingParams, str]:
+    async def _admit(self, request, tenant: Tenant | None) -> tuple[SamplingParams, str]:
         """The request's model, ids and sampling params, checked before anything is sent anywhere, through the
         engine library's one input processor, built for the engines' model from their ModelInfo (the engine checks
         what the gateway cannot: --max-logprobs and the bad words' tokens). Returns the params and the LoRA adapter
         the model names ("" for the base model)."""
-        lora_name = self._check_model(request.model)
+        lora_name = self._check_model(request.model, tenant)
         await self._get_processor()
         if (await self.deps.get_model_info()).runner_type == "pooling":
             raise RequestError(
@@ -227,18 +251,24 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             self.processor = Processor(info.vocab_size, info.max_model_len, info.eos_token_ids, self.limits)
         return self.processor
 
-    async def _tokenize_prompt(self, request, metadata=()) -> list[int]:
+    async def _tokenize_prompt(self, request, metadata=()) -> tuple[list[int], list]:
+        """The prompt's token ids and its images, preprocessed by the tokenizer (MultiModalInputs)."""
         if request.WhichOneof("prompt") == "token_ids":
-            return list(request.token_ids.ids)
+            if request.images:
+                raise invalid("images: a prompt with images must be text (the tokenizer expands their placeholders)")
+            return list(request.token_ids.ids), []
         if not request.text:
             raise invalid("prompt is empty: set prompt text or token_ids")
         try:
             self.limits.check_chars("text", request.text, "max_prompt_chars")
         except ValueError as e:
             raise invalid(str(e)) from None
-        return list((await self.deps.tokenize(tokenizer_pb2.TokenizeRequest(text=request.text), metadata)).token_ids)
+        reply = await self.deps.tokenize(
+            tokenizer_pb2.TokenizeRequest(text=request.text, images=request.images), metadata
+        )
+        return list(reply.token_ids), list(reply.mm_inputs)
 
-    async def _tokenize_chat(self, request, metadata=()) -> list[int]:
+    async def _tokenize_chat(self, request, metadata=()) -> tuple[list[int], list]:
         try:
             check_messages(request.messages, self.limits)
         except ValueError as e:
@@ -257,12 +287,12 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
             reply = await self.deps.tokenize(tokenizer_pb2.TokenizeRequest(chat=chat), metadata)
         except RequestError as e:
             raise chat_fields_named(e, bool(request.chat_template)) from None
-        return list(reply.token_ids)
+        return list(reply.token_ids), list(reply.mm_inputs)
 
     async def _generate(
-        self, request, context, request_id: str, params, prompt_ids: list[int], arrival: float, span, lora_name: str
+        self, request, context, request_id: str, params, prompt_ids, arrival: float, span, lora_name: str, mm_inputs
     ):
-        req = GatewayRequest(self, request, request_id, params, prompt_ids, arrival, span, lora_name)
+        req = GatewayRequest(self, request, request_id, params, prompt_ids, arrival, span, lora_name, mm_inputs)
         try:
             req.start(context)
             async for deltas in req.deltas():
@@ -278,8 +308,8 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     # ---- Embed -----------------------------------------------------------------------------------
 
     async def Embed(self, request, context):
-        async def embed():
-            if self._check_model(request.model):
+        async def embed(tenant):
+            if self._check_model(request.model, tenant):
                 raise invalid(f"model: {request.model[:256]!r} is a LoRA adapter; embeddings are the base model's")
             info = await self.deps.get_model_info()
             if info.runner_type != "pooling":
@@ -315,9 +345,11 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
                 prompt_token_ids=prompt_ids,
                 normalize=request.normalize if request.HasField("normalize") else None,
                 priority=request.priority,
-                cache_salt=request.cache_salt,
+                cache_salt=tenant_salt(tenant, request.cache_salt),
             )
-            routed = self.deps.route(prompt_ids, request.cache_salt)
+            if tenant is not None:
+                tenant.take_tokens(context, len(prompt_ids))
+            routed = self.deps.route(prompt_ids, engine_request.cache_salt)
             try:
                 reply = await self.deps.embed(routed.address, engine_request, context.time_remaining(), ())
             finally:
@@ -330,29 +362,39 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
     # ---- the rest of the API ---------------------------------------------------------------------
 
     async def ListModels(self, request, context):
-        async def list_models():
+        async def list_models(tenant):
+            # The models by name alone: vLLM's root is a path (the model's, an adapter's), which stays here.
             info = await self.deps.get_model_info()
             base = gateway_pb2.ModelCard(
-                id=self.model, max_model_len=info.max_model_len, owned_by="llmmesh", root=info.model
+                id=self.model, max_model_len=info.max_model_len, owned_by="llmmesh", root=self.model
             )
             adapters = [
                 gateway_pb2.ModelCard(
-                    id=name, max_model_len=info.max_model_len, owned_by="llmmesh", root=path, parent=self.model
+                    id=name, max_model_len=info.max_model_len, owned_by="llmmesh", root=name, parent=self.model
                 )
-                for name, path in sorted(self.deps.lora_adapter_paths().items())
+                for name in sorted(visible_adapters(tenant, self.deps.lora_adapter_paths()))
             ]
             return gateway_pb2.ListModelsResponse(models=[base, *adapters])
 
         return await self._unary(context, list_models)
 
     async def LoadLoraAdapter(self, request, context):
-        return await self._unary(context, lambda: self.deps.load_lora_adapter(request))
+        return await self._unary(context, lambda tenant: self.deps.load_lora_adapter(own_adapter(tenant, request)))
 
     async def UnloadLoraAdapter(self, request, context):
-        return await self._unary(context, lambda: self.deps.unload_lora_adapter(request))
+        async def unload(tenant):
+            engine_name = engine_adapter_name(tenant, request.lora_name)
+            if tenant is not None and engine_name not in self.deps.lora_adapter_paths():
+                raise RequestError(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"lora_name {request.lora_name[:256]!r}: no adapter of yours by that name",
+                )
+            return await self.deps.unload_lora_adapter(common_pb2.UnloadLoraAdapterRequest(lora_name=engine_name))
+
+        return await self._unary(context, unload)
 
     async def Tokenize(self, request, context):
-        async def tokenize():
+        async def tokenize(_):
             if request.HasField("chat") and request.chat.chat_template and not self.trust_request_chat_template:
                 raise invalid("chat.chat_template: a request may not bring its own chat template here")
             return await self.deps.tokenize(request)
@@ -360,7 +402,19 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
         return await self._unary(context, tokenize)
 
     async def Detokenize(self, request, context):
-        return await self._unary(context, lambda: self.deps.detokenize(request))
+        return await self._unary(context, lambda _: self.deps.detokenize(request))
+
+
+def own_adapter(tenant: Tenant | None, request: common_pb2.LoadLoraAdapterRequest):
+    """A tenant's LoadLoraAdapter as the engines get it: the adapter under the tenant's name, from the tenant's
+    directory (services/tenants.py)."""
+    if not request.lora_name or not request.lora_path:
+        raise invalid("lora_name and lora_path are both required.")
+    try:
+        path = engine_adapter_path(tenant, request.lora_path)
+    except ValueError as e:
+        raise invalid(str(e)) from None
+    return common_pb2.LoadLoraAdapterRequest(lora_name=engine_adapter_name(tenant, request.lora_name), lora_path=path)
 
 
 # ---- the process ---------------------------------------------------------------------------------
@@ -376,18 +430,22 @@ async def serve(args) -> None:
         args.routing,
         args.prefill_engine or (),
         args.prefill_timeout,
+        credentials(args, "gateway"),
+        args.routing_log,
     )
     gateway = Gateway(
         deps,
         args.served_model_name,
         limits,
         args.max_requests_in_flight,
-        args.api_key,
+        load_tenants(args),
         args.trust_request_chat_template,
         args.migration_limit,
     )
-    # The public port takes prompts of up to --max-prompt-chars (4 bytes a character at most) and no more.
-    server = Server("gateway", [SERVICE_NAME], args, max_receive_bytes=4 * limits.max_prompt_chars + 2**20)
+    # The public port takes prompts of up to --max-prompt-chars (4 bytes a character at most) and their images, and
+    # no more (the tokenizer checks each image against the same limits).
+    max_receive_bytes = 4 * limits.max_prompt_chars + args.max_image_bytes + 2**20
+    server = Server("gateway", [SERVICE_NAME], args, max_receive_bytes=max_receive_bytes, public=True)
     gateway.telemetry = server.telemetry
     server.telemetry.count("llmmesh:", gateway.counters)
     server.add(gateway_pb2_grpc.add_GatewayServicer_to_server, gateway)
@@ -405,7 +463,9 @@ async def serve(args) -> None:
 def add_gateway_args(parser) -> None:
     """The gateway's own flags (not the addresses of its dependencies)."""
     add_cli_args(parser, GatewayConfig)
+    add_cli_args(parser, GatewayTLSConfig)
     add_cli_args(parser, ChatTemplateConfig)
+    add_cli_args(parser, ImageBytesConfig)
     config.add_limit_args(parser)
 
 
@@ -420,6 +480,8 @@ def run(args) -> None:
     for name in ("engine", "tokenizer", "detokenizer"):
         if not getattr(args, name):
             raise ValueError(f"--{name} is required (the {name} service's HOST:PORT, or LLMMESH_{name.upper()}).")
+    refuse_key_on_command_line(args)
+    load_tenants(args)  # a bad keys file is refused before the server starts
     if args.max_requests_in_flight < 1:
         raise ValueError(f"max_requests_in_flight must be at least 1, got {args.max_requests_in_flight}.")
     if args.migration_limit < 0:

@@ -6,7 +6,7 @@ import time
 
 import grpc
 
-from engine.async_llm import EngineDeadError, EngineRequestError
+from engine.async_llm import EngineDeadError, EngineQueueFullError, EngineRequestError
 from engine.output_processor import RequestOutputKind
 from engine.outputs import PoolingRequestOutput
 from engine.pooling.params import PoolingParams
@@ -19,11 +19,11 @@ async def serve_request(
 ):
     """One Generate call of either engine protocol: admit the request and yield its outputs, watched.
 
-    add_request(arrival, trace_headers) -> RequestStream admits it; its ValueError, NotImplementedError and
-    EngineDeadError end the call INVALID_ARGUMENT, UNIMPLEMENTED and UNAVAILABLE; a request the engine failed on
-    its own ends INVALID_ARGUMENT (its input), UNAVAILABLE (the sampler service) or INTERNAL (naming it). The
-    request's metrics and span start at its arrival, and its unfinished completions are aborted when the call
-    ends any way but finished (close_stream: their blocks are free before the next step). Callers iterate it
+    add_request(arrival, trace_headers) -> RequestStream admits it; its ValueError, NotImplementedError,
+    EngineQueueFullError and EngineDeadError end the call INVALID_ARGUMENT, UNIMPLEMENTED, RESOURCE_EXHAUSTED and
+    UNAVAILABLE; a request the engine failed on its own ends INVALID_ARGUMENT (its input), UNAVAILABLE (the
+    sampler service) or INTERNAL (naming it). The request's metrics and span start at its arrival, and its
+    unfinished completions are aborted when the call ends any way but finished (close_stream: their blocks are free before the next step). Callers iterate it
     under contextlib.aclosing, so a cancelled call runs this cleanup at once, not when the generator is collected.
     Telemetry goes through engine.call_hook: a hook that raises is counted, and the request goes on.
     """
@@ -38,6 +38,8 @@ async def serve_request(
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineQueueFullError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         if watch is not None:
             engine.call_hook(watch.admitted, stream.state)
         async for out in stream:
@@ -109,3 +111,13 @@ def refuse_generate_on_pooling(engine) -> str | None:
             "generates nothing"
         )
     return None
+
+
+@contextlib.contextmanager
+def images_named(field: str):
+    """The engine's checks name a request's images multi_modal_data.image[i] (the offline API's field); a service
+    names its own protocol's field."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(str(e).replace("multi_modal_data.image", field)) from None

@@ -1,5 +1,6 @@
 """How the kvstore keeps a KV block in Redis: under `kv:{fingerprint}:{block hash in hex}`, a small header (magic,
-version, dtype, shape, layer count, block size, data length), the CRC-32C of the data, then the raw bytes."""
+version, dtype, shape, layer count, block size, data length), the writing engine's tag (KVBlock.tag, kept as it
+came: the kvstore cannot check it), the CRC-32C of the tag and data, then the raw bytes."""
 
 import math
 import re
@@ -11,7 +12,8 @@ from llmmesh.v1 import kvstore_pb2
 
 # name -> (code in the header, bytes): the KV cache dtypes (engine.kv.layout.DTYPE_SIZES)
 DTYPES = {"float32": (1, 4), "float16": (2, 2), "bfloat16": (3, 2), "float8_e4m3fn": (4, 1), "float8_e5m2": (5, 1)}
-MAGIC, VERSION = b"LMKV", 2  # version 1's blocks carry zlib's CRC-32, not CRC-32C
+MAGIC, VERSION = b"LMKV", 3  # version 2's blocks carry no tag, version 1's zlib's CRC-32
+TAG_BYTES = 32  # KVBlock.tag: an HMAC-SHA256
 MAX_DIMS = 8
 FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 _CRC = struct.Struct("<I")
@@ -67,12 +69,18 @@ class Layout:
 
     @property
     def prefix_bytes(self) -> int:
-        """The bytes of a stored value before its data: the header and the checksum."""
-        return len(self.header) + _CRC.size
+        """The bytes of a stored value before its data: the header, the tag and the checksum."""
+        return len(self.header) + TAG_BYTES + _CRC.size
 
-    def encode(self, data: bytes) -> bytes:
-        return b"".join((self.header, _CRC.pack(crc32c(data)), data))
+    def encode(self, data: bytes, tag: bytes) -> bytes:
+        return b"".join((self.header, tag, _CRC.pack(crc32c(data, crc32c(tag))), data))
 
     def check(self, prefix: bytes, data: memoryview) -> bool:
-        """Whether a value's prefix is this layout's header with the checksum of its data."""
-        return prefix.startswith(self.header) and _CRC.unpack_from(prefix, len(self.header))[0] == crc32c(data)
+        """Whether a value's prefix is this layout's header with the checksum of its tag and data."""
+        tag = self.tag(prefix)
+        crc = _CRC.unpack_from(prefix, len(self.header) + TAG_BYTES)[0]
+        return prefix.startswith(self.header) and crc == crc32c(data, crc32c(tag))
+
+    def tag(self, prefix: bytes) -> bytes:
+        """The tag a value's prefix holds."""
+        return prefix[len(self.header) : len(self.header) + TAG_BYTES]

@@ -23,7 +23,7 @@ import logging
 import mmap
 import time
 from collections import OrderedDict
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import grpc
 import redis.asyncio as aioredis
@@ -39,7 +39,7 @@ from mesh.kvstore.wire import SEGMENT_PREFIX
 from mesh.shared_memory import is_segment_name, open_segment
 from services import config
 from services.block_reader import BlockReader
-from services.kvstore_layout import Layout, block_key, check_fingerprint
+from services.kvstore_layout import TAG_BYTES, Layout, block_key, check_fingerprint
 from services.server import MAX_MESSAGE_BYTES, Server
 from services.settings import KVStoreConfig, KVStoreFlags
 
@@ -88,16 +88,21 @@ class Segments:
         return memoryview(segment)
 
 
-def get_response_bytes(blocks: memoryview) -> bytes:
-    """A GetResponse's wire bytes: field 2 (`data`, length-delimited), then the blocks back to back, in one copy.
-    Building a GetResponse would copy the blocks twice more (into the message, then out of it), a large share of a
-    reload's time."""
-    header, length = bytearray(b"\x12"), len(blocks)
-    while length > 0x7F:  # the length as a varint: 7 bits a byte, low bits first
+def get_response_bytes(blocks: memoryview, tags: bytes) -> bytes:
+    """A GetResponse's wire bytes: field 2 (`data`, length-delimited) with the blocks back to back, in one copy,
+    then field 4 (`tags`). Building a GetResponse would copy the blocks twice more (into the message, then out of
+    it), a large share of a reload's time."""
+    return b"".join((_field_header(b"\x12", len(blocks)), blocks, _field_header(b"\x22", len(tags)), tags))
+
+
+def _field_header(key: bytes, length: int) -> bytes:
+    """A length-delimited field's key, then its length as a varint: 7 bits a byte, low bits first."""
+    header = bytearray(key)
+    while length > 0x7F:
         header.append(length & 0x7F | 0x80)
         length >>= 7
     header.append(length)
-    return b"".join((header, blocks))
+    return bytes(header)
 
 
 def add_to_server(service: "KVStoreService", server) -> None:
@@ -227,18 +232,24 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         return [bool(n) for n in await pipe.execute()]
 
     @staticmethod
-    def read_chunk(reader: BlockReader, layout: Layout, into: memoryview, then: list[str]) -> tuple[int, str]:
+    def read_chunk(reader: BlockReader, layout: Layout, into: memoryview, then: list[str]) -> tuple[int, str, bytes]:
         """Receive the next len(into) // layout.nbytes blocks into `into` (on a thread), once the MGET of the keys
-        `then` is sent: how many came intact, and what the first of the others was ("missing" or "damaged")."""
+        `then` is sent: how many came intact, what the first of the others was ("missing" or "damaged"), and the
+        intact ones' tags."""
         if then:
             reader.send(then)  # Redis works on the next chunk while this one is received
-        n = layout.nbytes
+        n, tags = layout.nbytes, []
+
+        def check(prefix: bytes, data: memoryview) -> bool:
+            tags.append(layout.tag(prefix))
+            return layout.check(prefix, data)
+
         reader.read_values(len(into) // n)
         for i in range(len(into) // n):
-            status = reader.read_value(layout.prefix_bytes, into[i * n : (i + 1) * n], layout.check)
+            status = reader.read_value(layout.prefix_bytes, into[i * n : (i + 1) * n], check)
             if status != "ok":
-                return i, status
-        return len(into) // n, "ok"
+                return i, status, b"".join(tags[:i])
+        return len(into) // n, "ok", b"".join(tags)
 
     def keys(self, request) -> list[str]:
         """The keys of a Lookup's or Delete's blocks, checked."""
@@ -272,13 +283,15 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                     raise ValueError(
                         f"blocks[{i}].data must be {layout.nbytes} bytes (the layout's size); got {len(block.data)}"
                     )
-                blocks[layout.key(block.block_hash)] = block.data
+                if len(block.tag) not in (0, TAG_BYTES):
+                    raise ValueError(f"blocks[{i}].tag must be {TAG_BYTES} bytes or empty; got {len(block.tag)}")
+                blocks[layout.key(block.block_hash)] = (block.data, block.tag or bytes(TAG_BYTES))
             missing = [key for key, present in zip(blocks, await self.exists(list(blocks))) if not present]
             written = 0
             if missing:
                 pipe = self.redis.pipeline(transaction=False)
                 for key in missing:
-                    pipe.set(key, layout.encode(blocks[key]), nx=True)  # nx: one Put racing another stores once
+                    pipe.set(key, layout.encode(*blocks[key]), nx=True)  # nx: one Put racing another stores once
                 written = sum(1 for ok in await pipe.execute() if ok)
             stored += written
             skipped += len(request.blocks) - written
@@ -303,7 +316,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                 size = len(keys) * layout.nbytes
                 into = shared[served * layout.nbytes :][:size] if shared is not None else memoryview(bytearray(size))
                 then = chunks[i + 1] if i + 1 < len(chunks) else []
-                found, status = await asyncio.to_thread(self.read_chunk, reader, layout, into, then)
+                found, status, tags = await asyncio.to_thread(self.read_chunk, reader, layout, into, then)
                 if status == "damaged":
                     logger.warning("dropping %s: its header or checksum does not match", keys[found])
                     self.count(corrupt_blocks=1)
@@ -312,9 +325,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                 self.count(bytes_out=found * layout.nbytes)
                 if found:
                     yield (
-                        kvstore_pb2.GetResponse(num_blocks=found).SerializeToString()
+                        kvstore_pb2.GetResponse(num_blocks=found, tags=tags).SerializeToString()
                         if shared is not None
-                        else get_response_bytes(into[: found * layout.nbytes])
+                        else get_response_bytes(into[: found * layout.nbytes], tags)
                     )
                 if found < len(keys):
                     break
@@ -342,7 +355,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
 
 async def serve(args) -> None:
     keep_freed_memory_in_process()  # a Get copies its blocks into new buffers of megabytes
-    service = KVStoreService(args.redis_url, args.redis_timeout, args.max_blocks_per_request, args.max_block_bytes)
+    url = redis_url_with_password(args.redis_url, args.redis_password_file)
+    service = KVStoreService(url, args.redis_timeout, args.max_blocks_per_request, args.max_block_bytes)
     server = Server("kvstore", [SERVICE_NAME], args)
     server.add(add_to_server, service)
     server.telemetry.count("llmmesh:kvstore_", service.counters)  # hits, misses, bytes, corrupt blocks...
@@ -352,6 +366,23 @@ async def serve(args) -> None:
         await server.serve_until_stopped()
     finally:
         await service.redis.aclose()
+
+
+def redis_url_with_password(url: str, password_file: str | None) -> str:
+    """The Redis URL with the password of password_file in it: the password travels in a file, never on a command
+    line (readable by anyone in /proc), and the URL with it stays in this process."""
+    if password_file is None:
+        return url
+    try:
+        with open(password_file) as f:
+            password = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"--redis-password-file {password_file}: {e.strerror}") from None
+    scheme, rest = url.split("://", 1)
+    user, at, where = rest.rpartition("@")
+    if ":" in user:
+        raise ValueError("--redis-url holds a password: give it in --redis-password-file instead")
+    return f"{scheme}://{quote(user, safe='')}:{quote(password, safe='')}@{where}"
 
 
 def add_store_args(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,9 @@
 """The mesh on one machine: services as child processes on loopback, started and stopped in order.
 
 Engine, tokenizer, detokenizer and gateway each run as a process of their own (services/service_process.py), each
-on a free port read from its "listening on" line. With the KV store, a `redis-server` (services/redis_server.py)
+on a free port read from its "listening on" line, the services behind the gateway on loopback whatever LLMMESH_HOST
+says. Every link is mutual TLS with the certificates of a credentials directory (services/certs.py fills in what it
+lacks), and Redis admits only the user whose password is there. With the KV store, a `redis-server` (services/redis_server.py)
 and the kvstore start first, and the engine is given a --kv-transfer-config that points its connector at the
 kvstore. `llmmesh serve` and `llmmesh demo` (services/supervisor.py), tests and benchmarks start the mesh this way.
 """
@@ -12,6 +14,8 @@ import os
 import subprocess
 
 from engine.config import EngineArgs
+from mesh import tls
+from services.certs import REDIS_USER, make_credentials
 from services.redis_server import RedisServer
 from services.service_process import ServiceProcess, set_flag
 
@@ -57,7 +61,10 @@ class Mesh:
 
     prefill_engines > 0 disaggregates prefill (vLLM's P/D through the KV store, which it then needs): that many
     kv_producer engines ("prefill", "prefill-2"...) compute the prompts, and the num_engines others, kv_consumers,
-    load their blocks from the kvstore and decode."""
+    load their blocks from the kvstore and decode.
+
+    tls_dir: the credentials directory (default: LLMMESH_TLS_DIR, else the state directory's), made on first use;
+    insecure_plaintext: no TLS (loopback only), the Redis password still from tls_dir."""
 
     def __init__(
         self,
@@ -73,9 +80,20 @@ class Mesh:
         service_args: dict[str, list[str]] | None = None,
         prefill_engines: int = 0,
         kv_connector_options: dict | None = None,
+        tls_dir: str | None = None,
+        insecure_plaintext: bool | None = None,
     ):
         self.engine_args = engine_args
-        self.env = env  # variables every service gets on top of this process's (LLMMESH_*, OTEL_*)
+        self.tls_dir = tls_dir or tls.default_tls_dir()
+        if insecure_plaintext is None:
+            insecure_plaintext = tls.plaintext_from_env()
+        self.insecure_plaintext = insecure_plaintext
+        # Every service gets these on top of this process's (LLMMESH_*, OTEL_*), and the mesh's credentials.
+        self.env = {
+            **(env or {}),
+            tls.TLS_DIR_ENV: self.tls_dir,
+            tls.PLAINTEXT_ENV: "1" if insecure_plaintext else "",
+        }
         self.gateway_args = list(gateway_args)
         self.service_args = dict(service_args or {})
         self.port = port
@@ -105,10 +123,13 @@ class Mesh:
         engine_args, flags = self.engine_args, self.service_args
         prefill_args = engine_args
         try:
+            make_credentials(self.tls_dir)
             if self.kv_store:
-                self.redis = RedisServer(maxmemory=self.redis_maxmemory, echo=self.echo)
+                acl = os.path.join(self.tls_dir, "redis.acl")
+                self.redis = RedisServer(maxmemory=self.redis_maxmemory, echo=self.echo, acl_file=acl, user=REDIS_USER)
+                password = ["--redis-password-file", os.path.join(self.tls_dir, "redis.password")]
                 kvstore = self._start(
-                    "kvstore", ["--port", "0", "--redis-url", self.redis.url, *flags.get("kvstore", [])]
+                    "kvstore", ["--port", "0", "--redis-url", self.redis.url, *password, *flags.get("kvstore", [])]
                 )
                 kvstore_address = kvstore.wait_listening(timeout)
                 if self.prefill_names:
@@ -150,8 +171,14 @@ class Mesh:
         service = service or name
         env = self.env
         if service == "engine":
-            env = {**self.engine_threads(), **(self.env or {})}
-        self.services[name] = ServiceProcess(service, args, self.echo, env or None)
+            # The engines tag their KV blocks with the credentials directory's kv-block.key (mesh/kvstore/block_tag.py),
+            # one for all of them, unless the environment has LLMMESH_KV_BLOCK_KEY (meshes sharing a Redis).
+            env = {**self.engine_threads(), **self.env}
+        if service != "gateway" and "--host" not in args:
+            # Loopback, even where LLMMESH_HOST says otherwise (a container's every interface): only the gateway is
+            # for others to reach.
+            args = ["--host", "127.0.0.1", *args]
+        self.services[name] = ServiceProcess(service, args, self.echo, env)
         return self.services[name]
 
     def engine_threads(self) -> dict:
@@ -159,7 +186,7 @@ class Mesh:
         OMP_NUM_THREADS is set: engines whose threads outnumber the cores wait on each other at every OpenMP
         barrier, and their steps slow by far more than the sharing itself."""
         num_engines = len(self.engine_names) + len(self.prefill_names)
-        if num_engines == 1 or "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in (self.env or {}):
+        if num_engines == 1 or "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in self.env:
             return {}
         return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // num_engines))}
 

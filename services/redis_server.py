@@ -1,5 +1,6 @@
 """`redis-server` as a child process, the KV store's Redis in `llmmesh serve` and in tests."""
 
+import os
 import shutil
 import subprocess
 import tempfile
@@ -14,11 +15,21 @@ class RedisServer:
     with a temporary directory of its own, no persistence, and `maxmemory` with allkeys-lru eviction (a cache).
 
     start() (called on construction) returns once it accepts connections; kill() and start() again bring it
-    back on the same port, empty, as a restarted Redis would be."""
+    back on the same port, empty, as a restarted Redis would be.
+
+    acl_file: Redis's users (`llmmesh certs` writes one, redis.acl, whose user `user` alone may run commands, with the
+    password of redis.password); url then names the user, and the password stays out of every command line."""
 
     READY = "Ready to accept connections"
 
-    def __init__(self, port: int = 0, maxmemory: str = "2gb", echo: bool = False):
+    def __init__(
+        self,
+        port: int = 0,
+        maxmemory: str = "2gb",
+        echo: bool = False,
+        acl_file: str | None = None,
+        user: str | None = None,
+    ):
         self.executable = shutil.which("redis-server")
         if self.executable is None:
             raise RuntimeError(
@@ -28,6 +39,7 @@ class RedisServer:
         self.port = port
         self.maxmemory = maxmemory
         self.echo = echo
+        self.acl_file, self.user = acl_file, user
         self.dir = tempfile.mkdtemp(prefix="llmmesh-redis-")
         self.popen: subprocess.Popen | None = None
         try:
@@ -42,7 +54,7 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://{self.address}/0"
+        return f"redis://{self.user + '@' if self.user else ''}{self.address}/0"
 
     def start(self, timeout: float = 30.0) -> None:
         """Start it (on a free port the first time) and wait until it accepts connections."""
@@ -85,6 +97,7 @@ class RedisServer:
                 self.maxmemory,
                 "--maxmemory-policy",
                 "allkeys-lru",
+                *(["--aclfile", os.path.abspath(self.acl_file)] if self.acl_file else []),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -32,7 +32,7 @@ from engine.config.utils import add_cli_args
 from llmmesh.v1 import sampler_pb2, sampler_pb2_grpc
 from mesh.sampler.channel import ChannelClosedError
 from services import config
-from services.sampler_stream import StreamState
+from services.sampler_stream import StreamLimitError, StreamState
 from services.server import Server
 from services.settings import SamplerFlags
 from services.telemetry import Telemetry, set_error
@@ -44,8 +44,11 @@ INLINE_ROWS = 8
 
 
 class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
-    def __init__(self, device: torch.device, telemetry: Telemetry | None = None):
+    def __init__(
+        self, device: torch.device, telemetry: Telemetry | None = None, max_streams: int = 64, max_requests: int = 65536
+    ):
         self.device = device
+        self.max_streams, self.max_requests = max_streams, max_requests
         self.telemetry = telemetry or Telemetry("sampler", None)  # tracing off unless the server's is given
         # Every stream's larger steps are sampled on this one thread.
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler")
@@ -53,7 +56,12 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
 
     async def Sample(self, request_iterator, context):
         loop = asyncio.get_running_loop()
-        stream = StreamState(self.device)
+        if self.num_streams >= self.max_streams:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the sampler has {self.num_streams} streams open, its --max-streams; one more is refused",
+            )
+        stream = StreamState(self.device, self.max_requests)
         self.num_streams += 1
         logger.info("an engine's stream opened (%d open)", self.num_streams)
         try:
@@ -65,14 +73,17 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
                     else:
                         result = await loop.run_in_executor(self.executor, stream.step, msg)
                 except ValueError as e:
-                    set_error(span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    code = refusal_code(e)
+                    set_error(span, code, str(e))
+                    await context.abort(code, str(e))
                 finally:
                     if span is not None:
                         span.end()
                 yield result
                 if stream.step_channel is not None:  # the engine's later steps come over it
                     error = await self._serve_channel(stream)
+                    if isinstance(error, StreamLimitError):
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
                     if isinstance(error, Exception):  # a fault of the service's own ends the stream, as here
                         raise error
                     if error is not None:
@@ -112,7 +123,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         threading.Thread(target=serve, name="sampler-step-channel", daemon=True).start()
         return await done
 
-    def _serve_steps(self, stream: StreamState) -> str | None:
+    def _serve_steps(self, stream: StreamState) -> str | StreamLimitError | None:
         channel = stream.step_channel
         while True:
             length = None
@@ -132,8 +143,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             try:
                 result = stream.step(msg)
             except ValueError as e:
-                set_error(span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                return str(e)
+                set_error(span, refusal_code(e), str(e))
+                return e if isinstance(e, StreamLimitError) else str(e)
             finally:
                 if span is not None:
                     span.end()
@@ -143,6 +154,11 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
                 return None
             except ValueError as e:  # an answer over the channel's limit
                 return f"step channel: {e}"
+
+
+def refusal_code(e: ValueError) -> grpc.StatusCode:
+    """A step refused: over a bound of the sampler's (RESOURCE_EXHAUSTED), else a bad message."""
+    return grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, StreamLimitError) else grpc.StatusCode.INVALID_ARGUMENT
 
 
 # ---- the process -------------------------------------------------------------------------------
@@ -156,8 +172,13 @@ def add_subcommands(subparsers) -> None:
 
 
 async def serve(args) -> None:
+    for name in ("max_streams", "max_requests_per_stream"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(args, name)}.")
     server = Server("sampler", [SERVICE_NAME], args)
-    servicer = SamplerServicer(torch.device(args.device), server.telemetry)
+    servicer = SamplerServicer(
+        torch.device(args.device), server.telemetry, args.max_streams, args.max_requests_per_stream
+    )
     server.add(sampler_pb2_grpc.add_SamplerServicer_to_server, servicer)
     await server.start()
     await server.set_serving(True)

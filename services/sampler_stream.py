@@ -47,11 +47,16 @@ class SamplingState:
     failure: RequestFailure | None = None  # its parameters were refused: its row fails, the others go on
 
 
-class StreamState:
-    """One engine's stream: its requests' states, and the step it is at."""
+class StreamLimitError(ValueError):
+    """A step would have the stream keep more requests' state than --max-requests-per-stream."""
 
-    def __init__(self, device: torch.device):
+
+class StreamState:
+    """One engine's stream: its requests' states (max_requests at most), and the step it is at."""
+
+    def __init__(self, device: torch.device, max_requests: int = 65536):
         self.device = device
+        self.max_requests = max_requests
         self.requests: dict[str, SamplingState] = {}
         self.sampler = Sampler(parallel_argmax=False)
         self.metadata = MetadataCache()
@@ -197,6 +202,12 @@ class StreamState:
             rows[request_id] = state
         if set(news) - set(rows):
             raise ValueError(f"new_requests: {sorted(set(news) - set(rows))[0]!r} has no row in request_ids")
+        kept = len(self.requests) - sum(r in self.requests for r in forgotten) + len(news)
+        if news and kept > self.max_requests:
+            raise StreamLimitError(
+                f"new_requests: the stream would keep {kept} requests' sampling state, over the sampler's "
+                f"--max-requests-per-stream ({self.max_requests}); finish some first"
+            )
         return rows, logits, news.values(), self._check_prompt_chunks(msg), drafts
 
     def _shared_logits(self, msg: sampler_pb2.SampleStep) -> torch.Tensor:

@@ -35,6 +35,21 @@ class ServerConfig:
     port: int | None = setting(None, help="0: any free port")
     shutdown_timeout: float = setting(30.0, help="seconds in-flight calls get to finish after SIGTERM")
     log_level: str = setting("INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="the lowest level logged")
+    tls_dir: str | None = setting(
+        None,
+        help="the mesh's credentials (`llmmesh certs` makes them): its CA's certificate, this service's certificate "
+        "and key; every gRPC link is mutual TLS, and a peer must hold a certificate of this CA whose identity may "
+        "call the service (docs/security.md); unset: tls/ in the state directory ($LLMMESH_STATE_DIR, else "
+        "$XDG_STATE_HOME/llmmesh, else ~/.local/state/llmmesh)",
+    )
+    insecure_plaintext: bool = setting(
+        False,
+        help="no TLS and no peer identities, for development on one machine: binds loopback only, and reaches the "
+        "other services in plaintext",
+    )
+    max_concurrent_rpcs: int = setting(
+        4096, help="calls the server runs at once (gRPC's maximum_concurrent_rpcs); past it RESOURCE_EXHAUSTED"
+    )
 
 
 @dataclass
@@ -72,13 +87,53 @@ class EngineObservabilityConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    """The engine's step watchdog (`llmmesh serve` passes it on to its engines, and acts on its second limit).
+
+    The defaults are well above the longest step measured: a 2,048-token prefill of SmolLM2-135M, one step, takes
+    up to 30 s in float32 on two loaded CPU cores. A larger model on a CPU needs larger limits; 0 turns one off."""
+
+    step_timeout: float = setting(
+        120.0,
+        help="seconds an engine step may run: past it the engine's health is NOT_SERVING and its requests end "
+        "UNAVAILABLE (the gateway moves them to another engine); it serves again if the step then finishes",
+    )
+    step_timeout_exit: float = setting(
+        300.0,
+        help="seconds an engine step may run before the engine exits with code 1 (to be restarted); `llmmesh serve` "
+        "also kills (SIGKILL) and restarts a service that has not answered its health check for this long",
+    )
+
+
+def check_step_timeouts(step_timeout: float, step_timeout_exit: float) -> None:
+    """WatchdogConfig's limits; ValueError naming the flag at fault."""
+    for name, value in (("step_timeout", step_timeout), ("step_timeout_exit", step_timeout_exit)):
+        if value < 0:
+            raise ValueError(f"{name} must be at least 0 (0: off), got {value:g}.")
+    if step_timeout and step_timeout_exit and step_timeout_exit <= step_timeout:
+        raise ValueError(
+            f"step_timeout_exit ({step_timeout_exit:g} s) must be longer than step_timeout ({step_timeout:g} s)."
+        )
+
+
+@dataclass
 class EngineFlags:
+    vllm_plaintext_port: int | None = setting(
+        None,
+        help="serve vllm.grpc.engine.VllmEngine also on this port of loopback in plaintext, for a router on this host "
+        "that cannot reach a worker over mutual TLS (smg); off when unset",
+    )
     lora_vllm_ports: list[str] | None = setting(
         None,
         help="serve each named LoRA adapter also as a model of its own, on vllm.grpc.engine.VllmEngine at PORT, "
         "given as NAME=PORT each (vLLM's protocol names no adapter in a request: a router that picks workers by "
         "model, smg, reaches the adapter there); needs --enable-lora; the adapter may be loaded later, and the "
         "port answers NOT_FOUND while it is not",
+    )
+    lora_vllm_plaintext_ports: list[str] | None = setting(
+        None,
+        help="as --lora-vllm-ports, on ports of loopback in plaintext, for a router on this host that cannot reach a "
+        "worker over mutual TLS (smg), as --vllm-plaintext-port",
     )
 
 
@@ -90,6 +145,27 @@ class TextModelConfig:
     """The model whose tokenizer the text services serve."""
 
     model: str = setting(DEFAULT_MODEL, help=f"HF model directory, .gguf file, or {DEFAULT_MODEL}")
+
+
+@dataclass
+class ImageBytesConfig:
+    """The gateway's bound on the images a request carries (the tokenizer checks each against its own limits)."""
+
+    max_image_bytes: int = setting(32 * 2**20, help="bytes of encoded images one request may carry, in all")
+
+
+@dataclass
+class MediaConfig:
+    """A vision-language model's images in the tokenizer, which preprocesses them: where it may read them from
+    besides the request itself, and how many and how large they may be (the engine's flags of the same names)."""
+
+    allowed_local_media_path: str = setting(
+        "",
+        help="a directory whose files (judged on the resolved path) requests may name as images; empty: only images "
+        "sent as bytes. Nothing is ever fetched from the network",
+    )
+    limit_mm_per_prompt: int = setting(4, help="images one prompt may carry at most")
+    max_image_pixels: int = setting(4096 * 4096, help="pixels (width x height) of one image, at most")
 
 
 @dataclass
@@ -121,7 +197,12 @@ class KVStoreConfig:
 
 @dataclass
 class KVStoreFlags:
-    redis_url: str = setting("redis://127.0.0.1:6379/0", help="redis://HOST:PORT/DB")
+    redis_url: str = setting(
+        "redis://127.0.0.1:6379/0", help="redis://[USER@]HOST:PORT/DB (rediss:// for TLS); no password in it"
+    )
+    redis_password_file: str | None = setting(
+        None, help="a file holding the Redis user's password (`llmmesh certs` writes redis.password)"
+    )
 
 
 @dataclass
@@ -130,6 +211,12 @@ class SamplerFlags:
         "cpu",
         help="where to sample: cpu, cuda, cuda:1 (seeded draws follow the device's generator: use the engine's "
         "device to reproduce its in-process samples)",
+    )
+    max_streams: int = setting(64, help="engines' Sample streams open at once; one more gets RESOURCE_EXHAUSTED")
+    max_requests_per_stream: int = setting(
+        65536,
+        help="requests whose sampling state one stream keeps at once; a step that would add more ends the stream "
+        "with RESOURCE_EXHAUSTED",
     )
 
 
@@ -144,12 +231,28 @@ class GatewayConfig:
         None, help="the model name clients may ask for (default: the engines' --model, as in vLLM)"
     )
     max_requests_in_flight: int = setting(1024, help="requests in flight past which new ones get RESOURCE_EXHAUSTED")
-    api_key: str | None = setting(None, help="require metadata 'authorization: Bearer KEY'")
+    api_key: str | None = setting(
+        None,
+        help="require metadata 'authorization: Bearer KEY', KEY given only as LLMMESH_API_KEY (on the command line, "
+        "where /proc shows it to every local user, it is refused); one tenant, 'default', without rate limits",
+    )
+    api_keys_file: str | None = setting(
+        None,
+        help="a JSON or TOML file of the keys the gateway takes, each as its SHA-256 with its tenant and the "
+        "tenant's limits (requests_per_second, tokens_per_minute); tenants share no cached prefixes and see no "
+        "adapters of one another (docs/deployment.md, Tenants and limits)",
+    )
     routing: str | None = setting(
         None,
         choices=ROUTING_POLICIES,
         help="how requests are spread over the engines: prefix-aware (where the prompt's KV blocks are, weighed "
         "against load; the default with more than one engine), least-loaded (fewest in flight) or round-robin",
+    )
+    routing_log: str | None = setting(
+        None,
+        help="a file the gateway appends each routing decision to, as a JSON line: the engine chosen, and per "
+        "engine the prompt's blocks it holds, those in the KV store, its cost and its load (benchmarks/serve.py "
+        "reads it)",
     )
     prefill_timeout: float = setting(
         30.0,
@@ -161,6 +264,18 @@ class GatewayConfig:
         3,
         help="times one request may move to another engine when its engine goes away mid-stream (it resumes "
         "there with the tokens already sent); past it the client gets UNAVAILABLE. 0: never",
+    )
+
+
+@dataclass
+class GatewayTLSConfig:
+    """The gateway's public port (`llmmesh serve` takes them too). Without --tls-cert it serves the mesh's own
+    gateway certificate (its CA: ca.crt in --tls-dir)."""
+
+    tls_cert: str | None = setting(None, help="the public port's certificate chain (PEM), for the names clients use")
+    tls_key: str | None = setting(None, help="the key of --tls-cert (PEM)")
+    tls_ca: str | None = setting(
+        None, help="require client certificates signed by this CA (PEM) on the public port; unset: none asked for"
     )
 
 
@@ -247,7 +362,15 @@ class ClientConfig:
     """`llmmesh generate` and `llmmesh chat`: the gateway to call and the request's sampling."""
 
     address: str = setting(DEFAULT_ADDRESS, help="the gateway's HOST:PORT")
-    api_key: str | None = setting(None, help="the key the gateway was started with (--api-key)")
+    api_key: str | None = setting(
+        None, help="the gateway's key, given only as LLMMESH_API_KEY (on the command line it is refused)"
+    )
+    tls_ca: str | None = setting(
+        None,
+        help="the CA that signed the gateway's certificate (PEM); unset: the mesh's ca.crt in LLMMESH_TLS_DIR or "
+        "the state directory, which signed the certificate of a gateway without --tls-cert",
+    )
+    insecure_plaintext: bool = setting(False, help="call a gateway that serves plaintext (on loopback)")
     request_model: str = setting("", flag="--model", help="the model to ask for; empty: the served one")
     max_tokens: int = setting(128, help="most tokens to generate")
     temperature: float | None = setting(None, help="default 1.0; 0: greedy")
@@ -270,7 +393,24 @@ class ChatFlags:
 
 
 @dataclass
+class CertsFlags:
+    dir: str | None = setting(None, help="the credentials directory to fill; unset: tls/ in the state directory")
+    host: list[str] | None = setting(
+        None,
+        repeatable=True,
+        help="a further name or IP address of the gateway's public port for its certificate (repeatable)",
+    )
+
+
+@dataclass
 class HealthFlags:
     address: str = setting(positional=True, help="HOST:PORT")
+    identity: str = setting(
+        "engine",
+        help="the service at the address (its certificate must name it), whose certificate in --tls-dir the "
+        "check presents too",
+    )
+    tls_dir: str | None = setting(None, help="the mesh's credentials; unset: tls/ in the state directory")
+    insecure_plaintext: bool = setting(False, help="check in plaintext")
     service: str = setting("", help="a full service name; empty means the whole server")
     timeout: float = setting(2.0, help="seconds to wait for the answer")

@@ -1,7 +1,8 @@
 """`llmmesh serve`: the mesh on one machine (services/local_mesh.py), started, watched and stopped.
 
-serve starts the engine, tokenizer, detokenizer and gateway as separate processes on loopback, waits until the
-gateway reports every service healthy, prints the gateway's address and stops everything on Ctrl-C or SIGTERM.
+serve starts the engine, tokenizer, detokenizer and gateway as separate processes on loopback, with the mesh's
+credentials from --tls-dir (made there on first start: services/certs.py), waits until the gateway reports every
+service healthy, prints the gateway's address and stops everything on Ctrl-C or SIGTERM.
 A service that dies is started again on its port (supervise); one that keeps dying stops the mesh. `llmmesh demo`
 does the same, streams a few generations through it and stops.
 """
@@ -14,15 +15,27 @@ import sys
 import threading
 import time
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from engine.config import EngineArgs
 from engine.config.utils import add_cli_args
 from engine.limits import RequestLimits
+from mesh import tls
 from services import client, config, kvstore_service
 from services.gateway import add_gateway_args
 from services.local_mesh import REDIS, Mesh
 from services.prometheus import scrape_config
-from services.service_process import exit_status
-from services.settings import MAX_ENGINES, DemoConfig, MeshConfig, ServeFlags
+from services.service_process import ServiceProcess, exit_status
+from services.settings import (
+    MAX_ENGINES,
+    DemoConfig,
+    MeshConfig,
+    ServeFlags,
+    WatchdogConfig,
+    check_step_timeouts,
+)
+from services.tenants import refuse_key_on_command_line
 
 # `llmmesh serve` starts a service that died again after RESTART_BACKOFF_S, doubled for each time it was restarted
 # in the last RESTART_WINDOW_S. A service that dies once more after MAX_RESTARTS restarts in that window is in a
@@ -31,14 +44,23 @@ from services.settings import MAX_ENGINES, DemoConfig, MeshConfig, ServeFlags
 RESTART_BACKOFF_S = 0.25
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 300.0
+# serve checks each service's gRPC health every HEALTH_INTERVAL_S, a check failing unless answered within
+# HEALTH_TIMEOUT_S (an engine's event loop answers between the GIL-holding parts of a step).
+HEALTH_INTERVAL_S = 1.0
+HEALTH_TIMEOUT_S = 5.0
 
 
 def serve(args: argparse.Namespace) -> None:
+    refuse_key_on_command_line(args)
     if args.prometheus_config and args.metrics_port is None:
         raise ValueError("--prometheus-config needs --metrics-port (0: each service on a free port of its own)")
     if not 1 <= args.engines <= MAX_ENGINES:
         raise ValueError(f"--engines must be from 1 to {MAX_ENGINES}, got {args.engines}.")
+    if args.insecure_plaintext:
+        tls.check_plaintext_host(args.host)  # before anything starts
+    args.tls_dir = args.tls_dir or tls.default_tls_dir()
     num_engines = disaggregated_engines(args)
+    check_step_timeouts(args.step_timeout, args.step_timeout_exit)
     engine_args = EngineArgs.from_cli_args(args)
     flags = service_flags(args)
     mesh = Mesh(
@@ -53,6 +75,8 @@ def serve(args: argparse.Namespace) -> None:
         env=telemetry_env(args),
         service_args=flags,
         kv_connector_options=migration_kv_options(args, num_engines),
+        tls_dir=args.tls_dir,
+        insecure_plaintext=args.insecure_plaintext,
     )
     stop, started = threading.Event(), threading.Event()
 
@@ -63,6 +87,7 @@ def serve(args: argparse.Namespace) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    health = HealthWatch(mesh, stop)
     began = time.perf_counter()
     store = (", Redis, the kvstore" if mesh.kv_store else "") + (", the sampler" if mesh.sampler else "")
     engines = "the engine" if num_engines == 1 else f"{num_engines} engines"
@@ -81,12 +106,16 @@ def serve(args: argparse.Namespace) -> None:
         if args.prometheus_config:
             write_prometheus_config(mesh, args.prometheus_config)
         print(f"llmmesh gateway listening on {address}", flush=True)
-        print(f'  try: llmmesh generate "The capital of France is" --address {address}', flush=True)
-        crash_loop = supervise(mesh, stop)
+        own_ca = not (args.insecure_plaintext or args.tls_cert)  # the mesh's CA signed the gateway's certificate
+        ca = f" --tls-ca {os.path.join(args.tls_dir, 'ca.crt')}" if own_ca else ""
+        print(f'  try: llmmesh generate "The capital of France is" --address {address}{ca}', flush=True)
+        health.start()
+        crash_loop = supervise(mesh, stop, health=health, unanswered_limit=args.step_timeout_exit)
         if crash_loop:
             say(crash_loop, error=True)
             sys.exit(1)
     finally:
+        stop.set()  # ends the health checks
         say("stopping")
         mesh.stop(args.shutdown_timeout)
         say("stopped")
@@ -112,14 +141,76 @@ def restart_backoff(restarts: list[float], now: float) -> float | None:
     return None if len(recent) >= MAX_RESTARTS else RESTART_BACKOFF_S * 2 ** len(recent)
 
 
-def supervise(mesh: Mesh, stop: threading.Event, poll_s: float = 0.1) -> str | None:
-    """Start every process of the mesh that dies again, on its ports, after restart_backoff, until stop is set.
+class HealthWatch:
+    """Each service's gRPC health, checked from a thread of its own every HEALTH_INTERVAL_S until stop is set. A
+    process that stopped (SIGSTOP) freezes the watchdog inside it too: from outside, it answers nothing. An answer
+    counts whatever its status: NOT_SERVING is the service's own account (a gateway waiting for its engine, an
+    engine draining or stuck, which exits on its own), which no restart would mend."""
+
+    def __init__(self, mesh: Mesh, stop: threading.Event):
+        self.mesh, self.stop = mesh, stop
+        self.answered: dict[str, tuple[ServiceProcess, float]] = {}  # name -> (its process, when it last answered)
+
+    def start(self) -> None:
+        for name in self.mesh.services:
+            threading.Thread(target=self._watch, args=(name,), name=f"{name}-health", daemon=True).start()
+
+    def _watch(self, name: str) -> None:
+        while not self.stop.wait(HEALTH_INTERVAL_S):
+            process = self.mesh.services[name]
+            if not process.listening.is_set() or not process.alive():
+                continue  # starting, or dead: supervise's to handle
+            if self.answered.get(name, (None,))[0] is not process:
+                self.answered[name] = (process, time.monotonic())  # the clock starts when it began to serve
+            if answers_health(process.address, HEALTH_TIMEOUT_S, self.credentials(process.service), process.service):
+                self.answered[name] = (process, time.monotonic())
+
+    def credentials(self, service: str) -> tls.MeshCredentials | None:
+        """A service's own certificate, which its health service answers (None under plaintext)."""
+        return None if self.mesh.insecure_plaintext else tls.MeshCredentials(self.mesh.tls_dir, service)
+
+    def unanswered(self, name: str, now: float) -> float:
+        """Seconds since the service's current process last answered (0 until it began to serve)."""
+        process, when = self.answered.get(name, (None, now))
+        return now - when if process is self.mesh.services[name] else 0.0
+
+
+def answers_health(address: str, timeout: float, credentials: tls.MeshCredentials | None, server: str) -> bool:
+    """Whether the server at address (the identity `server`) answers a health check within timeout, SERVING or
+    not; credentials: what the check presents (None: plaintext)."""
+    with tls.channel(address, server, credentials) as channel:
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return True
+
+
+def supervise(
+    mesh: Mesh,
+    stop: threading.Event,
+    poll_s: float = 0.1,
+    health: HealthWatch | None = None,
+    unanswered_limit: float = 0.0,
+) -> str | None:
+    """Start every process of the mesh that dies again, on its ports, after restart_backoff, until stop is set; kill
+    (SIGKILL) one that has answered none of health's checks for unanswered_limit s (0: never), to start it again.
     Returns why it gave up instead: a process in a crash loop."""
     restarts: dict[str, list[float]] = {}  # name -> when it was started again, in the last RESTART_WINDOW_S
     due: dict[str, float] = {}  # a dead process -> when to start it again
     starting: set[str] = set()  # started again, not serving yet
     while not stop.wait(poll_s):
         now = time.monotonic()
+        if health is not None and unanswered_limit:
+            for name, process in mesh.services.items():
+                silent = health.unanswered(name, now)
+                if silent > unanswered_limit and process.alive():
+                    say(
+                        f"the {name} (pid {process.popen.pid}) has answered no health check for {silent:.0f} s, "
+                        f"past --step-timeout-exit ({unanswered_limit:g} s): killing it",
+                        error=True,
+                    )
+                    process.kill()
         for name in mesh.dead():
             if name in due:
                 continue
@@ -227,20 +318,31 @@ def service_flags(args: argparse.Namespace) -> dict[str, list[str]]:
     """`llmmesh serve`'s flags for each service that takes them, by service. The engine's own (EngineArgs) go to it
     as Mesh's engine_args, --model also to the text services, and tracing and metrics as telemetry_env; the
     gateway alone binds --host and --port, the others listen on loopback."""
-    every = ["--log-level", args.log_level]
+    every = ["--log-level", args.log_level, "--max-concurrent-rpcs", str(args.max_concurrent_rpcs)]
+    every += ["--tls-dir", args.tls_dir] if args.tls_dir else []
+    every += ["--insecure-plaintext"] if args.insecure_plaintext else []
     drain = ["--shutdown-timeout", str(args.shutdown_timeout)]
     limits = as_flags(args, [f.name for f in dataclasses.fields(RequestLimits)])
     store = as_flags(args, ("redis_timeout", "max_blocks_per_request", "max_block_bytes"))
     trust = ["--trust-request-chat-template"] if args.trust_request_chat_template else []
     gateway = ["--host", args.host, "--max-requests-in-flight", str(args.max_requests_in_flight)]
     gateway += ["--prefill-timeout", str(args.prefill_timeout), "--migration-limit", str(args.migration_limit)]
+    gateway += as_flags(args, ("max_image_bytes",))
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
-    if args.api_key:
-        gateway += ["--api-key", args.api_key]
+    # A key stays off the command lines: the gateway inherits LLMMESH_API_KEY from this process.
+    if args.api_keys_file:
+        gateway += ["--api-keys-file", args.api_keys_file]
     if args.routing:
         gateway += ["--routing", args.routing]
-    engine = ["--collect-detailed-traces", args.collect_detailed_traces] if args.collect_detailed_traces else []
+    if args.routing_log:
+        gateway += ["--routing-log", args.routing_log]
+    for flag in ("tls_cert", "tls_key", "tls_ca"):
+        if getattr(args, flag):
+            gateway += ["--" + flag.replace("_", "-"), getattr(args, flag)]
+    engine = as_flags(args, [f.name for f in dataclasses.fields(WatchdogConfig)])
+    if args.collect_detailed_traces:
+        engine += ["--collect-detailed-traces", args.collect_detailed_traces]
     # The sampler samples where the engine runs (its seeded draws follow that device's generator) when the engine's
     # device is named; with "auto" it stays on the CPU, its default.
     device = ["--device", args.device] if args.device != "auto" else []
@@ -275,10 +377,12 @@ def add_subcommands(subparsers) -> None:
         "Run the whole mesh on loopback, one process per service; each flag reaches every service that takes it. "
         f"A service that dies is started again on its port after {RESTART_BACKOFF_S:g} s, doubled for each restart "
         f"of it in the last {RESTART_WINDOW_S:g} s; one that dies after {MAX_RESTARTS} restarts within "
-        f"{RESTART_WINDOW_S:g} s is in a crash loop, and serve stops the mesh and exits with code 1."
+        f"{RESTART_WINDOW_S:g} s is in a crash loop, and serve stops the mesh and exits with code 1. One that answers "
+        "no gRPC health check for --step-timeout-exit s is killed (SIGKILL) and started again."
     )
     add_gateway_args(p)
     add_cli_args(p, ServeFlags, grouped=False)
+    add_cli_args(p, WatchdogConfig)
     EngineArgs.add_cli_args(p)
     config.add_detailed_traces_arg(p)
     add_mesh_args(p)

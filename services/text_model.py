@@ -25,8 +25,8 @@ class TextModel:
     """The model's tokenizer plus the few config facts the text services report."""
 
     def __init__(self, model: str):
-        model_dir = prepare_text_dir(model)
-        config = load_config(model_dir)
+        self.model_dir = model_dir = prepare_text_dir(model)
+        self.config = config = load_config(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.max_model_len = config.max_position_embeddings
         hf = self.tokenizer.hf
@@ -37,7 +37,9 @@ class TextModel:
 
 
 def check_messages(messages, limits: RequestLimits, field: str = "messages") -> list[dict]:
-    """Chat messages as dicts for the template; ValueError naming the bad field."""
+    """Chat messages as dicts for the template; ValueError naming the bad field. A message of content parts has
+    its content as a list of {"type": "text", "text"} and {"type": "image"} parts (what chat templates place an
+    image token for); chat_images has their images."""
     if not messages:
         raise ValueError(f"{field} must hold at least one message")
     limits.check_count(field, len(messages), "max_messages")
@@ -46,13 +48,37 @@ def check_messages(messages, limits: RequestLimits, field: str = "messages") -> 
         if m.role not in CHAT_ROLES:
             got = f"got {m.role[:64]!r}" if m.role else "it is empty"
             raise ValueError(f"{field}[{i}].role must be one of {', '.join(CHAT_ROLES)}; {got}")
-        chars += len(m.content)
+        if m.content and m.content_parts:
+            raise ValueError(f"{field}[{i}]: set content or content_parts, not both")
+        chars += len(m.content) + sum(len(p.text) for p in m.content_parts)
     if chars > limits.max_prompt_chars:
         raise ValueError(
             f"{field}: the messages hold {chars} characters; at most {limits.max_prompt_chars} are allowed "
             f"(--max-prompt-chars={limits.max_prompt_chars})."
         )
-    return [{"role": m.role, "content": m.content} for m in messages]
+    return [{"role": m.role, "content": message_content(m, f"{field}[{i}]")} for i, m in enumerate(messages)]
+
+
+def message_content(message, field: str) -> str | list[dict]:
+    if not message.content_parts:
+        return message.content
+    content = []
+    for j, part in enumerate(message.content_parts):
+        kind = part.WhichOneof("part")
+        if kind is None:
+            raise ValueError(f"{field}.content_parts[{j}]: set text or image")
+        content.append({"type": "text", "text": part.text} if kind == "text" else {"type": "image"})
+    return content
+
+
+def chat_images(messages, field: str = "messages") -> list[tuple[str, object]]:
+    """The messages' images in order, each with its field."""
+    return [
+        (f"{field}[{i}].content_parts[{j}].image", part.image)
+        for i, m in enumerate(messages)
+        for j, part in enumerate(m.content_parts)
+        if part.WhichOneof("part") == "image"
+    ]
 
 
 def check_token_ids_in_vocab(token_ids, vocab_size: int, field: str = "token_ids", max_len: int | None = None) -> None:

@@ -1,5 +1,7 @@
 """llmmesh.v1.Tokenizer: text and chat messages -> token ids and back, over engine.text.Tokenizer."""
 
+import asyncio
+
 import grpc
 from google.protobuf import json_format
 
@@ -8,9 +10,10 @@ from engine.limits import RequestLimits
 from engine.processor import truncate_prompt
 from llmmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services import config
-from services.settings import ChatTemplateConfig
+from services.settings import ChatTemplateConfig, MediaConfig
 from services.text_model import (
     TextModel,
+    chat_images,
     check_messages,
     check_token_ids_in_vocab,
     serve_text_service,
@@ -40,10 +43,25 @@ def chat_template_kwargs(chat: tokenizer_pb2.ChatInput, field: str) -> dict:
 
 
 class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
-    def __init__(self, limits: RequestLimits, trust_request_chat_template: bool = False):
+    def __init__(
+        self,
+        limits: RequestLimits,
+        trust_request_chat_template: bool = False,
+        media: MediaConfig | None = None,
+    ):
         self.model: TextModel | None = None  # set once loaded; until then every call answers UNAVAILABLE
         self.limits = limits
         self.trust_request_chat_template = trust_request_chat_template
+        self.media = media or MediaConfig()
+        self._vision = None  # services.vision.VisionPreprocessor, on the first prompt with images
+
+    def vision(self):
+        """A vision-language model's processor (which loads torch: a text model's tokenizer never does)."""
+        if self._vision is None:
+            from services.vision import VisionPreprocessor
+
+            self._vision = VisionPreprocessor(self.model.model_dir, self.model.config, self.media)
+        return self._vision
 
     def tokenize(self, request: tokenizer_pb2.TokenizeRequest, field: str = "") -> tokenizer_pb2.TokenizeResponse:
         """One request; ValueError naming the field (prefixed with `field`, e.g. requests[2].) on bad input."""
@@ -53,6 +71,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
             prompt = request.text
             self.limits.check_chars(f"{field}text", prompt, "max_prompt_chars")
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            images = [(f"{field}images[{i}]", image) for i, image in enumerate(request.images)]
         elif kind == "chat":
             chat = request.chat
             messages = check_messages(chat.messages, self.limits, f"{field}chat.messages")
@@ -69,8 +88,19 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
                 raise ValueError(f"{field}chat: cannot apply the chat template: {e}") from None
             # The template already holds the special tokens.
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else False
+            if request.images:
+                raise ValueError(f"{field}images: a chat's images go in its messages' content_parts")
+            images = chat_images(chat.messages, f"{field}chat.messages")
         else:
             raise ValueError(f"{field}input must be set: give text or chat")
+        if images:
+            if request.HasField("truncate_prompt_tokens"):
+                raise ValueError(
+                    f"{field}truncate_prompt_tokens cannot be used with images: it would cut their placeholders"
+                )
+            # As the offline LLM: the processor tokenizes the prompt and expands each image's placeholder.
+            token_ids, mm_inputs = self.vision()(prompt, images, f"{field}images" if kind == "text" else f"{field}chat")
+            return tokenizer_pb2.TokenizeResponse(token_ids=token_ids, prompt=prompt, mm_inputs=mm_inputs)
         token_ids = tok.encode(prompt, add_special_tokens=add_special)
         if request.HasField("truncate_prompt_tokens"):
             keep = request.truncate_prompt_tokens
@@ -89,6 +119,9 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     async def Tokenize(self, request, context):
         await self._ready(context)
         try:
+            if request.images or any(m.content_parts for m in request.chat.messages):
+                # Decoding and preprocessing images takes a while: not on the event loop.
+                return await asyncio.to_thread(self.tokenize, request)
             return self.tokenize(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -97,7 +130,11 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         await self._ready(context)
         try:
             self.limits.check_count("requests", len(request.requests), "max_batch")
-            responses = [self.tokenize(r, f"requests[{i}].") for i, r in enumerate(request.requests)]
+            # On a worker thread: a batch of long prompts would hold the event loop, and every other call, for
+            # as long as it takes.
+            responses = await asyncio.to_thread(
+                lambda: [self.tokenize(r, f"requests[{i}].") for i, r in enumerate(request.requests)]
+            )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return tokenizer_pb2.TokenizeBatchResponse(responses=responses)
@@ -133,9 +170,11 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
 def add_subcommands(subparsers) -> None:
     parser = text_service_parser(subparsers, "tokenizer", "serve llmmesh.v1.Tokenizer (text and chat -> token ids)")
     add_cli_args(parser, ChatTemplateConfig)
+    add_cli_args(parser, MediaConfig)
 
     def run(args):
-        service = TokenizerService(config.limits_from_args(args), args.trust_request_chat_template)
+        media = config.config_from(MediaConfig, args)
+        service = TokenizerService(config.limits_from_args(args), args.trust_request_chat_template, media)
         config.run(
             serve_text_service(
                 "tokenizer", SERVICE_NAME, tokenizer_pb2_grpc.add_TokenizerServicer_to_server, service, args

@@ -134,8 +134,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         engine = self.owner.engine
         if engine is None:
             return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="loading the model")
-        if engine.dead is not None:
-            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=engine.dead)
+        if engine.dead is not None or self.owner.stuck is not None:
+            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=engine.dead or self.owner.stuck)
         if self.lora_name and self.lora_name not in engine.info.lora_adapters:
             return vllm_engine_pb2.HealthCheckResponse(
                 healthy=False, message=f"LoRA adapter {self.lora_name!r} is not loaded"

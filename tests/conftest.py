@@ -24,6 +24,9 @@ _defaults = EngineArgs.__init__.__defaults__
 _names = [f.name for f in dataclasses.fields(EngineArgs)][-len(_defaults) :]
 EngineArgs.__init__.__defaults__ = tuple("float32" if n == "dtype" else d for n, d in zip(_names, _defaults))
 os.environ.setdefault("LLMMESH_DTYPE", "float32")
+# One KV block key for every engine the tests start, in process or not, as `llmmesh serve` gives its engines one:
+# engines that share a KV store load each other's blocks.
+os.environ.setdefault("LLMMESH_KV_BLOCK_KEY", os.urandom(32).hex())
 
 # One float32 KV block of SmolLM2: K and V x 30 layers x 16 tokens x 3 KV heads x 64 dims x 4 bytes.
 SMOLLM2_BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4
@@ -39,6 +42,85 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mesh_credentials(tmp_path_factory):
+    """The suite's mesh credentials (services/certs.py), made once: every service a test starts, in this process or
+    as a child, serves mutual TLS with them (LLMMESH_TLS_DIR), as `llmmesh serve` does by default."""
+    from services.certs import make_credentials
+
+    path = tmp_path_factory.mktemp("mesh-tls")
+    make_credentials(path)
+    os.environ["LLMMESH_TLS_DIR"] = str(path)
+    return path
+
+
+def mesh_credentials_of(identity: str):
+    from mesh import tls
+
+    return tls.MeshCredentials(os.environ["LLMMESH_TLS_DIR"], identity)
+
+
+def server_identity(address: str, timeout: float = 10.0) -> str:
+    """The mesh identity in the certificate of the server at address (a TLS handshake of its own): a test's channel
+    names the service it reaches, as the mesh's own channels do, without each test saying which one it is."""
+    import socket
+    import ssl
+
+    from mesh import tls
+
+    credentials = mesh_credentials_of("gateway")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False  # what is read here is the name itself; the CA is still checked
+    context.load_verify_locations(cadata=credentials.ca().decode())
+    directory = credentials.tls_dir
+    context.load_cert_chain(os.path.join(directory, "gateway.crt"), os.path.join(directory, "gateway.key"))
+    context.set_alpn_protocols(["h2"])
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host.strip("[]"), int(port)), timeout) as sock:
+        with context.wrap_socket(sock) as secure:
+            names = [value for kind, value in secure.getpeercert().get("subjectAltName", ()) if kind == "DNS"]
+    identity = tls.peer_identity({"x509_subject_alternative_name": names})
+    assert identity is not None, f"the server at {address} has no mesh identity: {names}"
+    return identity
+
+
+def caller(server: str) -> str:
+    """An identity that may call the service `server` (the gateway's public port takes any)."""
+    from mesh import tls
+
+    main = {"engine": "Engine", "tokenizer": "Tokenizer", "detokenizer": "Detokenizer", "kvstore": "KVStore"}
+    main["sampler"] = "Sampler"
+    return tls.CALLERS[f"llmmesh.v1.{main[server]}"][0] if server in main else "gateway"
+
+
+def mesh_channel(address: str, identity: str | None = None, options=(), server: str | None = None):
+    """A blocking channel to the service at address (`server`, default: the identity its certificate names) with the
+    suite's certificate of `identity` (default: the first that mesh/tls.py lets call it: the gateway for an engine);
+    options: channel options over the mesh's own."""
+    from mesh import tls
+
+    server = server or server_identity(address)
+    credentials = mesh_credentials_of(identity or caller(server))
+    return grpc.secure_channel(
+        address,
+        credentials.channel_credentials(),
+        options=list({**dict(tls.channel_options(server)), **dict(options)}.items()),
+    )
+
+
+def aio_mesh_channel(address: str, identity: str | None = None, options=(), server: str | None = None):
+    """mesh_channel for asyncio."""
+    from mesh import tls
+
+    server = server or server_identity(address)
+    credentials = mesh_credentials_of(identity or caller(server))
+    return grpc.aio.secure_channel(
+        address,
+        credentials.channel_credentials(),
+        options=list({**dict(tls.channel_options(server)), **dict(options)}.items()),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -238,6 +320,14 @@ class InProcessService:
     def port(self) -> int:
         return int(self.address.rsplit(":", 1)[1])
 
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        """Wait for the service to end on its own (an engine whose core died); the code its process would exit with."""
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"the in-process {self.service} did not end within {timeout:.0f} s"
+        error, self.error = self.error, None
+        assert isinstance(error, SystemExit), f"the in-process {self.service} ended with {error!r}"
+        return error.code
+
     def stop(self, timeout: float = 60.0) -> None:
         if self.thread.is_alive():
             self.loop.call_soon_threadsafe(self.server.stop_requested.set)
@@ -283,10 +373,21 @@ def freeze(pid: int) -> None:
     wait_until(stopped, interval=0.001)
 
 
-def wait_for_health(address: str, status=SERVING, timeout: float = 60.0, service: str = "") -> None:
-    """Block until the server at address reports `status` for `service` ("" = the whole server): a
+def wait_for_health(
+    address: str, status=SERVING, timeout: float = 60.0, service: str = "", server: str | None = None
+) -> None:
+    """Block until the server at address (the identity `server`, default: the one it names once it listens) reports
+    `status` for `service` ("" = the whole server): a
     Health.Watch stream, which also waits for a server that is not listening yet. Fails after timeout."""
-    with grpc.insecure_channel(address) as channel:
+    deadline = time.monotonic() + timeout
+    while server is None:
+        try:
+            server = server_identity(address)
+        except OSError:  # not listening yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    with mesh_channel(address, server=server) as channel:
         watch = health_pb2_grpc.HealthStub(channel).Watch(
             health_pb2.HealthCheckRequest(service=service), timeout=timeout, wait_for_ready=True
         )

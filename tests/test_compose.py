@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mesh.kvstore.block_tag import KEY_ENV, KEY_FILE, block_key_from_env
 from mesh.kvstore.connector import DEFAULTS
+from mesh.tls import TLS_DIR_ENV
 from services import config
 from services.cli import build_parser
 
@@ -56,7 +58,52 @@ def test_commands_parse_with_our_cli(compose):
         args = parser.parse_args(command[1:])  # argparse exits (a test failure) on an unknown flag
         seen.add(args.command)
         assert callable(args.func), name
-    assert seen == {"engine", "tokenizer", "detokenizer", "gateway", "kvstore", "sampler", "health"}
+    assert seen == {"engine", "tokenizer", "detokenizer", "gateway", "kvstore", "sampler", "health", "certs"}
+
+
+def test_every_service_serves_mutual_tls_from_the_certs_volume_and_redis_has_a_user(compose):
+    """The one-shot certs step fills the tls volume; every llmmesh service reads it (LLMMESH_TLS_DIR) after that step,
+    its health check names it, the kvstore reads Redis's password from a file, and Redis loads the ACL."""
+    services = compose["services"]
+    assert services["certs"]["command"][:4] == ["llmmesh", "certs", "--dir", "/tls"]
+    assert "tls:/tls" in services["certs"]["volumes"]
+    parser = build_parser()
+    for name in ("engine", "tokenizer", "detokenizer", "gateway", "kvstore", "sampler", "redis"):
+        assert "tls:/tls:ro" in services[name]["volumes"], name
+        assert services[name]["depends_on"]["certs"] == {"condition": "service_completed_successfully"}, name
+        if name != "redis":
+            assert services[name]["environment"]["LLMMESH_TLS_DIR"] == "/tls", name
+            assert "--insecure-plaintext" not in services[name]["command"], name
+            health = parser.parse_args(services[name]["healthcheck"]["test"][2:])
+            assert health.identity == name, name
+    kvstore = parser.parse_args(services["kvstore"]["command"][1:])
+    assert kvstore.redis_password_file == "/tls/redis.password" and "llmmesh@redis" in kvstore.redis_url
+    assert services["redis"]["command"][-2:] == ["--aclfile", "/tls/redis.acl"]
+    # Only the gateway is published beyond the host's loopback.
+    published = {name: s["ports"] for name, s in services.items() if "ports" in s}
+    assert published.pop("gateway") == ["8000:8000"]
+    assert all(port.startswith("127.0.0.1:") for ports in published.values() for port in ports), published
+
+
+def test_the_engines_kv_block_key_comes_from_the_certs_volume(compose, tmp_path, monkeypatch):
+    """The certs step writes kv-block.key into the tls volume; the engine, which reads that volume as its credentials
+    directory and is given no LLMMESH_KV_BLOCK_KEY, tags and checks its KV blocks with that key: the same for every
+    engine of the store, and after a restart. Without it each start would make a key of its own."""
+    services = compose["services"]
+    certs = build_parser().parse_args(services["certs"]["command"][1:])
+    engine = services["engine"]
+    assert KEY_ENV not in engine["environment"]
+    assert engine["environment"][TLS_DIR_ENV] == certs.dir and f"tls:{certs.dir}:ro" in engine["volumes"]
+    certs.dir = str(tmp_path / "tls")  # the volume
+    certs.func(certs)
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    monkeypatch.setenv(TLS_DIR_ENV, certs.dir)
+    key = block_key_from_env()
+    assert key == bytes.fromhex((tmp_path / "tls" / KEY_FILE).read_text()) and len(key) == 32
+    assert block_key_from_env() == key
+    assert (tmp_path / "tls" / KEY_FILE).stat().st_mode & 0o077 == 0
+    monkeypatch.setenv(TLS_DIR_ENV, str(tmp_path / "empty"))
+    assert block_key_from_env() != block_key_from_env()
 
 
 def test_gateway_points_at_the_other_services(compose):
@@ -85,7 +132,7 @@ def test_the_engine_uses_the_kvstore_and_the_kvstore_its_redis(compose):
     assert transfer["kv_connector"] == "KVStoreConnector" and transfer["kv_role"] == "kv_both"
     kvstore_port = flag_value(services["kvstore"]["command"], "--port")
     assert transfer["kv_connector_extra_config"]["kvstore_address"] == f"kvstore:{kvstore_port}"
-    assert flag_value(services["kvstore"]["command"], "--redis-url") == "redis://redis:6379/0"
+    assert flag_value(services["kvstore"]["command"], "--redis-url") == "redis://llmmesh@redis:6379/0"
     redis = [substitute_defaults(str(part)) for part in services["redis"]["command"]]
     assert flag_value(redis, "--maxmemory-policy") == "allkeys-lru"
     assert flag_value(redis, "--save") == "" and flag_value(redis, "--appendonly") == "no"
@@ -157,7 +204,7 @@ def test_every_service_is_traced_to_jaeger_and_scraped_by_prometheus(compose):
     services = compose["services"]
     scrape = yaml.safe_load((ROOT / "docs/observability/prometheus.yml").read_text())
     targets = {t for job in scrape["scrape_configs"] for group in job["static_configs"] for t in group["targets"]}
-    ours = [name for name, service in services.items() if service.get("build") == "."]
+    ours = [name for name, service in services.items() if service.get("build") == "." and name != "certs"]
     for name in ours:
         environment = {k: substitute_defaults(str(v)) for k, v in services[name]["environment"].items()}
         assert environment["LLMMESH_OTLP_TRACES_ENDPOINT"] == "jaeger:4317", name

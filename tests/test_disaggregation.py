@@ -12,11 +12,12 @@ import pytest
 import redis
 from test_serve import SERVING_LINE, Serve
 
-from conftest import InProcessService
+from conftest import InProcessService, mesh_channel
 from engine.config import EngineArgs
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
 from random_model import save_random_smollm2_shaped
 from services import client
+from services.certs import redis_password
 from services.cli import build_parser
 from services.local_mesh import Mesh, kv_transfer_config
 from services.routing import Router
@@ -42,7 +43,7 @@ def tiny_model(tmp_path_factory):
 def single(tiny_model):
     """One engine alone, no KV store: the outputs to match."""
     flags = ["--model", str(tiny_model), "--kv-cache-memory", "16MiB", "--no-enable-prefix-caching"]
-    with InProcessService("engine", flags) as engine, grpc.insecure_channel(engine.address) as channel:
+    with InProcessService("engine", flags) as engine, mesh_channel(engine.address) as channel:
         yield engine_pb2_grpc.EngineStub(channel)
 
 
@@ -83,7 +84,7 @@ def prefill(mesh, tokens: list[int]) -> engine_pb2.EngineGenerateResponse:
         sampling_params=client.sampling_params(max_tokens=1),
         kv_transfer_params='{"do_remote_decode":true}',
     )
-    with grpc.insecure_channel(mesh.services["prefill"].address) as channel:
+    with mesh_channel(mesh.services["prefill"].address) as channel:
         return list(engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=60))[-1]
 
 
@@ -96,7 +97,7 @@ def decode(
     request = engine_pb2.EngineGenerateRequest(
         prompt_token_ids=tokens, sampling_params=params, kv_transfer_params=kv_transfer_params
     )
-    with grpc.insecure_channel(mesh.services["engine"].address) as channel:
+    with mesh_channel(mesh.services["engine"].address) as channel:
         messages = list(engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=60))
     return [t for msg in messages for c in msg.outputs for t in c.token_ids], messages[-1].usage.cached_tokens
 
@@ -137,11 +138,11 @@ def test_do_remote_prefill_loads_whatever_the_load_policy(mesh, single, tiny_mod
 
 def block_keys(mesh, tokens: list[int]) -> tuple[redis.Redis, list[bytes]]:
     """The kvstore's Redis and the keys of the prompt's full blocks there, in order (None where absent)."""
-    with grpc.insecure_channel(mesh.services["engine"].address) as channel:
+    with mesh_channel(mesh.services["engine"].address) as channel:
         info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=30)
     router = Router(["engine"])
     router.set_model_info(info)
-    store = redis.Redis.from_url(mesh.redis.url)
+    store = redis.Redis.from_url(mesh.redis.url, password=redis_password(mesh.tls_dir))  # its ACL user's
     return store, [next(iter(store.keys(f"kv:*:{h.hex()}")), None) for h in router.block_hashes(tokens, "")]
 
 
@@ -233,7 +234,7 @@ def test_kv_transfer_params_name_the_field_at_fault(mesh):
         '{"remote_engine_id":"x"}': "allowed: do_remote_decode, do_remote_prefill",
         '{"do_remote_prefill":true}': "do_remote_prefill needs an engine with kv_role kv_consumer or kv_both",
     }
-    with grpc.insecure_channel(mesh.services["prefill"].address) as channel:
+    with mesh_channel(mesh.services["prefill"].address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         for text, message in cases.items():
             request = engine_pb2.EngineGenerateRequest(

@@ -29,7 +29,8 @@ from services.local_mesh import Mesh
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 DOC_ADDRESS = f"127.0.0.1:{config.DEFAULT_PORTS['gateway']}"  # where the examples call the gateway
-API_KEY = "KEY"  # the key docs/api.md's --api-key example sends
+API_KEY = "KEY"  # the key docs/api.md's LLMMESH_API_KEY example sends
+DOC_CA = "~/.local/state/llmmesh/tls/ca.crt"  # the CA the grpcurl examples trust (-cacert): `llmmesh serve`'s default
 
 
 def subcommands():
@@ -245,13 +246,18 @@ def grpcurl_binary() -> str | None:
 
 
 def emulate_grpcurl(argv: list[str]) -> tuple[int, str]:
-    """What `grpcurl -plaintext [-H h] [-max-time t] [-d json] ADDRESS METHOD` does, from the method's descriptor in
-    the generated protos: the JSON parsed into its request message (an unknown field fails, as in grpcurl), the call
-    made, the responses printed as JSON, an error as grpcurl prints it."""
-    args, metadata, timeout, body = list(argv[1:]), [], None, "{}"
+    """What `grpcurl [-plaintext | -cacert ca] [-H h] [-max-time t] [-d json] ADDRESS METHOD` does, from the method's
+    descriptor in the generated protos: the JSON parsed into its request message (an unknown field fails, as in
+    grpcurl), the call made over TLS (the server's certificate checked against ca) or plaintext, the responses printed
+    as JSON, an error as grpcurl prints it."""
+    args, metadata, timeout, body, plaintext, ca = list(argv[1:]), [], None, "{}", False, None
     while args[0].startswith("-"):
         flag = args.pop(0)
-        if flag == "-H":
+        if flag == "-plaintext":
+            plaintext = True
+        elif flag == "-cacert":
+            ca = Path(args.pop(0)).read_bytes()
+        elif flag == "-H":
             metadata.append(tuple(part.strip() for part in args.pop(0).split(":", 1)))
         elif flag == "-max-time":
             timeout = float(args.pop(0))
@@ -265,7 +271,8 @@ def emulate_grpcurl(argv: list[str]) -> tuple[int, str]:
     request_class = message_factory.GetMessageClass(descriptor.input_type)
     response_class = message_factory.GetMessageClass(descriptor.output_type)
     request = json_format.Parse(body, request_class())
-    with grpc.insecure_channel(address) as channel:
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca)
+    with grpc.insecure_channel(address) if plaintext else grpc.secure_channel(address, credentials) as channel:
         kind = channel.unary_stream if descriptor.server_streaming else channel.unary_unary
         call = kind(
             f"/{method}",
@@ -284,7 +291,9 @@ def emulate_grpcurl(argv: list[str]) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def mesh():
     with Mesh(EngineArgs(kv_cache_memory="1GiB")) as mesh:
-        gateway_with_key = mesh.start_gateway(["--api-key", API_KEY])
+        with pytest.MonkeyPatch.context() as patch:  # a key travels in the environment, never on a command line
+            patch.setenv("LLMMESH_API_KEY", API_KEY)
+            gateway_with_key = mesh.start_gateway([])
         try:
             yield mesh, gateway_with_key.address
         finally:
@@ -344,7 +353,8 @@ def test_readme_and_api_examples_against_a_mesh(mesh, tmp_path):
             continue
         elif argv[0] == "grpcurl":
             address = keyed_address if f"Bearer {API_KEY}" in line else mesh.address
-            argv = [address if a == DOC_ADDRESS else a for a in argv]
+            ca = os.path.join(mesh.tls_dir, "ca.crt")
+            argv = [address if a == DOC_ADDRESS else ca if a == DOC_CA else a for a in argv]
             if grpcurl:
                 done = subprocess.run([grpcurl, *argv[1:]], capture_output=True, text=True, timeout=60, check=False)
                 code, out = done.returncode, done.stdout + done.stderr
@@ -380,3 +390,9 @@ def check_output(line: str, shown: list[str], code: int, out: str, exact_errors:
     printed = [without_volatile(obj) for obj in json_objects(out)]
     for expected in json_objects(shown_text.replace("…", "")):
         assert without_volatile(expected) in printed, (line, expected, printed)
+
+
+def test_security_doc_holds_the_table_of_callers_the_servers_enforce():
+    from mesh.tls import callers_table
+
+    assert callers_table() in (ROOT / "docs" / "security.md").read_text()

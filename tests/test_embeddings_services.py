@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 from test_embeddings import ATOL, hf_hidden_states, save_base_model
-from test_interop import SmgRouter, smg_missing
+from test_interop import SmgRouter, free_port, smg_missing
 
-from conftest import InProcessService
+from conftest import InProcessService, mesh_channel
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from random_model import save_word_level_tokenizer
 from test_models import COMMON
@@ -31,10 +31,15 @@ class EmbeddingMesh:
     def __init__(self, stack: contextlib.ExitStack, model_dir, generative_dir):
         def start(name: str, service: str, flags) -> None:
             self.services[name] = stack.enter_context(InProcessService(service, [*flags, "--shutdown-timeout", "5"]))
-            self.channels[name] = stack.enter_context(grpc.insecure_channel(self.services[name].address))
+            self.channels[name] = stack.enter_context(mesh_channel(self.services[name].address))
+            if service == "engine":  # vLLM's protocol is the router's to call (mesh/tls.py)
+                self.router_channels[name] = stack.enter_context(mesh_channel(self.services[name].address, "router"))
 
-        self.services, self.channels = {}, {}
-        start("engine", "engine", ["--model", model_dir, *FLAGS])
+        self.services, self.channels, self.router_channels = {}, {}, {}
+        # smg reaches workers in plaintext only: the embedding engine's VllmEngine also on a loopback port for it
+        self.vllm_plaintext_address = f"127.0.0.1:{free_port()}"
+        plain = ["--vllm-plaintext-port", self.vllm_plaintext_address.rsplit(":", 1)[1]]
+        start("engine", "engine", ["--model", model_dir, *FLAGS, *plain])
         start("generative", "engine", ["--model", generative_dir, *FLAGS])
         for name in ("tokenizer", "detokenizer"):
             start(name, name, ["--model", model_dir])
@@ -49,7 +54,7 @@ class EmbeddingMesh:
         return engine_pb2_grpc.EngineStub(self.channels[name])
 
     def vllm(self, name: str = "engine") -> vllm_engine_pb2_grpc.VllmEngineStub:
-        return vllm_engine_pb2_grpc.VllmEngineStub(self.channels[name])
+        return vllm_engine_pb2_grpc.VllmEngineStub(self.router_channels[name])
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +203,7 @@ def test_openai_client_embeddings_through_smg(mesh, model, tmp_path):
     import openai
 
     path, hf = model
-    router = SmgRouter([mesh.services["engine"].address], path, tmp_path / "smg.log")
+    router = SmgRouter([mesh.vllm_plaintext_address], path, tmp_path / "smg.log")
     try:
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="none", timeout=60, max_retries=0)
         model_id = wait_for_embeddings(router, client)

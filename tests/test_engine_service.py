@@ -13,7 +13,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from conftest import NOT_SERVING, SERVING, InProcessService, assert_no_leaks, undecodable
+from conftest import (
+    NOT_SERVING,
+    SERVING,
+    InProcessService,
+    aio_mesh_channel,
+    assert_no_leaks,
+    mesh_channel,
+    undecodable,
+)
 from engine import LLM, SamplingParams
 from engine.async_llm import AsyncLLM, EngineRequestError
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -35,7 +43,7 @@ def llm():
 
 @pytest.fixture(scope="module")
 def stub(engine_address):
-    with grpc.insecure_channel(engine_address) as channel:
+    with mesh_channel(engine_address) as channel:
         yield engine_pb2_grpc.EngineStub(channel)
 
 
@@ -107,7 +115,7 @@ def collect(responses) -> Generation:
 
 
 async def generate_async(address: str, prompt: list[int], params, request_id: str = "", timeout=None) -> Generation:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with aio_mesh_channel(address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         request = engine_pb2.EngineGenerateRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling_params=params
@@ -136,7 +144,7 @@ def wait_idle(stub, idle_usage: float, within: float = FREED_WITHIN_S) -> None:
 
 
 def test_health_serving_and_reflection(engine_address):
-    with grpc.insecure_channel(engine_address) as channel:
+    with mesh_channel(engine_address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "llmmesh.v1.Engine"):
             status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
@@ -406,7 +414,7 @@ def test_bad_input_is_invalid_argument_while_another_stream_runs(stub, llm):
 
 def test_undecodable_request_is_invalid_argument_and_the_server_goes_on(engine_address, stub, llm):
     data = undecodable(engine_pb2.EngineGenerateRequest)
-    with grpc.insecure_channel(engine_address) as channel:
+    with mesh_channel(engine_address) as channel:
         generate = channel.unary_stream(
             "/llmmesh.v1.Engine/Generate", request_serializer=None, response_deserializer=None
         )
@@ -436,13 +444,10 @@ def test_not_serving_while_loading_then_sigterm_drains(llm):
     proc = ServiceProcess("engine", ["--port", str(port), "--kv-cache-memory", KV_CACHE_MEMORY])
     try:
         # Retried every 100 ms while the process starts: gRPC's default reconnect backoff grows to seconds, and the
-        # watch could then first connect after the model had loaded.
-        fast_retry = [
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 100),
-        ]
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=fast_retry) as channel:
+        # watch could then first connect after the model had loaded. (Not min_reconnect_backoff_ms: gRPC takes it for
+        # the time a connection attempt gets, which a TLS handshake with a loading process can need more of.)
+        fast_retry = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 100)]
+        with mesh_channel(f"127.0.0.1:{port}", options=fast_retry, server="engine") as channel:
             stub = engine_pb2_grpc.EngineStub(channel)
             # Health.Watch waits for the server to listen, then sends every change of its status.
             watch = health_pb2_grpc.HealthStub(channel).Watch(

@@ -135,7 +135,7 @@ def smg(served, tmp_path_factory):
     reason = smg_missing()
     if reason:
         pytest.skip(reason)
-    engine = served["mesh"].services["engine"].address
+    engine = served["mesh"].vllm_addresses["engine"]  # smg reaches workers in plaintext only: its loopback port
     # Nothing is in flight when it stops: no grace period to wait out.
     router = SmgRouter([engine], served["path"], tmp_path_factory.mktemp("smg") / "smg.log", GRACE)
     try:

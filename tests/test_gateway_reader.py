@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2_grpc
 
-from conftest import SERVING, InProcessService, undecodable, wait_for_health
+from conftest import SERVING, InProcessService, mesh_credentials_of, undecodable, wait_for_health
 from llmmesh.v1 import common_pb2, engine_pb2
 from services.client import collect, generate
 
@@ -65,7 +65,8 @@ def engine():
     server = grpc.server(futures.ThreadPoolExecutor(8))
     server.add_generic_rpc_handlers([scripted.handler()])
     health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)  # "" is SERVING
-    port = server.add_insecure_port("127.0.0.1:0")
+    # An engine of the mesh: the gateway reaches it over mutual TLS.
+    port = server.add_secure_port("127.0.0.1:0", mesh_credentials_of("engine").server_credentials())
     server.start()
     scripted.address = f"127.0.0.1:{port}"
     yield scripted

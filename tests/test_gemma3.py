@@ -9,7 +9,6 @@ from test_gemma2 import ENGINE_PATH_CHECKS, LORA_TARGETS, TINY, arch_config, che
 
 from engine.models.config import ModelArchConfig, ModelLoadError
 from engine.models.layers import get_rope
-from engine.models.registry import ModelRegistry
 
 
 def gemma3_config(**extra):
@@ -133,13 +132,3 @@ def test_gemma3_sliding_layers_rope_is_their_own():
 def test_gemma3_unimplemented_values_are_refused(changes, shown):
     with pytest.raises(ModelLoadError, match=shown):
         arch_config(gemma3_config(), "Gemma3ForCausalLM", **changes)
-
-
-def test_gemma3_with_vision_is_refused_by_name():
-    import transformers
-
-    assert not ModelRegistry.is_supported("Gemma3ForConditionalGeneration")
-    d = transformers.Gemma3Config(text_config=gemma3_config().to_dict()).to_dict()
-    for config in ({**d, "architectures": ["Gemma3ForConditionalGeneration"]}, d):  # named, or by model_type only
-        with pytest.raises(ModelLoadError, match="Gemma3ForConditionalGeneration"):
-            ModelArchConfig.from_hf_config(config)

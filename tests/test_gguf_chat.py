@@ -7,7 +7,7 @@ import grpc
 import pytest
 from test_gguf_families import FAMILIES, served_gguf
 
-from conftest import InProcessService
+from conftest import InProcessService, mesh_channel
 from llmmesh.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 CHAT = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "Hello"},
@@ -34,7 +34,7 @@ def _invalid(call, request) -> str:
 def test_family_chat_template_through_the_tokenizer_service(tmp_path, monkeypatch, family):
     path, _, ref_tok = served_gguf(tmp_path, monkeypatch, family)
 
-    with InProcessService("tokenizer", ["--model", path]) as service, grpc.insecure_channel(service.address) as ch:
+    with InProcessService("tokenizer", ["--model", path]) as service, mesh_channel(service.address) as ch:
         stub = tokenizer_pb2_grpc.TokenizerStub(ch)
         reply = stub.Tokenize(_chat(CHAT))
         prompt = ref_tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
@@ -51,7 +51,7 @@ def test_chat_template_kwargs_reach_the_template():
     """Qwen3's template with enable_thinking off closes an empty think block; on, or unset, it leaves it open."""
     with (
         InProcessService("tokenizer", ["--trust-request-chat-template"]) as service,
-        grpc.insecure_channel(service.address) as channel,
+        mesh_channel(service.address) as channel,
     ):
         stub = tokenizer_pb2_grpc.TokenizerStub(channel)
         template = chat_templates.QWEN3

@@ -24,6 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from conftest import mesh_channel
 from engine.config import EngineArgs
 from hostile_cases import (
     ALLOWED_CODES,
@@ -96,11 +97,13 @@ class Ctx:
     def __init__(self, mesh):
         self.mesh = mesh
         self.addresses = {name: mesh.services[name].address for name in SERVICES}
-        self.channels = {name: grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for name, a in self.addresses.items()}
+        self.channels = {name: mesh_channel(a, options=CHANNEL_OPTIONS) for name, a in self.addresses.items()}
+        # vLLM's protocol is the router's to call (mesh/tls.py)
+        self.channels["router"] = mesh_channel(self.addresses["engine"], "router", options=CHANNEL_OPTIONS)
         self.stubs = {
             "gateway": gateway_pb2_grpc.GatewayStub(self.channels["gateway"]),
             "engine": engine_pb2_grpc.EngineStub(self.channels["engine"]),
-            "vllm": vllm_engine_pb2_grpc.VllmEngineStub(self.channels["engine"]),
+            "vllm": vllm_engine_pb2_grpc.VllmEngineStub(self.channels["router"]),
             "tokenizer": tokenizer_pb2_grpc.TokenizerStub(self.channels["tokenizer"]),
             "detokenizer": detokenizer_pb2_grpc.DetokenizerStub(self.channels["detokenizer"]),
         }
@@ -123,8 +126,10 @@ class Ctx:
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    m = Mesh(EngineArgs(kv_cache_memory="256MiB", enable_lora=True))  # the adapter RPCs past their first check
+def mesh(tmp_path_factory):
+    # The adapter RPCs past their first checks: LoRA on, and loads at run time from under an empty root.
+    lora = dict(enable_lora=True, allow_runtime_lora_updating=True, lora_root=str(tmp_path_factory.mktemp("lora")))
+    m = Mesh(EngineArgs(kv_cache_memory="256MiB", **lora))
     m.start()
     try:
         yield m
@@ -286,7 +291,7 @@ def assert_mesh_healthy(ctx: Ctx, after: str) -> None:
     dead = dead_services(ctx)
     assert not dead, f"after {after}: dead services: {', '.join(dead)}"
     for name in SERVICES:
-        with grpc.insecure_channel(ctx.addresses[name]) as ch:
+        with mesh_channel(ctx.addresses[name]) as ch:
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
         assert status == health_pb2.HealthCheckResponse.SERVING, f"after {after}: the {name} reports {status}"
     wait_idle(ctx)
@@ -520,7 +525,9 @@ def test_garbage_bytes(ctx):
 
     def raw_call(item):
         name, path, kind, data, expect = item
-        method = getattr(ctx.channels[name], kind)(path, request_serializer=None, response_deserializer=None)
+        # vLLM's protocol is the router's to call (mesh/tls.py): its methods go over the router's channel.
+        channel = ctx.channels["router" if path.startswith("/vllm.grpc.engine.VllmEngine/") else name]
+        method = getattr(channel, kind)(path, request_serializer=None, response_deserializer=None)
         try:
             if kind == "stream_stream":
                 list(method(iter([data]), timeout=10))
@@ -680,3 +687,119 @@ def test_extreme_n_last(ctx):
             break
     assert_no_failures(failures, "n at its extreme")
     assert_mesh_healthy(ctx, "n at its extreme")
+
+
+# ---- mutual TLS and Redis's password: real handshakes against a kvstore and its Redis --------------------------
+
+
+@pytest.fixture(scope="module")
+def guarded_kvstore(mesh_credentials):
+    """A kvstore serving mutual TLS with the suite's certificates, over a Redis that admits only the mesh's user."""
+    from conftest import InProcessService
+    from services.certs import REDIS_USER
+    from services.redis_server import RedisServer
+
+    acl = mesh_credentials / "redis.acl"
+    with RedisServer(maxmemory="64mb", acl_file=str(acl), user=REDIS_USER) as redis_server:
+        flags = ["--redis-url", redis_server.url, "--redis-password-file", mesh_credentials / "redis.password"]
+        with InProcessService("kvstore", flags) as kvstore:
+            yield kvstore, redis_server
+
+
+def kvstore_lookup(channel) -> grpc.RpcError | None:
+    """A Lookup over channel: None when it is answered, else its error."""
+    from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+    request = kvstore_pb2.LookupRequest(fingerprint="f" * 64, block_hashes=[b"\0" * 32])
+    try:
+        kvstore_pb2_grpc.KVStoreStub(channel).Lookup(request, timeout=10)
+    except grpc.RpcError as e:
+        return e
+    return None
+
+
+def test_kvstore_answers_an_engine_over_mutual_tls_and_its_redis_with_the_password(guarded_kvstore):
+    from conftest import mesh_channel
+
+    kvstore, _ = guarded_kvstore
+    with mesh_channel(kvstore.address, "engine") as channel:
+        assert kvstore_lookup(channel) is None
+
+
+def test_a_client_without_a_certificate_is_refused(guarded_kvstore, mesh_credentials):
+    from mesh.tls import channel_options
+
+    kvstore, _ = guarded_kvstore
+    ca = (mesh_credentials / "ca.crt").read_bytes()
+    # TLS that trusts the mesh's CA, but presents no certificate: the handshake fails.
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca)
+    with grpc.secure_channel(kvstore.address, credentials, options=channel_options("kvstore")) as channel:
+        assert kvstore_lookup(channel).code() == grpc.StatusCode.UNAVAILABLE
+    with grpc.insecure_channel(kvstore.address) as channel:  # and plaintext is no TLS at all
+        assert kvstore_lookup(channel).code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_certificate_of_another_ca_is_refused(guarded_kvstore, mesh_credentials, tmp_path):
+    from mesh.tls import MeshCredentials, channel_options
+    from services.certs import make_credentials
+
+    kvstore, _ = guarded_kvstore
+    make_credentials(tmp_path)  # another mesh: its own CA, an engine.llmmesh certificate of its own
+    key, cert = MeshCredentials(str(tmp_path), "engine").key_pair()
+    ca = (mesh_credentials / "ca.crt").read_bytes()  # the server itself is checked against the right CA
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    with grpc.secure_channel(kvstore.address, credentials, options=channel_options("kvstore")) as channel:
+        assert kvstore_lookup(channel).code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("identity", ["gateway", "tokenizer", "detokenizer", "sampler", "kvstore", "router"])
+def test_a_certificate_of_the_wrong_identity_is_refused_by_name(guarded_kvstore, identity):
+    from conftest import mesh_channel
+
+    kvstore, _ = guarded_kvstore
+    with mesh_channel(kvstore.address, identity) as channel:
+        error = kvstore_lookup(channel)
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert f"{identity}.llmmesh may not call llmmesh.v1.KVStore" in error.details(), error.details()
+    assert "engine.llmmesh" in error.details()  # who may
+
+
+def test_a_server_with_another_identity_is_refused_by_the_client(guarded_kvstore):
+    """A channel meant for the sampler does not talk to whatever answers at the address: the kvstore's certificate
+    does not name the sampler."""
+    from conftest import mesh_channel
+
+    kvstore, _ = guarded_kvstore
+    with mesh_channel(kvstore.address, "engine", server="sampler") as channel:
+        assert kvstore_lookup(channel).code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_redis_refuses_a_client_without_the_password(guarded_kvstore, mesh_credentials):
+    import redis
+
+    from services.certs import REDIS_USER, redis_password
+
+    _, redis_server = guarded_kvstore
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis(port=redis_server.port).set("forged", b"x")
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis(port=redis_server.port, username=REDIS_USER, password="guess").ping()
+    client = redis.Redis(port=redis_server.port, username=REDIS_USER, password=redis_password(mesh_credentials))
+    assert client.ping()
+    client.close()
+
+
+def test_plaintext_is_refused_on_a_host_other_than_loopback():
+    import subprocess
+    import sys
+
+    for service in ("kvstore", "gateway"):
+        extra = ["--engine", "x:1", "--tokenizer", "x:2", "--detokenizer", "x:3"] if service == "gateway" else []
+        run = subprocess.run(
+            [sys.executable, "-m", "services.cli", service, "--insecure-plaintext", "--host", "0.0.0.0", *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 2, (service, run.stdout, run.stderr)
+        assert "--insecure-plaintext binds loopback only, not --host 0.0.0.0" in run.stderr, (service, run.stderr)

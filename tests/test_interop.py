@@ -51,9 +51,12 @@ class InProcessMesh:
     def __init__(self, engine_flags: list[str], num_engines: int = 1):
         self.services: dict[str, InProcessService] = {}
         self.engine_names = ["engine"] + [f"engine-{i}" for i in range(2, num_engines + 1)]
+        # smg reaches workers in plaintext only: each engine's VllmEngine on a plaintext loopback port for it
+        self.vllm_addresses = {name: f"127.0.0.1:{free_port()}" for name in self.engine_names}
         try:
             for name in self.engine_names:
-                self.services[name] = InProcessService("engine", [*engine_flags, "--shutdown-timeout", "5"])
+                plain = ["--vllm-plaintext-port", self.vllm_addresses[name].rsplit(":", 1)[1]]
+                self.services[name] = InProcessService("engine", [*engine_flags, *plain, "--shutdown-timeout", "5"])
             for name in ("tokenizer", "detokenizer"):
                 self.services[name] = InProcessService(name, ["--shutdown-timeout", "5"])
             backends = [
@@ -232,7 +235,7 @@ def smg(mesh, tmp_path_factory):
     if reason:
         pytest.skip(reason)
     router = SmgRouter(
-        [mesh.services["engine"].address], prepare_model_dir(DEFAULT_MODEL), tmp_path_factory.mktemp("smg") / "smg.log"
+        [mesh.vllm_addresses["engine"]], prepare_model_dir(DEFAULT_MODEL), tmp_path_factory.mktemp("smg") / "smg.log"
     )
     try:
         model = router.wait_ready()
@@ -307,7 +310,7 @@ def test_smg_cache_aware_over_two_engines_matches_gateway(two_engines, tmp_path)
     reason = smg_missing()
     if reason:
         pytest.skip(reason)
-    addresses = [two_engines.services[name].address for name in two_engines.engine_names]
+    addresses = [two_engines.vllm_addresses[name] for name in two_engines.engine_names]
     router = SmgRouter(addresses, prepare_model_dir(DEFAULT_MODEL), tmp_path / "smg.log", ["--policy", "cache_aware"])
     try:
         model = router.wait_ready()

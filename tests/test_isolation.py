@@ -17,7 +17,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import SERVING, InProcessService, run_to_completion, wait_for_health
+from conftest import SERVING, InProcessService, mesh_channel, run_to_completion, wait_for_health
 from engine import LLM, SamplingParams
 from engine.output_processor import OutputProcessor, RequestOutputKind
 from engine.request import Request
@@ -66,6 +66,8 @@ HOSTILE_REQUEST = {
         lambda r: setattr(r, "kv_transfer_params", '{"do_remote_decode": "yes"}'),
         "kv_transfer_params",
     ),
+    "output_token_ids": (lambda r: r.output_token_ids.append(VOCAB), "output_token_ids"),
+    "mm_inputs": (lambda r: r.mm_inputs.add(), "mm_inputs"),  # an image for a text-only model, and an empty one
 }
 HOSTILE_PARAMS = {
     "n": (MAX_N + 1, "n"),
@@ -131,7 +133,7 @@ def service():
 
 @pytest.fixture(scope="module")
 def stub(service):
-    with grpc.insecure_channel(service.address) as channel:
+    with mesh_channel(service.address) as channel:
         yield engine_pb2_grpc.EngineStub(channel)
 
 

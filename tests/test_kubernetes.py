@@ -1,21 +1,31 @@
 """deploy/kubernetes/: every overlay rendered, checked against the Kubernetes schemas and KEDA's fields, and against
-the services it runs (their ports, probes, drain timeouts and secrets). No cluster, no network.
+the services it runs (their ports, probes, drain timeouts, their mutual TLS and secrets), and docs/deployment.md's
+commands that make the Secrets from a real `llmmesh certs` run. No cluster, no network.
 
 The overlays use a small part of Kustomize (resources, namespace, replicas, JSON 6902 patches), which `render`
 implements; where kubectl is installed its own `kubectl kustomize` must render the same objects.
 """
 
+import argparse
 import json
+import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from unittest import mock
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from cryptography import x509
 
+from mesh import tls
+from services import certs, health_probe
+from services.certs import REDIS_USER
 from services.config import DEFAULT_PORTS
 from services.settings import ServerConfig
 
@@ -26,8 +36,17 @@ OVERLAYS = sorted(p.name for p in (DEPLOY / "overlays").iterdir() if (p / "kusto
 # newest the schemas know.
 KUBERNETES_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "StorageClass", "ClusterRole", "ClusterRoleBinding"}
-# The Secrets the manifests read and docs/deployment.md has the reader create: (name, key) -> optional.
-SECRETS = {("llmmesh-redis", "password"): False, ("llmmesh-gateway", "api-key"): True}
+# The Secrets the manifests read and docs/deployment.md has the reader create, with the keys read from each: every
+# service's own credentials (its key in a Secret of its own), Redis's users, the engines' KV block key, the gateway's
+# API key (optional).
+TLS_MOUNT = "/etc/llmmesh/tls"
+SECRETS = {
+    **{f"llmmesh-tls-{s}": {"ca.crt", f"{s}.crt", f"{s}.key"} for s in DEFAULT_PORTS},
+    "llmmesh-redis": {"redis.acl", "redis.password"},
+    "llmmesh-kv-block-key": {"kv-block.key"},
+    "llmmesh-gateway": {"api-key"},
+}
+OPTIONAL_SECRETS = {"llmmesh-gateway"}
 
 # The fields KEDA documents for a ScaledObject (keda.sh/v1alpha1) and its Prometheus trigger; no others.
 _PROMETHEUS_METADATA = {
@@ -213,6 +232,61 @@ def flag(container: dict, name: str) -> str | None:
     return command[command.index(name) + 1] if name in command else None
 
 
+def health_check(probe: dict, variables: dict[str, str] | None = None):
+    """The arguments of an exec probe that runs the mesh's health check (services/health_probe.py), with the
+    variables of the container it runs in (LLMMESH_*) and no others."""
+    command = probe["exec"]["command"]
+    assert command[:3] == ["python", "-m", "services.health_probe"], command
+    with mock.patch.dict(os.environ, variables or {}, clear=True):
+        return health_probe.build_parser().parse_args(command[3:])
+
+
+def probe_port(probe: dict) -> int:
+    """The port a probe checks: a TCP or gRPC probe's, or the address of the mesh's health check."""
+    if "exec" in probe:
+        return int(health_check(probe).address.rsplit(":", 1)[1])
+    return (probe.get("grpc") or probe.get("tcpSocket"))["port"]
+
+
+def containers(spec: dict) -> list[dict]:
+    return spec["containers"] + spec.get("initContainers", [])
+
+
+def environment(objects: dict, container: dict) -> dict[str, dict]:
+    """Every variable a container gets, from its ConfigMaps (envFrom) and then its own env: name -> {"value": ...} or
+    {"valueFrom": ...}."""
+    variables = {}
+    for source in container.get("envFrom", []):
+        data = objects["ConfigMap", source["configMapRef"]["name"]]["data"]
+        variables.update({name: {"value": value} for name, value in data.items()})
+    variables.update({e["name"]: {k: v for k, v in e.items() if k != "name"} for e in container.get("env", [])})
+    return variables
+
+
+def secret_files(spec: dict, container: dict) -> dict[str, tuple[str, str, int]]:
+    """Every file a container mounts from a Secret: path -> (Secret, key, mode). A Secret mounted whole gives the
+    keys docs/deployment.md puts in it."""
+    volumes = {v["name"]: v["secret"] for v in spec.get("volumes", []) if "secret" in v}
+    files = {}
+    for mount in container.get("volumeMounts", []):
+        if mount["name"] in volumes:
+            secret = volumes[mount["name"]]
+            name, mode = secret["secretName"], secret.get("defaultMode", 0o644)
+            items = secret.get("items") or [{"key": key, "path": key} for key in SECRETS[name]]
+            for item in items:
+                files[f"{mount['mountPath']}/{item['path']}"] = (name, item["key"], item.get("mode", mode))
+    return files
+
+
+def secret_variables(container: dict) -> dict[str, tuple[str, str]]:
+    """Every variable a container takes from a Secret: name -> (Secret, key)."""
+    return {
+        e["name"]: (e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+        for e in container.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+
+
 # ---- the tests --------------------------------------------------------------------------------------------
 
 
@@ -248,7 +322,7 @@ def test_schema_catches_what_it_should(overlay):
     """The two validators refuse what a typo makes: an unknown field, a wrong type."""
     _, objects = overlay
     engine = json.loads(json.dumps(objects["StatefulSet", "engine"]))
-    engine["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "50051"
+    engine["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["exec"]["command"] = "python"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(engine, KUBERNETES_VERSIONS[-1], strict=True)
     engine = json.loads(json.dumps(objects["StatefulSet", "engine"]))
@@ -278,8 +352,7 @@ def test_ports_match_the_services_defaults(overlay):
         assert flag(c, "--host") == "0.0.0.0", c["name"]  # the probes and the other pods reach the pod's address
         assert port in [p["containerPort"] for p in c["ports"]], c["name"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            check = c[probe].get("grpc") or c[probe].get("tcpSocket")
-            assert check["port"] == port, (c["name"], probe)
+            assert probe_port(c[probe]) == port, (c["name"], probe)
         # A Service of the service's name sends its port to that container's port.
         svc = objects.get(("Service", service))
         if svc is not None:
@@ -346,10 +419,20 @@ def test_probes(overlay):
     for _, c, service in llmmesh_containers(objects):
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert probe in c, (c["name"], probe)
-        # Readiness is the service's gRPC health (grpc.health.v1, the whole server) except where an overlay needs
-        # the gateway in its Service with no engine behind it (scale to zero).
+            # No gRPC probe: Kubernetes' presents no certificate, so it cannot reach a mutual TLS port.
+            assert "grpc" not in c[probe], (c["name"], probe)
+            if "exec" in c[probe]:
+                # The service's gRPC health (grpc.health.v1, the whole server) over mutual TLS, presenting the
+                # service's own certificate from the container's credentials (LLMMESH_TLS_DIR), answered in time.
+                variables = {k: v["value"] for k, v in environment(objects, c).items() if "value" in v}
+                check = health_check(c[probe], variables)
+                assert check.identity == service and check.address == f"127.0.0.1:{DEFAULT_PORTS[service]}"
+                assert not check.insecure_plaintext and check.tls_dir == TLS_MOUNT and check.service == ""
+                assert c[probe]["timeoutSeconds"] > check.timeout, (c["name"], probe)
+        # Readiness is the service's gRPC health except where an overlay needs the gateway in its Service with no
+        # engine behind it (scale to zero).
         if not (service == "gateway" and name == "scale-to-zero"):
-            assert c["readinessProbe"]["grpc"] == {"port": DEFAULT_PORTS[service]}, c["name"]
+            assert "exec" in c["readinessProbe"], c["name"]
         # The gateway and the kvstore are NOT_SERVING while a dependency is down: that must not restart them.
         liveness = c["livenessProbe"]
         assert ("tcpSocket" in liveness) == (service in ("gateway", "kvstore")), c["name"]
@@ -359,10 +442,24 @@ def test_probes(overlay):
     drain = float(flag(engine, "--shutdown-timeout"))
     # A draining engine answers NOT_SERVING: it must not be restarted for that before its drain ends.
     assert window(engine["livenessProbe"]) > drain
-    # The health check waits behind at most one engine step: its timeout is the longest step's, with margin.
-    assert engine["readinessProbe"]["timeoutSeconds"] == engine["livenessProbe"]["timeoutSeconds"] >= 2
+    # The health check waits behind at most one engine step: its timeout is the longest step's (2.4 s), with margin.
+    assert engine["readinessProbe"]["timeoutSeconds"] == engine["livenessProbe"]["timeoutSeconds"]
+    assert health_check(engine["readinessProbe"]).timeout == health_check(engine["livenessProbe"]).timeout >= 5
     # Start covers the load and the CPU kernels' build with margin, far longer than a restart's window.
     assert window(engine["startupProbe"]) >= 2 * window(engine["livenessProbe"])
+
+
+def test_the_health_check_loads_no_torch():
+    """The probes run it every few seconds, in the limit of the container they probe: gRPC and the credentials only,
+    not the services' imports."""
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, services.health_probe; print(sorted(sys.modules))"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "'grpc'" in loaded and "'torch'" not in loaded and "'transformers'" not in loaded
 
 
 def test_shutdown(overlay):
@@ -401,42 +498,177 @@ def test_resources(overlay):
             assert "cpu" in resources["requests"], c["name"]
 
 
-def test_secrets(overlay):
+def test_every_service_serves_mutual_tls_with_its_own_key_alone(overlay):
+    """Each llmmesh container reads the mesh's credentials from LLMMESH_TLS_DIR, where its own service's Secret is
+    mounted (the CA's certificate, its certificate and key, readable by its user alone), and reaches no other
+    secret than those its service needs: no other service's key, in its pod or elsewhere."""
     _, objects = overlay
-    assert not [k for k in objects if k[0] == "Secret"], "no Secret is committed: the cluster's own are used"
-    refs = {}
+    needs = {
+        "engine": {("llmmesh-kv-block-key", "kv-block.key")},
+        "kvstore": {("llmmesh-redis", "redis.password")},
+        "gateway": {("llmmesh-gateway", "api-key")},
+    }
+    for spec, c, service in llmmesh_containers(objects):
+        env = environment(objects, c)
+        assert env[tls.TLS_DIR_ENV] == {"value": TLS_MOUNT}, c["name"]
+        assert tls.PLAINTEXT_ENV not in env and "--insecure-plaintext" not in c["command"], c["name"]
+        files = secret_files(spec, c)
+        own = f"llmmesh-tls-{service}"
+        for name in ("ca.crt", f"{service}.crt", f"{service}.key"):
+            secret, key, mode = files[f"{TLS_MOUNT}/{name}"]
+            assert (secret, key) == (own, name) and mode & 0o077 == 0, (c["name"], name, oct(mode))
+        reached = {(secret, key) for secret, key, _ in files.values()} | set(secret_variables(c).values())
+        assert reached == {(own, key) for key in SECRETS[own]} | needs.get(service, set()), c["name"]
+    # No other container (an init step, Redis) mounts a service's key.
+    served = [c for _, c, _ in llmmesh_containers(objects)]
     for _, spec in pod_specs(objects):
-        for c in spec["containers"] + spec.get("initContainers", []):
-            env = c.get("env", [])
-            for i, e in enumerate(env):
-                ref = e.get("valueFrom", {}).get("secretKeyRef")
-                if ref:
-                    refs[ref["name"], ref["key"]] = ref.get("optional", False)
-                elif re.search("PASSWORD|API_KEY|TOKEN|SECRET", e["name"]):
-                    pytest.fail(f"{c['name']}: {e['name']} is not from a Secret")
-                # $(VAR) expands only a variable defined before it.
-                for var in re.findall(r"\$\((\w+)\)", e.get("value", "")):
-                    assert var in [x["name"] for x in env[:i]], (c["name"], e["name"], var)
-            for var in re.findall(r"\$\((\w+)\)", " ".join(c.get("args", []) + c.get("command", []))):
-                assert var in [x["name"] for x in env], (c["name"], var)
-    assert refs == SECRETS
-    # Redis asks for the password the kvstore's URL carries.
-    redis = objects["Deployment", "redis"]["spec"]["template"]["spec"]["containers"][0]
-    assert redis["args"][redis["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
-    kvstore = objects["Deployment", "kvstore"]["spec"]["template"]["spec"]["containers"][0]
-    url = {e["name"]: e.get("value") for e in kvstore["env"]}["LLMMESH_REDIS_URL"]
-    assert url == f"redis://:$(REDIS_PASSWORD)@redis:{objects['Service', 'redis']['spec']['ports'][0]['port']}/0"
+        for c in containers(spec):
+            if c not in served:
+                assert not [s for s, _, _ in secret_files(spec, c).values() if s.startswith("llmmesh-tls-")], c["name"]
 
 
-def test_docs_create_the_secrets_and_the_tls_place():
+def test_redis_admits_the_kvstores_user_alone(overlay):
+    """Redis loads the ACL file `llmmesh certs` writes; the kvstore logs in as its user with the password from a
+    file; Redis's own user reads the ACL file, and the password is readable by root alone."""
+    _, objects = overlay
+    redis_spec = objects["Deployment", "redis"]["spec"]["template"]["spec"]
+    (redis,) = redis_spec["containers"]
+    files = secret_files(redis_spec, redis)
+    acl = redis["args"][redis["args"].index("--aclfile") + 1]
+    assert files[acl][:2] == ("llmmesh-redis", "redis.acl") and files[acl][2] & 0o004  # redis-server is not root
+    assert "--requirepass" not in redis["args"]
+    kvstore_spec = objects["Deployment", "kvstore"]["spec"]["template"]["spec"]
+    (kvstore,) = kvstore_spec["containers"]
+    password = secret_files(kvstore_spec, kvstore)[flag(kvstore, "--redis-password-file")]
+    assert password[:2] == ("llmmesh-redis", "redis.password") and password[2] & 0o077 == 0
+    port = objects["Service", "redis"]["spec"]["ports"][0]["port"]
+    assert flag(kvstore, "--redis-url") == f"redis://{REDIS_USER}@redis:{port}/0"
+
+
+def strings(obj) -> list[str]:
+    """Every string in a nested object."""
+    if isinstance(obj, str):
+        return [obj]
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else []
+    return [s for value in values for s in strings(value)]
+
+
+def secrets_on_command_lines(container: dict) -> list[str]:
+    """The words of a container's command lines (command, args, probes, hooks) and plain variables that carry a
+    secret: a Secret's variable expanded, a password in a URL or a flag, a key's hex or PEM."""
+    from_secrets = set(secret_variables(container))
+    words = [*container.get("command", []), *container.get("args", [])]
+    words += [e["value"] for e in container.get("env", []) if "value" in e]
+    for hook in ("startupProbe", "readinessProbe", "livenessProbe", "lifecycle"):
+        words += strings(container.get(hook, {}))
+    leaks = []
+    for word in words:
+        if (
+            set(re.findall(r"\$\((\w+)\)", word)) & from_secrets
+            or re.search(r"rediss?://[^/@]*:[^/@]+@", word)
+            or re.fullmatch(r"--(requirepass|masterauth|api-key|password)(=.*)?", word)
+            or re.search(r"[0-9a-fA-F]{32}|BEGIN [A-Z ]*PRIVATE KEY", word)
+        ):
+            leaks.append(word)
+    return leaks
+
+
+def test_no_secret_on_a_command_line(overlay):
+    """Keys and passwords reach a container as files or variables from Secrets, never in a command line (which every
+    process of the node sees in /proc, and anyone who may read the pod in its spec) nor in a URL; a variable that
+    looks secret comes from a Secret. No Secret is committed: the cluster's own are used."""
+    _, objects = overlay
+    assert not [k for k in objects if k[0] == "Secret"]
+    read = {}
+    for _, spec in pod_specs(objects):
+        for c in containers(spec):
+            assert not secrets_on_command_lines(c), (c["name"], secrets_on_command_lines(c))
+            for e in c.get("env", []):
+                if re.search("PASSWORD|API_KEY|TOKEN|SECRET|_KEY$|AUTH", e["name"]):
+                    assert e["name"] in secret_variables(c), f"{c['name']}: {e['name']} is not from a Secret"
+            for e in c.get("env", []):
+                if ref := e.get("valueFrom", {}).get("secretKeyRef"):
+                    read.setdefault(ref["name"], set()).add(ref["key"])
+                    assert ref.get("optional", False) == (ref["name"] in OPTIONAL_SECRETS), ref
+            for secret, key, _ in secret_files(spec, c).values():
+                read.setdefault(secret, set()).add(key)
+    # Every Secret the docs make is read, with the keys they put in it.
+    assert read == SECRETS
+
+
+def test_the_command_line_check_catches_what_it_should():
+    """The forms a secret took in these manifests before: a password in the kvstore's Redis URL, Redis's
+    --requirepass, a key given as a flag."""
+    env = [{"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "llmmesh-redis", "key": "password"}}}]
+    for container in (
+        {"command": ["llmmesh", "kvstore", "--redis-url", "redis://:$(REDIS_PASSWORD)@redis:6379/0"], "env": env},
+        {"env": [*env, {"name": "LLMMESH_REDIS_URL", "value": "redis://:$(REDIS_PASSWORD)@redis:6379/0"}]},
+        {"args": ["--requirepass", "$(REDIS_PASSWORD)"], "env": env},
+        {"command": ["llmmesh", "gateway", "--api-key", "x"]},
+        {"command": ["llmmesh", "engine"], "readinessProbe": {"exec": {"command": ["x", "ab" * 32]}}},
+    ):
+        assert secrets_on_command_lines(container), container
+
+
+def docs_commands() -> list[list[str]]:
+    """The commands of docs/deployment.md's Kubernetes section, one argv each: continued lines joined, a `for VAR in
+    ...; do ... done` loop unrolled, comments left out."""
     docs = (ROOT / "docs" / "deployment.md").read_text()
-    for name, _ in SECRETS:
-        assert re.search(rf"kubectl[^\n]* create secret generic {name} ", docs), name
-    base = (DEPLOY / "base" / "kustomization.yaml").read_text()
-    assert "mesh TLS: reserved" in base and "llmmesh-mesh-tls" in base
+    section = docs.split("\n## Kubernetes\n", 1)[1].split("\n## ", 1)[0]
+    commands = []
+    for block in re.findall(r"^ *```sh\n(.*?)^ *```", section, re.DOTALL | re.MULTILINE):
+        block = re.sub(r"\\\n\s*", " ", block)
+
+        def unroll(loop: re.Match) -> str:
+            variable, values, body = loop.groups()
+            return "\n".join(body.replace(f"${variable}", value) for value in values.split())
+
+        block = re.sub(r"^ *for (\w+) in ([^;]+); do\n(.*?)^ *done$", unroll, block, flags=re.DOTALL | re.MULTILINE)
+        commands += [argv for line in block.splitlines() if (argv := shlex.split(line, comments=True))]
+    return commands
+
+
+def test_docs_make_the_secrets_from_llmmesh_certs(tmp_path):
+    """docs/deployment.md's `llmmesh certs` command, run for real, then its `kubectl create secret` commands: each
+    Secret the manifests read, in the namespace, with the keys they read, from files that command wrote; the
+    gateway's certificate names the gateway's Service in the cluster."""
+    commands = docs_commands()
+    (certs_argv,) = [argv for argv in commands if argv[:2] == ["llmmesh", "certs"]]
+    parser = argparse.ArgumentParser()
+    certs.add_subcommands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(certs_argv[1:])
+    directory = args.dir
+    args.dir = str(tmp_path / directory)
+    args.func(args)
+    namespace = yaml.safe_load((DEPLOY / "base" / "kustomization.yaml").read_text())["namespace"]
+    made = {}
+    for argv in commands:
+        if argv[:1] != ["kubectl"] or "secret" not in argv:
+            continue
+        assert argv[argv.index("-n") + 1] == namespace, argv
+        kind, name, *sources = argv[argv.index("secret") + 1 :]
+        assert argv[argv.index("secret") - 1] == "create" and kind == "generic", argv
+        keys = set()
+        for source in sources:
+            option, _, value = source.partition("=")
+            if option == "--from-file":
+                key, _, path = value.rpartition("=")
+                assert path.startswith(f"{directory}/") and (tmp_path / path).is_file(), (name, path)
+                keys.add(key or Path(path).name)
+            else:
+                assert option == "--from-literal", source
+                keys.add(value.split("=", 1)[0])
+        made[name] = keys
+    assert made == SECRETS
+    gateway = x509.load_pem_x509_certificate((tmp_path / directory / "gateway.crt").read_bytes())
+    names = gateway.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName
+    )
+    assert {f"gateway.{namespace}", f"gateway.{namespace}.svc"} <= set(names)
     # The paths docs/deployment.md applies are the overlays.
-    for name in OVERLAYS:
-        assert f"deploy/kubernetes/overlays/{name}" in docs, name
+    docs = (ROOT / "docs" / "deployment.md").read_text()
+    for overlay_name in OVERLAYS:
+        assert f"deploy/kubernetes/overlays/{overlay_name}" in docs, overlay_name
 
 
 def test_autoscaling(overlay):
@@ -468,8 +700,9 @@ def test_variables_are_flags_of_their_service(overlay):
     _, objects = overlay
     commands = next(a for a in build_parser()._actions if a.dest == "command").choices
     flags = {name: {env_name(a.dest) for a in p._actions if a.option_strings} for name, p in commands.items()}
-    # The weights cache's directory is read by the model loader, not through a flag.
-    not_flags = {"LLMMESH_CACHE_DIR"}
+    # The weights cache's directory is read by the model loader, the KV block key by the engine's KV connector
+    # (mesh/kvstore/block_tag.py), not through a flag.
+    not_flags = {"LLMMESH_CACHE_DIR", "LLMMESH_KV_BLOCK_KEY"}
     for key in objects["ConfigMap", "llmmesh-config"]["data"]:
         assert any(key in f for f in flags.values()), key
     for _, c, service in llmmesh_containers(objects):

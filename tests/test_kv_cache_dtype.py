@@ -20,6 +20,7 @@ from engine.core import EngineCore
 from engine.llm import LLM
 from engine.request import SamplingParams
 from kernels.reference import paged_attention_ref, reshape_and_cache_ref, to_cache_dtype
+from mesh.kvstore.block_tag import TAG_BYTES
 from services.local_mesh import kv_transfer_config
 from test_models import save_random_model
 
@@ -222,7 +223,8 @@ def test_kv_store_round_trip_in_fp8(tiny_model, redis_server):
         float32_block = layout.block_bytes * 4  # the same block in float32
         for key in keys:
             value = client.get(key)
-            assert layout.block_bytes < len(value) < layout.block_bytes + 64  # fp8 bytes and a small header
+            # fp8 bytes, a small header and the block's 32-byte tag
+            assert layout.block_bytes < len(value) < layout.block_bytes + 64 + TAG_BYTES
         assert len(value) < float32_block // 3
 
         expected = sum((len(p) - 1) // 16 * 16 for p in prompts)

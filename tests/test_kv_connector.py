@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from conftest import InProcessService, assert_greedy_matches, assert_no_leaks, run_greedy, wait_for_health
+from conftest import InProcessService, assert_greedy_matches, assert_no_leaks, mesh_channel, run_greedy, wait_for_health
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.kv.block_pool import BlockStored
@@ -452,7 +452,6 @@ def test_kv_events_name_the_store(kvstore, prompts):
 def test_two_engines_behind_one_gateway_share_the_store(prompts):
     """`llmmesh serve`'s processes with two engine replicas and the store: whichever engine the gateway picks
     computes the prompt; the other then finds its whole prefix in the store (cached tokens it never computed)."""
-    import grpc
 
     from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
     from services import client
@@ -463,7 +462,7 @@ def test_two_engines_behind_one_gateway_share_the_store(prompts):
     with Mesh(EngineArgs(kv_cache_memory="64MiB"), kv_store=True, num_engines=2) as mesh:
         through_gateway = client.collect(client.generate(mesh.address, prompt, max_tokens=MAX_TOKENS, temperature=0.0))
         assert through_gateway.complete.usage.cached_tokens == 0
-        with grpc.insecure_channel(mesh.services["kvstore"].address) as channel:
+        with mesh_channel(mesh.services["kvstore"].address) as channel:
             stats = kvstore_pb2_grpc.KVStoreStub(channel).Stats
             # The stores run after the step that computed the blocks: wait for them (bounded, not timed).
             for reply in iter(lambda: stats(kvstore_pb2.StatsRequest(), timeout=10), None):
@@ -471,7 +470,7 @@ def test_two_engines_behind_one_gateway_share_the_store(prompts):
                     break
         params = common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
         for name in mesh.engine_names:
-            with grpc.insecure_channel(mesh.services[name].address) as channel:
+            with mesh_channel(mesh.services[name].address) as channel:
                 request = engine_pb2.EngineGenerateRequest(prompt_token_ids=prompt, sampling_params=params)
                 messages = list(engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=120))
             tokens = [t for m in messages for d in m.outputs for t in d.token_ids]

@@ -8,12 +8,11 @@ import random
 import time
 from types import SimpleNamespace
 
-import grpc
 import msgspec
 import pytest
 import zmq
 
-from conftest import InProcessService
+from conftest import InProcessService, mesh_channel
 from engine import LLM, SamplingParams
 from engine.kv.hashing import extend_block_hashes
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
@@ -224,7 +223,7 @@ def test_the_engine_service_publishes_with_the_flag(model_dir, tmp_path):
     flags = ["--model", model_dir, "--kv-cache-memory", str(8 * BLOCK_BYTES), "--kv-events-config", json.dumps(config)]
     sent = []
     with InProcessService("engine", [*flags, "--shutdown-timeout", "5"]) as service:
-        channel = grpc.insecure_channel(service.address)
+        channel = mesh_channel(service.address)
         stub = engine_pb2_grpc.EngineStub(channel)
         subscriber = Subscriber(config["endpoint"])
         params = client.sampling_params(temperature=0.0, max_tokens=2)

@@ -13,7 +13,7 @@ import grpc
 import pytest
 import redis
 
-from conftest import NOT_SERVING, SERVING, InProcessService, undecodable, wait_for_health
+from conftest import NOT_SERVING, SERVING, InProcessService, mesh_channel, undecodable, wait_for_health
 from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from mesh.kvstore.client import Staging
 from mesh.shared_memory import SHM_DIR
@@ -57,7 +57,7 @@ class Store:
 
     def __init__(self, address: str):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = mesh_channel(address, options=CHANNEL_OPTIONS)
         self.stub = kvstore_pb2_grpc.KVStoreStub(self.channel)
 
     def put(self, blocks: dict[bytes, bytes], block_layout=None, per_message: int = 64) -> kvstore_pb2.PutResponse:

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from test_telemetry import Receiver
 
-from conftest import InProcessService, wait_until
+from conftest import InProcessService, mesh_channel, wait_until
 from engine import LLM, EngineArgs, LoRARequest, SamplingParams
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from random_model import save_random_smollm2_shaped
@@ -55,6 +55,7 @@ def lora_flags(model_dir, adapters) -> list[str]:
     return [
         "--model", str(model_dir), "--kv-cache-memory", KV, "--enable-lora", "--max-loras", "2",
         "--max-lora-rank", str(MAX_LORA_RANK), "--lora-modules", f"sql={adapters['sql']}", "--enable-kv-cache-events", "--shutdown-timeout", "5",
+        "--allow-runtime-lora-updating", "--lora-root", str(model_dir.parent),
     ]  # fmt: skip
 
 
@@ -78,7 +79,7 @@ class LoraMesh:
         except BaseException:
             self.stop()
             raise
-        self.channels = {name: grpc.insecure_channel(s.address) for name, s in self.services.items()}
+        self.channels = {name: mesh_channel(s.address) for name, s in self.services.items()}
         self.gateway = gateway_pb2_grpc.GatewayStub(self.channels["gateway"])
         self.engines = {name: engine_pb2_grpc.EngineStub(self.channels[name]) for name in ("engine", "engine-2")}
 
@@ -165,7 +166,7 @@ def test_list_models_lists_adapters_beside_the_base_model(mesh, model_dir):
     base = cards.pop(str(path))
     assert (base.root, base.parent) == (str(path), "")
     assert list(cards) == ["sql"]
-    assert (cards["sql"].root, cards["sql"].parent) == (adapters["sql"], str(path))
+    assert (cards["sql"].root, cards["sql"].parent) == ("sql", str(path))  # no adapter's path
     info = mesh.engines["engine"].GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10)
     assert (info.enable_lora, info.max_loras, info.max_lora_rank) == (True, 2, MAX_LORA_RANK)
 
@@ -175,7 +176,7 @@ def test_load_and_unload_at_run_time_on_every_engine(mesh, model_dir, offline):
     load = common_pb2.LoadLoraAdapterRequest(lora_name="late", lora_path=adapters["late"])
     mesh.gateway.LoadLoraAdapter(load, timeout=60)
     assert all("late" in adapter_names(stub) for stub in mesh.engines.values())
-    assert model_cards(mesh)["late"].root == adapters["late"]
+    assert model_cards(mesh)["late"].root == "late"
     tokens = prompt(20)
     assert through_gateway(mesh, tokens, model="late") == offline(tokens, "late")
 
@@ -357,7 +358,7 @@ def test_prefix_aware_routing_finds_an_adapters_blocks(mesh):
 def test_an_engine_without_lora_refuses_clearly(model_dir):
     path, adapters = model_dir
     flags = ["--model", str(path), "--kv-cache-memory", KV, "--shutdown-timeout", "5"]
-    with InProcessService("engine", flags) as engine, grpc.insecure_channel(engine.address) as channel:
+    with InProcessService("engine", flags) as engine, mesh_channel(engine.address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         load = common_pb2.LoadLoraAdapterRequest(lora_name="sql", lora_path=adapters["sql"])
         with pytest.raises(grpc.RpcError) as e:
@@ -378,12 +379,15 @@ def test_an_engine_without_lora_refuses_clearly(model_dir):
 
 @pytest.fixture(scope="module")
 def adapter_ports_engine(model_dir):
-    """An engine serving `sql` (loaded) and `late` (not yet) each on a VllmEngine port of its own."""
+    """An engine serving `sql` (loaded) and `late` (not yet) each on a VllmEngine port of its own; for smg, which
+    reaches workers in plaintext only, the base model and `sql` also on plaintext loopback ports ("plain", "plain-sql").
+    """
     from test_interop import free_port
 
     path, adapters = model_dir
-    ports = {"sql": free_port(), "late": free_port()}
-    flags = [*lora_flags(path, adapters), "--lora-vllm-ports", *(f"{name}={port}" for name, port in ports.items())]
+    ports = {name: free_port() for name in ("sql", "late", "plain", "plain-sql")}
+    flags = [*lora_flags(path, adapters), "--lora-vllm-ports", f"sql={ports['sql']}", f"late={ports['late']}"]
+    flags += ["--vllm-plaintext-port", ports["plain"], "--lora-vllm-plaintext-ports", f"sql={ports['plain-sql']}"]
     with InProcessService("engine", flags) as engine:
         yield engine, {name: f"127.0.0.1:{port}" for name, port in ports.items()}
 
@@ -397,7 +401,7 @@ def vllm_generate(address: str, tokens: list[int]) -> list[int]:
         tokenized=vllm_engine_pb2.TokenizedInput(input_ids=tokens),
         sampling_params=params,
     )
-    with grpc.insecure_channel(address) as channel:
+    with mesh_channel(address, "router") as channel:
         replies = vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(request, timeout=60)
         return [t for m in replies for t in m.complete.output_ids]
 
@@ -414,7 +418,7 @@ def test_an_adapter_port_serves_the_adapter_as_its_model(adapter_ports_engine, m
     assert offline(tokens, "sql") != offline(tokens) != offline(tokens, "late")
     assert vllm_generate(ports["sql"], tokens) == offline(tokens, "sql")
     assert vllm_generate(engine.address, tokens) == offline(tokens)
-    with grpc.insecure_channel(ports["late"]) as channel, grpc.insecure_channel(engine.address) as main:
+    with mesh_channel(ports["late"], "router") as channel, mesh_channel(engine.address) as main:
         vllm = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         info = vllm.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest(), timeout=10)
         assert info.served_model_name == "late" and info.vocab_size == COMMON["vocab_size"]
@@ -457,6 +461,10 @@ def test_bad_lora_vllm_ports_are_refused_naming_the_flag(ports, words):
     args = build_parser().parse_args(["engine", "--lora-vllm-ports", "sql=5000"])
     with pytest.raises(ValueError, match="needs enable_lora"):
         lora_vllm_ports(args)
+    args = build_parser().parse_args(["engine", "--enable-lora", "--lora-vllm-plaintext-ports", *ports])
+    with pytest.raises(ValueError, match="lora_vllm_plaintext_ports") as e:
+        lora_vllm_ports(args, "lora_vllm_plaintext_ports")
+    assert words in str(e.value)
 
 
 def listening(url: str) -> bool:
@@ -469,19 +477,20 @@ def listening(url: str) -> bool:
 
 @pytest.mark.slow
 def test_smg_selects_an_adapter_by_its_model_name(adapter_ports_engine, model_dir, offline, tmp_path):
-    """smg (multi-model mode) in front of the engine's own port and the `sql` adapter's: `model` set to the adapter's
-    name gives the adapter's output, the base model's name the base model's, as the offline API gives them."""
+    """smg (multi-model mode) in front of the engine's plaintext loopback ports for the base model and the `sql`
+    adapter: `model` set to the adapter's name gives the adapter's output, the base model's name the base model's, as
+    the offline API gives them."""
     from test_interop import SmgRouter, http_json, smg_missing
 
     reason = smg_missing()
     if reason:
         pytest.skip(reason)
-    engine, ports = adapter_ports_engine
+    _, ports = adapter_ports_engine
     path, _ = model_dir
     router = SmgRouter([], None, tmp_path / "smg.log", ["--enable-igw"])
     try:
         wait_until(lambda: listening(router.url), timeout=60)
-        for address in (engine.address, ports["sql"]):  # multi-model mode takes its workers over its API
+        for address in (ports["plain"], ports["plain-sql"]):  # multi-model mode takes its workers over its API
             http_json(f"{router.url}/workers", {"url": f"grpc://{address}"})
 
         def models() -> set[str]:

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import NOT_SERVING, SERVING, wait_for_health
+from conftest import NOT_SERVING, SERVING, mesh_channel, wait_for_health
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, tokenizer_pb2
@@ -72,7 +72,7 @@ def refs(llm):
 
 @pytest.fixture(scope="module")
 def engine(mesh):
-    return engine_pb2_grpc.EngineStub(grpc.insecure_channel(mesh.services["engine"].address))
+    return engine_pb2_grpc.EngineStub(mesh_channel(mesh.services["engine"].address))
 
 
 # The engine publishes its load after every step and has no event for it, so the waits below poll; their
@@ -343,11 +343,12 @@ def test_bad_input_is_invalid_argument_and_others_go_on(mesh, refs, engine):
 # ---- admission, keys, drain -----------------------------------------------------------------------
 
 
-def test_resource_exhausted_unauthenticated_and_drain(mesh, engine):
+def test_resource_exhausted_unauthenticated_and_drain(mesh, engine, monkeypatch):
     # Also an engine address where nothing listens: the gateway routes around it (it fails its health checks).
+    monkeypatch.setenv("LLMMESH_API_KEY", "s3cret")  # a key travels in the environment, never on a command line
     gateway = mesh.start_gateway(
         # A drain long enough for the request in flight below on a busy machine (it ends as soon as that finishes).
-        ["--max-requests-in-flight", "1", "--api-key", "s3cret", "--shutdown-timeout", "300", "--engine", "127.0.0.1:1"]
+        ["--max-requests-in-flight", "1", "--shutdown-timeout", "300", "--engine", "127.0.0.1:1"]
     )
     try:
         address = gateway.address
@@ -368,7 +369,7 @@ def test_resource_exhausted_unauthenticated_and_drain(mesh, engine):
         in_flight = generate(address, PROMPTS[0], api_key="s3cret", temperature=0.0, max_tokens=24, ignore_eos=True)
         first_chunks(in_flight, 1)
         # Watched from before the signal: once the drain begins the gateway takes no new calls, Watch included.
-        with grpc.insecure_channel(address) as channel:
+        with mesh_channel(address) as channel:
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=60)
             assert next(watch).status == SERVING
             gateway.terminate()

@@ -4,11 +4,10 @@ random model with LoRA on, served in this process)."""
 import time
 import urllib.request
 
-import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import InProcessService
+from conftest import InProcessService, mesh_channel
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
 from random_model import save_random_smollm2_shaped
 from services import client
@@ -39,7 +38,7 @@ def engine(tmp_path_factory):
     flags = ["--model", path, "--kv-cache-memory", str(NUM_BLOCKS * BLOCK_BYTES), "--enable-lora"]
     flags += ["--max-loras", MAX_LORAS, "--metrics-port", "0", "--shutdown-timeout", "5"]
     with InProcessService("engine", flags) as service:
-        with grpc.insecure_channel(service.address) as channel:
+        with mesh_channel(service.address) as channel:
             stub = engine_pb2_grpc.EngineStub(channel)
             params = client.sampling_params(temperature=0.0, max_tokens=4, ignore_eos=True)
             request = engine_pb2.EngineGenerateRequest(prompt_token_ids=list(range(3, 40)), sampling_params=params)

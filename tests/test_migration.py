@@ -4,6 +4,7 @@ loses none of them. Each stream's unfinished completions resume on the other eng
 output an undisturbed run gives: greedy, seeded, n=2, a stop string, logprobs and a JSON schema alike."""
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -35,24 +36,15 @@ KINDS = {
 }
 
 
-@pytest.fixture(scope="module")
-def mesh():
+@contextlib.contextmanager
+def serving_two_engines(*flags: str):
+    """`llmmesh serve --engines 2` with FLAGS, once every service is serving: the streams alternate between the
+    engines (round-robin), so both hold some when one goes away, and a prefix recomputed in float32 gives the same
+    logits, so the continuations are exact."""
     process = Serve(
         [
-            "--port",
-            "0",
-            "--engines",
-            "2",
-            "--routing",
-            "round-robin",  # the streams alternate, so both engines hold some when one is killed
-            "--dtype",
-            "float32",  # a recomputed prefix gives the same logits, so the continuations are exact
-            "--kv-cache-memory",
-            "64MiB",
-            "--log-level",
-            "WARNING",
-            "--metrics-port",
-            "0",
+            *("--port", "0", "--engines", "2", "--routing", "round-robin", "--dtype", "float32"),
+            *("--log-level", "WARNING", "--metrics-port", "0", *flags),
         ]
     )
     try:
@@ -63,6 +55,12 @@ def mesh():
         yield process
     finally:
         process.stop()
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    with serving_two_engines("--kv-cache-memory", "64MiB") as process:
+        yield process
 
 
 def requests():
@@ -123,9 +121,9 @@ def run_all(mesh, during=None) -> dict:
     return results
 
 
-def wait_restarted(mesh, name: str) -> None:
-    """serve started the killed engine again, and it serves."""
-    mesh.expect(rf"the {name} exited \(killed by SIGKILL\)")
+def wait_restarted(mesh, name: str, status: str = "killed by SIGKILL") -> None:
+    """serve started the engine that exited (its exit status) again, and it serves."""
+    mesh.expect(rf"the {name} exited \({status}\)")
     while True:
         started, address, pid, metrics = mesh.expect(SERVING_LINE).groups()
         if started == name:

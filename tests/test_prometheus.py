@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from engine.config import EngineArgs
+from services.certs import redis_password
 from services.client import collect, generate
 from services.local_mesh import Mesh
 from services.prometheus import scrape_config
@@ -190,7 +191,7 @@ def workload(mesh, prometheus):
         work.run(f"{prefix} {question} question?", max_tokens=2)
     work.run("the" + " the" * 179, max_tokens=1)
     work.run(f"{prefix} Third question?", max_tokens=2)
-    store = redis.Redis.from_url(mesh.redis.url)
+    store = redis.Redis.from_url(mesh.redis.url, password=redis_password(mesh.tls_dir))  # its ACL user's
     for key in store.scan_iter("kv:*"):
         store.append(key, b"!")
     store.close()

@@ -5,6 +5,8 @@ mid-run."""
 
 import asyncio
 import contextlib
+import io
+import json
 import os
 import random
 import signal
@@ -17,7 +19,14 @@ import grpc
 import pytest
 from test_serve import SERVING_LINE, Serve
 
-from conftest import HFReference, InProcessService, assert_greedy_matches, wait_until
+from conftest import (
+    HFReference,
+    InProcessService,
+    assert_greedy_matches,
+    mesh_channel,
+    mesh_credentials_of,
+    wait_until,
+)
 from engine.config import EngineArgs
 from engine.limits import RequestLimits
 from llmmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
@@ -119,39 +128,180 @@ def test_index_flooded_stays_within_its_bound():
 
 def test_policy_weighs_cached_blocks_against_load():
     idle = EngineLoad()
-    # Blocks held locally count in full; blocks in the store at the measured load cost; none at all cost the most.
-    assert engine_cost(10, 10, 0, idle) < engine_cost(10, 0, 10, idle) < engine_cost(10, 0, 0, idle)
-    cheap_loads, dear_loads = EngineLoad(kv_load_cost=0.1), EngineLoad(kv_load_cost=0.9)
-    assert engine_cost(10, 0, 10, cheap_loads) == pytest.approx(1.0)
-    assert engine_cost(10, 0, 10, dear_loads) == pytest.approx(9.0)
+    # Blocks held locally count in full; blocks in the store at the load cost; none at all cost the most.
+    assert engine_cost(10, 10, 0, idle, 0.5) < engine_cost(10, 0, 10, idle, 0.5) < engine_cost(10, 0, 0, idle, 0.5)
+    assert engine_cost(10, 0, 10, idle, 0.1) == pytest.approx(1.0)
+    assert engine_cost(10, 0, 10, idle, 0.9) == pytest.approx(9.0)
     # The engine holding the prefix wins over an idle cold one, until the work queued there outweighs the saving.
-    assert engine_cost(10, 8, 0, EngineLoad(num_prefilling=1, prefill_blocks=4)) < engine_cost(10, 0, 0, idle)
-    assert engine_cost(10, 8, 0, EngineLoad(num_prefilling=2, prefill_blocks=12)) > engine_cost(10, 0, 0, idle)
-    # A queue at the engine, or a KV cache near full, sends the request elsewhere.
-    assert engine_cost(10, 8, 0, EngineLoad(num_waiting=1)) > engine_cost(10, 0, 0, idle)
-    assert engine_cost(10, 8, 0, EngineLoad(kv_cache_usage=0.99)) > engine_cost(10, 0, 0, idle)
-
-
-def test_router_spreads_cold_requests_and_follows_prefixes():
-    router = Router(["a:1", "b:2"])
-    router.set_model_info(
-        engine_pb2.ModelInfo(block_size=BLOCK, enable_prefix_caching=True, prefix_caching_hash_algo="sha256")
+    assert engine_cost(10, 8, 0, EngineLoad(num_prefilling=1, prefill_blocks=4), 0.5) < engine_cost(10, 0, 0, idle, 0.5)
+    assert engine_cost(10, 8, 0, EngineLoad(num_prefilling=2, prefill_blocks=12), 0.5) > engine_cost(
+        10, 0, 0, idle, 0.5
     )
-    healthy = {"a:1", "b:2"}
-    prompt = list(range(100, 164))  # 4 blocks
-    first = router.route(healthy, prompt)
-    second = router.route(healthy, prompt)  # nothing indexed yet: the first one's prefill is queued on its engine
-    assert {first.address, second.address} == healthy
-    router.index.apply(1, batch(1, stored(router.block_hashes(prompt, None))))  # b holds the prompt
-    for routed in (first, second):
-        router.first_token(routed)
-        router.release(routed)
+    # Another client's request waiting there, or a KV cache near full, sends the request elsewhere.
+    assert engine_cost(10, 8, 0, EngineLoad(others_waiting=1), 0.5) > engine_cost(10, 0, 0, idle, 0.5)
+    assert engine_cost(10, 8, 0, EngineLoad(kv_cache_usage=0.99), 0.5) > engine_cost(10, 0, 0, idle, 0.5)
+
+
+INFO = engine_pb2.ModelInfo(block_size=BLOCK, enable_prefix_caching=True, prefix_caching_hash_algo="sha256")
+A, B = "a:1", "b:2"
+ENGINES = {A, B}
+
+
+def router_of(policy: str = "prefix-aware", log=None) -> Router:
+    router = Router([A, B], policy, decision_log=log)
+    router.set_model_info(INFO)
+    return router
+
+
+def prompt_of(seed: int, num_blocks: int) -> list[int]:
+    return random.Random(seed).choices(range(3, 512), k=num_blocks * BLOCK)
+
+
+def finish(router: Router, *routed) -> None:
+    for r in routed:
+        router.first_token(r)
+        router.release(r)
+
+
+def test_router_spreads_cold_requests_and_follows_what_it_sent():
+    """Nothing from the engines' events: the router indexes each prompt it sends under its engine at once, so the
+    next turn of a conversation goes there before any BlockStored arrives."""
+    router = router_of()
+    first, second = prompt_of(1, 4), prompt_of(2, 4)
+    routed = [router.route(ENGINES, first), router.route(ENGINES, second)]
+    assert {r.address for r in routed} == ENGINES  # cold: the second is not queued behind the first's prefill
+    finish(router, *routed)
     assert all(load == EngineLoad() for load in router.loads.values())
-    assert router.route(healthy, prompt + [7] * 20).address == "b:2"
-    assert router.route(healthy, prompt, cache_salt="other tenant").address == "a:1"  # a salt makes other blocks
-    assert Router(["a:1", "b:2"], "round-robin").route(healthy, prompt).address == "a:1"
+    for turn in range(2):  # whatever the turn, each conversation's next turn goes where its last one went
+        router.turn = turn
+        later = [router.route(ENGINES, first + [7] * 20), router.route(ENGINES, second + [7] * 20)]
+        assert [r.address for r in later] == [r.address for r in routed]
+        finish(router, *later)
+    # A salt makes other blocks: no engine holds them, and the turn decides.
+    router.turn = router.engines.index(routed[1].address)
+    assert router.route(ENGINES, first, cache_salt="other tenant").address == routed[1].address
+    assert Router([A, B], "round-robin").route(ENGINES, first).address == A
     with pytest.raises(ValueError, match="routing must be one of prefix-aware, least-loaded, round-robin"):
-        Router(["a:1"], "nearest")
+        Router([A], "nearest")
+
+
+def test_a_new_conversation_is_not_piled_onto_an_engine_busy_prefilling():
+    """Two conversations' first turns (cold, long) arrive together: they go to different engines, whichever engine
+    the turn starts from."""
+    for start in range(2):
+        router = router_of()
+        router.turn = start
+        one = router.route(ENGINES, prompt_of(1, 48))
+        two = router.route(ENGINES, prompt_of(2, 48))
+        assert one.address != two.address
+
+
+def test_a_turn_leaves_its_holder_busy_with_another_prefill_when_the_store_has_it():
+    """The engine holding a conversation's history is prefilling another conversation's long first turn; the other
+    engine is idle and the kvstore holds the history: the turn goes to the idle engine, which loads it. Without the
+    store the two cost the same (the holder's queue, or the whole history computed again), and the holder keeps it."""
+    history = prompt_of(1, 48)
+    turn = history + [7] * 2 * BLOCK
+    for in_store in (True, False):
+        router = router_of()
+        hashes = router.block_hashes(history, None)
+        router.index.apply(0, batch(1, stored(hashes)))
+        if in_store:
+            router.index.apply(0, batch(2, stored(hashes, medium="kvstore")))
+        router.turn = 0  # the new conversation's cold prompt goes to A by its turn
+        busy = router.route(ENGINES, prompt_of(2, 48))
+        assert busy.address == A and router.loads[A].prefill_blocks == 48
+        assert router.route(ENGINES, turn).address == (B if in_store else A)
+
+
+def test_the_engine_holding_the_prefix_wins_at_equal_load():
+    """Equal loads: the prompt goes where its prefix is, however cheap the store makes loading it elsewhere."""
+    prompt = prompt_of(3, 10)
+    for load_cost in (None, 0.5, 0.01):
+        router = router_of()
+        hashes = router.block_hashes(prompt, None)
+        router.index.apply(1, batch(1, stored(hashes[:8])))
+        router.index.apply(1, batch(2, stored(hashes[:8], medium="kvstore")))
+        for address in ENGINES:
+            router.update_load(address, engine_pb2.Load(kv_load_cost=load_cost) if load_cost else engine_pb2.Load())
+        for turn in range(2):
+            router.turn = turn
+            routed = router.route(ENGINES, prompt)
+            assert routed.address == B, load_cost
+            router.release(routed)
+
+
+def test_blocks_in_the_store_do_not_bias_the_choice():
+    """The store holds the prompt and neither engine does: each engine gets it in turn at equal load, even when
+    one engine has measured a cheap load cost and the other has not measured it yet; with one engine busier, the
+    other gets it."""
+    prompt = prompt_of(4, 10)
+    router = router_of()
+    hashes = router.block_hashes(prompt, None)
+    router.index.apply(0, batch(1, stored(hashes, medium="kvstore")))
+    router.update_load(A, engine_pb2.Load(kv_load_cost=0.05))
+    router.update_load(B, engine_pb2.Load())
+    chosen = []
+    for turn in range(2):
+        router.turn = turn
+        routed = router.route(ENGINES, prompt)
+        chosen.append(routed.address)
+        router.release(routed)
+        router.index = KVBlockIndex(2)  # forget what was sent: only the store holds the prompt again
+        router.index.apply(0, batch(1, stored(hashes, medium="kvstore")))
+    assert sorted(chosen) == sorted(ENGINES)
+    router.loads[A].num_decoding = 1
+    for turn in range(2):
+        router.turn = turn
+        assert router.route(ENGINES, prompt).address == B
+        router.index = KVBlockIndex(2)
+        router.index.apply(0, batch(1, stored(hashes, medium="kvstore")))
+        router.loads[B] = EngineLoad()
+
+
+def test_polled_queue_lengths_do_not_count_the_gateways_own_requests_again():
+    """GetLoad's waiting and running requests include those this gateway sent, already counted from what it sent:
+    only those beyond them weigh again. So a request of ours waiting at the engine holding the prefix (as one does
+    while the engine looks its blocks up in the store) does not send the next prompt away."""
+    router = router_of()
+    prompt = prompt_of(5, 10)
+    router.index.apply(0, batch(1, stored(router.block_hashes(prompt, None))))
+    router.turn = 0
+    ours = router.route(ENGINES, prompt_of(6, 1))
+    assert ours.address == A  # cold and small: the engine in turn
+    router.update_load(A, engine_pb2.Load(num_waiting=1, num_running=0))  # ours, waiting on its lookup
+    router.update_load(B, engine_pb2.Load(num_waiting=0, num_running=0))
+    assert (router.loads[A].others_waiting, router.loads[A].others_running) == (0, 0)
+    assert router.route(ENGINES, prompt).address == A
+    # One more waiting at A than the gateway sent there: another client's, weighed as a prompt like this one.
+    router.update_load(A, engine_pb2.Load(num_waiting=3, num_running=0))
+    assert (router.loads[A].others_waiting, router.loads[A].others_running) == (1, 0)
+    assert router.route(ENGINES, prompt).address == B
+    # Running ones beyond the gateway's weigh as decoding requests.
+    router.update_load(B, engine_pb2.Load(num_waiting=1, num_running=3))
+    assert (router.loads[B].others_waiting, router.loads[B].others_running) == (0, 3)
+
+
+def test_the_decision_log_has_each_choice_and_what_it_weighed():
+    log = io.StringIO()
+    router = router_of(log=log)
+    prompt = prompt_of(7, 6)
+    router.index.apply(1, batch(1, stored(router.block_hashes(prompt, None)[:4])))
+    router.apply_events(B, engine_pb2.KvEventBatch(sequence_number=2, timestamp=time.time() - 0.25))
+    router.update_load(A, engine_pb2.Load(num_waiting=1, num_running=1, kv_load_cost=0.2))
+    routed = router.route(ENGINES, prompt)
+    least_loaded = router_of("least-loaded", log=log)
+    least_loaded.route(ENGINES, prompt)
+    first, second = [json.loads(line) for line in log.getvalue().splitlines()]
+    assert first["policy"] == "prefix-aware" and first["engine"] == routed.address == B and first["blocks"] == 6
+    assert first["kv_load_cost"] == pytest.approx(0.2)
+    a, b = first["engines"][A], first["engines"][B]
+    assert (a["local_blocks"], b["local_blocks"], b["store_blocks"]) == (0, 4, 0)
+    assert (a["others_waiting"], a["others_running"]) == (1, 1)
+    assert a["cost"] == pytest.approx(6 + 6 + 1) and b["cost"] == pytest.approx(2)
+    assert b["event_lag_ms"] >= 250 and a["event_lag_ms"] == 0
+    # The other policies log what they weighed too: what the router knows it sent (no events without prefix-aware).
+    assert second["policy"] == "least-loaded" and set(second["engines"]) == ENGINES
 
 
 # ---- against real engines ---------------------------------------------------------------------------------
@@ -170,7 +320,7 @@ def test_gateway_hashes_equal_the_engines(tiny_model):
     flags = ["--model", path, "--kv-cache-memory", "8MiB", "--enable-kv-cache-events", "--block-size", "8"]
     flags += ["--prefix-caching-hash-algo", "blake2b", "--prefix-caching-hash-seed", "deployment-7"]
     prompt = random.Random(0).choices(range(3, 512), k=45)  # 5 full blocks of 8
-    with InProcessService("engine", flags) as engine, grpc.insecure_channel(engine.address) as channel:
+    with InProcessService("engine", flags) as engine, mesh_channel(engine.address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         router = Router([engine.address])
         router.set_model_info(stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=30))
@@ -203,7 +353,7 @@ def test_a_new_subscriber_starts_from_the_engines_cached_blocks(tiny_model):
     rng = random.Random(7)
     first, second = rng.choices(range(3, 512), k=5 * BLOCK + 3), rng.choices(range(3, 512), k=2 * BLOCK + 3)
     params = client.sampling_params(temperature=0.0, max_tokens=1)
-    with InProcessService("engine", flags) as engine, grpc.insecure_channel(engine.address) as channel:
+    with InProcessService("engine", flags) as engine, mesh_channel(engine.address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
         router = Router([engine.address])
         router.set_model_info(stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=30))
@@ -407,7 +557,7 @@ def test_engine_killed_mid_decode_its_request_migrates(mesh, tiny_model):
 
 
 def num_running(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
+    with mesh_channel(address) as channel:
         return engine_pb2_grpc.EngineStub(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=30).num_running
 
 
@@ -424,7 +574,7 @@ def test_serve_starts_engine_replicas_that_share_one_kvstore(tiny_model):
             services[name] = address
         assert set(services) == {"redis-server", "kvstore", "engine", "engine-2", "tokenizer", "detokenizer", "gateway"}
         for name in ("engine", "engine-2"):
-            with grpc.insecure_channel(services[name]) as channel:
+            with mesh_channel(services[name]) as channel:
                 info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=30)
             assert info.enable_kv_cache_events, name
         prompt = random.Random(5).choices(range(3, 512), k=40)
@@ -448,7 +598,9 @@ class StoppingEngine:
         self.server.add_generic_rpc_handlers(
             [grpc.method_handlers_generic_handler("llmmesh.v1.Engine", {"Generate": handler})]
         )
-        port = self.server.add_insecure_port("127.0.0.1:0")
+        # An engine of the mesh: the gateway reaches it over mutual TLS, as it reaches the others.
+        credentials = mesh_credentials_of("engine").server_credentials()
+        port = self.server.add_secure_port("127.0.0.1:0", credentials)
         self.server.start()
         return f"127.0.0.1:{port}"
 
@@ -481,7 +633,8 @@ def test_a_request_whose_engine_is_gone_goes_to_another(tiny_model, how):
 async def generate_with_a_stale_health_view(gone, live, tokenizer, detokenizer, prompt):
     """A gateway in this process whose view of the engines' health is set by hand (no monitor runs): round-robin
     first tries `gone`. The reply through both engines, the router, and the error with only `gone` healthy."""
-    deps = Dependencies([gone, live], tokenizer, detokenizer, routing="round-robin")
+    credentials = mesh_credentials_of("gateway")
+    deps = Dependencies([gone, live], tokenizer, detokenizer, routing="round-robin", credentials=credentials)
     deps.healthy_engines = {live}
     await deps.load_model_info()
     server = grpc.aio.server()

@@ -13,12 +13,11 @@ import stat
 import struct
 import time
 
-import grpc
 import pytest
 import torch
 
 import mesh.sampler.remote as remote
-from conftest import SERVING, InProcessService, freeze, wait_for_health
+from conftest import SERVING, InProcessService, freeze, mesh_channel, wait_for_health
 from engine import LLM, SamplingParams
 from engine.request import Request
 from engine.sample.sampler import LocalSampler, SamplerUnavailableError
@@ -288,7 +287,7 @@ def test_the_raw_stream_refuses_a_step_socket_it_cannot_reach(sampler):
             )
             yield second
 
-        with grpc.insecure_channel(sampler.address) as channel:
+        with mesh_channel(sampler.address) as channel:
             replies = list(sampler_pb2_grpc.SamplerStub(channel).Sample(messages(), timeout=30))
     finally:
         slots.close()

@@ -24,6 +24,7 @@ from conftest import (
     InProcessService,
     assert_no_leaks,
     freeze,
+    mesh_channel,
     wait_for_health,
     wait_until,
 )
@@ -266,7 +267,7 @@ def test_an_offer_the_sampler_cannot_map_keeps_the_bytes(sampler, name):
     """As from another host (no such segment here), or a name that is not a segment's: the answer is bytes, and
     the stream goes on with them."""
     offer = sampler_pb2.SharedMemoryOffer(name=name, num_slots=2, slot_bytes=4096, token=bytes(16))
-    with grpc.insecure_channel(sampler.address) as channel:
+    with mesh_channel(sampler.address) as channel:
         stub = sampler_pb2_grpc.SamplerStub(channel)
         first, second = stub.Sample(iter([step(shared_memory=offer), sampler_pb2.SampleStep(step_id=2, **GOOD)]))
     assert first.logits_form == sampler_pb2.LOGITS_FORM_BYTES
@@ -463,7 +464,7 @@ SHARED = sampler_pb2.SharedLogits(slot=0, generation=1, dtype="float32", shape=[
     ],
 )
 def test_bad_messages_are_invalid_argument_naming_the_field(sampler, fields, named):
-    with grpc.insecure_channel(sampler.address) as channel:
+    with mesh_channel(sampler.address) as channel:
         stub = sampler_pb2_grpc.SamplerStub(channel)
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Sample(iter([step(**fields)]), timeout=30))
@@ -503,7 +504,7 @@ def test_a_request_with_bad_parameters_fails_its_row_alone(sampler, params, name
         new_token_ids=[7],
         logits=tensor_to_proto(torch.arange(8.0).view(1, 8)),
     )
-    with grpc.insecure_channel(sampler.address) as channel:
+    with mesh_channel(sampler.address) as channel:
         replies = list(sampler_pb2_grpc.SamplerStub(channel).Sample(iter([first, second]), timeout=30))
     assert replies[0].sampled_token_ids[0] == 7
     [failed] = replies[0].failed
@@ -514,7 +515,7 @@ def test_a_request_with_bad_parameters_fails_its_row_alone(sampler, params, name
 def test_state_carries_across_steps_and_finished_requests_are_forgotten(sampler):
     vocab = 8
     logits = tensor_to_proto(torch.zeros(1, vocab))
-    with grpc.insecure_channel(sampler.address) as channel:
+    with mesh_channel(sampler.address) as channel:
         stub = sampler_pb2_grpc.SamplerStub(channel)
         messages = [
             # min_tokens=2 bans EOS (7) until two tokens are out; a repetition of token 3 is penalised.
@@ -567,7 +568,7 @@ def mesh():
 
 @pytest.fixture(scope="module")
 def engine(mesh):
-    return engine_pb2_grpc.EngineStub(grpc.insecure_channel(mesh.services["engine"].address))
+    return engine_pb2_grpc.EngineStub(mesh_channel(mesh.services["engine"].address))
 
 
 def until_served(mesh, prompt, params, attempts=50):

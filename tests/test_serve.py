@@ -20,7 +20,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from conftest import NOT_SERVING, SERVING, wait_for_health
+from conftest import NOT_SERVING, SERVING, mesh_channel, wait_for_health
 from engine.config import EngineArgs
 from engine.limits import RequestLimits
 from llmmesh.v1 import (
@@ -107,6 +107,8 @@ def test_every_flag_of_serve_reaches_each_service_that_takes_it(monkeypatch):
 
     for name, value in supervisor.telemetry_env(args).items():
         monkeypatch.setenv(name, value)
+    # A key never goes on a command line: the gateway inherits serve's environment, where it is.
+    monkeypatch.setenv("LLMMESH_API_KEY", chosen["api_key"][1])
 
     def passed_on(service: str, dest: str) -> bool:
         if dest == "host":  # the services behind the gateway listen on loopback
@@ -164,13 +166,14 @@ SERVING_LINE = r"llmmesh serve: the (\S+) is serving(?: again)?: (\S+) \(pid (\d
 class Serve:
     """`llmmesh serve FLAGS` as a child process; its output (stdout and stderr) read line by line as it comes."""
 
-    def __init__(self, flags: list[str]):
+    def __init__(self, flags: list[str], env: dict | None = None):
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "serve", *flags],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            env=None if env is None else {**os.environ, **env},
         )
         self.lines: list[str] = []
         self.cursor = 0  # expect() looks from here on
@@ -235,7 +238,8 @@ def serve(prometheus_config):
             "--prometheus-config",
             str(prometheus_config),
             *limits,
-        ]
+        ],
+        env={"LLMMESH_HOST": "0.0.0.0"},  # as the Docker image sets it
     )
     try:
         while len(process.services) < 5:  # the engine, tokenizer, detokenizer, sampler and gateway
@@ -243,9 +247,22 @@ def serve(prometheus_config):
             process.services[name] = (address, int(pid), metrics)
         process.expect("wrote a Prometheus scrape configuration for 5 services to " + re.escape(str(prometheus_config)))
         process.address = process.expect(r"llmmesh gateway listening on (\S+)").group(1)
+        process.hosts = {name: address.rsplit(":", 1)[0] for name, (address, _, _) in process.services.items()}
+        # Reached on loopback from here, a name its certificate carries (0.0.0.0 is none).
+        process.address = process.address.replace("0.0.0.0:", "127.0.0.1:")
+        address, pid, metrics = process.services["gateway"]
+        process.services["gateway"] = (address.replace("0.0.0.0:", "127.0.0.1:"), pid, metrics)
         yield process
     finally:
         process.stop()
+
+
+def test_in_the_docker_images_environment_only_the_gateway_listens_beyond_loopback(serve):
+    """LLMMESH_HOST=0.0.0.0 (the image's) reaches the gateway; every service behind it binds loopback all the same."""
+    assert serve.hosts == {
+        "gateway": "0.0.0.0",
+        **{n: "127.0.0.1" for n in ("engine", "tokenizer", "detokenizer", "sampler")},
+    }
 
 
 def test_prometheus_config_names_every_service_and_log_level_reaches_them(serve, prometheus_config):
@@ -293,9 +310,9 @@ def test_each_limit_flag_is_in_force_at_the_gateway_engine_and_text_services(ser
     engine_address, tokenizer_address, detokenizer_address = (
         serve.services[n][0] for n in ("engine", "tokenizer", "detokenizer")
     )
-    engine = engine_pb2_grpc.EngineStub(grpc.insecure_channel(engine_address))
-    vllm = vllm_engine_pb2_grpc.VllmEngineStub(grpc.insecure_channel(engine_address))
-    tokenizer = tokenizer_pb2_grpc.TokenizerStub(grpc.insecure_channel(tokenizer_address))
+    engine = engine_pb2_grpc.EngineStub(mesh_channel(engine_address))
+    vllm = vllm_engine_pb2_grpc.VllmEngineStub(mesh_channel(engine_address, "router"))
+    tokenizer = tokenizer_pb2_grpc.TokenizerStub(mesh_channel(tokenizer_address))
     ids = {"prompt_token_ids": [1, 2, 3], "request_id": "r"}
     vllm_ids = {"tokenized": vllm_engine_pb2.TokenizedInput(input_ids=[1, 2, 3]), "request_id": "r"}
 
@@ -331,7 +348,7 @@ def test_each_limit_flag_is_in_force_at_the_gateway_engine_and_text_services(ser
     refused("max_batch", tokenizer.TokenizeBatch, tokenizer_pb2.TokenizeBatchRequest(requests=batch))
 
     # The detokenizer: a batch past --max-batch ends its stream; an item past another limit fails alone.
-    detokenizer = detokenizer_pb2_grpc.DetokenizerStub(grpc.insecure_channel(detokenizer_address))
+    detokenizer = detokenizer_pb2_grpc.DetokenizerStub(mesh_channel(detokenizer_address))
     closes = [detokenizer_pb2.DetokenizeItem(request_id=f"c{i}", close=True) for i in range(over("max_batch"))]
     refused("max_batch", detokenizer.Detokenize, iter([detokenizer_pb2.DetokenizeBatch(items=closes)]))
 
@@ -355,7 +372,7 @@ def test_engine_killed_mid_stream_is_restarted_and_serves_the_same(serve):
     address, pid, metrics = serve.services["engine"]
     stream = generate(serve.address, PROMPT, timeout=WAIT_S, **LONG)
     next(stream), next(stream)  # it is running in the engine
-    with grpc.insecure_channel(serve.address) as channel:
+    with mesh_channel(serve.address) as channel:
         # Watched from before the kill, so no state the gateway goes through is missed.
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=WAIT_S)
         assert next(watch).status == SERVING
@@ -383,6 +400,7 @@ def test_gateway_killed_comes_back_on_its_ports(serve):
     os.kill(pid, signal.SIGKILL)
     serve.expect(r"the gateway exited \(killed by SIGKILL\)")
     name, new_address, new_pid, new_metrics = serve.expect(SERVING_LINE).groups()
+    new_address = new_address.replace("0.0.0.0:", "127.0.0.1:")
     assert (name, new_address, new_metrics) == ("gateway", address, metrics)
     serve.services["gateway"] = (address, int(new_pid), metrics)
     wait_for_health(address, SERVING)

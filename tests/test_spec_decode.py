@@ -11,7 +11,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from conftest import HFReference, InProcessService, assert_greedy_matches, assert_no_leaks, run_to_completion
+from conftest import (
+    HFReference,
+    InProcessService,
+    assert_greedy_matches,
+    assert_no_leaks,
+    mesh_channel,
+    run_to_completion,
+)
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.request import Request, SamplingParams
@@ -474,7 +481,7 @@ def wire_step(**fields):
 def test_bad_drafts_on_the_wire_are_invalid_argument_naming_the_field(fields, named):
     from llmmesh.v1 import sampler_pb2_grpc
 
-    with InProcessService("sampler") as sampler, grpc.insecure_channel(sampler.address) as channel:
+    with InProcessService("sampler") as sampler, mesh_channel(sampler.address) as channel:
         stub = sampler_pb2_grpc.SamplerStub(channel)
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Sample(iter([wire_step(**fields)]), timeout=30))
@@ -564,7 +571,7 @@ def test_the_engines_metrics_count_drafts_as_vllm_names_them(models):
     root, _, _ = models
     flags = ["--model", root / "target", "--kv-cache-memory", "4MiB", "--metrics-port", "0"]
     flags += ["--speculative-config", json.dumps(specs(root)["self_draft"])]
-    with InProcessService("engine", flags) as service, grpc.insecure_channel(service.address) as channel:
+    with InProcessService("engine", flags) as service, mesh_channel(service.address) as channel:
         params = common_pb2.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
         request = engine_pb2.EngineGenerateRequest(
             request_id="r", prompt_token_ids=PROMPTS["random"], sampling_params=params

@@ -17,7 +17,7 @@ import pytest
 import redis
 import torch
 
-from conftest import NOT_SERVING, InProcessService, assert_no_leaks, run_greedy, wait_for_health
+from conftest import InProcessService, assert_no_leaks, mesh_channel, run_greedy
 from engine.attention.selector import get_attn_backend
 from engine.config import EngineArgs
 from engine.core import EngineCore
@@ -301,9 +301,9 @@ def test_a_rank_killed_mid_step_ends_the_engine_with_an_error_naming_it(tiny_mod
         engine.shutdown()
 
 
-def test_a_rank_killed_makes_the_engine_service_not_serving_and_fails_its_streams(tiny_model):
+def test_a_rank_killed_fails_the_engine_service_streams_and_ends_it(tiny_model):
     flags = ["--model", tiny_model, "--dtype", "float32", "--kv-cache-memory", "16MiB", "--tensor-parallel-size", 2]
-    with InProcessService("engine", flags) as service, grpc.insecure_channel(service.address) as channel:
+    with InProcessService("engine", flags) as service, mesh_channel(service.address) as channel:
         (rank1,) = _rank_processes()
         params = client.sampling_params(temperature=0.0, max_tokens=200, ignore_eos=True)
         stream = engine_pb2_grpc.EngineStub(channel).Generate(
@@ -316,15 +316,15 @@ def test_a_rank_killed_makes_the_engine_service_not_serving_and_fails_its_stream
                 pass
         assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "tensor-parallel rank 1 is gone" in failure.value.details()
-        wait_for_health(service.address, NOT_SERVING, timeout=30, service="llmmesh.v1.Engine")
+        assert service.wait_exit() == 1  # a dead engine ends, to be restarted
 
 
-def test_a_rank_killed_while_idle_makes_health_not_serving(tiny_model):
+def test_a_rank_killed_while_idle_ends_the_engine_service(tiny_model):
     flags = ["--model", tiny_model, "--dtype", "float32", "--kv-cache-memory", "16MiB", "--tensor-parallel-size", 2]
     with InProcessService("engine", flags) as service:
         (rank1,) = _rank_processes()
         os.kill(rank1, signal.SIGKILL)
-        wait_for_health(service.address, NOT_SERVING, timeout=30, service="llmmesh.v1.Engine")
+        assert service.wait_exit() == 1
 
 
 def test_collective_rpc_runs_on_every_rank_and_an_error_leaves_them_in_step(tiny_model):

@@ -8,7 +8,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from conftest import InProcessService
+from conftest import InProcessService, mesh_channel
 from engine.models.loader import load_config
 from engine.text import Tokenizer
 from engine.text.detokenizer import REPLACEMENT_CHAR
@@ -56,7 +56,7 @@ def test_sigterm_stops_the_processes_cleanly():
 
 @pytest.fixture(scope="module")
 def channels(addresses):
-    chans = {name: grpc.insecure_channel(address) for name, address in addresses.items()}
+    chans = {name: mesh_channel(address) for name, address in addresses.items()}
     yield chans
     for chan in chans.values():
         chan.close()
@@ -168,7 +168,7 @@ def test_request_chat_template_only_when_trusted(tokenizer_stub, tok):
     assert details.startswith("chat.chat_template") and "trust-request-chat-template" in details
     with (
         InProcessService("tokenizer", ["--trust-request-chat-template"]) as trusting,
-        grpc.insecure_channel(trusting.address) as channel,
+        mesh_channel(trusting.address) as channel,
     ):
         reply = tokenizer_pb2_grpc.TokenizerStub(channel).Tokenize(custom)
     assert reply.prompt == "[system:Be brief.][user:Name a colour 🎨]"
@@ -417,11 +417,11 @@ def test_the_gateways_stream_splits_a_turn_into_batches_the_detokenizer_takes(to
     item is answered, and the shared stream stays open (one over-full batch would end it for every request)."""
     import asyncio
 
+    from conftest import aio_mesh_channel
     from services.detokenizer_client import DetokenizerStream
-    from services.server import channel
 
     async def run(address):
-        async with channel(address) as chan:
+        async with aio_mesh_channel(address, server="detokenizer") as chan:
             stream = DetokenizerStream(detokenizer_pb2_grpc.DetokenizerStub(chan), address, max_batch=2)
             results: asyncio.Queue = asyncio.Queue()
             ids = [f"r{i}" for i in range(5)]

@@ -25,9 +25,10 @@ IMAGE_TOKEN = VOCAB - 1  # "<image>"
 NUM_IMAGE_TOKENS = 16
 
 
-def save_tiny_llava(path):
-    """A random LLaVA (CLIP tower, projector, Llama) with a word-level tokenizer ("<i>" is id i, "<image>" the image
-    token) and a CLIP image processor, saved to path; the transformers model."""
+def save_tiny_llava(path, tower: str = "clip"):
+    """A random LLaVA (a CLIP or SigLIP tower, projector, Llama) with a word-level tokenizer ("<i>" is id i,
+    "<image>" the image token) and an image processor, saved to path; the transformers model. The SigLIP tower (no
+    class token) keeps every patch ("full") from its last layer, before its post-layernorm."""
     import transformers
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
@@ -42,16 +43,24 @@ def save_tiny_llava(path):
         "{% for m in messages %}{% if m.content is string %}{{ m.content }} {% else %}{% for p in m.content %}"
         "{% if p.type == 'image' %}<image> {% else %}{{ p.text }} {% endif %}{% endfor %}{% endif %}{% endfor %}"
     )
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=56, patch_size=14
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=56,
+                 patch_size=14)  # fmt: skip
+    siglip = tower == "siglip"
+    # SigLIP's pooling head is built and saved, and never read.
+    vision = (
+        transformers.SiglipVisionConfig(**shape, vision_use_head=True)
+        if siglip
+        else transformers.CLIPVisionConfig(**shape)
     )
+    strategy = "full" if siglip else "default"
     text = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.5, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     config = transformers.LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN, image_seq_length=NUM_IMAGE_TOKENS
-    )
+        vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN, image_seq_length=NUM_IMAGE_TOKENS,
+        vision_feature_select_strategy=strategy, vision_feature_layer=-1 if siglip else -2,
+    )  # fmt: skip
     config.initializer_range = 0.5
     torch.manual_seed(0)
     model = transformers.LlavaForConditionalGeneration(config).eval()
@@ -63,9 +72,9 @@ def save_tiny_llava(path):
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=14,
-        vision_feature_select_strategy="default",
+        vision_feature_select_strategy=strategy,
         image_token="<image>",
-        num_additional_image_tokens=1,
+        num_additional_image_tokens=0 if siglip else 1,
         chat_template=tokenizer.chat_template,
     )
     processor.save_pretrained(path)
@@ -85,20 +94,22 @@ def image(seed: int, size=(40, 50)):
 
 
 class WithImages:
-    """A transformers model whose generate() also gets the processor's pixel_values, for HFReference."""
+    """A transformers model whose generate() also gets the processor's other outputs (pixel_values; Gemma 3's
+    token_type_ids), for HFReference."""
 
-    def __init__(self, model, pixel_values):
-        self.model, self.pixel_values, self.device = model, pixel_values, model.device
+    def __init__(self, model, inputs: dict):
+        self.model, self.inputs, self.device = model, inputs, model.device
 
     def generate(self, ids, **kwargs):
-        return self.model.generate(ids, pixel_values=self.pixel_values, **kwargs)
+        return self.model.generate(ids, **self.inputs, **kwargs)
 
 
 def hf_greedy(model, processor, prompt: str, images: list, max_new_tokens: int):
     """The prompt's token ids as the processor expands them, and transformers' greedy tokens and logits."""
     inputs = processor(text=[prompt], images=images or None, return_tensors="pt")
     prompt_ids = inputs["input_ids"][0].tolist()
-    reference = HFReference(WithImages(model, inputs.get("pixel_values")) if images else model)
+    extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    reference = HFReference(WithImages(model, extra) if images else model)
     return prompt_ids, *reference.greedy(prompt_ids, max_new_tokens)
 
 
@@ -127,6 +138,21 @@ def test_llava_greedy_matches_transformers_with_0_to_3_images(llava, chunk):
         assert_greedy_matches(output.outputs[0].token_ids, reference, logits, f"{len(images)} images, chunk {chunk}")
     stats = llm.engine.scheduler.encoder_cache_manager.stats
     assert stats.computed == 6  # each distinct image once, however many chunks its placeholders spread over
+    assert_no_leaks(llm.engine)
+
+
+def test_llava_with_a_siglip_tower_matches_transformers(tmp_path):
+    """Two images in a prompt, one across a prefill chunk boundary; SigLIP's pooling head in the checkpoint is
+    skipped."""
+    model, processor = save_tiny_llava(tmp_path, "siglip")
+    llm = make_llm(tmp_path, max_num_batched_tokens=12, max_num_encoder_input_tokens=32, encoder_cache_size=32)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = PROMPTS[:3]
+    outputs = llm.generate([{"prompt": p, "multi_modal_data": {"image": im}} for p, im in prompts], params)
+    for (prompt, images), output in zip(prompts, outputs):
+        prompt_ids, reference, logits = hf_greedy(model, processor, prompt, images, 8)
+        assert output.prompt_token_ids == prompt_ids
+        assert_greedy_matches(output.outputs[0].token_ids, reference, logits, f"SigLIP, {len(images)} images")
     assert_no_leaks(llm.engine)
 
 
@@ -272,7 +298,7 @@ def test_core_refuses_placeholders_that_do_not_match_the_images(llava):
 def test_a_text_only_model_refuses_images(tiny_llama_dir):
     engine = EngineCore(EngineArgs(model=str(tiny_llama_dir), kv_cache_memory="8MiB", block_size=8))
     feature_like = type("F", (), {})()
-    with pytest.raises(ValueError, match=r"multi_modal_data: the model takes no images"):
+    with pytest.raises(ValueError, match=r"multi_modal_data.image: the model takes no images"):
         Processor.for_engine(engine).process_inputs("r", [5, 6], SamplingParams(), mm_features=[feature_like])
 
 

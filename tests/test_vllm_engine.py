@@ -13,7 +13,7 @@ from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 from test_engine_service import KV_CACHE_MEMORY, llm  # noqa: F401 (llm is a fixture)
 
-from conftest import InProcessService
+from conftest import InProcessService, aio_mesh_channel, mesh_channel
 from engine import SamplingParams
 
 PROMPT = "Write one sentence about the sea:"
@@ -28,7 +28,7 @@ def engine_address():
 
 @pytest.fixture(scope="module")
 def stub(engine_address):
-    with grpc.insecure_channel(engine_address) as channel:
+    with mesh_channel(engine_address, "router") as channel:
         yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
 
 
@@ -45,7 +45,7 @@ def offline(llm, prompt_ids, **params):
 
 
 def test_health_and_info(engine_address, stub, llm):
-    with grpc.insecure_channel(engine_address) as channel:
+    with mesh_channel(engine_address) as channel:
         status = (
             health_pb2_grpc.HealthStub(channel)
             .Check(health_pb2.HealthCheckRequest(service="vllm.grpc.engine.VllmEngine"))
@@ -178,7 +178,7 @@ def test_kv_events_stream_stored_blocks(engine_address, llm):
     prompt = llm.tokenizer.encode("Kv events test: " + "alpha beta gamma delta " * 8)[:40]
 
     async def run():
-        async with grpc.aio.insecure_channel(engine_address) as channel:
+        async with aio_mesh_channel(engine_address, "router") as channel:
             stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
             events = stub.SubscribeKvEvents(smg_common_pb2.SubscribeKvEventsRequest())
             await events.initial_metadata()  # the engine answers once it has subscribed us

@@ -36,6 +36,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # What the backend's prepare() derived from the above once per step, for every layer to share.
     plan: Any = None
+    # A prefix-LM model's images (Gemma 3): request row -> the [start, end) positions of each image whose
+    # placeholders this step's tokens touch; a query there also sees the keys of its own image that follow it.
+    mm_prefix_range: dict[int, list[tuple[int, int]]] | None = None
 
 
 def layer_metadata(
@@ -54,8 +57,8 @@ class AttentionBackend:
     name = "base"
     # Whether a step can be captured in a CUDA graph: launches that depend only on tensor shapes.
     cudagraph_support = False
-    # What forward() implements beyond causal attention: "sliding_window", "logits_soft_cap", "sinks"; "mla":
-    # forward_mla().
+    # What forward() implements beyond causal attention: "sliding_window", "logits_soft_cap", "sinks",
+    # "mm_prefix" (AttentionMetadata.mm_prefix_range); "mla": forward_mla().
     features: frozenset[str] = frozenset()
 
     def kv_cache_dtypes(self, device: torch.device) -> tuple[torch.dtype, ...]:

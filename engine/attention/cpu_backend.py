@@ -1,6 +1,8 @@
 """Attention backend on the C++ CPU kernel (kernels/cpu/paged_attention.cpp): one reshape_and_cache and
 one paged_attention call per layer for the whole mixed batch, reading K/V in place through the block table
-(no per-layer gather, unlike the torch backend). Sliding-window layers read only their window's blocks.
+(no per-layer gather, unlike the torch backend). Sliding-window layers read only their window's blocks. A step
+whose tokens include a prefix-LM model's image placeholders (mm_prefix_range) runs on the torch backend: the
+kernel's mask is causal.
 
 Multi-head latent attention decodes on kernels/cpu/mla_decode.cpp, in the absorbed form over the latent cache read in
 place; its prefill rows (compute-bound) are up-projected in torch, as the torch backend does them.
@@ -17,7 +19,7 @@ from kernels.reference import to_cache_dtype
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
     cudagraph_support = False
-    features = frozenset({"sliding_window", "logits_soft_cap", "mla", "sinks"})
+    features = frozenset({"sliding_window", "logits_soft_cap", "mla", "sinks", "mm_prefix"})
 
     def __init__(self, block_size: int):
         # Imported here: loading may build the kernel, which only this backend needs.
@@ -25,7 +27,7 @@ class CpuAttentionBackend(AttentionBackend):
 
         self.block_size = block_size
         self._ops = load()
-        self._torch = TorchAttentionBackend(block_size)  # plans MLA's prefill rows
+        self._torch = TorchAttentionBackend(block_size)  # plans MLA's prefill rows; runs steps with images both ways
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         metadata.plan = None  # MLA's prefill plan, made by the step's first layer
@@ -42,6 +44,10 @@ class CpuAttentionBackend(AttentionBackend):
         logits_soft_cap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if metadata.mm_prefix_range:
+            return self._torch.forward(
+                query, key, value, kv_cache, metadata, scale, sliding_window, logits_soft_cap, sinks
+            )
         k_cache, v_cache = kv_cache
         n = metadata.num_actual_tokens
         key, value = to_cache_dtype(key[:n], k_cache.dtype), to_cache_dtype(value[:n], v_cache.dtype)

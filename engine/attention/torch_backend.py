@@ -66,7 +66,7 @@ class PrefillRow:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
-    features = frozenset({"sliding_window", "logits_soft_cap", "sinks", "mla"})
+    features = frozenset({"sliding_window", "logits_soft_cap", "sinks", "mla", "mm_prefix"})
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -77,7 +77,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _plan(self, metadata: AttentionMetadata, window: int | None):
         """Groups, block tables and masks for the step; every layer of the same window reuses them. A key at
-        position k is visible to a query at q when k <= q and, in a window W, k > q - W (Hugging Face's rule)."""
+        position k is visible to a query at q when k <= q or both lie in one image's range (mm_prefix_range), and,
+        in a window W, k > q - W (Hugging Face's rule). A decode row needs no image range: no key follows it."""
         bs, dev, nd = self.block_size, metadata.block_table.device, metadata.num_decodes
         decodes = []
         for rows in decode_groups(metadata.seq_lens_cpu[:nd], bs) if nd else []:
@@ -94,12 +95,15 @@ class TorchAttentionBackend(AttentionBackend):
             start, end = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
             seq_len = metadata.seq_lens_cpu[i]
             num_cached = seq_len - (end - start)
-            if num_cached == 0 and window is None:
+            images = (metadata.mm_prefix_range or {}).get(i, ())
+            if num_cached == 0 and window is None and not images:
                 prefills.append(PrefillRow(start, end, None, None))
                 continue
             q_pos = torch.arange(num_cached, seq_len, device=dev)[:, None]
             k_pos = torch.arange(seq_len, device=dev)[None, :]
             mask = k_pos <= q_pos
+            for lo, hi in images:
+                mask |= (q_pos >= lo) & (q_pos < hi) & (k_pos >= lo) & (k_pos < hi)
             if window is not None:
                 mask &= k_pos > q_pos - window
             blocks = metadata.block_table[i, : -(seq_len // -bs)] if num_cached else None

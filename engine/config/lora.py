@@ -1,5 +1,6 @@
 """LoRAConfig: vLLM's multi-LoRA settings."""
 
+import os
 from dataclasses import dataclass
 
 from engine.config.utils import check_choices, setting
@@ -29,6 +30,16 @@ class LoRAConfig:
         None,
         help="adapters kept in host memory (one evicted is read again from its directory); unset: --max-loras",
     )
+    allow_runtime_lora_updating: bool = setting(
+        False,
+        help="(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING) let callers load and unload adapters while the engine runs "
+        "(LoadLoraAdapter, UnloadLoraAdapter), from directories under --lora-root only; needs --enable-lora",
+    )
+    lora_root: str | None = setting(
+        None,
+        help="the directory adapters loaded at run time must be under, judged on the resolved path (a symlink "
+        "out of it is refused); a relative lora_path is taken from here",
+    )
     lora_dtype: str = setting(
         "auto",
         choices=LORA_DTYPES,
@@ -47,6 +58,12 @@ class LoRAConfig:
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora).")
         self.get_lora_modules()  # checks the entries
+        if self.allow_runtime_lora_updating and not self.enable_lora:
+            raise ValueError("allow_runtime_lora_updating needs enable_lora (--enable-lora).")
+        if self.allow_runtime_lora_updating and not self.lora_root:
+            raise ValueError("allow_runtime_lora_updating needs lora_root, the directory adapters may be loaded from.")
+        if self.lora_root is not None and not os.path.isdir(self.lora_root):
+            raise ValueError(f"lora_root must be a directory, got {self.lora_root!r}.")
 
     def get_lora_modules(self) -> dict[str, str]:
         """--lora-modules as adapter name -> PEFT directory."""
@@ -62,3 +79,14 @@ def parse_lora_modules(entries: list[str] | None) -> dict[str, str]:
             raise ValueError(f"lora_modules entries must be distinct NAME=PATH, got {entry!r}.")
         modules[name] = path
     return modules
+
+
+def runtime_lora_path(lora_root: str, lora_path: str) -> str:
+    """A runtime load's adapter directory: lora_path (taken from lora_root when relative) resolved, symlinks and
+    all, and refused unless it is lora_root or under it. The refusal names no path, and is the same whether or not
+    the directory exists, so it tells a caller nothing of the server's files."""
+    root = os.path.realpath(lora_root)
+    resolved = os.path.realpath(os.path.join(root, lora_path))
+    if os.path.commonpath([root, resolved]) != root or not os.path.isdir(resolved):
+        raise ValueError("lora_path: no adapter directory of that name under --lora-root.")
+    return resolved

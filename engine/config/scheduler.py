@@ -17,6 +17,11 @@ class SchedulerConfig:
         choices=("fcfs", "priority"),
         help="fcfs (first come, first served) or priority (lowest priority value first)",
     )
+    max_waiting_requests: int = setting(
+        1024,
+        help="requests that may wait beyond the --max-num-seqs that run: one more is refused (RESOURCE_EXHAUSTED "
+        "through the services) rather than queued without bound",
+    )
     long_prefill_token_threshold: int = setting(0, help="cap on one request's prefill chunk per step; 0: no cap")
     watermark: float = setting(
         0.0, help="share of the KV-cache blocks held back from new requests, so running ones can grow"
@@ -39,6 +44,8 @@ class SchedulerConfig:
     )
 
     def __post_init__(self):
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
         if self.max_num_encoder_input_tokens is None:
             self.max_num_encoder_input_tokens = self.max_num_batched_tokens
         if self.encoder_cache_size is None:
@@ -52,10 +59,10 @@ class SchedulerConfig:
                 f"encoder_cache_size ({self.encoder_cache_size}) must be at least max_num_encoder_input_tokens "
                 f"({self.max_num_encoder_input_tokens}): a step's images must fit the cache."
             )
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}.")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}.")
         if not 0.0 <= self.watermark < 1.0:

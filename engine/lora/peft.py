@@ -1,12 +1,14 @@
 """Reading a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) and checking it against the model.
 
-Every refusal is a ValueError naming the adapter and what is wrong: a missing or unreadable file, a rank above
---max-lora-rank, a target module we do not serve, a tensor whose shape is not this base model's.
+Every refusal is a ValueError naming the adapter and what is wrong (a file by its name, never its directory): a
+missing or unreadable file, one larger than its rank and target modules allow (checked before it is read), a rank
+above --max-lora-rank, a target module we do not serve, a tensor whose shape is not this base model's.
 """
 
 import hashlib
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,8 @@ SUPPORTED_TARGET_MODULES = (
 # rows) is theirs with A shared and B cut by their rows, which is how it is served: each tensor-parallel rank then
 # takes its rows of each, as of the fused weight.
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
+HEADER_BYTES_PER_TENSOR = 256  # a safetensors header's entry: the key, dtype, shape and offsets, as JSON
 # PEFT's key for one LoRA matrix: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight")
 
@@ -67,13 +71,70 @@ def module_shapes(cfg: ModelArchConfig) -> dict[str, tuple[int, int]]:
     }
 
 
+def _read_bounded(name: str, file: Path, max_bytes: int, what: str) -> bytes:
+    """A file of at most max_bytes, its size checked before it is read (and read no further, should it grow);
+    the messages name the file, never its directory."""
+    try:
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:
+                raise ValueError(f"LoRA adapter {name!r}: {file.name} is {size} bytes, over the {max_bytes} {what}.")
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise ValueError(f"LoRA adapter {name!r}: cannot read {file.name}: {e.strerror}") from None
+    if len(data) > max_bytes:
+        raise ValueError(f"LoRA adapter {name!r}: {file.name} grew past {max_bytes} bytes while read.")
+    return data
+
+
+def max_weights_bytes(config: dict, rank: int, cfg: ModelArchConfig) -> int:
+    """The most an adapter_model.safetensors of this rank over its target modules can hold: A and B of every
+    target module of every layer in float32 (the widest dtype an adapter is served from), and a header of
+    HEADER_BYTES_PER_TENSOR each."""
+    shapes = module_shapes(cfg)
+    targets = config.get("target_modules") or list(shapes)
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    per_layer = sum(rank * sum(shapes[t]) for t in targets if t in shapes)
+    tensors = 2 * len(targets) * cfg.num_hidden_layers
+    return 4 * per_layer * cfg.num_hidden_layers + HEADER_BYTES_PER_TENSOR * tensors + 8
+
+
+# The most of a safetensors header read to look at its tensors' names before the file's size is judged.
+MAX_PEEKED_HEADER_BYTES = 16 * 2**20
+
+
+def _refuse_expert_tensors(name: str, file: Path) -> None:
+    """PEFT's tensors for a mixture of experts (mlp.experts.lora_A, mlp.shared_expert.*), named from the file's
+    header alone (its first 8 bytes give the header's length); a header too long or unreadable is left to the
+    checks that follow."""
+    try:
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 0 < length <= MAX_PEEKED_HEADER_BYTES:
+                return
+            header = json.loads(f.read(length))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return
+    experts = sorted(k for k in header if "expert" in k) if isinstance(header, dict) else []
+    if experts:
+        raise _experts_refused(name, experts[0])
+
+
+def _experts_refused(name: str, key: str) -> ValueError:
+    return ValueError(
+        f"LoRA adapter {name!r}: tensor {key!r} adapts a mixture-of-experts layer's experts; LoRA on experts is not "
+        "supported (target the attention projections)."
+    )
+
+
 def _read_config(name: str, path: Path) -> dict:
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
-        raise ValueError(f"LoRA adapter {name!r}: {config_file} does not exist (a PEFT directory is needed).")
+        raise ValueError(f"LoRA adapter {name!r}: adapter_config.json does not exist (a PEFT directory is needed).")
+    data = _read_bounded(name, config_file, MAX_CONFIG_BYTES, "bytes an adapter_config.json may have")
     try:
-        config = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        config = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"LoRA adapter {name!r}: adapter_config.json is not readable JSON: {e}") from None
     if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"LoRA adapter {name!r}: adapter_config.json must be a PEFT config with peft_type LORA.")
@@ -120,20 +181,19 @@ def load_peft_adapter(lora_request: LoRARequest, cfg: ModelArchConfig, max_lora_
     config = _read_config(name, path)
     rank, scaling = _check_config(name, config, max_lora_rank)
     weights_file = path / "adapter_model.safetensors"
+    max_bytes = max_weights_bytes(config, rank, cfg)
+    _refuse_expert_tensors(name, weights_file)  # before the size check: experts' tensors are what make it large
+    data = _read_bounded(name, weights_file, max_bytes, f"bytes rank {rank} over its target modules can take")
     try:
-        data = weights_file.read_bytes()
         tensors = load_safetensors(data)
-    except Exception as e:  # noqa: BLE001 (missing, unreadable or not safetensors: all the same to the caller)
-        raise ValueError(f"LoRA adapter {name!r}: cannot read {weights_file}: {e}") from None
+    except Exception as e:  # noqa: BLE001 (not safetensors: all the same to the caller)
+        raise ValueError(f"LoRA adapter {name!r}: cannot read {weights_file.name}: {e}") from None
     shapes = module_shapes(cfg)
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in sorted(tensors.items()):  # sorted: the first fault named does not depend on file order
         match = _KEY.fullmatch(key)
         if "expert" in key:  # PEFT's keys for a mixture of experts: mlp.experts.lora_A, mlp.shared_expert.*
-            raise ValueError(
-                f"LoRA adapter {name!r}: tensor {key!r} adapts a mixture-of-experts layer's experts; LoRA on experts "
-                "is not supported (target the attention projections)."
-            )
+            raise _experts_refused(name, key)
         if match is None or match.group(2) not in shapes:
             raise ValueError(
                 f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA matrix of a supported module "
@@ -164,6 +224,6 @@ def load_peft_adapter(lora_request: LoRARequest, cfg: ModelArchConfig, max_lora_
                 raise ValueError(f"LoRA adapter {name!r}: layer {layer}'s {part} is adapted twice (alone and fused).")
             weights[layer, part] = (a, part_b.contiguous())
     if not weights:
-        raise ValueError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA matrices.")
+        raise ValueError(f"LoRA adapter {name!r}: {weights_file.name} holds no LoRA matrices.")
     digest = hashlib.sha256(data + repr(scaling).encode()).digest()
     return LoRAModel(lora_request, rank, scaling, weights, digest)

@@ -19,7 +19,7 @@ _MODEL_TYPE_TO_ARCH = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
-    "gemma3": "Gemma3ForConditionalGeneration",  # Gemma 3 with its vision tower: refused by name
+    "gemma3": "Gemma3ForConditionalGeneration",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -27,6 +27,8 @@ _MODEL_TYPE_TO_ARCH = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "llava": "LlavaForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
 
 # Base models without an LM head, as embedding checkpoints (Qwen3-Embedding...) are saved: each runs as its family's
@@ -143,8 +145,26 @@ _LLAVA_FIELDS = frozenset(
         "multimodal_projector_bias",
     }
 )
+# Qwen2-VL and Qwen2.5-VL: the vision tower's and language model's configs (checked in _qwen2_vl_config), and the
+# special tokens around and inside an image's placeholders (only image_token_id decides anything).
+_QWEN2_VL_FIELDS = frozenset(
+    {"vision_config", "text_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"}
+)
 FAMILY_FIELDS: dict[str, frozenset[str]] = {
     "LlavaForConditionalGeneration": _LLAVA_FIELDS,
+    "Qwen2VLForConditionalGeneration": _QWEN2_VL_FIELDS,
+    "Qwen2_5_VLForConditionalGeneration": _QWEN2_VL_FIELDS,
+    # boi/eoi: the tokens the processor wraps an image's placeholders in, ordinary tokens to the model.
+    "Gemma3ForConditionalGeneration": frozenset(
+        {
+            "text_config",
+            "vision_config",
+            "mm_tokens_per_image",
+            "image_token_index",
+            "boi_token_index",
+            "eoi_token_index",
+        }
+    ),  # fmt: skip
     # Phi-3 keeps LongRoPE's pretraining length outside its rope parameters (from_hf_config moves it in).
     "Phi3ForCausalLM": frozenset({"original_max_position_embeddings"}),
     "Gemma2ForCausalLM": _GEMMA2_FIELDS,
@@ -164,19 +184,45 @@ FAMILY_FIELDS: dict[str, frozenset[str]] = {
 }
 
 # The vision-language families: a vision encoder feeding a language model of one of the text families.
-MULTIMODAL_ARCHS = ("LlavaForConditionalGeneration",)
-# The language models LLaVA's model file builds (engine/models/llava.py), and the vision towers.
-_LLAVA_TEXT_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_LLAVA_VISION_TYPES = ("clip_vision_model",)
-# A CLIP vision config's fields: read by engine/models/llava.py, or with no effect on the image features.
-_CLIP_VISION_FIELDS = frozenset(
+MULTIMODAL_ARCHS = (
+    "LlavaForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+)
+# The Qwen2-VL families' vision configs: the fields each tower reads (engine/models/qwen2_vl.py), and those with no
+# effect on an image's embeddings.
+_QWEN2_VL_VISION_FIELDS = frozenset(
     {
-        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels", "image_size",
-        "patch_size", "hidden_act", "layer_norm_eps", "model_type",
-        "projection_dim",  # CLIP's contrastive projection, which LLaVA does not use
-        "attention_dropout", "dropout", "initializer_range", "initializer_factor",
+        "depth", "embed_dim", "hidden_size", "hidden_act", "mlp_ratio", "num_heads", "in_channels", "patch_size",
+        "spatial_merge_size", "temporal_patch_size", "rope_parameters", "model_type", "initializer_range",
     }
 )  # fmt: skip
+_QWEN2_5_VL_VISION_FIELDS = (_QWEN2_VL_VISION_FIELDS - {"embed_dim", "mlp_ratio"}) | {
+    "intermediate_size",
+    "out_hidden_size",
+    "window_size",
+    "fullatt_block_indexes",
+    "tokens_per_second",  # videos' temporal positions only
+}
+# The language models LLaVA's model file builds (engine/models/llava.py).
+_LLAVA_TEXT_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# A vision tower's config fields by its model_type (engine/models/vision.py's towers): read there, or with no effect
+# on the image features.
+_VISION_FIELDS = frozenset(
+    {
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels", "image_size",
+        "patch_size", "hidden_act", "layer_norm_eps", "model_type", "attention_dropout", "dropout",
+        "initializer_range", "initializer_factor",
+    }
+)  # fmt: skip
+VISION_CONFIG_FIELDS = {
+    "clip_vision_model": _VISION_FIELDS | {"projection_dim"},  # CLIP's contrastive projection: unused
+    "siglip_vision_model": _VISION_FIELDS | {"vision_use_head"},  # its pooling head: its output is never read
+}
+# The language models that run with attention both ways within each image's placeholders (Gemma 3's prefix-LM
+# mask): the scheduler never splits an image across prefill chunks, and the attention backend unmasks the span.
+MM_PREFIX_LM_ARCHS = ("Gemma3ForConditionalGeneration",)
 
 # The families with multi-head latent attention (engine/attention/mla.py).
 MLA_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -375,7 +421,14 @@ class ModelArchConfig:
             features.add("logits_soft_cap")
         if self.architecture in ATTENTION_SINKS:
             features.add("sinks")
+        if self.is_mm_prefix_lm:
+            features.add("mm_prefix")
         return frozenset(features)
+
+    @property
+    def is_mm_prefix_lm(self) -> bool:
+        """Whether the language model attends both ways within each image's placeholders (vLLM's name)."""
+        return self.architecture in MM_PREFIX_LM_ARCHS
 
     def layer_sliding_window(self, layer: int) -> int | None:
         """The window layer `layer` attends in; None: the whole context."""
@@ -403,8 +456,12 @@ class ModelArchConfig:
                 f"unsupported model architecture {arch!r}; supported: {', '.join(ModelRegistry.get_supported_archs())}"
             )
 
-        if arch in MULTIMODAL_ARCHS:
+        if arch == "Gemma3ForConditionalGeneration":
+            return _gemma3_mm_config(cls, d, arch)
+        if arch == "LlavaForConditionalGeneration":
             return _llava_config(cls, d, arch)
+        if arch in MULTIMODAL_ARCHS:
+            return _qwen2_vl_config(cls, d, arch)
         if arch == "GptOssForCausalLM":
             # Its defaults differ from the other families' in fields read below (window, biases, rope, eps).
             d = {**FAMILY_DEFAULTS[arch], **d}
@@ -480,15 +537,8 @@ def _llava_config(cls, d: dict, arch: str) -> "ModelArchConfig":
     if text_arch not in _LLAVA_TEXT_ARCHS:
         raise ModelLoadError(f"text_config architecture {text_arch!r} is not implemented for LLaVA; supported: "
                              f"{', '.join(_LLAVA_TEXT_ARCHS)}")  # fmt: skip
-    vision = dict(d.get("vision_config") or {})
-    if vision.get("model_type", "clip_vision_model") not in _LLAVA_VISION_TYPES:
-        raise ModelLoadError(f"vision_config model_type {vision.get('model_type')!r} is not implemented; supported: "
-                             f"{', '.join(_LLAVA_VISION_TYPES)}")  # fmt: skip
-    unknown = sorted(set(vision) - _CLIP_VISION_FIELDS - USED_FIELDS - NO_EFFECT_FIELDS)
-    if unknown:
-        raise ModelLoadError(f"vision_config fields {unknown} are not implemented")
+    vision = _vision_config(d, "clip_vision_model", ("clip_vision_model", "siglip_vision_model"))
     checks = [
-        ("vision_config.hidden_act", vision.get("hidden_act", "quick_gelu"), ("quick_gelu", "gelu")),
         ("projector_hidden_act", d.get("projector_hidden_act", "gelu"), ("gelu",)),
         ("vision_feature_select_strategy", d.get("vision_feature_select_strategy", "default"), ("default", "full")),
     ]
@@ -500,8 +550,94 @@ def _llava_config(cls, d: dict, arch: str) -> "ModelArchConfig":
         raise ModelLoadError(f"vision_feature_layer={layer!r} is not implemented; one layer (an integer) is")
     text_cfg = cls.from_hf_config({**text, "architectures": [text_arch]})
     image_token = d.get("image_token_index", d.get("image_token_id", 32000))
-    family = {**d, "image_token_index": image_token, "vision_feature_layer": layer, "text_architecture": text_arch}
+    family = {**d, "vision_config": vision, "image_token_index": image_token, "vision_feature_layer": layer,
+              "text_architecture": text_arch}  # fmt: skip
     return replace(text_cfg, architecture=arch, hf_config=family)
+
+
+def _qwen2_vl_config(cls, d: dict, arch: str) -> "ModelArchConfig":
+    """Qwen2-VL and Qwen2.5-VL: the Qwen2 language model's config (transformers 5 nests it in text_config; 4 writes
+    it beside vision_config) under the family's architecture, with M-RoPE's sections and the vision tower's config
+    in hf_config; what the engine does not implement is refused by name."""
+    text = dict(d.get("text_config") or {k: v for k, v in d.items() if k not in _QWEN2_VL_FIELDS})
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or d.get("rope_scaling") or {})
+    section = rope.pop("mrope_section", [16, 24, 24])  # transformers' default
+    if rope.get("rope_type", rope.get("type")) == "mrope":  # transformers 4's name for M-RoPE over the default rope
+        rope.pop("type", None)
+        rope["rope_type"] = "default"
+    if section is None or len(section) != 3:
+        raise ModelLoadError(f"rope mrope_section={section!r} is not implemented; three sections are")
+    text.pop("rope_scaling", None)
+    text["rope_parameters"] = rope
+    vision = dict(d.get("vision_config") or {})
+    qwen2_5 = arch == "Qwen2_5_VLForConditionalGeneration"
+    fields = _QWEN2_5_VL_VISION_FIELDS if qwen2_5 else _QWEN2_VL_VISION_FIELDS
+    unknown = sorted(set(vision) - fields - USED_FIELDS - NO_EFFECT_FIELDS)
+    if unknown:
+        raise ModelLoadError(f"vision_config fields {unknown} are not implemented")
+    vision_rope = (vision.get("rope_parameters") or {}).get("rope_type", "axial")
+    if vision_rope not in ("axial", "default"):
+        raise ModelLoadError(f"vision_config rope_type {vision_rope!r} is not implemented; supported: axial")
+    act = vision.get("hidden_act", "silu" if qwen2_5 else "quick_gelu")
+    if act not in ("quick_gelu", "gelu", "silu", "gelu_pytorch_tanh"):
+        raise ModelLoadError(f"vision_config.hidden_act={act!r} is not implemented")
+    defaults = {"in_channels": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    vision = {**defaults, "hidden_act": act, **vision}
+    text_cfg = cls.from_hf_config({**text, "architectures": ["Qwen2ForCausalLM"]})
+    if 2 * sum(section) != text_cfg.head_dim:
+        raise ModelLoadError(
+            f"rope mrope_section={section!r} is not implemented for head_dim {text_cfg.head_dim}: the sections must "
+            "cover half the head"
+        )
+    family = {
+        **d,
+        "image_token_id": int(d.get("image_token_id", 151655)),
+        "vision_config": vision,
+        "mrope_section": list(section),
+        "qwen2_5": qwen2_5,
+    }
+    # A text config nested in transformers 5's layout may leave tie_word_embeddings at the top level.
+    tie = bool(text.get("tie_word_embeddings", d.get("tie_word_embeddings", False)))
+    return replace(text_cfg, architecture=arch, hf_config=family, tie_word_embeddings=tie)
+
+
+def _vision_config(d: dict, default_type: str, types: tuple[str, ...]) -> dict:
+    """The vision tower's config (its model_type filled in), what the towers do not implement refused by name."""
+    vision = dict(d.get("vision_config") or {})
+    vision.setdefault("model_type", default_type)
+    if vision["model_type"] not in types:
+        raise ModelLoadError(f"vision_config model_type {vision['model_type']!r} is not implemented; supported: "
+                             f"{', '.join(types)}")  # fmt: skip
+    unknown = sorted(set(vision) - VISION_CONFIG_FIELDS[vision["model_type"]] - USED_FIELDS - NO_EFFECT_FIELDS)
+    if unknown:
+        raise ModelLoadError(f"vision_config fields {unknown} are not implemented")
+    acts = ("quick_gelu", "gelu", "gelu_pytorch_tanh")  # engine.models.vision.VISION_ACTIVATIONS
+    if vision.get("hidden_act", "gelu_pytorch_tanh") not in acts:
+        raise ModelLoadError(f"vision_config.hidden_act={vision['hidden_act']!r} is not implemented; supported: "
+                             f"{', '.join(acts)}")  # fmt: skip
+    for name in ("image_size", "patch_size"):
+        if name in vision and not isinstance(vision[name], int):
+            raise ModelLoadError(
+                f"vision_config.{name}={vision[name]!r} is not implemented; square images (an integer)"
+            )
+    return vision
+
+
+def _gemma3_mm_config(cls, d: dict, arch: str) -> "ModelArchConfig":
+    """Gemma 3 with its vision tower: its text model's config (Gemma3ForCausalLM's checks) under this architecture,
+    with the tower's and projector's settings added to hf_config."""
+    text = {**(d.get("text_config") or {}), "architectures": ["Gemma3ForCausalLM"]}
+    text_cfg = cls.from_hf_config(text)
+    vision = _vision_config(d, "siglip_vision_model", ("siglip_vision_model",))
+    tokens = int(d.get("mm_tokens_per_image", 256))
+    side, patches = round(tokens**0.5), vision.get("image_size", 224) // vision.get("patch_size", 16)
+    if side * side != tokens or patches % side:
+        raise ModelLoadError(f"mm_tokens_per_image={tokens} is not implemented; it must be a square whose side "
+                             f"divides the tower's {patches} patches a side")  # fmt: skip
+    family = {**text_cfg.hf_config, "vision_config": vision, "mm_tokens_per_image": tokens,
+              "image_token_index": int(d.get("image_token_index", 262_144))}  # fmt: skip
+    tie = bool(d.get("tie_word_embeddings", True))
+    return replace(text_cfg, architecture=arch, hf_config=family, tie_word_embeddings=tie)
 
 
 def _attention_bias(d: dict, arch: str) -> bool:

@@ -188,7 +188,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     _FUSED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, config: ModelArchConfig, backend: AttentionBackend, quantization: str | None = None):
-        if quantization is not None:
+        # A GGUF file's MLPs and experts keep their codes; its attention tensors are dequantized as it converts.
+        if quantization not in (None, "gguf"):
             raise ValueError(
                 f"--quantization {quantization} is not implemented for {config.architecture}: its attention reads "
                 "kv_b_proj's float weight; serve it unquantized"

@@ -166,7 +166,8 @@ def load_tokenizer(model_dir: Path):
 
 # ---------------------------------------------------------------------------------------------- GGUF metadata
 
-# llama.cpp architecture name -> HF architecture (llama.cpp stores Mistral models as "llama" too).
+# llama.cpp architecture name -> HF architecture (llama.cpp stores Mistral models as "llama" too, and Mixtral as
+# "llama" with experts: gguf_config tells them apart by its expert count).
 GGUF_ARCHS = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -174,9 +175,23 @@ GGUF_ARCHS = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    # DeepSeek-V2 and V3 (V3 where the experts are scored by sigmoid: _deepseek2_config).
+    "deepseek2": "DeepseekV2ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # HF model_type of each (Gemma 3's text-only model is "gemma3_text").
-_GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
+_GGUF_MODEL_TYPES = {
+    "gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v2",
+    "gpt-oss": "gpt_oss",
+}  # fmt: skip
+# Whether llama.cpp renormalises the chosen experts' weights when the file does not say (expert_weights_norm):
+# Mixtral and Qwen3-MoE do, Qwen2-MoE does not (its llama-model.cpp graphs).
+_GGUF_MOE_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+_GGUF_MOE_ARCHS = (*_GGUF_MOE_NORM, "deepseek2", "gpt-oss")
+_MOE_KEYS = {"expert_count", "expert_used_count", "expert_weights_norm", "expert_gating_func"}
+_YARN_KEYS = {"rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow"}
 
 # The {arch}.* metadata keys gguf_config reads or has checked; any other is refused by name, since it may change
 # what the model computes.
@@ -187,12 +202,22 @@ _GGUF_KEYS = {
     "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear", "rope.scaling.original_context_length",
 }  # fmt: skip
 _GGUF_FAMILY_KEYS = {
+    "llama": _MOE_KEYS,
+    "qwen2moe": _MOE_KEYS | {"expert_feed_forward_length", "expert_shared_feed_forward_length"},
+    "qwen3moe": _MOE_KEYS | {"expert_feed_forward_length"},
     "phi3": {"attention.sliding_window", "rope.scaling.attn_factor"},
     "gemma2": {"attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping"},
     "gemma3": {
         "attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
         "attn_logit_softcapping", "final_logit_softcapping",
     },
+    "deepseek2": _MOE_KEYS | _YARN_KEYS | {
+        "leading_dense_block_count", "expert_feed_forward_length", "expert_shared_count", "expert_weights_scale",
+        "expert_group_count", "expert_group_used_count", "attention.q_lora_rank", "attention.kv_lora_rank",
+        "attention.key_length_mla", "attention.value_length_mla", "rope.scaling.yarn_log_multiplier",
+    },
+    "gpt-oss": _YARN_KEYS | {"expert_count", "expert_used_count", "expert_feed_forward_length",
+                             "attention.sliding_window"},
 }  # fmt: skip
 # llama.cpp's layer counts of the one Gemma 2 and Gemma 3 size (27B) that scales queries by hidden / heads
 # rather than by head_dim (its llama-model.cpp; HF's query_pre_attn_scalar).
@@ -237,11 +262,12 @@ def gguf_config(reader, path: Path) -> dict:
     hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", 0) or hidden // heads)
     value_dim = int(meta("attention.value_length", head_dim))
-    if value_dim != head_dim:
+    if value_dim != head_dim and arch != "deepseek2":  # MLA's lengths are _deepseek2_config's
         raise ModelLoadError(f"{path}: GGUF metadata {arch}.attention.value_length={value_dim} is not implemented; "
                              f"the attention needs it equal to the key length {head_dim}")  # fmt: skip
     rope_dim = int(meta("rope.dimension_count", head_dim))
-    if rope_dim != head_dim and arch != "phi3":  # Phi-3's partial rotary is its config's partial_rotary_factor
+    # Phi-3's partial rotary is its config's partial_rotary_factor; MLA's rotary part is qk_rope_head_dim.
+    if rope_dim != head_dim and arch not in ("phi3", "deepseek2"):
         raise ModelLoadError(f"{path}: GGUF metadata {arch}.rope.dimension_count={rope_dim} is not implemented; "
                              f"rotary embedding covers the whole head ({head_dim})")  # fmt: skip
     rope_theta = float(meta("rope.freq_base", 10000.0))
@@ -253,7 +279,8 @@ def gguf_config(reader, path: Path) -> dict:
         # ggml shapes are reversed: token_embd is [hidden, vocab].
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),
         "hidden_size": hidden,
-        "intermediate_size": int(meta("feed_forward_length")),
+        # A MoE file may state only its experts' width.
+        "intermediate_size": int(meta("feed_forward_length", 0 if arch in _GGUF_MOE_ARCHS else None)),
         "num_hidden_layers": int(meta("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
@@ -273,8 +300,14 @@ def gguf_config(reader, path: Path) -> dict:
     }
     if arch == "phi3":
         config.update(_phi3_config(reader, tensors, config, rope_dim, path))
+    elif arch in _GGUF_MOE_NORM and _field(reader, f"{arch}.expert_count"):
+        config.update(_moe_config(reader, arch, tensors, config, meta, path))
     elif arch in ("gemma2", "gemma3"):
         config.update(_gemma_config(reader, arch, config, meta))
+    elif arch == "deepseek2":
+        config.update(_deepseek2_config(reader, tensors, config, meta, rope_dim, path))
+    elif arch == "gpt-oss":
+        config.update(_gpt_oss_config(config, meta))
     return config
 
 
@@ -302,6 +335,135 @@ def _phi3_config(reader, tensors, config: dict, rope_dim: int, path: Path) -> di
         if attn_factor is not None:
             extra["rope_scaling"]["attention_factor"] = float(attn_factor)
     return extra
+
+
+def _moe_config(reader, arch: str, tensors, config: dict, meta, path: Path) -> dict:
+    """Mixtral (llama with experts), Qwen2-MoE and Qwen3-MoE: the experts' count, a token's, their width, and the
+    layers that have them (those with a router, ffn_gate_inp)."""
+    experts, top_k = int(meta("expert_count")), int(meta("expert_used_count"))
+    gating = _field(reader, f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ModelLoadError(f"{path}: GGUF metadata {arch}.expert_gating_func={gating!r} is not implemented; "
+                             "the experts are routed by softmax (1)")  # fmt: skip
+    layers = config["num_hidden_layers"]
+    if any(f"blk.{i}.ffn_gate.0.weight" in tensors for i in range(layers)):
+        raise ModelLoadError(f"{path}: GGUF file holds one tensor per expert (blk.N.ffn_gate.E.weight), llama.cpp's "
+                             "layout before its experts were merged, which is not implemented; convert the model "
+                             "again with a current convert_hf_to_gguf.py")  # fmt: skip
+    norm = bool(_field(reader, f"{arch}.expert_weights_norm", _GGUF_MOE_NORM[arch]))
+    if arch == "llama":
+        if not norm:
+            raise ModelLoadError(f"{path}: GGUF metadata llama.expert_weights_norm=False is not implemented; "
+                                 "Mixtral renormalises its chosen experts' weights")  # fmt: skip
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts,
+                "num_experts_per_tok": top_k, "sliding_window": None}  # fmt: skip
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    extra = {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+        "norm_topk_prob": norm,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+        "use_sliding_window": False,
+    }
+    if dense and not config["intermediate_size"]:
+        raise ModelLoadError(f"{path}: GGUF metadata key {arch}.feed_forward_length is missing; layers {dense} "
+                             "have a dense MLP")  # fmt: skip
+    if arch == "qwen2moe":
+        extra["shared_expert_intermediate_size"] = int(meta("expert_shared_feed_forward_length"))
+        extra["qkv_bias"] = config["attention_bias"]
+    return extra
+
+
+def _deepseek2_config(reader, tensors, config: dict, meta, rope_dim: int, path: Path) -> dict:
+    """DeepSeek-V2 (experts scored by softmax) or V3 (by sigmoid, chosen with the exp_probs_b bias): multi-head latent
+    attention's ranks and widths, the leading dense layers, the routed and shared experts and their routing.
+
+    llama.cpp writes MLA as one KV head: key_length and value_length are the latent's (kv_lora_rank + rope, kv_lora_rank)
+    and key_length_mla and value_length_mla a head's; files from before that split state a head's widths in
+    key_length and value_length (with kv_b_proj whole, as attn_kv_b)."""
+    per_head = "key_length_mla" if _field(reader, "deepseek2.attention.key_length_mla") is not None else "key_length"
+    qk_head_dim = int(meta(f"attention.{per_head}"))
+    v_head_dim = int(meta(f"attention.{per_head.replace('key', 'value')}"))
+    q_lora = _field(reader, "deepseek2.attention.q_lora_rank")
+    layers, dense = config["num_hidden_layers"], int(meta("leading_dense_block_count", 0))
+    experts, shared = int(meta("expert_count")), int(meta("expert_shared_count", 0))
+    if dense < layers and not shared:
+        raise ModelLoadError(f"{path}: GGUF metadata deepseek2.expert_shared_count={shared} is not implemented; "
+                             "DeepSeek's expert layers have shared experts")  # fmt: skip
+    if dense and not config["intermediate_size"]:
+        raise ModelLoadError(f"{path}: GGUF metadata key deepseek2.feed_forward_length is missing; its first {dense} "
+                             "layers have a dense MLP")  # fmt: skip
+    gating = _field(reader, "deepseek2.expert_gating_func", 1)  # llama.cpp's default for deepseek2: softmax
+    groups, kept = int(meta("expert_group_count", 1)), int(meta("expert_group_used_count", 1))
+    norm = bool(_field(reader, "deepseek2.expert_weights_norm", False))
+    bias = any(name.endswith(".exp_probs_b.bias") for name in tensors)
+    extra = {
+        "num_key_value_heads": config["num_attention_heads"],  # one latent for all heads, not one KV head
+        "head_dim": rope_dim,
+        "kv_lora_rank": int(meta("attention.kv_lora_rank")),
+        "q_lora_rank": int(q_lora) if q_lora else None,
+        "qk_nope_head_dim": qk_head_dim - rope_dim,
+        "qk_rope_head_dim": rope_dim,
+        "v_head_dim": v_head_dim,
+        "first_k_dense_replace": dense,
+        "n_routed_experts": experts,
+        "num_experts_per_tok": int(meta("expert_used_count")),
+        "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+        "n_shared_experts": shared,
+        "routed_scaling_factor": float(meta("expert_weights_scale", 1.0)),
+        "n_group": groups,
+        "topk_group": kept,
+        "norm_topk_prob": norm,
+        "attention_bias": "blk.0.attn_kv_a_mqa.bias" in tensors,
+    }
+    if gating == 2:  # sigmoid: DeepSeek-V3's router, which needs its correction bias
+        if dense < layers and not bias:
+            raise ModelLoadError(f"{path}: GGUF file scores its experts by sigmoid without their exp_probs_b bias, "
+                                 "which is not implemented; DeepSeek-V3's router needs it")  # fmt: skip
+        extra.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", rope_interleave=True)
+    elif gating == 1:
+        if norm:
+            raise ModelLoadError(f"{path}: GGUF metadata deepseek2.expert_weights_norm=True is not implemented with "
+                                 "softmax scores; DeepSeek-V2 does not renormalise its chosen experts' weights")  # fmt: skip
+        if bias:
+            raise ModelLoadError(f"{path}: GGUF file has an exp_probs_b bias on softmax scores, which is not "
+                                 "implemented; DeepSeek-V2's router has none")  # fmt: skip
+        # DeepSeek-V2's own group-limited routing (each group scored by its best expert), as its config states it.
+        extra["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
+    else:
+        raise ModelLoadError(f"{path}: GGUF metadata deepseek2.expert_gating_func={gating!r} is not implemented; "
+                             "supported: softmax (1), sigmoid (2)")  # fmt: skip
+    rope = config["rope_scaling"]
+    log_mul = _field(reader, "deepseek2.rope.scaling.yarn_log_multiplier")
+    if rope and rope["rope_type"] == "yarn" and log_mul:
+        # llama.cpp's yarn_log_multiplier is 0.1 * mscale_all_dim, and it computes as if mscale equalled it (as in
+        # every released DeepSeek config): the softmax scaled by mscale squared, cos and sin left unscaled.
+        mscale = float(log_mul) / 0.1
+        extra["rope_scaling"] = {**rope, "mscale": mscale, "mscale_all_dim": mscale}
+    return extra
+
+
+def _gpt_oss_config(config: dict, meta) -> dict:
+    """gpt-oss: its experts, window and rope. llama.cpp writes no SwiGLU gain and clamp (its graph fixes gpt-oss's 1.702
+    and 7.0, transformers' defaults), nor the layers' pattern: every other layer slides, from the first."""
+    layers = config["num_hidden_layers"]
+    rope = config["rope_scaling"]
+    return {
+        "num_local_experts": int(meta("expert_count")),
+        "num_experts_per_tok": int(meta("expert_used_count")),
+        "intermediate_size": int(meta("expert_feed_forward_length")),
+        "sliding_window": int(meta("attention.sliding_window")),
+        "rope_scaling": None,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        # Stated whole, so that the family's defaults (YaRN over 4096 positions) never fill in what the file left out;
+        # YaRN's ramp unrounded, as gpt-oss's config states it.
+        "rope_parameters": {
+            "rope_theta": config["rope_theta"],
+            **({**rope, "truncate": False} if rope else {"rope_type": "default"}),
+        },  # fmt: skip
+    }
 
 
 def _gemma_config(reader, arch: str, config: dict, meta) -> dict:
@@ -347,7 +509,12 @@ def _gguf_rope_scaling(reader, arch, tensors, rope_theta, head_dim, path) -> dic
         return {"rope_type": "linear", "factor": float(factor)}
     if kind == "yarn":
         orig = int(_field(reader, f"{arch}.rope.scaling.original_context_length"))
-        return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": orig}
+        scaling = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": orig}
+        for beta in ("beta_fast", "beta_slow"):
+            value = _field(reader, f"{arch}.rope.scaling.yarn_{beta}")
+            if value is not None:
+                scaling[beta] = float(value)
+        return scaling
     raise ModelLoadError(f"{path}: unsupported GGUF rope scaling type {kind!r}")
 
 

@@ -23,6 +23,10 @@ bandwidth-saving scheme, not built here.
 gpt-oss's experts differ in two ways, both optional here: biases on both projections (w13_bias, this rank's part;
 w2_bias, added by rank 0 alone, before the all-reduce, as a RowParallelLinear's bias), and another gated activation
 (act_fn over the [gate | up] halves: swigluoai_and_mul).
+
+Quantized experts (--quantization int8 or int4, or a GGUF's blocks) are held as group-wise codes by
+quantization.GroupQuantMoEMethod; the C++ experts read them row by row, the torch ones dequantize only the experts a
+step routes to.
 """
 
 import re
@@ -42,6 +46,8 @@ from engine.distributed.parallel_state import (
 from engine.models.config import ModelArchConfig
 from engine.models.layers import silu_and_mul
 from engine.models.linear import NUM_EXPERTS_FIELDS, Linear
+from engine.models.quantization import GroupQuantMoEMethod
+from kernels.quant import DequantizedExperts
 
 
 def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,10 +119,10 @@ class FusedMoE(nn.Module):
         has_bias: bool = False,
     ):
         super().__init__()
-        if quantization is not None:
+        if quantization is not None and (act_fn is not silu_and_mul or has_bias):
             raise ValueError(
-                f"--quantization {quantization} is not implemented for the mixture-of-experts layers; "
-                "serve this model unquantized"
+                f"--quantization {quantization} is not implemented for experts with biases or another activation "
+                "than SiLU's (gpt-oss's); serve this model unquantized"
             )
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         # With expert parallelism this rank's experts are whole (tensor parallelism of 1 inside them).
@@ -128,8 +134,13 @@ class FusedMoE(nn.Module):
             intermediate_size, self.tp_size, "the experts' MLP width (their intermediate size)"
         )
         size, local = self.intermediate_size_per_partition, self.num_local_experts
-        self.w13_weight = nn.Parameter(torch.empty(local, 2 * size, hidden_size), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, size), requires_grad=False)
+        self.quant_method = None if quantization is None else GroupQuantMoEMethod(quantization)
+        self.w13_codes = self.w2_codes = None  # (codes, scales, zeros) of quantized experts
+        if self.quant_method is not None:
+            self.quant_method.create_weights(self)
+        else:
+            self.w13_weight = nn.Parameter(torch.empty(local, 2 * size, hidden_size), requires_grad=False)
+            self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, size), requires_grad=False)
         self.act_fn = act_fn
         self.w13_bias = self.w2_bias = None
         if has_bias:
@@ -151,6 +162,11 @@ class FusedMoE(nn.Module):
         return all_reduce(out) if get_tp_size() > 1 else out
 
     def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.w13_codes is not None:
+            if self.ops is not None and x.dtype in (torch.float32, torch.bfloat16):
+                return self.ops.fused_moe_quant(x.contiguous(), *self.w13_codes, *self.w2_codes, topk_weights, topk_ids)
+            w13, w2 = DequantizedExperts(*self.w13_codes, x.dtype), DequantizedExperts(*self.w2_codes, x.dtype)
+            return fused_experts(x, w13, w2, topk_weights, topk_ids)
         # The C++ and Triton experts are SiLU's without biases.
         plain = self.act_fn is silu_and_mul and self.w13_bias is None
         if not plain:
@@ -185,13 +201,18 @@ class FusedMoE(nn.Module):
             )
         return tensor.narrow(dim, self.tp_rank * size, size)
 
-    def weight_loader(self, tensor: torch.Tensor, expert: int, shard: str) -> list[str]:
+    def weight_loader(self, tensor: torch.Tensor, expert: int, shard: str, kind: str = "weight") -> list[str]:
         """Copy one expert's checkpoint projection in (shard: "w1" gate, "w3" up, "w2" down: Mixtral's names), this
-        rank's part of it (none of another rank's expert); the parameters this completes."""
+        rank's part of it (none of another rank's expert); the parameters this completes. Quantized experts also
+        take the projection's codes (kind: qweight, scales, zeros)."""
         size = self.intermediate_size_per_partition
         expert -= self.expert_start
         if not 0 <= expert < self.num_local_experts:
             return []
+        if self.quant_method is not None:
+            return self.quant_method.load(self, tensor, expert, shard, kind)
+        if kind != "weight":
+            raise ValueError(f"Checkpoint has quantized experts ({kind}) for a layer without quantization")
         with torch.no_grad():
             if shard == "w2":
                 self.w2_weight[expert].copy_(self._rank_part(tensor, 1))
@@ -206,6 +227,12 @@ class FusedMoE(nn.Module):
         [E, 2I], down_proj_bias [E, H]."""
         if name.endswith("_bias") and self.w13_bias is None:
             raise ValueError(f"Checkpoint has expert biases ({name}) for experts without them")
+        if self.quant_method is not None:  # quantized one expert at a time
+            if name == "down_proj":
+                return [p for e, w in enumerate(tensor) for p in self.weight_loader(w, e, "w2")]
+            pairs = (w.chunk(2) for w in tensor)
+            return [p for e, (gate, up) in enumerate(pairs) for s, w in (("w1", gate), ("w3", up))
+                    for p in self.weight_loader(w, e, s)]  # fmt: skip
         tensor = tensor.narrow(0, self.expert_start, self.num_local_experts)  # this rank's experts
         local = range(self.num_local_experts)
         with torch.no_grad():
@@ -253,7 +280,9 @@ def check_expert_parallel(config: ModelArchConfig, size: int) -> None:
 
 # A checkpoint's expert tensors: per expert (experts.3.w1.weight, experts.3.gate_proj.weight) or stacked
 # (experts.gate_up_proj, experts.down_proj).
-_EXPERT_TENSOR = re.compile(r"(?P<moe>(?:.+\.)?experts)\.(?:(?P<expert>\d+)\.(?P<proj>\w+)\.weight|(?P<stacked>\w+))")
+_EXPERT_TENSOR = re.compile(
+    r"(?P<moe>(?:.+\.)?experts)\.(?:(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight|qweight|scales|zeros)|(?P<stacked>\w+))"
+)
 _STACKED = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
@@ -271,7 +300,7 @@ def expert_weight_loader(model: nn.Module, proj_names: dict[str, str]):
         if match["stacked"] in _STACKED:
             done = moe.stacked_weight_loader(tensor, match["stacked"])
         elif match["proj"] in proj_names and int(match["expert"]) < moe.num_experts:
-            done = moe.weight_loader(tensor, int(match["expert"]), proj_names[match["proj"]])
+            done = moe.weight_loader(tensor, int(match["expert"]), proj_names[match["proj"]], match["kind"])
         else:
             raise ValueError(f"Checkpoint has an unexpected expert weight {name!r}")
         return [f"{match['moe']}.{param}" for param in done]

@@ -10,7 +10,7 @@ q/k norms and a rope of its own for the sliding layers.
 import torch
 from torch import nn
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.backend import AttentionBackend
 from engine.distributed.parallel_state import get_tp_size, is_first_stage, is_last_stage
 from engine.models.config import ModelArchConfig
 from engine.models.layers import MLP, Attention, GemmaRMSNorm, RotaryEmbedding, get_rope, use_cpu_ops
@@ -97,12 +97,11 @@ class Gemma2ForCausalLM(nn.Module):
         rope = get_rope(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
         return {"full_attention": rope, "sliding_attention": rope}
 
-    def forward(
-        self, input_ids, positions, attn_metadata: list[AttentionMetadata], kv_caches, intermediate_tensors=None
-    ) -> torch.Tensor:
-        """As LlamaForCausalLM.forward."""
+    def forward(self, input_ids, positions, attn_metadata, kv_caches, intermediate_tensors=None, inputs_embeds=None):
+        """As LlamaForCausalLM.forward; inputs_embeds are taken as they are (Gemma 3 scales the text tokens' rows by
+        the normalizer and not its image embeddings)."""
         if is_first_stage():
-            x = self.embed_tokens(input_ids) * self.normalizer
+            x = self.embed_tokens(input_ids) * self.normalizer if inputs_embeds is None else inputs_embeds
         else:
             x = intermediate_tensors["hidden_states"]
         cos_sin = {kind: rope(positions, x.dtype) for kind, rope in self.rotary.items()}

@@ -55,7 +55,8 @@ class GptOssMoE(nn.Module):
             config.hidden_size,
             config.intermediate_size,
             renormalize=True,
-            quantization=quantization,
+            # A GGUF file's experts arrive as float (its MXFP4 blocks dequantized as it converts).
+            quantization=None if quantization == "gguf" else quantization,
             act_fn=act_fn,
             has_bias=True,
         )

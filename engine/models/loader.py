@@ -4,12 +4,16 @@ A GGUF file (llama.cpp's format) is converted once into a cached HF directory (s
 tokenizer files) so that every later start only memory-maps safetensors. Its Q8_0, Q4_0, Q4_1, Q4_K and
 Q6_K tensors are kept quantized, as int8 codes with float32 scales and zeros per group of 32 (16 for Q6_K;
 kernels/quant.py's format: `<name>.qweight`, `.scales`, `.zeros`), which dequantize to exactly the values
-the file's own dequantizer gives; other types are dequantized to float32. Finding a model and reading its config and
-tokenizer needs no torch and lives in files.py.
+the file's own dequantizer gives; other types are dequantized to float32. A mixture of experts' merged
+[experts, rows, columns] tensors (Mixtral's, Qwen2-MoE's, Qwen3-MoE's and DeepSeek's) become one tensor an expert, as
+Hugging Face checkpoints hold them; the few tensors llama.cpp reshapes otherwise (DeepSeek's kv_b_proj, split in two;
+gpt-oss's stacked experts) are put back into their checkpoint's form, in float32. Finding a model and reading its
+config and tokenizer needs no torch and lives in files.py.
 """
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +40,8 @@ from kernels.quant import dequantize
 
 logger = logging.getLogger("llmmesh.loader")
 
+# One expert's projection in a checkpoint that holds them per expert.
+_EXPERT_WEIGHT = re.compile(r".+\.experts\.\d+\.\w+\.weight")
 # Largest safetensors file the converter writes; bounds the memory held while converting big models.
 _SHARD_BYTES = 2 << 30
 
@@ -76,8 +82,9 @@ def _quantize_weights(model_dir: Path, quantization: str, config: ModelArchConfi
         shard[key] = tensor.contiguous()
 
     for name, tensor in load_weights(model_dir, dequantized=True):
-        # A linear layer's codes replace its weight; a tied output layer's are made from the embedding, which stays.
-        linear = name.endswith("_proj.weight") or name == "lm_head.weight"
+        # A linear layer's codes replace its weight (an expert's too: Mixtral's are w1, w2, w3); a tied output
+        # layer's are made from the embedding, which stays.
+        linear = name.endswith("_proj.weight") or name == "lm_head.weight" or bool(_EXPERT_WEIGHT.fullmatch(name))
         if not linear:
             add(name, tensor)
         tied = config.tie_word_embeddings and name.endswith("embed_tokens.weight")
@@ -220,11 +227,80 @@ _GEMMA_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# A mixture of experts: the router, each projection of every expert merged into one [experts, rows, columns] tensor
+# (split per expert on conversion, "{expert}" below), and Qwen2-MoE's shared expert and its gate.
+_QWEN_MOE_LAYER_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{expert}.up_proj",
+    "ffn_down_exps": "mlp.experts.{expert}.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_DEEPSEEK_LAYER_NAMES = {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",  # files from before llama.cpp split it into attn_k_b and attn_v_b
+    **{k: v for k, v in _QWEN_MOE_LAYER_NAMES.items() if "shexp" not in k},
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
 _GGUF_FAMILY_LAYER_NAMES = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "gemma2": _GEMMA_LAYER_NAMES,
     "gemma3_text": _GEMMA_LAYER_NAMES,
+    "mixtral": {
+        "ffn_gate_inp": "block_sparse_moe.gate",
+        "ffn_gate_exps": "block_sparse_moe.experts.{expert}.w1",
+        "ffn_up_exps": "block_sparse_moe.experts.{expert}.w3",
+        "ffn_down_exps": "block_sparse_moe.experts.{expert}.w2",
+    },
+    "qwen2_moe": _QWEN_MOE_LAYER_NAMES,
+    "qwen3_moe": _QWEN_MOE_LAYER_NAMES,
+    "deepseek_v2": _DEEPSEEK_LAYER_NAMES,
+    "deepseek_v3": _DEEPSEEK_LAYER_NAMES,
+    "gpt_oss": {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router"},
 }
+
+
+def _kv_b_proj(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's attn_k_b [heads, kv_lora_rank, qk_nope] (transposed for its absorbed attention) and attn_v_b [heads,
+    v_head_dim, kv_lora_rank] -> kv_b_proj [heads * (qk_nope + v_head_dim), kv_lora_rank], each head's K rows then V."""
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).flatten(0, 1)
+
+
+def _interleaved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's gate and up [E, I, ...] -> [E, 2I, ...] alternating along I, as its checkpoint holds them."""
+    return torch.stack([gate, up], dim=2).flatten(1, 2)
+
+
+# Hugging Face tensors made from GGUF tensors of the same layer otherwise than one name for another, always float:
+# (the GGUF tensors, the HF tensor, how). DeepSeek's kv_b_proj split in two and its routing bias (no ".weight"
+# suffix); gpt-oss's experts as its checkpoint stacks them ([E, H, 2I] gate and up alternating, [E, I, H]) and its
+# attention sinks.
+_GGUF_COMBINED = {
+    "deepseek_v2": ((("attn_k_b.weight", "attn_v_b.weight"), "self_attn.kv_b_proj.weight", _kv_b_proj),),
+    "deepseek_v3": (
+        (("attn_k_b.weight", "attn_v_b.weight"), "self_attn.kv_b_proj.weight", _kv_b_proj),
+        (("exp_probs_b.bias",), "mlp.gate.e_score_correction_bias", lambda b: b),
+    ),
+    "gpt_oss": (
+        (("ffn_gate_exps.weight", "ffn_up_exps.weight"), "mlp.experts.gate_up_proj",
+         lambda gate, up: _interleaved(gate, up).transpose(1, 2)),
+        (("ffn_gate_exps.bias", "ffn_up_exps.bias"), "mlp.experts.gate_up_proj_bias", _interleaved),
+        (("ffn_down_exps.weight",), "mlp.experts.down_proj", lambda down: down.transpose(1, 2)),
+        (("ffn_down_exps.bias",), "mlp.experts.down_proj_bias", lambda b: b),
+        (("attn_sinks.weight",), "self_attn.sinks", lambda sinks: sinks),
+    ),
+}  # fmt: skip
+# The families whose attention layers read float weights (DeepSeek's MLA): a GGUF's quantized ones are dequantized.
+_GGUF_FLOAT_ATTENTION = ("deepseek_v2", "deepseek_v3")
 # Tensors that are metadata, already folded into the config: Llama 3's and Phi-3's rope frequency factors.
 _GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -251,16 +327,32 @@ def _unpermute_rope(w, n_head: int):
 _NATIVE_TYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 # Checkpoint tensors the model fuses into one layer: all of a group are native, or none (the fused layer
 # holds one format).
-_FUSED_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+_FUSED_GROUPS = (
+    ("attn_q", "attn_k", "attn_v"),
+    ("ffn_gate", "ffn_up"),
+    ("ffn_gate_exps", "ffn_up_exps"),
+    ("ffn_gate_shexp", "ffn_up_shexp"),
+)
 
 
-def _native_names(reader) -> set[str]:
+def _native_names(reader, model_type: str) -> set[str]:
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    # Norms stay float: they are no linear layer, and Gemma's are shifted on conversion.
+    combined = {part for parts, _, _ in _GGUF_COMBINED.get(model_type, ()) for part in parts}
+
+    def stays_float(name: str) -> bool:
+        part = name.split(".", 2)[-1]
+        return part in combined or (model_type in _GGUF_FLOAT_ATTENTION and part.startswith("attn_"))
+
+    # Norms stay float: they are no linear layer, and Gemma's are shifted on conversion. So do the routers (and
+    # Qwen2-MoE's shared-expert gate): their layers are unquantized, as in vLLM.
     native = {
         name
         for name, kind in types.items()
-        if kind in _NATIVE_TYPES and name.endswith(".weight") and not name.endswith("norm.weight")
+        if kind in _NATIVE_TYPES
+        and name.endswith(".weight")
+        and not name.endswith("norm.weight")
+        and ".ffn_gate_inp" not in name
+        and not stays_float(name)
     }
     for name in list(native):
         parts = name.split(".")
@@ -325,12 +417,18 @@ def _gguf_tensor(tensor, config: dict, native: bool) -> dict[str, torch.Tensor]:
     # ggml lists dims fastest-first; PyTorch wants them slowest-first.
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     if native:
-        arrays = dict(zip(("qweight", "scales", "zeros"), gguf_codes(tensor.data, tensor.tensor_type.name, shape)))
+        # A stack of experts [E, N, K] is E * N rows of codes, as the blocks run along K.
+        rows = (int(np.prod(shape[:-1])), shape[-1])
+        codes = gguf_codes(tensor.data, tensor.tensor_type.name, rows)
+        arrays = {kind: a.reshape(*shape[:-1], -1) for kind, a in zip(("qweight", "scales", "zeros"), codes)}
     else:
         arrays = {
             "weight": gguf_dequantize(tensor.data, tensor.tensor_type).astype("float32", copy=False).reshape(shape)
         }
-    if config["model_type"] == "llama":  # only llama.cpp's llama converter permutes q/k (rows, in every array)
+    if tensor.name.endswith("ffn_gate_inp_shexp.weight"):  # [hidden] in some files; its layer is [1, hidden]
+        arrays = {kind: a.reshape(1, -1) for kind, a in arrays.items()}
+    # Only llama.cpp's llama converter (Mixtral's too) permutes q/k (rows, in every array).
+    if config["model_type"] in ("llama", "mixtral"):
         heads = {".attn_q.": config["num_attention_heads"], ".attn_k.": config["num_key_value_heads"]}
         for part, n_head in heads.items():
             if part in tensor.name:
@@ -342,27 +440,42 @@ def _gguf_tensor(tensor, config: dict, native: bool) -> dict[str, torch.Tensor]:
     return {kind: torch.from_numpy(a if a.flags.writeable else a.copy()) for kind, a in arrays.items()}
 
 
-def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, "object"]]:
-    """(HF name, gguf tensor) for every weight."""
+def _gguf_tensors(reader, config: dict) -> Iterator[tuple[str, list, "object"]]:
+    """(HF name, the gguf tensors it is made of, how: None for one tensor under another name) for every weight."""
+    model_type = config["model_type"]
+    by_name = {t.name: t for t in reader.tensors}
+    combined = {parts[0]: (parts, name, fn) for parts, name, fn in _GGUF_COMBINED.get(model_type, ())}
+    members = {part for parts, _, _ in combined.values() for part in parts}
     for t in reader.tensors:
-        if t.name not in _GGUF_ROPE_TENSORS:
-            yield _gguf_hf_name(t.name, config["model_type"]), t
+        if t.name in _GGUF_ROPE_TENSORS:
+            continue
+        block, part = t.name.split(".", 2)[1:] if t.name.startswith("blk.") else ("", t.name)
+        if part not in members:
+            yield _gguf_hf_name(t.name, model_type), [t], None
+        elif part in combined:  # the first of its group; the others join it here
+            parts, name, fn = combined[part]
+            missing = [p for p in parts if f"blk.{block}.{p}" not in by_name]
+            if missing:
+                raise ModelLoadError(
+                    f"GGUF tensor {t.name!r} comes without {', '.join(f'blk.{block}.{p}' for p in missing)}"
+                )
+            yield f"model.layers.{block}.{name}", [by_name[f"blk.{block}.{p}"] for p in parts], fn
 
 
 def _write_weights(reader, config: dict, out: Path) -> None:
     # Group tensors into <= _SHARD_BYTES files, so only one shard is ever held in memory.
-    native = _native_names(reader)
+    native = _native_names(reader, config["model_type"])
 
-    def nbytes(t):  # int8 codes and two float32 per group of 16 or 32, or float32
-        return int(t.n_elements) * (1 + 8 / 16 if t.name in native else 4)
+    def nbytes(parts):  # int8 codes and two float32 per group of 16 or 32, or float32
+        return sum(int(t.n_elements) * (1 + 8 / 16 if t.name in native else 4) for t in parts)
 
     shards, size = [[]], 0
-    for hf_name, t in _gguf_tensors(reader, config):
-        if shards[-1] and size + nbytes(t) > _SHARD_BYTES:
+    for hf_name, parts, fn in _gguf_tensors(reader, config):
+        if shards[-1] and size + nbytes(parts) > _SHARD_BYTES:
             shards.append([])
             size = 0
-        shards[-1].append((hf_name, t))
-        size += nbytes(t)
+        shards[-1].append((hf_name, parts, fn))
+        size += nbytes(parts)
     if len(shards) == 1:
         names = ["model.safetensors"]
     else:
@@ -370,10 +483,17 @@ def _write_weights(reader, config: dict, out: Path) -> None:
     weight_map, total = {}, 0
     for file_name, shard in zip(names, shards):
         tensors = {}
-        for hf_name, t in shard:
-            base = hf_name.removesuffix(".weight")
+        for hf_name, parts, fn in shard:
+            if fn is not None:
+                tensors[hf_name] = fn(*(_gguf_tensor(t, config, False)["weight"] for t in parts)).contiguous()
+                continue
+            t, base = parts[0], hf_name.removesuffix(".weight")
             for kind, tensor in _gguf_tensor(t, config, t.name in native).items():
-                tensors[hf_name if kind == "weight" else f"{base}.{kind}"] = tensor
+                if "{expert}" in base:  # merged experts -> one checkpoint tensor each, as HF checkpoints hold them
+                    for e, part in enumerate(tensor):
+                        tensors[f"{base.format(expert=e)}.{kind}"] = part.clone()
+                else:
+                    tensors[hf_name if kind == "weight" else f"{base}.{kind}"] = tensor
         save_file(tensors, str(out / file_name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file_name))
         total += sum(t.numel() * t.element_size() for t in tensors.values())

@@ -258,6 +258,92 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
         return dequantize(q[ids], scales[ids], zeros[ids]).to(layer.dtype)
 
 
+class GroupQuantMoEMethod:
+    """A FusedMoE layer's experts as group-wise codes (vLLM's quantized FusedMoE methods): w13_codes (codes [E, 2I, H],
+    scales and zeros [E, 2I, H // group]) and w2_codes ([E, H, I], ...), kernels/quant.py's format with a leading
+    expert dimension, kept outside the parameters so that casting the model leaves the float32 scales alone.
+
+    A checkpoint's expert tensors arrive one an expert and projection: as codes (a GGUF's, or the loader's int8/int4
+    cache), or float, which int8 and int4 quantize here; under gguf a float one (a type the engine keeps no codes for)
+    makes the whole layer float, in w13_weight and w2_weight, as the unquantized layer holds it."""
+
+    def __init__(self, quantization: str):
+        self.quantization = quantization
+
+    def create_weights(self, layer: nn.Module) -> None:
+        # Empty until the layer is complete; the loader reports them loaded then.
+        _register(layer, "w13_weight", torch.empty(0))
+        _register(layer, "w2_weight", torch.empty(0))
+        layer.expert_parts, layer.whole_parts = {}, set()
+
+    def load(self, layer: nn.Module, tensor: torch.Tensor, expert: int, shard: str, kind: str) -> list[str]:
+        """Keep one tensor of a local expert's projection (shard w1, w3 or w2; kind weight, qweight, scales or
+        zeros); once every expert's projections are whole, build the layer: the parameters that completes."""
+        part = layer.expert_parts.setdefault((expert, shard), {})
+        part[kind] = tensor
+        if "weight" in part or len(part) == 3:
+            layer.whole_parts.add((expert, shard))
+        if len(layer.whole_parts) < 3 * layer.num_local_experts:
+            return []
+        parts = {key: self._rank_part(layer, part, key[1]) for key, part in layer.expert_parts.items()}
+        layer.expert_parts, layer.whole_parts = {}, set()
+        experts = range(layer.num_local_experts)
+        device = layer.w13_weight.device
+        if self.quantization == "gguf" and any("weight" in p for p in parts.values()):
+
+            def weight(part):
+                return part["weight"].float() if "weight" in part else dequantize(*self._codes(part))
+
+            w13 = torch.stack([torch.cat([weight(parts[e, "w1"]), weight(parts[e, "w3"])]) for e in experts])
+            layer.w13_weight.data = w13.to(device)
+            layer.w2_weight.data = torch.stack([weight(parts[e, "w2"]) for e in experts]).to(device)
+            return ["w13_weight", "w2_weight"]
+        layer.w13_codes = _stack_codes([[self._codes(parts[e, s]) for s in ("w1", "w3")] for e in experts], device)
+        layer.w2_codes = _stack_codes([[self._codes(parts[e, "w2"])] for e in experts], device)
+        return ["w13_weight", "w2_weight"]
+
+    def _codes(self, part: dict) -> tuple:
+        if "weight" not in part:
+            return part["qweight"], part["scales"].float(), part["zeros"].float()
+        return get_linear_method(self.quantization).quantize(part["weight"].float())
+
+    @staticmethod
+    def _rank_part(layer: nn.Module, part: dict, shard: str) -> dict:
+        """This tensor-parallel rank's slice of a projection: its rows of gate and up, its columns of down (whole
+        quantization groups of them)."""
+        if layer.tp_size == 1:
+            return part
+        if shard != "w2" or "weight" in part:
+            return {kind: layer._rank_part(t, 1 if shard == "w2" else 0) for kind, t in part.items()}
+        size = layer.intermediate_size_per_partition
+        group = part["qweight"].shape[1] // part["scales"].shape[1]
+        if size % group:
+            raise ValueError(
+                f"--tensor-parallel-size {layer.tp_size} gives each rank {size} columns of the experts' down "
+                f"projection, not whole quantization groups of {group}; serve with a size that does"
+            )
+        groups = slice(layer.tp_rank * size // group, (layer.tp_rank + 1) * size // group)
+        return {
+            "qweight": layer._rank_part(part["qweight"], 1),
+            "scales": part["scales"][:, groups],
+            "zeros": part["zeros"][:, groups],
+        }
+
+
+def _stack_codes(experts: list[list[tuple]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each expert's projections (codes, scales, zeros), their rows stacked in order, with a leading expert dimension;
+    scales of different group sizes (GGUF's Q4_K beside Q6_K) repeated to the finest first, which keeps every
+    weight's value."""
+    groups = max(codes[1].shape[1] for parts in experts for codes in parts)
+
+    def stacked(i):
+        rows = [torch.cat([c[i].repeat_interleave(groups // c[i].shape[1], dim=1) if i else c[i] for c in parts])
+                for parts in experts]  # fmt: skip
+        return torch.stack(rows).contiguous().to(device)
+
+    return stacked(0), stacked(1), stacked(2)
+
+
 # Methods whose codes are made from a float checkpoint: the loader quantizes it once and caches the codes.
 QUANTIZED_AT_LOAD = ("int8", "int4")
 _LINEAR_METHODS = {

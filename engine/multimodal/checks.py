@@ -18,8 +18,8 @@ class MultiModalLimits:
 
 
 class LlavaImageInfo:
-    """LLaVA: each image is pixel_values [1, C, S, S] and becomes (S / patch)^2 embeddings (one more with the
-    "full" strategy, which keeps the class token)."""
+    """LLaVA: each image is pixel_values [1, C, S, S] and becomes (S / patch)^2 embeddings, one more for a CLIP
+    tower's class token, one fewer with the "default" strategy (which drops the first)."""
 
     data_keys = ("pixel_values",)
 
@@ -28,8 +28,9 @@ class LlavaImageInfo:
         self.image_token_id = int(hf_config["image_token_index"])
         self.channels = int(vision.get("num_channels", 3))
         self.image_size = int(vision["image_size"])
-        full = hf_config.get("vision_feature_select_strategy", "default") == "full"
-        self.num_tokens = (self.image_size // int(vision["patch_size"])) ** 2 + int(full)
+        class_token = vision.get("model_type", "clip_vision_model") == "clip_vision_model"
+        default = hf_config.get("vision_feature_select_strategy", "default") == "default"
+        self.num_tokens = (self.image_size // int(vision["patch_size"])) ** 2 + int(class_token) - int(default)
 
     def num_embeds(self, data: dict, where: str) -> int:
         shape = tuple(data["pixel_values"].shape)
@@ -43,7 +44,80 @@ class LlavaImageInfo:
         return [{"pixel_values": processed["pixel_values"][i : i + 1]} for i in range(num_images)]
 
 
-_IMAGE_INFO = {"LlavaForConditionalGeneration": LlavaImageInfo}
+class Gemma3ImageInfo(LlavaImageInfo):
+    """Gemma 3: each image is pixel_values [1, C, S, S] pooled to mm_tokens_per_image embeddings, which the
+    language model attends to both ways; one crop an image (pan and scan is not implemented)."""
+
+    def __init__(self, hf_config: dict):
+        vision = hf_config["vision_config"]
+        self.image_token_id = int(hf_config["image_token_index"])
+        self.channels = int(vision.get("num_channels", 3))
+        self.image_size = int(vision["image_size"])
+        self.num_tokens = int(hf_config["mm_tokens_per_image"])
+
+    def split(self, processed: dict, num_images: int) -> list[dict]:
+        if any(processed.get("num_crops", [])):
+            raise ValueError("multi_modal_data.image: pan-and-scan crops (do_pan_and_scan) are not implemented.")
+        return super().split(processed, num_images)
+
+    def check_chunk_budget(self, max_num_batched_tokens: int, long_prefill_token_threshold: int) -> None:
+        """At start-up: an image's placeholders are scheduled in one step, so one step must hold them."""
+        for name, limit in (
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("long_prefill_token_threshold", long_prefill_token_threshold),
+        ):
+            if 0 < limit < self.num_tokens:
+                raise ValueError(
+                    f"{name}={limit} is less than an image's {self.num_tokens} placeholder tokens, which this model "
+                    "prefills in one step (they attend to each other both ways)."
+                )
+
+
+class Qwen2VLImageInfo:
+    """Qwen2-VL and Qwen2.5-VL (dynamic resolution): each image is pixel_values [t * h * w, C * temporal_patch *
+    patch^2], one row a patch of its grid image_grid_thw [1, 3] = (t, h, w), and becomes t * h * w / merge^2
+    embeddings. The processor's placeholder token is expanded to that many by the front end (expand)."""
+
+    data_keys = ("pixel_values", "image_grid_thw")
+    image_token = "<|image_pad|>"
+
+    def __init__(self, hf_config: dict):
+        vision = hf_config["vision_config"]
+        self.image_token_id = int(hf_config["image_token_id"])
+        self.merge = int(vision["spatial_merge_size"])
+        self.patch_dim = (
+            int(vision["in_channels"]) * int(vision["temporal_patch_size"]) * int(vision["patch_size"]) ** 2
+        )
+
+    def num_embeds(self, data: dict, where: str) -> int:
+        grid = data["image_grid_thw"]
+        if tuple(grid.shape) != (1, 3) or grid.dtype.is_floating_point or bool((grid < 1).any()):
+            raise ValueError(f"{where}: image_grid_thw must be one row of 3 positive integers, got {grid.tolist()}.")
+        t, h, w = (int(x) for x in grid[0])
+        if h % self.merge or w % self.merge:
+            raise ValueError(f"{where}: image_grid_thw {[t, h, w]} has a side not divisible by {self.merge}.")
+        shape, expected = tuple(data["pixel_values"].shape), (t * h * w, self.patch_dim)
+        if shape != expected:
+            raise ValueError(f"{where}: pixel_values has shape {shape}, expected {expected} for grid {[t, h, w]}.")
+        return t * h * w // self.merge**2
+
+    def split(self, processed: dict, num_images: int) -> list[dict]:
+        grids, datas, at = processed["image_grid_thw"], [], 0
+        for i in range(num_images):
+            rows = int(grids[i].prod())
+            datas.append(
+                {"pixel_values": processed["pixel_values"][at : at + rows], "image_grid_thw": grids[i : i + 1]}
+            )
+            at += rows
+        return datas
+
+
+_IMAGE_INFO = {
+    "LlavaForConditionalGeneration": LlavaImageInfo,
+    "Gemma3ForConditionalGeneration": Gemma3ImageInfo,
+    "Qwen2VLForConditionalGeneration": Qwen2VLImageInfo,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2VLImageInfo,
+}
 
 
 def image_info(model_config):
@@ -59,7 +133,7 @@ def check_mm_features(prompt_token_ids: list[int], features: list, info, limits:
     if not features:
         return
     if info is None:
-        raise ValueError("multi_modal_data: the model takes no images (it is text-only).")
+        raise ValueError("multi_modal_data.image: the model takes no images (it is text-only).")
     if len(features) > limits.limit_mm_per_prompt:
         raise ValueError(
             f"multi_modal_data.image: {len(features)} images, more than limit_mm_per_prompt="

@@ -30,9 +30,17 @@ class MultiModalProcessor:
     prompt's text and PIL images into token ids (placeholders expanded) and one MultiModalFeatureSpec an image."""
 
     def __init__(self, model_dir, info, limits: MultiModalLimits):
-        from transformers import AutoProcessor
+        from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
-        self.hf = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        if getattr(info, "image_token", None):
+            # The family's placeholder is expanded here by each image's grid (as its Hugging Face processor does),
+            # so only the image processor and tokenizer are loaded (the processor would need a video processor too).
+            self.hf = None
+            self.image_processor = AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
+            self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        else:
+            self.hf = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+            self.image_processor = self.hf.image_processor
         self.info = info
         self.limits = limits
 
@@ -58,17 +66,30 @@ class MultiModalProcessor:
         """(token ids, features) of a prompt given as text (its image placeholders expanded by the processor) or
         as token ids whose placeholders are expanded already."""
         self.check_images(images)
-        if token_ids is None:
+        if token_ids is None and self.hf is not None:
             try:
                 out = self.hf(text=[prompt], images=images or None, return_tensors="pt")
             except ValueError as e:  # the processor's own check that the prompt names each image
                 raise ValueError(f"multi_modal_data.image: {e}") from None
             token_ids = out["input_ids"][0].tolist()
         else:
-            out = self.hf.image_processor(images, return_tensors="pt") if images else {}
+            out = self.image_processor(images, return_tensors="pt") if images else {}
+        datas = self.info.split(out, len(images)) if images else []
+        lengths = [self.info.num_embeds(d, f"multi_modal_data.image[{i}]") for i, d in enumerate(datas)]
+        if token_ids is None:
+            text = expand_image_tokens(prompt, self.info.image_token, lengths)
+            token_ids = self.tokenizer(text)["input_ids"]
         if not images:
             return token_ids, []
-        datas = self.info.split(out, len(images))
-        lengths = [self.info.num_embeds(d, f"multi_modal_data.image[{i}]") for i, d in enumerate(datas)]
         ranges = assign_placeholders(token_ids, lengths, self.info.image_token_id)
         return token_ids, [MultiModalFeatureSpec(d, hash_tensors(d), r) for d, r in zip(datas, ranges)]
+
+
+def expand_image_tokens(prompt: str, image_token: str, lengths: list[int]) -> str:
+    """The prompt with its i-th image token repeated lengths[i] times (one token an image before)."""
+    parts = prompt.split(image_token)
+    if len(parts) - 1 != len(lengths):
+        raise ValueError(
+            f"multi_modal_data.image: the prompt holds {len(parts) - 1} {image_token} tokens and {len(lengths)} images."
+        )
+    return parts[0] + "".join(image_token * n + part for n, part in zip(lengths, parts[1:]))

@@ -61,6 +61,9 @@ class ModelRunnerOutput:
     # Pooling requests whose prompt completed in this step -> their pooled vector (float32, on the host).
     pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)
     sample_s: float = 0.0  # the step's sampling, in process or on the sampler service (host time)
+    # request_id -> (start, end, embedding tokens) of each image the encoder computed for it in this step
+    # (time.monotonic()).
+    encoder_runs: dict[str, list[tuple[float, float, int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -101,3 +104,7 @@ class SchedulerStats:
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
     # Cumulative drafts proposed and accepted; None without speculative decoding.
     spec_decoding_stats: SpecDecodingStats | None = None
+    # A vision-language model's encoder cache: the share of it requests need now, and its cumulative images
+    # looked up, found held and computed (engine.multimodal.encoder_cache.EncoderCacheStats); None for text-only.
+    encoder_cache_usage: float | None = None
+    encoder_cache_stats: object = None

@@ -12,6 +12,7 @@ output is back, and that output is dropped.
 """
 
 import concurrent.futures
+from dataclasses import replace
 
 from engine.kv.manager import KVCacheManager
 from engine.request import EngineCoreEventType, FinishReason, Request, RequestFailure, RequestStatus
@@ -42,6 +43,7 @@ class Scheduler:
         pipeline_parallel_size: int = 1,
         encoder_cache_manager=None,
         max_num_encoder_input_tokens: int = 0,
+        disable_chunked_mm_input: bool = False,
     ):
         self.kv_cache_manager = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -79,6 +81,9 @@ class Scheduler:
         # the encoder computes in one step at most; None: a text-only model.
         self.encoder_cache_manager = encoder_cache_manager
         self.max_num_encoder_input_tokens = max_num_encoder_input_tokens
+        # An image's placeholders go in one step, never split across prefill chunks (a prefix-LM model's attend to
+        # each other both ways).
+        self.disable_chunked_mm_input = disable_chunked_mm_input
 
     # ---- requests in and out -------------------------------------------------
 
@@ -140,6 +145,7 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         prefix = self.kv_cache_manager.prefix_cache_stats
+        encoder = self.encoder_cache_manager
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -151,6 +157,8 @@ class Scheduler:
             num_loading_reqs=len(self.loading),
             kv_connector_stats=self.connector.get_kv_connector_stats().data if self.connector is not None else None,
             spec_decoding_stats=self.spec_decoding_stats,
+            encoder_cache_usage=encoder.usage() if encoder is not None else None,
+            encoder_cache_stats=replace(encoder.stats) if encoder is not None else None,
             **self._lora_adapter_counts(),
         )
 
@@ -394,8 +402,9 @@ class Scheduler:
     ) -> tuple[list[int], int, int]:
         """The images whose embeddings this step's tokens [num_computed, num_computed + num_new) need and the
         encoder must compute (those not held already); the new-token count, cut short before the first image that
-        does not fit the step's encoder budget or the cache (an image is encoded whole, in one step); the budget
-        left (vLLM's _try_schedule_encoder_inputs)."""
+        does not fit the step's encoder budget or the cache (an image is encoded whole, in one step), or, with
+        disable_chunked_mm_input, whose placeholders the step would split; the budget left (vLLM's
+        _try_schedule_encoder_inputs)."""
         manager, to_schedule, num_tokens_to_schedule = self.encoder_cache_manager, [], 0
         end = num_computed_tokens + num_new_tokens
         for i, feature in enumerate(request.mm_features):
@@ -404,6 +413,11 @@ class Scheduler:
                 break  # this step's tokens end before it
             if start + length <= num_computed_tokens:
                 continue  # its embeddings are in the KV cache already
+            if self.disable_chunked_mm_input and start + length > end:
+                # The step would end inside the image: stop before it (or, starting inside it after a prefix-cache
+                # hit, wait for a step that reaches its end).
+                num_new_tokens = max(0, start - num_computed_tokens)
+                break
             if feature.identifier in {request.mm_features[j].identifier for j in to_schedule}:
                 continue  # the same image again in this prompt: computed once
             if manager.check_and_update_cache(request, i):
@@ -564,6 +578,11 @@ class Scheduler:
         if runner_output.kv_connector_output is not None:
             self.update_from_connector_output(runner_output.kv_connector_output)
         spec = scheduler_output.scheduled_spec_decode_tokens
+        for request_id, runs in runner_output.encoder_runs.items():
+            request = self.requests.get(request_id)
+            for start, end, num_tokens in runs if request is not None else ():
+                request.record_event(EngineCoreEventType.ENCODE_STARTED, start, num_tokens)
+                request.record_event(EngineCoreEventType.ENCODED, end, num_tokens)
         for request, token_ids in zip(scheduler_output.scheduled_requests, runner_output.sampled_token_ids):
             if not self.pipelined:
                 request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]

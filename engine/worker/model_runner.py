@@ -92,6 +92,10 @@ class ModelRunner:
         # to compute and what to drop); and where each request of the batch last prepared starts.
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.batch_starts: list[int] = []
+        # M-RoPE (Qwen2-VL): each request's prompt positions [3, prompt length] and the delta of the tokens after.
+        self.mrope_positions: dict[str, tuple[torch.Tensor, int]] = {}
+        # This step's images encoded: request_id -> (start, end, embedding tokens), for the request's trace.
+        self.encoder_runs: dict[str, list[tuple[float, float, int]]] = {}
 
     def capture_cudagraphs(self, sizes: list[int]) -> None:
         """CUDA graphs of the model's forward for decode batches of these sizes (after the KV cache exists)."""
@@ -111,6 +115,7 @@ class ModelRunner:
             requests, order, rows, size, _, positions, metadata, logits_indices = prepared[1]
             qsl = metadata[0].query_start_loc_cpu
             tokens = [r.all_token_ids[-1] for r in requests]  # each a decode of its newest token
+            self.batch_starts = [r.num_computed_tokens for r in requests]
             input_ids = self.buffers.write_input_ids(qsl[: len(requests)], tokens, metadata[0].num_actual_tokens)
             self.num_prepared_ahead += 1
             return requests, order, rows, size, input_ids, positions, metadata, logits_indices
@@ -187,6 +192,7 @@ class ModelRunner:
         for request_id in so.finished_req_ids:
             self.prompt_logprobs_in_progress.pop(request_id, None)
             self.pooling_in_progress.pop(request_id, None)
+            self.mrope_positions.pop(request_id, None)
         self.sampler.forget(so.finished_req_ids)
         if self.drafter is not None:
             self.drafter.forget(so.finished_req_ids)
@@ -199,13 +205,19 @@ class ModelRunner:
             while_waiting = partial(self._while_waiting, so, while_waiting)
         requests, order, rows, size, input_ids, positions, metadata, logits_indices = self.prepare_inputs(so)
         mm_inputs = self._multimodal_inputs(so, requests, metadata[0], input_ids)
-        if size is None or mm_inputs:  # a step with image embeddings runs eagerly (graphs take token ids)
+        if mm_inputs and self.model.config.is_mm_prefix_lm:
+            self._set_mm_prefix_range(requests, metadata)
+        model_positions = positions
+        if getattr(self.model, "uses_mrope", False):
+            model_positions = self._mrope_batch_positions(requests, metadata[0], positions.shape[0])
+        # A step with image embeddings or M-RoPE runs eagerly (graphs take token ids and 1-D positions).
+        if size is None or mm_inputs or model_positions is not positions:
             attn_metadata = layer_metadata(self.model.attn_backend, metadata, self.layer_to_group)
             intermediate = None
             if not is_first_stage():
                 shape = (input_ids.shape[0], self.model.config.hidden_size)
                 intermediate = recv_from_prev_stage({"hidden_states": shape}, self.dtype, self.device)
-            hidden = self.model(input_ids, positions, attn_metadata, self.kv_caches, intermediate, **mm_inputs)
+            hidden = self.model(input_ids, model_positions, attn_metadata, self.kv_caches, intermediate, **mm_inputs)
         else:
             hidden = self.cudagraphs.replay(size)
         if not is_last_stage():
@@ -213,7 +225,7 @@ class ModelRunner:
             return ModelRunnerOutput([[] for _ in order])
         if self.drafter is not None:
             self.drafter.run_batch(input_ids, positions, metadata[0])  # the draft's KV lives in group 0's blocks
-        output = ModelRunnerOutput([[] for _ in order], failed=dict(self.lora_failures))
+        output = ModelRunnerOutput([[] for _ in order], failed=dict(self.lora_failures), encoder_runs=self.encoder_runs)
         if self.pooler is not None:  # nothing samples: the requests whose prompt is complete are pooled
             if self.is_driver:
                 output.pooler_output = self._pool(requests, metadata[0], hidden)
@@ -284,10 +296,14 @@ class ModelRunner:
         scheduler scheduled are encoded first (once each), then each placeholder token in the batch takes its row of
         its image's embeddings (a chunk of a prompt takes the slice of an image it covers), as vLLM's
         merge_multimodal_embeddings."""
-        for features in so.scheduled_encoder_inputs.values():
+        self.encoder_runs = {}
+        for request_id, features in so.scheduled_encoder_inputs.items():
             for feature in features:
                 if feature.identifier not in self.encoder_cache:
+                    started = time.monotonic()
                     self.encoder_cache[feature.identifier] = self.model.get_multimodal_embeddings(feature.data)
+                    run = (started, time.monotonic(), feature.num_embeds)
+                    self.encoder_runs.setdefault(request_id, []).append(run)
         pieces, rows = [], []
         qsl = metadata.query_start_loc_cpu
         for i, (request, start) in enumerate(zip(requests, self.batch_starts)):
@@ -303,6 +319,38 @@ class ModelRunner:
         embeds = self.model.get_input_embeddings(input_ids)
         embeds[torch.tensor(rows, device=embeds.device)] = torch.cat(pieces).to(embeds.dtype)
         return {"inputs_embeds": embeds}
+
+    def _mrope_batch_positions(self, requests, metadata, num_rows: int) -> torch.Tensor:
+        """The batch's M-RoPE positions [3, num_rows]: a prompt token's from its request's image grids, a later
+        token's its index plus the request's delta in all three (vLLM's mrope_positions)."""
+        out = torch.zeros(3, num_rows, dtype=torch.long)
+        qsl = metadata.query_start_loc_cpu
+        for i, (request, start) in enumerate(zip(requests, self.batch_starts)):
+            if request.request_id not in self.mrope_positions:
+                self.mrope_positions[request.request_id] = self.model.get_mrope_input_positions(
+                    request.prompt_token_ids, request.mm_features
+                )
+            prompt, delta = self.mrope_positions[request.request_id]
+            q_start, n = int(qsl[i]), int(qsl[i + 1] - qsl[i])
+            out[:, q_start : q_start + n] = torch.arange(start + delta, start + delta + n)
+            in_prompt = min(start + n, prompt.shape[1]) - start
+            if in_prompt > 0:
+                out[:, q_start : q_start + in_prompt] = prompt[:, start : start + in_prompt]
+        return out.to(self.device, non_blocking=True)
+
+    def _set_mm_prefix_range(self, requests, metadata) -> None:
+        """A prefix-LM model (Gemma 3) attends both ways within each image: the positions of each request's images
+        that this step's tokens touch, for every KV cache group's attention (vLLM's mm_prefix_range). The scheduler
+        never splits an image across steps, so its keys are all there."""
+        ranges, qsl = {}, metadata[0].query_start_loc_cpu
+        for i, (request, start) in enumerate(zip(requests, self.batch_starts)):
+            end = start + int(qsl[i + 1] - qsl[i])
+            spans = [(f.mm_position.offset, f.mm_position.end) for f in request.mm_features]
+            spans = [(lo, hi) for lo, hi in spans if lo < end and hi > start]
+            if spans:
+                ranges[i] = spans
+        for group_metadata in metadata:
+            group_metadata.mm_prefix_range = ranges
 
     def _while_waiting(self, so: SchedulerOutput, schedule_ahead) -> None:
         """The engine's work for the next step while this one's tokens are sampled: its blocks, then its inputs."""

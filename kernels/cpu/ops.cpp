@@ -18,6 +18,9 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
                      const at::Tensor& topk_ids);
+at::Tensor fused_moe_quant(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w13_scales,
+                           const at::Tensor& w13_zeros, const at::Tensor& w2, const at::Tensor& w2_scales,
+                           const at::Tensor& w2_zeros, const at::Tensor& topk_weights, const at::Tensor& topk_ids);
 std::tuple<int64_t, std::string> serve_greedy_steps(int64_t fd, at::Tensor headers, at::Tensor data);
 bool send_greedy_step(int64_t fd, at::Tensor headers, at::Tensor data, int64_t slot, int64_t generation,
                       const at::Tensor& logits, int64_t step_id);
@@ -36,6 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE, in place on q and k");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up output");
   m.def("fused_moe", &fused_moe, "A mixture-of-experts layer's experts, the tokens grouped by expert");
+  m.def("fused_moe_quant", &fused_moe_quant, "fused_moe over group-wise quantized experts, dequantized row by row");
   m.def("serve_greedy_steps", &serve_greedy_steps, "Answer a step channel's greedy steps until another frame comes",
         py::call_guard<py::gil_scoped_release>());
   m.def("send_greedy_step", &send_greedy_step, "Write a greedy step's logits into its slot and send the step",

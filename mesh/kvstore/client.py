@@ -1,10 +1,10 @@
 """A blocking gRPC client for llmmesh.v1.KVStore that the KVStore connector calls from its own threads."""
 
-import grpc
-
 from engine.kv.layout import KVLayout
 from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
-from mesh.grpc_policy import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES
+from mesh import tls
+from mesh.grpc_policy import MAX_MESSAGE_BYTES
+from mesh.kvstore.block_tag import TAG_BYTES
 from mesh.kvstore.wire import SEGMENT_PREFIX, layout_to_proto
 from mesh.shared_memory import create_segment, unlink_segment
 
@@ -44,7 +44,8 @@ class KVStoreClient:
         for layout in layouts:
             if layout.block_bytes > MAX_MESSAGE_BYTES // 2:
                 raise ValueError(f"a KV block of {layout.block_bytes} bytes is too large for the kvstore's messages")
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # Always inside an engine: it presents the engine's certificate.
+        self.channel = tls.channel(address, "kvstore", tls.credentials_from_env("engine"))
         self.stub = kvstore_pb2_grpc.KVStoreStub(self.channel)
 
     def lookup(self, fingerprint: str, block_hashes: list[bytes], timeout: float, metadata=()) -> list[bool]:
@@ -58,8 +59,8 @@ class KVStoreClient:
     def get(
         self, layout: KVLayout, block_hashes: list[bytes], timeout: float, metadata=(), staging: Staging | None = None
     ):
-        """Yield the blocks' bytes in order, several blocks back to back at a time, until the first missing block;
-        more bytes than asked for, or part of a block, ends it. With staging (room for the blocks), a kvstore that
+        """Yield the blocks' bytes and their tags in order, several blocks back to back at a time, until the first
+        missing block; more bytes than asked for, part of a block, or tags that do not match the blocks end it. With staging (room for the blocks), a kvstore that
         maps it writes the blocks there: what is yielded is then staging's memory, good until the next Get into
         it, and staging.taken is set."""
         request = kvstore_pb2.GetRequest(layout=layout_to_proto(layout), block_hashes=block_hashes)
@@ -77,20 +78,24 @@ class KVStoreClient:
                 offset += size
             else:
                 data = response.data  # each access copies the bytes
-            if len(data) % block_bytes or len(data) > left:
-                raise ValueError("the kvstore answered part of a block, or more blocks than asked for")
+            if (
+                len(data) % block_bytes
+                or len(data) > left
+                or len(response.tags) != len(data) // block_bytes * TAG_BYTES
+            ):
+                raise ValueError("the kvstore answered part of a block, more blocks than asked for, or other tags")
             left -= len(data)
-            yield data
+            yield data, response.tags
 
     def put(self, layout: KVLayout, blocks, timeout: float, metadata=()) -> int:
-        """Store (hash, data) pairs, several per message; the number stored (present ones are skipped)."""
+        """Store (hash, data, tag) triples, several per message; the number stored (present ones are skipped)."""
         proto_layout = layout_to_proto(layout)
         blocks_per_message = max(1, _MESSAGE_TARGET_BYTES // layout.block_bytes)
 
         def messages():
             batch, first = [], True
-            for block_hash, data in blocks:
-                batch.append(kvstore_pb2.KVBlock(block_hash=block_hash, data=data))
+            for block_hash, data, tag in blocks:
+                batch.append(kvstore_pb2.KVBlock(block_hash=block_hash, data=data, tag=tag))
                 if len(batch) == blocks_per_message:
                     yield kvstore_pb2.PutRequest(layout=proto_layout if first else None, blocks=batch)
                     batch, first = [], False

@@ -16,7 +16,8 @@ Worker side. Loads and stores run on two background threads, never on the step's
 copies the blocks). A load offers the kvstore a shared-memory segment of shared_memory_bytes (made at the
 first load, reused, its name unlinked once the kvstore has mapped it): a kvstore on this host writes the blocks
 there and the load copies them into the cache from memory; one on another host declines and sends them as bytes.
-Any fault — the store down, slow past its deadline, or answering garbage — ends a transfer early: a load then
+Each block stored carries its tag (mesh/kvstore/block_tag.py), and a load takes blocks up to the first whose tag
+fails. Any fault — the store down, slow past its deadline, or answering garbage — ends a transfer early: a load then
 brings fewer blocks and the rest is recomputed; a store is dropped. After a fault the connector leaves the store
 alone for retry_interval_s, then tries again. With kv_role kv_producer (a prefill engine), stores run on the step's
 path instead: a step reports its tokens only once its blocks are in the store.
@@ -42,6 +43,7 @@ from engine.kv.connector.base import (
 from engine.kv.connector.block_io import KVBlockIO
 from engine.kv.layout import KVLayout
 from engine.request import EngineCoreEventType
+from mesh.kvstore.block_tag import BlockTagger, block_key_from_env
 from mesh.kvstore.client import KVStoreClient, Staging
 
 logger = logging.getLogger("llmmesh.engine.kv_connector")
@@ -188,6 +190,7 @@ class KVStoreConnector(KVConnectorBase):
             self.idle_wait = True  # False for a step before which the scheduler side waited already
             self.staging: Staging | None = None  # the load thread's, made at its first load
             self.staging_blocks = self.options["shared_memory_bytes"] // self.max_block_bytes
+            self.tagger = BlockTagger(block_key_from_env())
             self.load_queue: queue.SimpleQueue = queue.SimpleQueue()
             self.store_queue: queue.SimpleQueue = queue.SimpleQueue()
             self.threads = [
@@ -452,11 +455,22 @@ class KVStoreConnector(KVConnectorBase):
             staging = self._staging()
             end = total if staging is None else min(total, loaded + staging.num_blocks)
             asked = loaded
-            for data in self.client.get(layout, hashes[loaded:end], self.options["timeout_s"], job.trace_headers,
-                                        staging):  # fmt: skip
+            blocks = self.client.get(layout, hashes[loaded:end], self.options["timeout_s"], job.trace_headers, staging)
+            for data, tags in blocks:
                 num_blocks = len(data) // layout.block_bytes
-                block_io.write(ids[loaded : loaded + num_blocks], data)
-                loaded += num_blocks
+                good = self.tagger.verified(
+                    layout.fingerprint, hashes[loaded : loaded + num_blocks], data, tags, layout.block_bytes
+                )
+                block_io.write(ids[loaded : loaded + good], data[: good * layout.block_bytes])
+                loaded += good
+                if good < num_blocks:
+                    logger.warning(
+                        "a KV block from the store fails its tag (not written by an engine with this mesh's block "
+                        "key): it and the blocks after it are recomputed"
+                    )
+                    blocks.close()  # ends the Get
+                    self._drop_staging()  # which may still be writing into it
+                    return loaded
             if staging is not None:
                 self._after_get(staging, loaded > asked)
             if loaded < end:
@@ -497,7 +511,9 @@ class KVStoreConnector(KVConnectorBase):
                 todo = [i for i, found in enumerate(present) if not found]
                 if todo:
                     data = self.block_ios[job.group_id].read([job.block_ids[i] for i in todo])
-                    self.client.put(layout, zip([job.block_hashes[i] for i in todo], data), timeout, job.trace_headers)
+                    hashes = [job.block_hashes[i] for i in todo]
+                    tags = [self.tagger.tag(layout.fingerprint, h, d) for h, d in zip(hashes, data)]
+                    self.client.put(layout, zip(hashes, data, tags), timeout, job.trace_headers)
                 stored = True
             except Exception as e:  # noqa: BLE001 (a lost store costs a later recomputation only)
                 self._mark_down("store", e)

@@ -39,7 +39,7 @@ from engine.sample.rejection_sampler import pad_token_rows
 from engine.sample.sampler import BatchSampler, LogprobsTensors, SamplerOutput, SamplerUnavailableError
 from kernels.cpu_ops import try_load
 from llmmesh.v1 import sampler_pb2
-from mesh.grpc_policy import CHANNEL_OPTIONS
+from mesh import tls
 from mesh.sampler.channel import GREEDY_DTYPES, ChannelClosedError, ChannelListener, StepChannel
 from mesh.sampler.slots import SharedSlots
 from mesh.sampler.wire import (
@@ -106,7 +106,8 @@ class RemoteSampler(BatchSampler):
         self.slot_bytes = slot_bytes
         self.device = torch.device(device)
         self.offer_step_channel = step_channel
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # Always inside an engine: it presents the engine's certificate.
+        self.channel = tls.channel(address, "sampler", tls.credentials_from_env("engine"))
         self._stream: _Stream | None = None
         self.slots: SharedSlots | None = None  # this stream's, when the service took them
         self.step_channel: StepChannel | None = None  # this stream's, when the service connected to it

@@ -3,9 +3,14 @@
 // {"text", "token_ids", "finish_reason", "chunks"} as JSON on stdout.
 //
 //   node generate.js HOST:PORT PROMPT MAX_TOKENS
+//
+// The gateway serves TLS: its certificate is checked against the mesh's CA, ca.crt of LLMMESH_TLS_DIR (by default
+// ~/.local/state/llmmesh/tls), or of the file LLMMESH_TLS_CA names.
 
 "use strict";
 
+const fs = require("fs");
+const os = require("os");
 const path = require("path");
 const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
@@ -25,7 +30,9 @@ function main() {
     oneofs: true, // a oneof's name says which member is set (kind: "chunk" | "complete")
   });
   const llmmesh = grpc.loadPackageDefinition(definition).llmmesh.v1;
-  const gateway = new llmmesh.Gateway(address, grpc.credentials.createInsecure());
+  const tlsDir = process.env.LLMMESH_TLS_DIR || path.join(os.homedir(), ".local", "state", "llmmesh", "tls");
+  const ca = fs.readFileSync(process.env.LLMMESH_TLS_CA || path.join(tlsDir, "ca.crt"));
+  const gateway = new llmmesh.Gateway(address, grpc.credentials.createSsl(ca));
 
   const request = {
     text: prompt,
