@@ -124,10 +124,25 @@ def engine(dtype, store_dir):
 
 
 @pytest.fixture(scope="module")
-def reference(engine, prompts):
-    """Each prompt alone and cold, greedy and seeded."""
+def one_token_engine(dtype):
+    """An engine of one token a step: a prompt is computed position by position, each one a decode."""
+    args = EngineArgs(
+        dtype=dtype,
+        kv_cache_memory=str(40 * block_bytes(dtype)),
+        max_num_batched_tokens=1,
+        enable_prefix_caching=False,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+    )
+    return EngineCore(args)
+
+
+@pytest.fixture(scope="module")
+def reference(one_token_engine, prompts):
+    """Each prompt alone, cold and one step per token, greedy and seeded."""
     return {
-        (i, params.seed): run(engine, [cold(p, params)])[0]
+        (i, params.seed): run(one_token_engine, [cold(p, params)])[0]
         for i, p in enumerate(prompts)
         for params in (GREEDY, SEEDED)
     }
@@ -160,7 +175,7 @@ def test_seeded_sample_with_neighbours(engine, prompts, reference):
 def test_preemption_with_recompute(engine, prompts, reference):
     """A crowd of long requests outgrows the 40 blocks: some are preempted and computed again."""
     preemptions = engine.get_stats().num_preemptions
-    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     crowd = [cold(p, long) for p in prompts * 2]
     tokens = run(engine, [*[cold(p) for p in prompts], *crowd])
     assert engine.get_stats().num_preemptions > preemptions
@@ -209,9 +224,9 @@ def test_prefill_decode_disaggregation(chunked, engine, prompts, reference):
     assert [t[:1] for t in decoded] == prefilled
 
 
-def test_lora_in_a_mixed_batch(engine, prompts, adapters):
-    alone = [run(engine, [cold(p, lora=adapters[0])])[0] for p in prompts]
-    assert alone != [run(engine, [cold(p)])[0] for p in prompts]  # the adapter changes the output
+def test_lora_in_a_mixed_batch(engine, one_token_engine, prompts, reference, adapters):
+    alone = [run(one_token_engine, [cold(p, lora=adapters[0])])[0] for p in prompts]
+    assert alone != [reference[i, None] for i in range(len(prompts))]  # the adapter changes the output
     for i, prompt in enumerate(prompts):
         others = [
             cold(p, params, a) for p, params, a in zip(prompts, NEIGHBOURS, [None, adapters[1], None, adapters[0]])
@@ -242,3 +257,52 @@ def test_draft_model_speculative_decoding(dtype, prompts, reference, smollm2_dir
     tokens = run(engine, [cold(p) for p in prompts])
     assert engine.get_stats().spec_decoding_stats.num_draft_tokens > 0
     assert tokens == [reference[i, None] for i in range(len(prompts))]
+
+
+def attention_kernels():
+    """(name, attend(query, k_cache, v_cache, query_start_loc, seq_lens, block_table, window) -> out) of the
+    kernels this machine runs: the C++ CPU kernel, and the Triton one (under TRITON_INTERPRET=1 without a GPU)."""
+    from kernels.cpu_ops import load
+
+    ops = load()
+
+    def cpu(q, k, v, qsl, seq_lens, table, window):
+        return ops.paged_attention(q, k, v, qsl, seq_lens, table, 0.25, window, None, None)
+
+    def triton(q, k, v, qsl, seq_lens, table, window):
+        from kernels.unified_attention import unified_attention
+
+        out = torch.zeros_like(q)
+        unified_attention(out, q, k, v, qsl, seq_lens, table, 0.25, window)
+        return out
+
+    return [("cpu", cpu, "cpu"), ("triton", triton, "cuda" if torch.cuda.is_available() else "cpu")]
+
+
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("kernel", attention_kernels(), ids=lambda k: k[0])
+def test_attention_row_is_the_same_as_a_decode(kernel, window):
+    """Each query of a prompt (whole, or a chunk over a cached prefix, beside another request) gives bit for bit
+    what it gives as a decode alone, over the same cache: past several key tiles and chunks of the kernels."""
+    _, attend, device = kernel
+    gen = torch.Generator().manual_seed(0)
+    seq_len, block_size, kv_heads, group, head_dim = 300 if kernel[0] == "cpu" else 70, 16, 2, 2, 32
+    num_blocks = -(-seq_len // block_size)
+    dtype = torch.bfloat16 if kernel[0] == "cpu" else torch.float32
+    k, v = (torch.randn(kv_heads, num_blocks + 1, block_size, head_dim, generator=gen).to(dtype) for _ in range(2))
+    table = torch.randperm(num_blocks + 1, generator=gen)[:num_blocks].view(1, -1)
+    queries = torch.randn(seq_len, kv_heads * group, head_dim, generator=gen).to(dtype)
+    k, v, queries, table = (t.to(device) for t in (k, v, queries, table))
+
+    def run_step(rows: list[tuple[int, int]]) -> torch.Tensor:
+        """One launch of requests (first query position, query count), all over the same sequence."""
+        qsl = torch.tensor([0, *itertools.accumulate(n for _, n in rows)], device=device)
+        seq_lens = torch.tensor([p + n for p, n in rows], device=device)
+        q = torch.cat([queries[p : p + n] for p, n in rows])
+        return attend(q, k, v, qsl, seq_lens, table.expand(len(rows), -1).contiguous(), window)
+
+    decodes = torch.cat([run_step([(p, 1)]) for p in range(seq_len)])
+    assert torch.equal(run_step([(0, seq_len)]), decodes)  # the whole prompt in one step
+    chunk = run_step([(seq_len - 1, 1), (seq_len // 3, seq_len // 2)])  # a decode beside a chunk
+    assert torch.equal(chunk[0], decodes[-1])
+    assert torch.equal(chunk[1:], decodes[seq_len // 3 : seq_len // 3 + seq_len // 2])
