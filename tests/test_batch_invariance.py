@@ -225,6 +225,8 @@ def test_prefill_decode_disaggregation(chunked, engine, prompts, reference):
 
 
 def test_lora_in_a_mixed_batch(engine, one_token_engine, prompts, reference, adapters):
+    for adapter in adapters:
+        assert engine.add_lora(adapter) and one_token_engine.add_lora(adapter)
     alone = [run(one_token_engine, [cold(p, lora=adapters[0])])[0] for p in prompts]
     assert alone != [reference[i, None] for i in range(len(prompts))]  # the adapter changes the output
     for i, prompt in enumerate(prompts):
