@@ -308,3 +308,24 @@ def test_attention_row_is_the_same_as_a_decode(kernel, window):
     chunk = run_step([(seq_len - 1, 1), (seq_len // 3, seq_len // 2)])  # a decode beside a chunk
     assert torch.equal(chunk[0], decodes[-1])
     assert torch.equal(chunk[1:], decodes[seq_len // 3 : seq_len // 3 + seq_len // 2])
+
+
+@pytest.mark.parametrize("method", ["float", "int4", "int8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_row_is_the_same_alone(method, dtype):
+    """A linear layer's row, computed among 40 rows, is bit for bit the row computed alone (on whichever kernel the
+    layer's codes and the CPU give it)."""
+    from engine.models.linear import Linear, process_weights_after_loading
+    from engine.models.quantization import get_linear_method
+
+    gen = torch.Generator().manual_seed(0)
+    layer = Linear(576, 200, bias=True, quant_method=get_linear_method(None if method == "float" else method))
+    w = torch.randn(200, 576, generator=gen) / 24
+    if method != "float":  # a quantized layer's weight takes its shape when it is loaded
+        layer.weight.materialize(w.shape, dtype=w.dtype)
+    layer.weight.data.copy_(w)
+    layer.bias.data.normal_(generator=gen)
+    process_weights_after_loading(layer, getattr(torch, dtype))
+    x = torch.randn(40, 576, generator=gen).to(getattr(torch, dtype))
+    together = layer(x)
+    assert torch.equal(together, torch.cat([layer(x[i : i + 1]) for i in range(len(x))]))
