@@ -10,7 +10,9 @@ attends to no value: the running max and sum start from it, as if it were a key 
 
 Each program takes BLOCK_Q query tokens of one request and one KV head, with all GROUP query heads
 that share it (BLOCK_M = BLOCK_Q * GROUP rows), so each K/V tile is loaded once for the group. Keys come
-in tiles of TILE positions, independent of the block size: every key looks up its own block.
+in tiles of TILE positions, independent of the block size: every key looks up its own block. Tiles sit at fixed
+positions (multiples of TILE) and a row's keys are never split across programs, so a query's output is the same
+whether it is a decode, a prefill row or a row over a cached prefix, whatever else shares the launch.
 
 The launch configuration depends only on tensor shapes, never on their contents, so a launch captured
 in a CUDA graph stays valid as the batch changes; the kernel reads where each request starts and how long
@@ -36,11 +38,13 @@ def _tanh(x):
 @triton.jit
 def online_softmax_step(s, v, m, l, acc, PRECISION: tl.constexpr):  # noqa: E741
     """One tile of keys into the running softmax: scores s [rows, keys] (log2 units, -inf where hidden) and values
-    v [keys, dims] into the running max m, sum l and output acc of each row. Returns the new (m, l, acc)."""
+    v [keys, dims] into the running max m, sum l and output acc of each row. Returns the new (m, l, acc).
+    A tile a row sees nothing of leaves its m, l and acc exactly as they were (m stays -inf until a key is seen), so
+    a row's result does not depend on how many such tiles its program reads (batch invariance)."""
     m_new = tl.maximum(m, tl.max(s, 1))
-    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep exp2 finite, its p is 0
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m - m_new)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep exp2 finite, its p is 0
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
     l = l * alpha + tl.sum(p, 1)  # noqa: E741
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l, acc
@@ -122,15 +126,18 @@ def _unified_attention_kernel(
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     # Causal: no row here sees past this block's last query token.
     kv_end = tl.minimum(seq_len, num_cached + first_q + BLOCK_Q)
-    # Sliding window: no row here sees before the first query token's window.
-    kv_start = 0
+    # Sliding window: no row here sees before the first query token's window. Tiles start at multiples of TILE,
+    # whatever the program's first query: each key meets the same tile-mates in a decode and in a prefill.
+    # The keys before the window in the first tile are masked, never read: their blocks may be another request's.
+    kv_first = 0
     if SLIDING_WINDOW > 0:
-        kv_start = tl.maximum(num_cached + first_q - SLIDING_WINDOW + 1, 0)
+        kv_first = tl.maximum(num_cached + first_q - SLIDING_WINDOW + 1, 0)
+    kv_start = kv_first // TILE * TILE
     cache_head = kv_head.to(tl.int64) * stride_ch
     block_row = block_table_ptr + req.to(tl.int64) * stride_bt
     for start in range(kv_start, kv_end, TILE):
         pos = start + tl.arange(0, TILE)
-        key_ok = pos < kv_end
+        key_ok = (pos >= kv_first) & (pos < kv_end)
         block = tl.load(block_row + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         kv_off = cache_head + block * stride_cb + (pos % BLOCK_SIZE) * HEAD_DIM
         k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None], mask=dim_ok[:, None] & key_ok[None, :], other=0.0)

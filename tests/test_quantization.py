@@ -120,11 +120,12 @@ METHODS = ["int8", "int4", "gguf-q4_0", "gguf-q4_1", "gguf-q8_0"]
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("rows", [1, CPU_KERNEL_MAX_ROWS + 7])  # the quantized kernel's rows, then oneDNN's
-def test_bfloat16_layer_matches_its_dequantized_reference(method, rows):
+@pytest.mark.parametrize("batch_invariant", [False, True])  # each row count's fastest kernel, or one for all
+def test_bfloat16_layer_matches_its_dequantized_reference(method, rows, batch_invariant):
     layer, codes = _layer(method)
     bias = layer.bias.detach().clone()
-    process_weights_after_loading(layer, torch.bfloat16)
-    assert layer.kernel is not None
+    process_weights_after_loading(layer, torch.bfloat16, batch_invariant)
+    assert layer.kernel is not None or batch_invariant
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
     want = group_linear_ref(x, *codes) + bias
     got = layer(x.bfloat16())
@@ -217,7 +218,7 @@ def test_greedy_agrees_with_hf_on_the_dequantized_weights(tmp_path, method):
     _dequantize_hf_weights(hf_model, method)
     args = EngineArgs(
         model=str(path), dtype="bfloat16", quantization=method, kv_cache_memory="8MiB", block_size=8,
-        download_dir=str(tmp_path / "cache"),
+        download_dir=str(tmp_path / "cache"), batch_invariant="off",
     )  # fmt: skip
     engine = EngineCore(args)
     assert engine.worker.model.layers[0].mlp.down_proj.kernel is not None

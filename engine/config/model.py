@@ -63,6 +63,13 @@ class ModelConfig:
         help="attention kernels: torch, cpu or triton; auto: triton on CUDA, cpu on CPU (torch when the C++ "
         "kernels cannot be built)",
     )
+    batch_invariant: str = setting(
+        "on",
+        choices=("on", "off"),
+        help="on: each row of a step is computed by one kernel whatever the step's size, so a request's tokens do not "
+        "depend on its neighbours, chunking, caching or speculation (docs/determinism.md); off: each step size on "
+        "its fastest kernel",
+    )
     max_logprobs: int = setting(20, help="most logprobs or prompt_logprobs a request may ask for; -1: no limit")
     download_dir: str | None = setting(
         None, help="where converted weights are cached; unset: $LLMMESH_CACHE_DIR, else ~/.cache/llmmesh"

@@ -138,11 +138,12 @@ def tie_weights(lm_head: Linear, embedding: VocabParallelEmbedding) -> None:
         setattr(lm_head, name, param)
 
 
-def process_weights_after_loading(model: nn.Module, dtype: torch.dtype) -> None:
-    """Every layer's method turns its loaded weights into its kernel's form in `dtype`; then the rest (norms,
-    biases) is cast."""
+def process_weights_after_loading(model: nn.Module, dtype: torch.dtype, batch_invariant: bool = True) -> None:
+    """Every layer's method turns its loaded weights into its kernel's form in `dtype` (batch_invariant: one kernel
+    for every row count, engine/models/quantization.py); then the rest (norms, biases) is cast."""
     for module in model.modules():
         if isinstance(module, (Linear, VocabParallelEmbedding)):
+            module.batch_invariant = batch_invariant
             module.quant_method.process_weights_after_loading(module, dtype)
         if isinstance(module, RowParallelLinear) and module.tp_rank > 0:
             module.bias = None

@@ -53,6 +53,11 @@ _QUANTIZED_ACT_DTYPES = (torch.bfloat16, torch.float16)
 # on this CPU, tiles of 32 where it uses AMX): past them oneDNN's own kernel on the same packed weight, or the
 # engine's whole decode step, gains no more (docs/benchmarks.md).
 DENSE_MAX_ROWS = {(torch.bfloat16, 32): 8, (torch.bfloat16, 64): 16, (torch.float32, 64): 64}
+# Batch invariance (--batch-invariant on, docs/determinism.md): a layer computes every row by one kernel, whatever the
+# step's row count, so a row's output never depends on its neighbours. Codes int8_dot_linear takes run on it for every
+# M (one reduction order along K, and at prefill sizes about as fast as oneDNN on the dequantized weight: the
+# weight's bytes are a quarter, the products integer); other weights run dense_linear for every M, whose order along
+# K does not depend on M either. Off: each M on its fastest kernel, as the tables above say.
 
 
 class QuantizeMethodBase:
@@ -111,7 +116,14 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if layer.packed is None:
             return F.linear(x, layer.weight, layer.bias)
         dense = layer.packed_dense
-        if dense is not None and x.dim() == 2 and x.shape[0] <= DENSE_MAX_ROWS.get((x.dtype, dense.shape[2]), 0):
+        if (
+            dense is not None
+            and x.dim() == 2
+            and (
+                getattr(layer, "batch_invariant", False)
+                or x.shape[0] <= DENSE_MAX_ROWS.get((x.dtype, dense.shape[2]), 0)
+            )
+        ):
             return torch.ops.llmmesh_dense.dense_linear(x, dense, layer.output_size, layer.bias)
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
@@ -126,9 +138,12 @@ class GroupQuantLinearMethod(LinearMethodBase):
         layer.kernel, layer.kernel_max_rows = None, CPU_KERNEL_MAX_ROWS if q.device.type == "cpu" else None
         dot = int8_dot_kernel() if dtype == torch.bfloat16 and q.device.type == "cpu" else None
         packed = pack_int8_dot(q, scales, zeros) if dot is not None and int8_dot_takes(q, scales) else None
+        invariant = getattr(layer, "batch_invariant", False)
         if packed is not None:
             layer.kernel = lambda x: dot(x, *packed)
-            layer.kernel_max_rows = INT8_DOT_MAX_ROWS[packed[0].shape[2]]
+            layer.kernel_max_rows = None if invariant else INT8_DOT_MAX_ROWS[packed[0].shape[2]]
+        elif invariant and q.device.type == "cpu":
+            pass  # the dequantized weight alone, on one kernel for every M
         elif dtype in _QUANTIZED_ACT_DTYPES and is_int4(q, scales):
             group_size = q.shape[1] // scales.shape[1]
             packed, sz = pack_int4(q, q.device), int4_scales_and_zeros(scales, zeros, dtype)

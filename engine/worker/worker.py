@@ -176,7 +176,7 @@ class Worker:
             )
             dequantized = False
         model.load_weights(load_weights(weights_dir, dequantized=dequantized))
-        process_weights_after_loading(model, self.dtype)
+        process_weights_after_loading(model, self.dtype, self.config.model_config.batch_invariant == "on")
         self.model = model.eval()
         self.drafter = self._make_drafter()  # speculative decoding's proposer: a draft model loads here
         if self.device.type == "cpu":

@@ -39,19 +39,18 @@ inline __m512bh broadcast_pair(const at::BFloat16* p) {
   return (__m512bh)_mm512_set1_epi32(v);
 }
 
-// ROWS rows against one tile of REGS registers a pair (pairs pairs of inputs). One or two rows split the pairs over
-// two accumulator sets (even and odd), so the dot products' dependent chains do not bound the loop.
+// ROWS rows against one tile of REGS registers a pair (pairs pairs of inputs). Each column's sum is one chain over
+// the pairs in order, for every ROWS: a row's output does not depend on how many rows share the call (batch
+// invariance), and the tile's REGS independent chains keep the dot products' latency off a row's critical path.
 template <int ROWS, int REGS>
 inline void tile_rows(const at::BFloat16* tile, int64_t pairs, const at::BFloat16* x, int64_t x_stride,
                       const float* bias, at::BFloat16* out, int64_t n, int64_t col) {
-  constexpr int SPLIT = ROWS <= 2 ? 2 : 1;
   constexpr int64_t PAIR_BYTES = 64 * REGS;
-  __m512 acc[ROWS][SPLIT][REGS];
+  __m512 acc[ROWS][REGS];
   for (int r = 0; r < ROWS; ++r)
-    for (int s = 0; s < SPLIT; ++s)
-      for (int j = 0; j < REGS; ++j) acc[r][s][j] = _mm512_setzero_ps();
+    for (int j = 0; j < REGS; ++j) acc[r][j] = _mm512_setzero_ps();
   const char* bytes = reinterpret_cast<const char*>(tile);
-  auto step = [&](int64_t p, int s) {
+  for (int64_t p = 0; p < pairs; ++p) {
     __m512bh w[REGS];
     for (int j = 0; j < REGS; ++j) {
       _mm_prefetch(bytes + p * PAIR_BYTES + PREFETCH_BYTES + 64 * j, _MM_HINT_T1);
@@ -59,26 +58,17 @@ inline void tile_rows(const at::BFloat16* tile, int64_t pairs, const at::BFloat1
     }
     for (int r = 0; r < ROWS; ++r) {
       const __m512bh xp = broadcast_pair(x + r * x_stride + 2 * p);
-      for (int j = 0; j < REGS; ++j) acc[r][s][j] = _mm512_dpbf16_ps(acc[r][s][j], xp, w[j]);
+      for (int j = 0; j < REGS; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xp, w[j]);
     }
-  };
-  int64_t p = 0;
-  for (; p + 1 < pairs; p += 2) {
-    step(p, 0);
-    step(p + 1, SPLIT - 1);
   }
-  if (p < pairs) step(p, 0);
   // Register j's lanes are columns col + 16 j .. col + 16 j + 15.
   for (int j = 0; j < REGS; ++j) {
     const int64_t c = col + 16 * j;
     if (c >= n) break;
     const __mmask16 mask = c + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - c)) - 1);
     const __m512 b = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias + c);
-    for (int r = 0; r < ROWS; ++r) {
-      __m512 sum = SPLIT == 2 ? _mm512_add_ps(acc[r][0][j], acc[r][SPLIT - 1][j]) : acc[r][0][j];
-      sum = _mm512_add_ps(sum, b);
-      _mm256_mask_storeu_epi16(out + r * n + c, mask, (__m256i)_mm512_cvtneps_pbh(sum));
-    }
+    for (int r = 0; r < ROWS; ++r)
+      _mm256_mask_storeu_epi16(out + r * n + c, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b)));
   }
 }
 

@@ -77,11 +77,11 @@ inline void add_into(scalar_t* y, const Vec& d0, const Vec& d1, int64_t len) {
 }
 
 // h[t * h_stride + j] = a[j] . x[t] for the block's NB tokens (xf: their rows in float32, `in` apart), rows j < rows
-// of a. U vectors of a row at a time, each token with U accumulators: enough independent sums that the FMAs'
-// latency hides.
+// of a. U vectors of a row at a time, each token with U accumulators. U is the same for every NB: a token's sum is
+// then in one order however many tokens share its block (batch invariance).
 template <int NB, typename w_t>
 void shrink(const w_t* a, const float* xf, int64_t in, int64_t rows, float* h, int64_t h_stride) {
-  constexpr int U = NB == 1 ? 8 : NB == 2 ? 4 : NB <= 4 ? 2 : 1;
+  constexpr int U = 2;
   for (int64_t j = 0; j < rows; ++j) {
     const w_t* aj = a + j * in;
     Vec acc[NB][U];

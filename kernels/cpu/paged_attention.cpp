@@ -12,13 +12,14 @@
 // already hold another request's tokens), so a decode costs its window, not its context.
 //
 // One work item is (request, kv head, tile of query rows): the kv head's query heads are handled together, so each
-// K/V row is read once for all of them. A one-row tile (a decode) reads K/V in place, a dot product per key and
-// head; a longer tile (a prefill, over a cached prefix or not) gathers its keys and values once into float32
-// rows and runs both products as matrix multiplies (BLAS), each query row masked to the keys it may see.
-// Softmax is two-pass: all scores, then max/exp/sum, then V. Items are split among torch's threads by cost.
-// A batch of fewer items than kMinItems (one request's few KV heads: a decode, or a few rows over a long prefix)
-// splits each long item by key range as well, so that two threads share even three KV heads; each part keeps its
-// max, sum and unnormalized output, merged afterwards. The split depends on the batch alone, never on the threads.
+// K/V row is converted once for all of them. Keys are split at fixed positions, every kKeyChunk keys: a query's
+// output is computed chunk by chunk (each chunk's scores, max, sum of exponentials and unnormalized output, in key
+// order), then the chunks are merged in order. Whether a query is a decode or a prefill row, alone or in a batch,
+// whether its keys were written this step or long ago, and whichever thread runs it, it is computed by the same
+// operations in the same order, so its output is the same bit for bit (batch invariance). Items are split among
+// torch's threads by cost; a batch of fewer items than kMinItems (one request's few KV heads: a decode, or a few
+// rows over a long prefix) runs each chunk of a long item as a part of its own, so that two threads share even
+// three KV heads; the parts' sums are merged as an item's own chunks are.
 //
 // The cache may hold another dtype than the query (--kv-cache-dtype: bfloat16, float16, fp8_e4m3, fp8_e5m2): each
 // K/V row is converted to float32 as it is read. reshape_and_cache copies rows of the cache's dtype: the caller
@@ -50,8 +51,8 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kItemOverhead = 32;  // fixed cost of an item, in keys, for balancing
 constexpr int64_t kMaxTileRows = 64;   // a prefill tile's query rows: enough to amortize its gather
-constexpr int64_t kMinItems = 8;       // fewer items than this split by key range
-constexpr int64_t kMinPartKeys = 256;  // a key-range part's least keys
+constexpr int64_t kMinItems = 8;       // fewer items than this run their chunks as parts
+constexpr int64_t kKeyChunk = 256;     // keys are split at multiples of this, whatever the batch
 
 inline float dot(const float* a, const float* b, int64_t n) {
   Vec acc(0.f);
@@ -144,19 +145,18 @@ inline void prefetch(const T* p, int64_t n) {
 
 struct Item {
   int64_t req, kv_head, row, rows, len;  // query tokens row..row+rows-1; len: keys the last one sees
-  int64_t key0, key1;                    // the keys it reads: its rows' windows (0..len without), or a part's range
-  int64_t part;                          // a part's first query among the partial sums; -1: a whole item
+  int64_t key0, key1;                    // the keys it reads: its rows' windows (0..len without), or a part's chunk
+  int64_t part;                          // a part's first query among the parts' sums; -1: a whole item
 };
 
-// A part's values per query: its scores' max, the sum of their exponentials, then the unnormalized output.
+// A chunk's values per query: its scores' max, the sum of their exponentials, then the unnormalized output.
 inline int64_t partial_size(int64_t head_dim) { return head_dim + 2; }
 
-// exp(s - max) of s[0..n) in place; the max and the sum of the exponentials (-inf and 0 when n is 0).
+// exp(s - max) of s[0..n) in place; the max and the sum of the exponentials.
 struct SoftmaxSums {
   float max, sum;
 };
 inline SoftmaxSums softmax_unnormalized(float* s, int64_t n) {
-  if (n <= 0) return {-std::numeric_limits<float>::infinity(), 0.f};
   const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, n);
   at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, s, s, n);
   return {mx, at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n)};
@@ -168,84 +168,111 @@ inline void soft_cap(float* s, int64_t n, float cap) {
   at::vec::map([cap](Vec x) { return x.tanh() * Vec(cap); }, s, s, n);
 }
 
-// Query i of an item: its output row (normalized, whole items) or its partial sums (parts).
+// The chunks' sums of one query (num_chunks of them, stride floats apart, in key order) rescaled to their common
+// max and summed in that order, then normalized into its output row. The one way every query is finished.
 template <typename T>
-inline void finish_query(const Item& it, int64_t i, int64_t group, int64_t head_dim, const float* acc, SoftmaxSums sums,
-                         const float* sinks, T* o_base, int64_t os0, int64_t os1, float* partials) {
-  if (it.part >= 0) {
-    float* dst = partials + (it.part + i) * partial_size(head_dim);
-    dst[0] = sums.max;
-    dst[1] = sums.sum;
-    std::memcpy(dst + 2, acc, head_dim * sizeof(float));
-    return;
+inline void merge_chunks(const float* chunks, int64_t num_chunks, int64_t stride, int64_t head_dim, const float* sink,
+                         float* out, T* dst) {
+  float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+  for (int64_t c = 0; c < num_chunks; ++c) mx = std::max(mx, chunks[c * stride]);
+  std::fill(out, out + head_dim, 0.f);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const float* part = chunks + c * stride;
+    if (part[1] == 0.f) continue;  // the query sees none of this chunk's keys
+    const float w = std::exp(part[0] - mx);
+    sum += part[1] * w;
+    axpy(w, part + 2, out, head_dim);
   }
-  const int64_t head = it.kv_head * group + i % group;
-  const float inv_sum = 1.f / (sinks ? sums.sum + std::exp(sinks[head] - sums.max) : sums.sum);
-  T* dst = o_base + (it.row + i / group) * os0 + head * os1;
-  for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[d] * inv_sum);
+  if (sink) sum += std::exp(*sink - mx);
+  for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(out[d] / sum);
 }
 
-// A tile of rows > 1: keys and values gathered once as float32 [len, head_dim], then both products as matrix
-// multiplies (torch's, single-threaded inside our threads) for all rows x heads of the group.
+// T: the query's and output's dtype; C: the cache's. One item: its keys chunk by chunk, each chunk's K and V rows
+// converted once into float32, then each query's sums over the keys of the chunk it sees. A whole item merges its
+// queries' chunks at once; a part (one chunk) leaves its sums in partials for merge_parts.
 template <typename T, typename C>
-void attend_tile(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, const C* k_base, const C* v_base,
+void attend_item(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, const C* k_base, const C* v_base,
                  int64_t cs0, int64_t cs1, int64_t cs2, int64_t block_size, const int64_t* blocks, int64_t group,
                  int64_t head_dim, double scale, int64_t window, float cap, const float* sinks, T* o_base,
-                 int64_t os0, int64_t os1, float* partials, std::vector<float>& keys, std::vector<float>& values, std::vector<float>& scores,
-                 std::vector<float>& buf) {
-  const int64_t len = it.key1 - it.key0, nq = it.rows * group, h0 = it.kv_head * group;
-  keys.resize(len * head_dim);
-  values.resize(len * head_dim);
-  scores.resize(nq * len);
-  buf.resize(nq * head_dim);
-  // Block by block, the next block asked for ahead (blocks are scattered pages: the hardware prefetcher stops at
-  // each one's end).
-  for (int64_t pos = it.key0; pos < it.key1; ++pos) {
-    const int64_t offset = it.kv_head * cs0 + blocks[pos / block_size] * cs1 + (pos % block_size) * cs2;
-    if ((pos == it.key0 || pos % block_size == 0) && (pos / block_size + 1) * block_size < it.key1) {
-      const int64_t next = it.kv_head * cs0 + blocks[pos / block_size + 1] * cs1;
-      prefetch(k_base + next, block_size * cs2);
-      prefetch(v_base + next, block_size * cs2);
-    }
-    float* k = keys.data() + (pos - it.key0) * head_dim;
-    float* v = values.data() + (pos - it.key0) * head_dim;
-    const float* kf = as_float(k_base + offset, k, head_dim);
-    const float* vf = as_float(v_base + offset, v, head_dim);
-    if (kf != k) std::memcpy(k, kf, head_dim * sizeof(float));
-    if (vf != v) std::memcpy(v, vf, head_dim * sizeof(float));
+                 int64_t os0, int64_t os1, float* partials) {
+  // Buffers (megabytes at long contexts) live as long as the thread: allocated anew each call, they are fresh pages
+  // to fault in on every layer.
+  thread_local std::vector<float> keys, values, scores, q, sums_buf, out;
+  const int64_t nq = it.rows * group, h0 = it.kv_head * group, ps = partial_size(head_dim);
+  if (it.len <= 0) {  // a padding request (seq_len 0): sees nothing, outputs zero
+    for (int64_t g = 0; g < group; ++g) std::fill_n(o_base + it.row * os0 + (h0 + g) * os1, head_dim, T(0));
+    return;
+  }
+  const int64_t first_chunk = it.key0 / kKeyChunk, num_chunks = (it.key1 - 1) / kKeyChunk + 1 - first_chunk;
+  keys.resize(kKeyChunk * head_dim);
+  values.resize(kKeyChunk * head_dim);
+  scores.resize(kKeyChunk);
+  q.resize(nq * head_dim);
+  out.resize(head_dim);
+  // A whole item's sums: query i's chunk c at (i * num_chunks + c) * ps; a part's: query i's at (part + i) * ps.
+  float* chunk_sums = partials;
+  if (it.part < 0) {
+    sums_buf.resize(nq * num_chunks * ps);
+    chunk_sums = sums_buf.data();
   }
   // Query i = (row j, head g) at row j * group + g.
   for (int64_t j = 0; j < it.rows; ++j)
     for (int64_t g = 0; g < group; ++g) {
       const T* src = q_base + (it.row + j) * qs0 + (h0 + g) * qs1;
-      float* dst = buf.data() + (j * group + g) * head_dim;
+      float* dst = q.data() + (j * group + g) * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
     }
-  auto matrix = [](std::vector<float>& data, int64_t rows, int64_t cols) {
-    return at::from_blob(data.data(), {rows, cols}, at::TensorOptions().dtype(at::kFloat));
-  };
-  at::Tensor s_mat = matrix(scores, nq, len), o_mat = matrix(buf, nq, head_dim);
-  at::mm_out(s_mat, o_mat, matrix(keys, len, head_dim).t());  // scores = q . keys^T
-  std::vector<SoftmaxSums> sums(nq);
-  for (int64_t i = 0; i < nq; ++i) {
-    // Row j, at position p = it.len - it.rows + j, sees keys p - window + 1..p (0..p without a window), of which
-    // this item holds key0..key1-1: columns first..seen-1.
-    const int64_t p = it.len - it.rows + i / group;
-    const int64_t first = window > 0 ? std::clamp<int64_t>(p + 1 - window - it.key0, 0, len) : 0;
-    const int64_t seen = std::clamp<int64_t>(p + 1 - it.key0, 0, len);
-    float* s = scores.data() + i * len;
-    if (cap > 0) soft_cap(s + first, seen - first, cap);
-    sums[i] = softmax_unnormalized(s + first, seen - first);
-    std::fill(s, s + first, 0.f);
-    std::fill(s + seen, s + len, 0.f);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t k0 = std::max(it.key0, (first_chunk + c) * kKeyChunk);
+    const int64_t k1 = std::min(it.key1, (first_chunk + c + 1) * kKeyChunk);
+    // Block by block, the next block asked for ahead (blocks are scattered pages: the hardware prefetcher stops at
+    // each one's end).
+    for (int64_t pos = k0; pos < k1; ++pos) {
+      const int64_t offset = it.kv_head * cs0 + blocks[pos / block_size] * cs1 + (pos % block_size) * cs2;
+      if ((pos == k0 || pos % block_size == 0) && (pos / block_size + 1) * block_size < k1) {
+        const int64_t next = it.kv_head * cs0 + blocks[pos / block_size + 1] * cs1;
+        prefetch(k_base + next, block_size * cs2);
+        prefetch(v_base + next, block_size * cs2);
+      }
+      float* k = keys.data() + (pos - k0) * head_dim;
+      float* v = values.data() + (pos - k0) * head_dim;
+      const float* kf = as_float(k_base + offset, k, head_dim);
+      const float* vf = as_float(v_base + offset, v, head_dim);
+      if (kf != k) std::memcpy(k, kf, head_dim * sizeof(float));
+      if (vf != v) std::memcpy(v, vf, head_dim * sizeof(float));
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      // Row j, at position p = it.len - it.rows + j, sees keys p - window + 1..p (0..p without a window).
+      const int64_t p = it.len - it.rows + i / group;
+      const int64_t a = std::max(k0, window > 0 ? p + 1 - window : 0), b = std::min(k1, p + 1);
+      float* dst = chunk_sums + (it.part < 0 ? i * num_chunks + c : it.part + i) * ps;
+      if (a >= b) {
+        dst[0] = -std::numeric_limits<float>::infinity();
+        dst[1] = 0.f;
+        std::fill(dst + 2, dst + ps, 0.f);
+        continue;
+      }
+      const float* qi = q.data() + i * head_dim;
+      for (int64_t pos = a; pos < b; ++pos) scores[pos - a] = dot(qi, keys.data() + (pos - k0) * head_dim, head_dim);
+      if (cap > 0) soft_cap(scores.data(), b - a, cap);
+      const SoftmaxSums sums = softmax_unnormalized(scores.data(), b - a);
+      float* acc = dst + 2;
+      std::fill(acc, acc + head_dim, 0.f);
+      for (int64_t pos = a; pos < b; ++pos) axpy(scores[pos - a], values.data() + (pos - k0) * head_dim, acc, head_dim);
+      dst[0] = sums.max;
+      dst[1] = sums.sum;
+    }
   }
-  at::mm_out(o_mat, s_mat, matrix(values, len, head_dim));  // out = p . values, over the queries
-  for (int64_t i = 0; i < nq; ++i)
-    finish_query(it, i, group, head_dim, buf.data() + i * head_dim, sums[i], sinks, o_base, os0, os1, partials);
+  if (it.part >= 0) return;
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t head = h0 + i % group;
+    merge_chunks(chunk_sums + i * num_chunks * ps, num_chunks, ps, head_dim, sinks ? sinks + head : nullptr,
+                 out.data(), o_base + (it.row + i / group) * os0 + head * os1);
+  }
 }
 
-// Each split item's parts (split[s]: its first part and how many) into its output rows: the parts' sums rescaled
-// to their common max.
+// Each split item's parts (split[s]: its first part and how many, one a chunk, each holding its queries' sums one
+// after another) merged into its output rows.
 template <typename T>
 void merge_parts(const std::vector<Item>& items, const std::vector<std::pair<int64_t, int64_t>>& split, int64_t group,
                  int64_t head_dim, const float* partials, const float* sinks, T* o_base, int64_t os0, int64_t os1) {
@@ -254,22 +281,11 @@ void merge_parts(const std::vector<Item>& items, const std::vector<std::pair<int
     for (int64_t s = begin; s < end; ++s) {
       const auto [first, num_parts] = split[s];
       const Item& it = items[first];
-      for (int64_t i = 0; i < it.rows * group; ++i) {
-        float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
-        for (int64_t p = first; p < first + num_parts; ++p)
-          mx = std::max(mx, partials[(items[p].part + i) * partial_size(head_dim)]);
-        std::fill(out.begin(), out.end(), 0.f);
-        for (int64_t p = first; p < first + num_parts; ++p) {
-          const float* part = partials + (items[p].part + i) * partial_size(head_dim);
-          if (part[1] == 0.f) continue;  // the row sees none of this part's keys
-          const float w = std::exp(part[0] - mx);
-          sum += part[1] * w;
-          axpy(w, part + 2, out.data(), head_dim);
-        }
+      const int64_t nq = it.rows * group, ps = partial_size(head_dim);
+      for (int64_t i = 0; i < nq; ++i) {
         const int64_t head = it.kv_head * group + i % group;
-        if (sinks) sum += std::exp(sinks[head] - mx);
-        T* dst = o_base + (it.row + i / group) * os0 + head * os1;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(out[d] / sum);
+        merge_chunks(partials + (it.part + i) * ps, num_parts, nq * ps, head_dim, sinks ? sinks + head : nullptr,
+                     out.data(), o_base + (it.row + i / group) * os0 + head * os1);
       }
     }
   });
@@ -282,67 +298,13 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
             int64_t window, float cap, const float* sinks, at::Tensor& out, float* partials) {
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(2), group = num_heads / k_cache.size(0);
-  const T* q_base = query.data_ptr<T>();
   const C* k_base = static_cast<const C*>(k_cache.data_ptr());
   const C* v_base = static_cast<const C*>(v_cache.data_ptr());
-  T* o_base = out.data_ptr<T>();
-  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
-  const int64_t cs0 = k_cache.stride(0), cs1 = k_cache.stride(1), cs2 = k_cache.stride(2);
-  const int64_t os0 = out.stride(0), os1 = out.stride(1);
-
-  int64_t max_len = 0;
-  for (int64_t i = begin; i < end; ++i) max_len = std::max(max_len, items[i].key1 - items[i].key0);
-  std::vector<float> q(group * head_dim), acc(group * head_dim), scores(group * max_len), row_buf(head_dim);
-  std::vector<SoftmaxSums> sums(group);
-  // A tile's buffers (megabytes at long contexts) live as long as the thread: allocated anew each call, they are
-  // fresh pages to fault in on every layer.
-  thread_local std::vector<float> keys, values, tile_scores, buf;
-
-  for (int64_t i = begin; i < end; ++i) {
-    const Item& it = items[i];
-    const int64_t* blocks = table + it.req * table_stride;
-    const int64_t h0 = it.kv_head * group, len = it.key1 - it.key0;
-    if (it.len <= 0) {  // a padding request (seq_len 0): sees nothing, outputs zero
-      for (int64_t g = 0; g < group; ++g) std::fill_n(o_base + it.row * os0 + (h0 + g) * os1, head_dim, T(0));
-      continue;
-    }
-    if (it.rows > 1) {
-      attend_tile<T, C>(it, q_base, qs0, qs1, k_base, v_base, cs0, cs1, cs2, block_size, blocks, group, head_dim,
-                        scale, window, cap, sinks, o_base, os0, os1, partials, keys, values, tile_scores, buf);
-      continue;
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      const T* src = q_base + it.row * qs0 + (h0 + g) * qs1;
-      for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = static_cast<float>(src[d]) * scale;
-    }
-    // Where key pos sits in a cache. Blocks are scattered (a float32 block of 16 x 64 is one page, where the
-    // hardware prefetcher stops), so each row also prefetches the same row of the next block.
-    auto row = [&](const C* base, int64_t pos) {
-      const C* r = base + it.kv_head * cs0 + (pos % block_size) * cs2;
-      if (pos + block_size < it.key1) prefetch(r + blocks[pos / block_size + 1] * cs1, head_dim);
-      return r + blocks[pos / block_size] * cs1;
-    };
-    // Pass 1: scores of every key, one read of each K row for the whole group.
-    for (int64_t pos = it.key0; pos < it.key1; ++pos) {
-      const float* k = as_float(row(k_base, pos), row_buf.data(), head_dim);
-      for (int64_t g = 0; g < group; ++g)
-        scores[g * len + pos - it.key0] = dot(q.data() + g * head_dim, k, head_dim);
-    }
-    // One row: its window is the item's keys, all seen.
-    for (int64_t g = 0; g < group; ++g) {
-      if (cap > 0) soft_cap(scores.data() + g * len, len, cap);
-      sums[g] = softmax_unnormalized(scores.data() + g * len, len);
-    }
-    // Pass 2: weighted sum of V rows.
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t pos = it.key0; pos < it.key1; ++pos) {
-      const float* v = as_float(row(v_base, pos), row_buf.data(), head_dim);
-      for (int64_t g = 0; g < group; ++g)
-        axpy(scores[g * len + pos - it.key0], v, acc.data() + g * head_dim, head_dim);
-    }
-    for (int64_t g = 0; g < group; ++g)
-      finish_query(it, g, group, head_dim, acc.data() + g * head_dim, sums[g], sinks, o_base, os0, os1, partials);
-  }
+  for (int64_t i = begin; i < end; ++i)
+    attend_item<T, C>(items[i], query.data_ptr<T>(), query.stride(0), query.stride(1), k_base, v_base,
+                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_size,
+                      table + items[i].req * table_stride, group, head_dim, scale, window, cap, sinks,
+                      out.data_ptr<T>(), out.stride(0), out.stride(1), partials);
 }
 
 void check_batch(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -416,14 +378,13 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
         items.push_back({r, h, starts[r] + j0, j1 - j0, len, key0, std::max<int64_t>(len, 0), -1});
       }
   }
-  // Too few items to share among threads: each long one becomes parts over ranges of its keys.
+  // Too few items to share among threads: each item of several chunks runs each chunk as a part.
   std::vector<std::pair<int64_t, int64_t>> split;  // (first part, parts) of each split item, in items
   int64_t num_partial_queries = 0;
   if (!items.empty() && int64_t(items.size()) < kMinItems) {
-    const int64_t wanted = (kMinItems + items.size() - 1) / items.size();
     std::vector<Item> parts;
     for (const Item& it : items) {
-      const int64_t keys = it.key1 - it.key0, n = std::min(wanted, keys / kMinPartKeys);
+      const int64_t first = it.key0 / kKeyChunk, n = it.key1 <= 0 ? 0 : (it.key1 - 1) / kKeyChunk + 1 - first;
       if (n < 2) {
         parts.push_back(it);
         continue;
@@ -431,8 +392,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
       split.push_back({int64_t(parts.size()), n});
       for (int64_t p = 0; p < n; ++p) {
         Item part = it;
-        part.key0 = it.key0 + keys * p / n;
-        part.key1 = it.key0 + keys * (p + 1) / n;
+        part.key0 = std::max(it.key0, (first + p) * kKeyChunk);
+        part.key1 = std::min(it.key1, (first + p + 1) * kKeyChunk);
         part.part = num_partial_queries;
         num_partial_queries += it.rows * (query.size(1) / num_kv_heads);
         parts.push_back(part);

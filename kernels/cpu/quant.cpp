@@ -160,17 +160,17 @@ inline __m512i broadcast4(const int8_t* p) {
 }
 
 // ROWS input rows against one tile of 16 columns. One or two rows keep four integer accumulators each (even and
-// odd chunks, low and high nibbles) and two float ones (even and odd groups), so vpdpbusd's and the multiply-adds'
-// dependent chains stay short; more rows overlap their own.
+// odd chunks, low and high nibbles), so vpdpbusd's dependent chains stay short; more rows overlap their own. The
+// integer sums are exact in any order; the float sum over groups is one chain, in group order, for every ROWS: a
+// row's output does not depend on how many rows share the call (batch invariance).
 template <int BITS, int ROWS, typename T>
 inline void tile_rows(const uint8_t* tile, int64_t groups, const int8_t* xq, const float* xd, const float* xs,
                       int64_t k, T* out, int64_t n, int64_t col) {
   constexpr int CHUNKS = BITS == 4 ? 4 : 8, SPLIT = ROWS <= 2 ? 2 : 1;
   constexpr int64_t GROUP_BYTES = CHUNKS * 64 + 2 * TILE * 2;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  __m512 acc[ROWS][SPLIT];
-  for (int r = 0; r < ROWS; ++r)
-    for (int s = 0; s < SPLIT; ++s) acc[r][s] = _mm512_setzero_ps();
+  __m512 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = tile + g * GROUP_BYTES;
     for (int64_t line = 0; line < GROUP_BYTES; line += 64) _mm_prefetch(group + PREFETCH_BYTES + line, _MM_HINT_T0);
@@ -198,16 +198,13 @@ inline void tile_rows(const uint8_t* tile, int64_t groups, const int8_t* xq, con
     for (int r = 0; r < ROWS; ++r) {
       __m512i total = _mm512_add_epi32(dot[r][0], dot[r][1]);
       if constexpr (SPLIT == 2) total = _mm512_add_epi32(total, _mm512_add_epi32(dot[r][2], dot[r][3]));
-      __m512& a = acc[r][g % SPLIT];
+      __m512& a = acc[r];
       a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * groups + g])), a);
       a = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * groups + g]), a);
     }
   }
   const __mmask16 mask = col + TILE <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
-  for (int r = 0; r < ROWS; ++r) {
-    const __m512 sum = SPLIT == 2 ? _mm512_add_ps(acc[r][0], acc[r][SPLIT - 1]) : acc[r][0];
-    store_floats(out + r * n + col, sum, mask);
-  }
+  for (int r = 0; r < ROWS; ++r) store_floats(out + r * n + col, acc[r], mask);
 }
 
 // Each task takes four tiles (a few KB) and runs every row over them, eight rows at a time: the second eight read
