@@ -197,7 +197,9 @@ def _dequantize_hf_weights(hf_model, method: str) -> None:
 MIN_TOP1_AGREEMENT, MAX_LOGIT_REGRET = 0.85, 0.05
 
 
-def assert_agrees_with(hf_model, prompts: list[list[int]], outputs: list[list[int]], label: str) -> None:
+def assert_agrees_with(
+    hf_model, prompts: list[list[int]], outputs: list[list[int]], label: str, max_regret: float = MAX_LOGIT_REGRET
+) -> None:
     """Score each greedy token of ours with the reference's logits at its position (one forward per prompt)."""
     agree, total, regret = 0, 0, 0.0
     for prompt, ours in zip(prompts, outputs):
@@ -208,23 +210,31 @@ def assert_agrees_with(hf_model, prompts: list[list[int]], outputs: list[list[in
         total += len(ours)
         regret = max(regret, ((logits.max(-1).values - chosen) / logits.abs().max()).max().item())
     assert agree / total >= MIN_TOP1_AGREEMENT, f"{label}: top-1 agreement {agree}/{total}"
-    assert regret <= MAX_LOGIT_REGRET, f"{label}: a chosen token's logit is {regret:.1%} (of the largest) under the top"
+    assert regret <= max_regret, f"{label}: a chosen token's logit is {regret:.1%} (of the largest) under the top"
+
+
+# With --batch-invariant on (the default) a prefill's rows, too, have their activations rounded to int8 (every row on
+# the quantized kernel); docs/determinism.md gives the wider bound that costs.
+MAX_LOGIT_REGRET_INVARIANT = 0.07
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_greedy_agrees_with_hf_on_the_dequantized_weights(tmp_path, method):
+@pytest.mark.parametrize("batch_invariant", ["off", "on"])
+def test_greedy_agrees_with_hf_on_the_dequantized_weights(tmp_path, method, batch_invariant):
     """The engine quantizing at load (bfloat16; decode steps of <= 4 rows on the quantized kernels)."""
     path, hf_model = save_random_model(tmp_path, "llama3-rope-untied")
     _dequantize_hf_weights(hf_model, method)
     args = EngineArgs(
         model=str(path), dtype="bfloat16", quantization=method, kv_cache_memory="8MiB", block_size=8,
-        download_dir=str(tmp_path / "cache"), batch_invariant="off",
+        download_dir=str(tmp_path / "cache"), batch_invariant=batch_invariant,
     )  # fmt: skip
     engine = EngineCore(args)
-    assert engine.worker.model.layers[0].mlp.down_proj.kernel is not None
+    # Off, decodes take the quantized kernel; on, int8's per-channel codes run dequantized on dense_linear.
+    assert engine.worker.model.layers[0].mlp.down_proj.kernel is not None or batch_invariant == "on"
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 17, 40)]
-    assert_agrees_with(hf_model, prompts, run_greedy(engine, prompts, 16), method)
+    bound = MAX_LOGIT_REGRET if batch_invariant == "off" else MAX_LOGIT_REGRET_INVARIANT
+    assert_agrees_with(hf_model, prompts, run_greedy(engine, prompts, 16), method, bound)
     assert_no_leaks(engine)
 
 
