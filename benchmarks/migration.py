@@ -25,10 +25,9 @@ import statistics
 import time
 from pathlib import Path
 
-import grpc
-
 from engine.config import EngineArgs
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
+from mesh import tls
 from services import client
 from services.dependencies import HEALTH_INTERVAL
 from services.local_mesh import Mesh
@@ -55,7 +54,8 @@ def running_engine(mesh: Mesh, tries: int = 50) -> str:
     """The engine with a request running (its load is read after each step, so ask again a few times)."""
     for _ in range(tries):
         for name in mesh.engine_names:
-            with grpc.insecure_channel(mesh.services[name].address) as ch:
+            credentials = tls.MeshCredentials(mesh.tls_dir, "gateway")  # the engine's caller
+            with tls.channel(mesh.services[name].address, "engine", credentials) as ch:
                 if engine_pb2_grpc.EngineStub(ch).GetLoad(engine_pb2.GetLoadRequest(), timeout=10).num_running:
                     return name
         time.sleep(0.02)
