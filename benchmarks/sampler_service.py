@@ -177,7 +177,7 @@ def hop(addresses: dict[str, str], batches, iters, vocab, warmup: int = 3) -> li
                 assert (client.slots is not None) == name.startswith("shm"), f"{name}: not the form it names"
                 assert (client.step_channel is not None) == (name == "shm"), f"{name}: not the channel it names"
                 calls[name] = lambda client=client: client.sample(requests, logits, [])
-                msg, _ = client._prompt_message([])
+                msg, _ = client._prompt_message([], None)
                 client._add_rows(msg, requests)
                 if name.startswith("shm"):
                     client._write_slot(msg, logits)
