@@ -26,7 +26,8 @@ from engine.request import SamplingParams
 from engine.text import RequestDetokenizer, Tokenizer
 from llmmesh.v1 import detokenizer_pb2 as pb
 from llmmesh.v1 import detokenizer_pb2_grpc
-from services.server import CHANNEL_OPTIONS
+from mesh import tls
+from services.certs import make_credentials
 from services.service_process import ServiceProcess
 
 TEXTS = [
@@ -139,7 +140,7 @@ async def run(args, tok: Tokenizer) -> dict:
     prompt_ids = tok.encode(PROMPT)
     total = args.requests * args.tokens
     runs = {"in_process": [], "per_request_streams": [], "multiplexed_stream": []}
-    async with grpc.aio.insecure_channel(args.address, options=CHANNEL_OPTIONS) as channel:
+    async with tls.aio_channel(args.address, "detokenizer", tls.credentials_from_env("gateway")) as channel:
         stub = detokenizer_pb2_grpc.DetokenizerStub(channel)
         await multiplexed_stream(stub, prompt_ids, outputs)  # warm up both paths
         await per_request_streams(stub, prompt_ids, outputs)
@@ -168,6 +169,8 @@ def main() -> None:
     tok = Tokenizer.from_pretrained(prepare_model_dir(args.model))
     detokenizer = None
     if args.address is None:  # a process of its own, so the server does not share this client's GIL
+        if not tls.plaintext_from_env():
+            make_credentials(tls.default_tls_dir())  # as `llmmesh serve` does on first start
         detokenizer = ServiceProcess("detokenizer", ["--port", "0", "--model", args.model])
         args.address = detokenizer.wait_listening(300)
     try:

@@ -46,10 +46,13 @@ from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.request import Request, SamplingParams
 from llmmesh.v1 import kvstore_pb2
+from mesh import tls
 from mesh.kvstore.client import KVStoreClient, Staging
 from services import client
 from services.block_reader import BlockReader
+from services.certs import make_credentials, redis_password
 from services.kvstore_layout import DTYPES
+from services.kvstore_service import redis_url_with_password
 from services.local_mesh import Mesh, kv_transfer_config
 from services.redis_server import RedisServer
 from services.service_process import ServiceProcess
@@ -184,7 +187,8 @@ def wait_stored(kvstore, target: int, timeout: float = 120.0) -> None:
 
 def run_reload(args) -> dict:
     """Reload after eviction through the mesh, against recompute and the bytes alone (module docstring)."""
-    import grpc
+    import os
+
     import redis
 
     from engine.kv.layout import KVLayout
@@ -204,12 +208,16 @@ def run_reload(args) -> dict:
                 kv_cache_memory=str((prompt_blocks + 2) * block_bytes),  # one prompt: the next evicts it
             )
             with Mesh(engine_args, kv_store=True, redis_maxmemory="8gb") as mesh:
-                engine = engine_pb2_grpc.EngineStub(grpc.insecure_channel(mesh.services["engine"].address))
-                kvstore = kvstore_pb2_grpc.KVStoreStub(grpc.insecure_channel(mesh.services["kvstore"].address))
+                as_gateway, as_engine = (tls.MeshCredentials(mesh.tls_dir, who) for who in ("gateway", "engine"))
+                engine = engine_pb2_grpc.EngineStub(tls.channel(mesh.services["engine"].address, "engine", as_gateway))
+                kvstore = kvstore_pb2_grpc.KVStoreStub(
+                    tls.channel(mesh.services["kvstore"].address, "kvstore", as_engine)
+                )
                 router = Router(["engine"])
                 router.set_model_info(engine.GetModelInfo(engine_pb2.GetModelInfoRequest()))
                 vocab = 49152  # SmolLM2's
-                redis_client = redis.Redis.from_url(mesh.redis.url)
+                redis_client = redis.Redis.from_url(mesh.redis.url, password=redis_password(mesh.tls_dir))
+                redis_url = redis_url_with_password(mesh.redis.url, os.path.join(mesh.tls_dir, "redis.password"))
                 first_token_s(mesh.address, [FIRST_REGULAR_ID] * 64)  # first-call costs out of the way
                 rows, staging, into = [], None, None
                 for r in range(args.rounds):
@@ -236,7 +244,7 @@ def run_reload(args) -> dict:
                     if into is None:  # one buffer for the mesh, as the engine's segment is
                         into = memoryview(bytearray(len(keys) * layout.block_bytes))
                     started = time.perf_counter()
-                    reader = BlockReader(mesh.redis.url, timeout=60)
+                    reader = BlockReader(redis_url, timeout=60)
                     reader.send(keys)
                     reader.read_values(len(keys))
                     for i in range(len(keys)):
@@ -343,6 +351,7 @@ def main() -> None:
     parser.add_argument("--pool-blocks", type=int, default=96)
     parser.add_argument("--output-json")
     args = parser.parse_args()
+    make_credentials(tls.default_tls_dir())  # the mesh's, as `llmmesh serve` makes them on first start
     report = {
         "machine": f"{platform.node()} {platform.machine()}, {__import__('os').cpu_count()} cores",
         "args": vars(args),

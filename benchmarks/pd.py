@@ -29,13 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import FIRST_REGULAR_ID, BenchRequest, one_request, stats_ms
 
 from engine.config import EngineArgs
 from llmmesh.v1 import gateway_pb2_grpc
+from services.client import aio_gateway_channel
 from services.local_mesh import Mesh
 
 VOCAB = 49152  # SmolLM2's
@@ -55,7 +54,7 @@ async def mixed_workload(address: str, args, seed: int) -> dict:
         BenchRequest("", args.long_prompt_len, args.long_output_len, ids(args.long_prompt_len))
         for _ in range(args.long_prompts)
     ]
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with aio_gateway_channel(address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         await one_request(stub, BenchRequest("", 8, 2, ids(8)), "", None)  # warm-up, untimed
         started = time.perf_counter()

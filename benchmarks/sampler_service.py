@@ -56,6 +56,8 @@ from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import Sampler
 from mesh.sampler.remote import RemoteSampler
 from mesh.sampler.wire import serialize_with_tensors
+from mesh.tls import default_tls_dir
+from services.certs import make_credentials
 from services.local_mesh import Mesh
 from services.service_process import ServiceProcess
 
@@ -175,7 +177,7 @@ def hop(addresses: dict[str, str], batches, iters, vocab, warmup: int = 3) -> li
                 assert (client.slots is not None) == name.startswith("shm"), f"{name}: not the form it names"
                 assert (client.step_channel is not None) == (name == "shm"), f"{name}: not the channel it names"
                 calls[name] = lambda client=client: client.sample(requests, logits, [])
-                msg, _ = client._prompt_message([])
+                msg, _ = client._prompt_message([], None)
                 client._add_rows(msg, requests)
                 if name.startswith("shm"):
                     client._write_slot(msg, logits)
@@ -389,6 +391,7 @@ def serve_both(tcp_port_file: str, uds: str) -> None:
     import grpc
 
     from llmmesh.v1 import sampler_pb2_grpc
+    from mesh import tls
     from mesh.grpc_policy import MAX_MESSAGE_BYTES, SERVER_OPTIONS
     from services.sampler_service import SamplerServicer
 
@@ -401,8 +404,16 @@ def serve_both(tcp_port_file: str, uds: str) -> None:
             ]
         )
         sampler_pb2_grpc.add_SamplerServicer_to_server(SamplerServicer(torch.device("cpu")), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.add_insecure_port(f"unix:{uds}")
+        # Mutual TLS as `llmmesh sampler` serves it (plaintext under LLMMESH_INSECURE_PLAINTEXT, as RemoteSampler's).
+        own = tls.credentials_from_env("sampler")
+
+        def listen(where: str) -> int:
+            if own is None:
+                return server.add_insecure_port(where)
+            return server.add_secure_port(where, own.server_credentials())
+
+        port = listen("127.0.0.1:0")
+        listen(f"unix:{uds}")
         await server.start()
         with open(tcp_port_file, "w") as f:
             f.write(str(port))
@@ -432,6 +443,7 @@ def main():
     args = ap.parse_args()
     if args.serve_both:
         return serve_both(*args.serve_both)
+    make_credentials(default_tls_dir())  # the mesh's, as `llmmesh serve` makes them on first start
     global sampling
     sampling = args.sampling
 

@@ -29,7 +29,7 @@ class BlockReader:
     its values in order. Any fault raises OSError or a redis-py error; once a Get stops short of the replies it asked
     for, the connection is closed."""
 
-    def __init__(self, url: str, timeout: float):
+    def __init__(self, url: str, timeout: float, ssl_context: ssl.SSLContext | None = None):
         where = parse_url(url)
         self.sock = socket.create_connection((where.get("host", "localhost"), where.get("port", 6379)), timeout)
         self.buffer = bytearray()
@@ -41,7 +41,8 @@ class BlockReader:
             setup.append(command(b"SELECT", str(where["db"]).encode()))
         try:
             if url.startswith("rediss://"):
-                self.sock = ssl.create_default_context().wrap_socket(self.sock, server_hostname=where.get("host"))
+                context = ssl_context or ssl.create_default_context()
+                self.sock = context.wrap_socket(self.sock, server_hostname=where.get("host"))
             if setup:
                 self.sock.sendall(b"".join(setup))
                 for _ in setup:

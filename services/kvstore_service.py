@@ -12,6 +12,10 @@ receives each block's data in place (services/block_reader.py): into the caller'
 the Get names a segment the kvstore can map (an engine on this host), otherwise into a buffer that the
 GetResponse carries. Health is NOT_SERVING while Redis does not answer PING, and every RPC then answers
 UNAVAILABLE within --redis-timeout.
+
+A rediss:// URL speaks TLS to Redis, checking its certificate against the system's CAs and --redis-ca-file's, and
+presents --redis-cert-file when Redis asks for a client certificate. Plaintext redis:// reaches loopback only, unless
+--redis-allow-plaintext says the network between them is private.
 """
 
 import argparse
@@ -21,8 +25,10 @@ import functools
 import inspect
 import logging
 import mmap
+import ssl
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
 import grpc
@@ -37,6 +43,7 @@ from engine.malloc import keep_freed_memory_in_process
 from llmmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from mesh.kvstore.wire import SEGMENT_PREFIX
 from mesh.shared_memory import is_segment_name, open_segment
+from mesh.tls import is_loopback
 from services import config
 from services.block_reader import BlockReader
 from services.kvstore_layout import TAG_BYTES, Layout, block_key, check_fingerprint
@@ -126,6 +133,31 @@ def add_to_server(service: "KVStoreService", server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
+@dataclass(frozen=True)
+class RedisTLS:
+    """rediss://'s files: the CA that signed Redis's certificate, and a client certificate for a Redis that asks."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def redis_options(self) -> dict:
+        """redis-py's options for the same: its context trusts the system's CAs and ca_file's, as context() does."""
+        return dict(ssl_ca_certs=self.ca_file, ssl_certfile=self.cert_file, ssl_keyfile=self.key_file)
+
+    def context(self) -> ssl.SSLContext:
+        """The context of a Get's own connection (services/block_reader.py); ValueError naming a file it cannot use."""
+        context = ssl.create_default_context()
+        try:
+            if self.ca_file:
+                context.load_verify_locations(self.ca_file)
+            if self.cert_file:
+                context.load_cert_chain(self.cert_file, self.key_file)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"--redis-ca-file, --redis-cert-file, --redis-key-file: {e}") from None
+        return context
+
+
 def redis_where(url: str) -> str:
     """host:port/db of a redis:// URL, without its credentials."""
     parts = urlsplit(url)
@@ -172,10 +204,16 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         redis_timeout: float = 2.0,
         max_blocks_per_request: int = 65536,
         max_block_bytes: int = MAX_MESSAGE_BYTES - 2**20,
+        tls: RedisTLS | None = None,
     ):
         # One retry, at once and only on a broken connection: a pooled connection that a Redis restart broke
         # reconnects, while a Redis that is down or stuck answers UNAVAILABLE within the timeout.
         options = dict(socket_timeout=redis_timeout, socket_connect_timeout=redis_timeout)
+        self.ssl_context = None
+        if redis_url.startswith("rediss://"):
+            tls = tls or RedisTLS()
+            self.ssl_context = tls.context()  # checks the files before the first call needs them
+            options.update(tls.redis_options())
         retry = dict(backoff=NoBackoff(), retries=1, supported_errors=(RedisConnectionError,))
         self.redis = aioredis.from_url(redis_url, retry=AsyncRetry(**retry), **options)
         self.redis_url, self.redis_timeout = redis_url, redis_timeout
@@ -186,7 +224,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         self.counters = dict.fromkeys(COUNTERS, 0)
 
     async def abort(self, context, error: Exception) -> None:
-        if isinstance(error, ValueError):
+        if isinstance(error, ValueError) and not isinstance(error, OSError):  # a certificate refused is both
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         self.counters["redis_errors"] += 1
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis at {self.where} is unreachable: {error}")
@@ -310,7 +348,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         served, reader = 0, None
         try:
             if chunks:
-                reader = await asyncio.to_thread(BlockReader, self.redis_url, self.redis_timeout)
+                reader = await asyncio.to_thread(BlockReader, self.redis_url, self.redis_timeout, self.ssl_context)
                 reader.send(chunks[0])
             for i, keys in enumerate(chunks):
                 size = len(keys) * layout.nbytes
@@ -356,7 +394,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
 async def serve(args) -> None:
     keep_freed_memory_in_process()  # a Get copies its blocks into new buffers of megabytes
     url = redis_url_with_password(args.redis_url, args.redis_password_file)
-    service = KVStoreService(url, args.redis_timeout, args.max_blocks_per_request, args.max_block_bytes)
+    tls = RedisTLS(args.redis_ca_file, args.redis_cert_file, args.redis_key_file)
+    service = KVStoreService(url, args.redis_timeout, args.max_blocks_per_request, args.max_block_bytes, tls)
     server = Server("kvstore", [SERVICE_NAME], args)
     server.add(add_to_server, service)
     server.telemetry.count("llmmesh:kvstore_", service.counters)  # hits, misses, bytes, corrupt blocks...
@@ -399,8 +438,27 @@ def add_subcommands(subparsers) -> None:
         for flag in ("redis_timeout", "max_blocks_per_request", "max_block_bytes"):
             if getattr(args, flag) <= 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}.")
-        if not args.redis_url.startswith(("redis://", "rediss://")):
-            raise ValueError(f"--redis-url must look like redis://HOST:PORT/DB, got {args.redis_url!r}.")
+        check_redis_link(args)
         config.run(serve(args), args)
 
     parser.set_defaults(func=run)
+
+
+def check_redis_link(args) -> None:
+    """--redis-url and its TLS flags agree; plaintext leaves the host only with --redis-allow-plaintext, since anyone
+    on the path would read every block and the Redis password."""
+    url = args.redis_url
+    if not url.startswith(("redis://", "rediss://")):
+        raise ValueError(f"--redis-url must look like redis://HOST:PORT/DB or rediss://HOST:PORT/DB, got {url!r}.")
+    if bool(args.redis_cert_file) != bool(args.redis_key_file):
+        raise ValueError("--redis-cert-file and --redis-key-file go together: give both or neither.")
+    if url.startswith("redis://"):
+        given = [f for f in ("redis_ca_file", "redis_cert_file", "redis_key_file") if getattr(args, f)]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} is for TLS: give a rediss:// --redis-url.")
+        host = urlsplit(url).hostname or "localhost"
+        if not is_loopback(host) and not args.redis_allow_plaintext:
+            raise ValueError(
+                f"--redis-url {redis_where(url)} is plaintext to a host other than loopback: use rediss:// (Redis "
+                "with TLS), or give --redis-allow-plaintext where the network between them is private."
+            )

@@ -18,7 +18,10 @@ class RedisServer:
     back on the same port, empty, as a restarted Redis would be.
 
     acl_file: Redis's users (`llmmesh certs` writes one, redis.acl, whose user `user` alone may run commands, with the
-    password of redis.password); url then names the user, and the password stays out of every command line."""
+    password of redis.password); url then names the user, and the password stays out of every command line.
+
+    tls: (certificate, key, CA certificate) files: it then speaks TLS alone (rediss://), and with tls_auth_clients
+    admits only clients presenting a certificate of that CA."""
 
     READY = "Ready to accept connections"
 
@@ -29,6 +32,8 @@ class RedisServer:
         echo: bool = False,
         acl_file: str | None = None,
         user: str | None = None,
+        tls: tuple[str, str, str] | None = None,
+        tls_auth_clients: bool = False,
     ):
         self.executable = shutil.which("redis-server")
         if self.executable is None:
@@ -40,6 +45,7 @@ class RedisServer:
         self.maxmemory = maxmemory
         self.echo = echo
         self.acl_file, self.user = acl_file, user
+        self.tls, self.tls_auth_clients = tls, tls_auth_clients
         self.dir = tempfile.mkdtemp(prefix="llmmesh-redis-")
         self.popen: subprocess.Popen | None = None
         try:
@@ -54,7 +60,7 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://{self.user + '@' if self.user else ''}{self.address}/0"
+        return f"{'rediss' if self.tls else 'redis'}://{self.user + '@' if self.user else ''}{self.address}/0"
 
     def start(self, timeout: float = 30.0) -> None:
         """Start it (on a free port the first time) and wait until it accepts connections."""
@@ -77,8 +83,7 @@ class RedisServer:
         self.popen = subprocess.Popen(
             [
                 self.executable,
-                "--port",
-                str(port),
+                *(self._tls_args(port) if self.tls else ["--port", str(port)]),
                 "--bind",
                 "127.0.0.1",
                 "--protected-mode",
@@ -113,6 +118,12 @@ class RedisServer:
                 self.kill()
                 raise TimeoutError(f"redis-server on 127.0.0.1:{port} was not ready after {timeout:.0f} s")
         return True
+
+    def _tls_args(self, port: int) -> list[str]:
+        cert, key, ca = (os.path.abspath(path) for path in self.tls)
+        auth = "yes" if self.tls_auth_clients else "no"
+        files = ["--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-cert-file", ca]
+        return ["--port", "0", "--tls-port", str(port), *files, "--tls-auth-clients", auth]
 
     def _read_log(self, popen: subprocess.Popen, ready: threading.Event) -> None:
         with popen.stdout:

@@ -45,10 +45,15 @@ INLINE_ROWS = 8
 
 class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
     def __init__(
-        self, device: torch.device, telemetry: Telemetry | None = None, max_streams: int = 64, max_requests: int = 65536
+        self,
+        device: torch.device,
+        telemetry: Telemetry | None = None,
+        max_streams: int = 64,
+        max_requests: int = 65536,
+        max_tokens: int = 2**25,
     ):
         self.device = device
-        self.max_streams, self.max_requests = max_streams, max_requests
+        self.max_streams, self.max_requests, self.max_tokens = max_streams, max_requests, max_tokens
         self.telemetry = telemetry or Telemetry("sampler", None)  # tracing off unless the server's is given
         # Every stream's larger steps are sampled on this one thread.
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler")
@@ -61,7 +66,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the sampler has {self.num_streams} streams open, its --max-streams; one more is refused",
             )
-        stream = StreamState(self.device, self.max_requests)
+        stream = StreamState(self.device, self.max_requests, self.max_tokens)
         self.num_streams += 1
         logger.info("an engine's stream opened (%d open)", self.num_streams)
         try:
@@ -172,12 +177,16 @@ def add_subcommands(subparsers) -> None:
 
 
 async def serve(args) -> None:
-    for name in ("max_streams", "max_requests_per_stream"):
+    for name in ("max_streams", "max_requests_per_stream", "max_tokens_per_stream"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name} must be at least 1, got {getattr(args, name)}.")
     server = Server("sampler", [SERVICE_NAME], args)
     servicer = SamplerServicer(
-        torch.device(args.device), server.telemetry, args.max_streams, args.max_requests_per_stream
+        torch.device(args.device),
+        server.telemetry,
+        args.max_streams,
+        args.max_requests_per_stream,
+        args.max_tokens_per_stream,
     )
     server.add(sampler_pb2_grpc.add_SamplerServicer_to_server, servicer)
     await server.start()

@@ -48,16 +48,23 @@ class SamplingState:
 
 
 class StreamLimitError(ValueError):
-    """A step would have the stream keep more requests' state than --max-requests-per-stream."""
+    """A step would have the stream keep more requests' state than --max-requests-per-stream, or more of their tokens
+    than --max-tokens-per-stream."""
+
+
+def _num_tokens(state: SamplingState) -> int:
+    return len(state.prompt_token_ids) + len(state.output_token_ids)
 
 
 class StreamState:
-    """One engine's stream: its requests' states (max_requests at most), and the step it is at."""
+    """One engine's stream: its requests' states (max_requests at most, holding max_tokens prompt and output tokens
+    at most), and the step it is at."""
 
-    def __init__(self, device: torch.device, max_requests: int = 65536):
+    def __init__(self, device: torch.device, max_requests: int = 65536, max_tokens: int = 2**25):
         self.device = device
-        self.max_requests = max_requests
+        self.max_requests, self.max_tokens = max_requests, max_tokens
         self.requests: dict[str, SamplingState] = {}
+        self.num_tokens = 0  # prompt and output tokens of the requests kept
         self.sampler = Sampler(parallel_argmax=False)
         self.metadata = MetadataCache()
         self.num_steps = 0
@@ -107,9 +114,12 @@ class StreamState:
         num_rows = len(msg.request_ids) + (len(msg.draft_token_ids) if drafts else 0)
         grammar = grammar_bitmask_from_proto(msg, num_rows, 0 if logits is None else logits.shape[1])
         for request_id in msg.finished_request_ids:
-            self.requests.pop(request_id, None)
+            if (state := self.requests.pop(request_id, None)) is not None:
+                self.num_tokens -= _num_tokens(state)
         for new in news:
             self.requests[new.request_id] = new
+            self.num_tokens += len(new.prompt_token_ids)
+        self.num_tokens += len(msg.new_token_ids)  # each goes to a row's output below
         result = sampler_pb2.SampleResult(step_id=msg.step_id)
         result.prompt_logprobs.extend(logprobs_tensors_to_proto(lp) for lp in self._prompt_logprobs(msg, prompt_logits))
         if not rows:
@@ -207,6 +217,13 @@ class StreamState:
             raise StreamLimitError(
                 f"new_requests: the stream would keep {kept} requests' sampling state, over the sampler's "
                 f"--max-requests-per-stream ({self.max_requests}); finish some first"
+            )
+        tokens = self.num_tokens - sum(_num_tokens(self.requests[r]) for r in forgotten if r in self.requests)
+        tokens += sum(len(s.prompt_token_ids) for s in news.values()) + len(msg.new_token_ids)
+        if tokens > self.max_tokens:
+            raise StreamLimitError(
+                f"new_requests and new_token_ids: the stream would keep {tokens} prompt and output tokens, over the "
+                f"sampler's --max-tokens-per-stream ({self.max_tokens}); finish some first"
             )
         return rows, logits, news.values(), self._check_prompt_chunks(msg), drafts
 

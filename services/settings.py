@@ -212,6 +212,19 @@ class KVStoreFlags:
     redis_password_file: str | None = setting(
         None, help="a file holding the Redis user's password (`llmmesh certs` writes redis.password)"
     )
+    redis_ca_file: str | None = setting(
+        None,
+        help="with rediss://: the certificate (PEM) of the CA that signed Redis's, trusted besides the system's CAs",
+    )
+    redis_cert_file: str | None = setting(
+        None, help="with rediss://: a client certificate (PEM) to present, for a Redis with tls-auth-clients"
+    )
+    redis_key_file: str | None = setting(None, help="the key of --redis-cert-file (PEM, unencrypted)")
+    redis_allow_plaintext: bool = setting(
+        False,
+        help="allow redis:// (no TLS) to a host other than loopback: only on a network no one else reaches (compose's "
+        "own); otherwise use rediss://",
+    )
 
 
 @dataclass
@@ -226,6 +239,11 @@ class SamplerFlags:
         65536,
         help="requests whose sampling state one stream keeps at once; a step that would add more ends the stream "
         "with RESOURCE_EXHAUSTED",
+    )
+    max_tokens_per_stream: int = setting(
+        2**25,
+        help="prompt and output tokens one stream keeps, over all its requests (for penalties, min_tokens, bad "
+        "words; some 40 bytes each); a step that would keep more ends the stream with RESOURCE_EXHAUSTED",
     )
 
 

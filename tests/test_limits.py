@@ -194,17 +194,49 @@ def test_the_engine_waiting_queue_is_bounded(mesh):
 @pytest.fixture(scope="module")
 def sampler():
     with InProcessService(
-        "sampler", ["--max-streams", "1", "--max-requests-per-stream", "2", "--max-concurrent-rpcs", "2"]
+        "sampler",
+        [
+            "--max-streams",
+            "1",
+            "--max-requests-per-stream",
+            "2",
+            "--max-tokens-per-stream",
+            "12",
+            "--max-concurrent-rpcs",
+            "2",
+        ],
     ) as service:
         yield service
 
 
-def step(step_id: int, request_ids: list[str]) -> sampler_pb2.SampleStep:
-    new = [sampler_pb2.NewRequest(request_id=r, params=sampler_pb2.SamplerParams(temperature=0)) for r in request_ids]
+def step(
+    step_id: int, request_ids: list[str], new=None, prompt=(), new_tokens=(), finished=()
+) -> sampler_pb2.SampleStep:
+    """A step of the rows request_ids, the new ones (default: all) with prompt, each with new_tokens of output."""
+    params = sampler_pb2.SamplerParams(temperature=0)
+    new = request_ids if new is None else new
+    new = [sampler_pb2.NewRequest(request_id=r, params=params, prompt_token_ids=prompt) for r in new]
     logits = tensor_to_proto(torch.arange(8, dtype=torch.float32).repeat(len(request_ids), 1))
     return sampler_pb2.SampleStep(
-        step_id=step_id, new_requests=new, request_ids=request_ids, num_new_tokens=[0] * len(request_ids), logits=logits
+        step_id=step_id,
+        new_requests=new,
+        finished_request_ids=finished,
+        request_ids=request_ids,
+        num_new_tokens=[len(new_tokens)] * len(request_ids),
+        new_token_ids=list(new_tokens) * len(request_ids),
+        logits=logits,
     )
+
+
+def refused_once_free(call) -> grpc.RpcError:
+    """refused(call), retried while the sampler's one stream is still taken: a stream's end reaches the server a
+    moment after its client is done with it."""
+    deadline = time.monotonic() + 10
+    while True:
+        error = refused(call)
+        if "--max-streams" not in error.details() or time.monotonic() > deadline:
+            return error
+        time.sleep(0.05)
 
 
 class HeldStream:
@@ -236,15 +268,26 @@ def test_sampler_streams_and_their_state_are_bounded(sampler):
         finally:
             held.close()
         # A step that would keep a third request's state ends its stream.
-        deadline = time.monotonic() + 10
-        while True:  # the held stream's end reaches the server a moment after the cancel
-            try:
-                error = refused(lambda: list(stub.Sample(iter([step(1, ["a", "b"]), step(2, ["c"])]), timeout=30)))
-                break
-            except AssertionError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+        error = refused_once_free(lambda: list(stub.Sample(iter([step(1, ["a", "b"]), step(2, ["c"])]), timeout=30)))
         assert "new_requests" in error.details() and "--max-requests-per-stream (2)" in error.details()
+
+
+def test_sampler_bounds_the_tokens_a_stream_keeps(sampler):
+    """--max-tokens-per-stream 12: prompts and outputs kept for penalties count, a finished request's are let go,
+    and a step that would keep a thirteenth token ends its stream."""
+    steps = [
+        step(1, ["a"], prompt=[1] * 8),  # 8 kept
+        step(2, ["a"], new=[], new_tokens=[7] * 4),  # 12: at the bound
+        step(3, ["b"], prompt=[2] * 11, finished=["a"]),  # a's 12 let go: 11
+        step(4, ["b"], new=[], new_tokens=[7]),  # 12
+        step(5, ["b"], new=[], new_tokens=[7]),  # 13: refused
+    ]
+    answered = []
+    with mesh_channel(sampler.address) as channel:
+        stub = sampler_pb2_grpc.SamplerStub(channel)
+        error = refused_once_free(lambda: answered.extend(stub.Sample(iter(steps), timeout=30)))
+    assert [r.step_id for r in answered] == [1, 2, 3, 4]
+    assert "--max-tokens-per-stream (12)" in error.details() and "13 prompt and output tokens" in error.details()
 
 
 def test_every_server_bounds_its_concurrent_calls(sampler):
