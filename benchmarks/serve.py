@@ -24,8 +24,8 @@ the mesh and then offline. It reports the mesh/offline throughput ratio and the 
 mesh adds. --rounds N alternates the two N times, each
 round with new prompts (seed + round), and reports the median of the per-round figures. --launch
 starts the whole mesh (`llmmesh serve`'s processes) on loopback first. --launch --tls-cost starts a second mesh
-beside it, in plaintext (--insecure-plaintext), and runs each round's requests through both, the mutual-TLS one
-first: it reports the TLS / plaintext output throughput ratio and the median TTFT TLS adds (run it at
+beside it, in plaintext (--insecure-plaintext), and runs each round's requests through both, the plaintext one
+first in every other round: it reports the TLS / plaintext output throughput ratio and the median TTFT TLS adds (run it at
 --max-concurrency 1, 32 and 64 for TLS's cost by streams).
 
 --dataset prefix_repetition (also --dataset-name, as in `vllm bench serve`): --num-prompts requests, each one of
