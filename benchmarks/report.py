@@ -39,6 +39,7 @@ COMMAND = "python benchmarks/report.py"
 ORDER = [
     "offline-throughput",
     "mesh-vs-offline",
+    "mesh-overhead",
     "ttft-burst",
     "sampler-service",
     "sampler",

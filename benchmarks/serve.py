@@ -16,7 +16,8 @@ meeting every --goodput SLO). The --output-json report also keeps each request's
 Datasets: `synthetic` (seeded: random token ids from the ordinary vocabulary, decoded to text, with
 lengths uniform in --input-len; max_tokens uniform in --output-len), or a ShareGPT-format JSON file
 (the first human turn is the prompt, the reply's token count is max_tokens). Generation is greedy
-with ignore_eos, so every system does the same work.
+with ignore_eos, so every system does the same work; --n completions per request at --temperature sample instead
+(the output token counts stay the same).
 
 --offline runs the same requests in-process through the offline `LLM` (its own RequestMetrics for
 TTFT): all at once after the mesh run, or, with --max-concurrency 1, paired: each request through
@@ -79,6 +80,8 @@ class BenchRequest:
     max_tokens: int
     token_ids: list[int] | None = None  # sent as token ids rather than the text
     repeat: bool = False  # prefix_repetition: an earlier request had its prefix
+    n: int = 1  # completions of the prompt
+    temperature: float = 0.0
 
 
 @dataclass
@@ -139,7 +142,9 @@ async def arrivals(n: int, rate: float, burstiness: float, seed: int):
 
 
 async def one_request(stub, request: BenchRequest, model: str, api_key: str | None) -> RequestResult:
-    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
+    params = common_pb2.SamplingParams(
+        n=request.n, temperature=request.temperature, max_tokens=request.max_tokens, ignore_eos=True
+    )
     message = gateway_pb2.GenerateRequest(model=model, text=request.prompt, sampling_params=params, stream=True)
     if request.token_ids is not None:
         message.token_ids.ids.extend(request.token_ids)
@@ -202,13 +207,15 @@ def offline_results(llm, requests: list[BenchRequest]) -> list[RequestResult]:
     """The requests in one generate() call; TTFT and E2E from the engine's own RequestMetrics."""
     from engine import SamplingParams
 
-    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    params = [
+        SamplingParams(n=r.n, temperature=r.temperature, max_tokens=r.max_tokens, ignore_eos=True) for r in requests
+    ]
     outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
     return [
         RequestResult(
             True,
             len(out.prompt_token_ids),
-            len(out.outputs[0].token_ids),
+            sum(len(c.token_ids) for c in out.outputs),
             out.metrics.time_to_first_token,
             out.metrics.e2e_latency,
         )
@@ -616,6 +623,8 @@ def main():
     ap.add_argument(
         "--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"), help="synthetic max_tokens"
     )
+    ap.add_argument("--n", type=int, default=1, help="completions per request")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second; inf: all at once")
     ap.add_argument("--burstiness", type=float, default=1.0, help="the arrival gaps' gamma shape; 1: Poisson")
     ap.add_argument("--max-concurrency", type=int, default=32, help="requests in flight at most")
@@ -649,10 +658,14 @@ def main():
 
     def make_requests(seed: int) -> list[BenchRequest]:
         if args.dataset == "synthetic":
-            return synthetic_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, seed)
-        if args.dataset == "prefix_repetition":
-            return prefix_repetition_requests(args, tokenizer.vocab_size, seed)
-        return sharegpt_requests(tokenizer, args.dataset, args.num_prompts, seed)
+            requests = synthetic_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, seed)
+        elif args.dataset == "prefix_repetition":
+            requests = prefix_repetition_requests(args, tokenizer.vocab_size, seed)
+        else:
+            requests = sharegpt_requests(tokenizer, args.dataset, args.num_prompts, seed)
+        for r in requests:
+            r.n, r.temperature = args.n, args.temperature
+        return requests
 
     requests = make_requests(args.seed)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
