@@ -46,7 +46,8 @@ and workload: each policy's TTFT p50 of the turns after each conversation's firs
 requests after the first on each prefix), pooled over the rounds and per round, the prefix cache hit rate, and
 prefix-aware's TTFT p50 over least-loaded's; then one table of them all. Each gateway writes its routing decisions
 (--routing-log) beside the report, under OUTPUT-routing-logs/; the report sums them up: how often the engine
-chosen held the most of the prompt, the prefill queued there, and the KV events' lag.
+chosen held the most of the prompt, the prefill queued there, and the KV events' lag; and it keeps each request's
+send time, turn, TTFT and cached tokens (`turns`), which match a request to its decision in the log.
 """
 
 import argparse
@@ -96,6 +97,7 @@ class RequestResult:
     token_ids: list[int] = field(default_factory=list)  # the reply
     cached_tokens: int = 0  # prompt tokens the engine found cached
     turn: int = 0  # its turn in its conversation (routing runs); prefix_repetition: 1 for a prefix's repeats
+    sent: float = 0.0  # time.time() it was sent: a routing log's decision for it comes a few ms later
 
     @property
     def tpot(self) -> float | None:
@@ -149,7 +151,7 @@ async def one_request(stub, request: BenchRequest, model: str, api_key: str | No
     if request.token_ids is not None:
         message.token_ids.ids.extend(request.token_ids)
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
-    result = RequestResult(ok=False, prompt_len=request.prompt_len)
+    result = RequestResult(ok=False, prompt_len=request.prompt_len, sent=time.time())
     start = last = time.perf_counter()
     try:
         async for response in stub.Generate(message, metadata=metadata):
@@ -573,6 +575,11 @@ def run_routing(args, engine_args: EngineArgs, tokenizer: Tokenizer) -> None:
                         1, sum(x.prompt_len for x in ok)
                     )
                     summary["routing_decisions"] = decisions[workload["name"], run]
+                    # Each request, to be matched with its decision in the routing log by the time it was sent.
+                    summary["turns"] = [
+                        {"sent": x.sent, "turn": x.turn, "ttft_ms": x.ttft * 1e3, "cached_tokens": x.cached_tokens}
+                        for x in ok
+                    ]
                     shape["runs"][run] = summary
                     later = summary["ttft_later_turns_ms"]
                     print(

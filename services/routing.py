@@ -45,6 +45,9 @@ MAX_INDEX_BLOCKS = 1 << 17  # hashes in the index: 2M tokens of 16-token blocks 
 INDEX_ENTRY_BYTES = 256  # one entry: its 32-byte hash as a bytes object and its slot in the ordered dict
 DEFAULT_KV_LOAD_COST = 0.5  # loading a block over computing it, until an engine has measured both
 DECODE_COST_BLOCKS = 1.0  # a request decoding on an engine lengthens its steps about as much as a block of prefill
+# A load from the kvstore waits for its transfer's round trip beyond the blocks' bytes that kv_load_cost weighs: on a
+# 2-core CPU about what prefilling 1-2 blocks takes, so a turn is not sent from its holder for a near tie.
+STORE_LOAD_TRIP_BLOCKS = 2.0
 KV_USAGE_SOFT_LIMIT = 0.9  # past it an engine evicts cached prefixes and may preempt
 STORE = 1  # the index's bit for "in the kvstore"; engine i has bit 1 << (i + 1)
 ROUTING_GROUP = 0  # the KV cache group whose blocks the index keeps (see above)
@@ -80,7 +83,8 @@ def engine_cost(num_blocks: int, local_blocks: int, store_blocks: int, load: Eng
 
     - the blocks it would compute: the prompt's leading blocks in its own cache (local_blocks) count in full, the
       next leading ones in the kvstore (store_blocks) at load_cost, one figure for every engine (the store is as
-      near to each), so that blocks in the store are what any engine has, never a reason to pick one;
+      near to each), so that blocks in the store are what any engine has, never a reason to pick one; loading any
+      adds STORE_LOAD_TRIP_BLOCKS, the transfer's round trip (the request waits for it; the engine's steps do not);
     - the work already there, which runs in the same steps: the blocks still to prefill of the requests this
       gateway sent there, DECODE_COST_BLOCKS per request decoding there, and per request of another client
       waiting in its queue (GetLoad) one more prompt like this one. The gateway's own requests are counted once,
@@ -89,6 +93,8 @@ def engine_cost(num_blocks: int, local_blocks: int, store_blocks: int, load: Eng
       would evict the prefixes it holds and preempt.
     """
     own = blocks_to_compute(local_blocks, store_blocks, num_blocks, load_cost)
+    if store_blocks:
+        own += STORE_LOAD_TRIP_BLOCKS
     queued = load.prefill_blocks + num_blocks * load.others_waiting
     decoding = DECODE_COST_BLOCKS * (load.num_decoding + load.others_running)
     pressure = max(0.0, load.kv_cache_usage - KV_USAGE_SOFT_LIMIT) / (1.0 - KV_USAGE_SOFT_LIMIT)

@@ -35,7 +35,15 @@ from services import client
 from services.dependencies import HEALTH_MISSES, Dependencies
 from services.gateway import Gateway
 from services.local_mesh import Mesh
-from services.routing import INDEX_ENTRY_BYTES, STORE, EngineLoad, KVBlockIndex, Router, engine_cost
+from services.routing import (
+    INDEX_ENTRY_BYTES,
+    STORE,
+    STORE_LOAD_TRIP_BLOCKS,
+    EngineLoad,
+    KVBlockIndex,
+    Router,
+    engine_cost,
+)
 from services.service_process import free_port
 from test_models import COMMON
 
@@ -130,8 +138,8 @@ def test_policy_weighs_cached_blocks_against_load():
     idle = EngineLoad()
     # Blocks held locally count in full; blocks in the store at the load cost; none at all cost the most.
     assert engine_cost(10, 10, 0, idle, 0.5) < engine_cost(10, 0, 10, idle, 0.5) < engine_cost(10, 0, 0, idle, 0.5)
-    assert engine_cost(10, 0, 10, idle, 0.1) == pytest.approx(1.0)
-    assert engine_cost(10, 0, 10, idle, 0.9) == pytest.approx(9.0)
+    assert engine_cost(10, 0, 10, idle, 0.1) == pytest.approx(1.0 + STORE_LOAD_TRIP_BLOCKS)
+    assert engine_cost(10, 0, 10, idle, 0.9) == pytest.approx(9.0 + STORE_LOAD_TRIP_BLOCKS)
     # The engine holding the prefix wins over an idle cold one, until the work queued there outweighs the saving.
     assert engine_cost(10, 8, 0, EngineLoad(num_prefilling=1, prefill_blocks=4), 0.5) < engine_cost(10, 0, 0, idle, 0.5)
     assert engine_cost(10, 8, 0, EngineLoad(num_prefilling=2, prefill_blocks=12), 0.5) > engine_cost(
@@ -212,6 +220,28 @@ def test_a_turn_leaves_its_holder_busy_with_another_prefill_when_the_store_has_i
         busy = router.route(ENGINES, prompt_of(2, 48))
         assert busy.address == A and router.loads[A].prefill_blocks == 48
         assert router.route(ENGINES, turn).address == (B if in_store else A)
+
+
+def test_a_turn_stays_with_its_holder_for_a_small_prefill_queued_there():
+    """The holder of a conversation's history has another conversation's short turn queued, the other engine decodes
+    one request, and the store holds the history at a cheap measured load cost: the turn stays (the queued turn runs
+    in the same step; a load waits for its round trip). Behind a long prefill there, it goes to the other engine."""
+    history = prompt_of(1, 50)
+    turn = history + [7] * 3 * BLOCK
+    for queued, expected in ((3, A), (50, B)):
+        router = router_of()
+        hashes = router.block_hashes(history, None)
+        router.index.apply(0, batch(1, stored(hashes)))
+        router.index.apply(0, batch(2, stored(hashes, medium="kvstore")))
+        for address in ENGINES:
+            router.update_load(address, engine_pb2.Load(kv_load_cost=0.04))
+        router.loads[A] = EngineLoad(num_prefilling=1, prefill_blocks=queued, kv_load_cost=0.04)
+        router.loads[B].num_decoding = 1
+        for start in range(2):
+            router.turn = start
+            routed = router.route(ENGINES, turn)
+            assert routed.address == expected, queued
+            router.release(routed)
 
 
 def test_the_engine_holding_the_prefix_wins_at_equal_load():
