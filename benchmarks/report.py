@@ -64,6 +64,7 @@ ORDER = [
     "hybrid-kv",
     "vision",
     "mla-kv-bytes",
+    "tls-cost",
     "tracing",
     "detokenizer",
     "model-load",
