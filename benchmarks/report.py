@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from services.docs_sections import replace_sections  # noqa: E402 (the repository's root is on the path only now)
 
 DOC = ROOT / "docs" / "benchmarks.md"
+TABLES = ROOT / "docs" / "benchmarks" / "tables.md"
 DATA = ROOT / "docs" / "benchmarks"
 RESULTS = DATA / "results"
 COMMAND = "python benchmarks/report.py"
@@ -131,29 +132,57 @@ def machine_list() -> str:
 
 
 def section(result: dict) -> str:
-    """One result's part of its section: what it measures, how to run it and what it means, then its tables and
-    plots."""
+    """One result's part of its section: what it measures, how to run it and what it means, where its tables are,
+    then its plots."""
     run = f"`{result['command']}`" if result["command"] else "no script"
     text = f"{result['measures']} Run: {run}; machine: {machine_link(result['machine'])}."
-    lines = [f"{text} {result['notes']}" if result.get("notes") else text, ""]
-    for t in result.get("tables", []):
-        if t.get("caption"):
-            lines += [t["caption"], ""]
-        lines += [*table(t["columns"], t["rows"]), ""]
+    if result.get("notes"):
+        text += f" {result['notes']}"
+    if result.get("tables"):
+        text += f" Every figure: [its tables](benchmarks/tables.md#{slug(result['section'])})."
+    lines = [text, ""]
     if result.get("plots"):
         lines += [" ".join(f"![{p['alt']}](benchmarks/{p['file']})" for p in result["plots"]), ""]
     return "\n".join(lines).rstrip("\n")
 
 
-def sections() -> str:
-    """Every result under its section's heading."""
+def by_section(render_one) -> list[str]:
+    """Every result rendered under its section's heading (results sharing a section share one heading)."""
     out, heading = [], None
     for result in results().values():
+        text = render_one(result)
+        if not text:
+            continue
         if result["section"] != heading:
             heading = result["section"]
             out += [f"## {heading}", ""]
-        out += [section(result), ""]
-    return "\n".join(out).rstrip("\n")
+        out += [text, ""]
+    return out
+
+
+def sections() -> str:
+    return "\n".join(by_section(section)).rstrip("\n")
+
+
+def result_tables(result: dict) -> str:
+    lines = []
+    for t in result.get("tables", []):
+        if t.get("caption"):
+            lines += [t["caption"], ""]
+        lines += [*table(t["columns"], t["rows"]), ""]
+    return "\n".join(lines).rstrip("\n")
+
+
+def tables_page() -> str:
+    """docs/benchmarks/tables.md, written whole: every result's tables, under the headings of docs/benchmarks.md."""
+    head = [
+        "# Benchmark tables",
+        "",
+        f"Every figure behind [the benchmark report](../benchmarks.md), by benchmark; written by `{COMMAND}` from",
+        "the results in `docs/benchmarks/results/`, never by hand.",
+        "",
+    ]
+    return "\n".join(head + by_section(result_tables)).rstrip("\n") + "\n"
 
 
 GENERATED = {"summary": summary, "machines": machine_list, "results": sections}
@@ -166,7 +195,8 @@ def render(text: str) -> str:
 
 def main() -> None:
     DOC.write_text(render(DOC.read_text()))
-    print(f"wrote the generated sections of {DOC}", file=sys.stderr)
+    TABLES.write_text(tables_page())
+    print(f"wrote the generated sections of {DOC}, and {TABLES}", file=sys.stderr)
 
 
 if __name__ == "__main__":

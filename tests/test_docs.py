@@ -84,9 +84,10 @@ def test_generated_sections_are_current(page):
 
 
 def test_benchmark_report_is_current():
-    """docs/benchmarks.md's summary, machines and sections, as the results under docs/benchmarks/ give them."""
+    """docs/benchmarks.md's summary, machines and sections, and docs/benchmarks/tables.md, as the results under
+    docs/benchmarks/ give them."""
     text = (ROOT / "docs" / "benchmarks.md").read_text()
-    if text != report.render(text):
+    if text != report.render(text) or report.TABLES.read_text() != report.tables_page():
         pytest.fail(
             f"docs/benchmarks.md is out of date with docs/benchmarks/results/: run `.venv/bin/{report.COMMAND}` (or "
             "`make docs`) and commit the result"
