@@ -90,7 +90,7 @@ def test_the_test_runner_counts_outcomes_and_interrupts_a_stuck_run(tmp_path):
     )
     (tmp_path / "test_other.py").write_text("def test_not_gpu():\n    pass\n")
     files = [str(tmp_path / "test_sample.py"), str(tmp_path / "test_other.py")]
-    result = gpu_check.run_tests(files, None, 30, tmp_path)  # room for pytest to start on a busy machine
+    result = gpu_check.run_tests(files, None, 15, tmp_path)
     assert result["timed_out"]
     assert (result["passed"], result["failed"], result["skipped"], result["need_embedded_model"]) == (1, 1, 1, 1)
     assert len(result["failures"]) == 1 and "test_fails" in result["failures"][0]
