@@ -219,27 +219,32 @@ def gpu_test_files() -> list[str]:
     return [str(p.relative_to(ROOT)) for p in tests if GPU_MARK.search(p.read_text())]
 
 
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+# pytest, with SIGINT unblocked and raising KeyboardInterrupt: a blocked or ignored signal stays so across exec (a
+# shell's background job, a library's thread mask), and pytest would never see the interrupt that makes it write its
+# summary. The child sets this itself: a fork of this process to set it first would copy gRPC's threads' state.
+PYTEST_WITH_SIGINT = (
+    "import signal, sys; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+    "signal.signal(signal.SIGINT, signal.default_int_handler); import pytest; sys.exit(pytest.main(sys.argv[1:]))"
+)
 
 
 def run_tests(files: list[str], env: dict, timeout: float, out: Path) -> dict:
     log, junit = out / "gpu_tests.log", out / "gpu_tests.xml"
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "--timeout", "150"]
+    command = [
+        sys.executable,
+        "-c",
+        PYTEST_WITH_SIGINT,
+        "-m",
+        "gpu",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--timeout",
+        "150",
+    ]
     began = time.perf_counter()
     with open(log, "w") as f:
-        # SIGINT at its default and unblocked in the child: an ignored or blocked signal stays so across exec (a
-        # shell's background job, a library's thread mask), and pytest would never see the interrupt that makes it
-        # write its summary.
-        proc = subprocess.Popen(
-            command + [f"--junitxml={junit}", *files],
-            cwd=ROOT,
-            env=env,
-            stdout=f,
-            stderr=f,
-            preexec_fn=_default_sigint,
-        )
+        proc = subprocess.Popen(command + [f"--junitxml={junit}", *files], cwd=ROOT, env=env, stdout=f, stderr=f)
         try:
             proc.wait(timeout)
             timed_out = False
