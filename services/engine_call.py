@@ -19,7 +19,7 @@ import uuid
 import grpc
 
 from llmmesh.v1 import common_pb2, engine_pb2
-from services.dependencies import ENGINE_GONE, Dependencies
+from services.dependencies import ENGINE_GONE, HEALTH_INTERVAL, Dependencies
 from services.disaggregation import remote_prefill
 from services.errors import dependency_error, unavailable
 from services.telemetry import SpanKind, Telemetry, inject, set_error
@@ -27,6 +27,8 @@ from services.telemetry import SpanKind, Telemetry, inject, set_error
 logger = logging.getLogger("llmmesh.gateway")
 
 ENGINE_DONE = object()  # queued by the engine reader after the engine's last message
+# How many health checks a migration waits for another engine to be seen healthy before it fails the request.
+MIGRATION_WAIT_CHECKS = 4
 
 
 def engine_request(request, engine_request_id: str, prompt_ids: list[int], lora_name: str, mm_inputs=()):
@@ -185,7 +187,12 @@ class EngineCall:
         """The engine of the whole request went away mid-stream: each unfinished completion resumes elsewhere. With
         no other engine healthy, the request fails with the engine's error."""
         gone = self.address
-        if not self.deps.any_healthy_engine(exclude=(gone,)):
+        # An engine restarting beside it may answer SERVING before the next health check sees it: wait for that.
+        for _ in range(MIGRATION_WAIT_CHECKS):
+            if self.deps.any_healthy_engine(exclude=(gone,)):
+                break
+            await asyncio.sleep(HEALTH_INTERVAL)
+        else:
             raise error
         if self.engine_span is not None:
             set_error(self.engine_span, error.code(), error.details() or "")
