@@ -723,20 +723,23 @@ def main():
             print(f"plaintext mesh up, gateway at {plain_mesh.start()}")
     model = engine_args.model if args.launch else ""
 
-    def run_plain(requests):
+    def run_through(gateway: str, requests, api_key, plaintext: bool | None = None):
         return asyncio.run(
             run_mesh(
-                plain_mesh.address,
+                gateway,
                 requests,
                 args.request_rate,
                 args.burstiness,
                 args.max_concurrency,
                 args.seed,
                 model,
-                None,
-                plaintext=True,
+                api_key,
+                plaintext=plaintext,
             )
         )
+
+    def run_plain(requests):
+        return run_through(plain_mesh.address, requests, None, plaintext=True)
 
     try:
         for i in range(args.rounds):
@@ -750,18 +753,7 @@ def main():
                     run_paired(address, llm, requests, model, args.api_key)
                 )
             else:
-                mesh_results, mesh_s = asyncio.run(
-                    run_mesh(
-                        address,
-                        requests,
-                        args.request_rate,
-                        args.burstiness,
-                        args.max_concurrency,
-                        args.seed,
-                        model,
-                        args.api_key,
-                    )
-                )
+                mesh_results, mesh_s = run_through(address, requests, args.api_key)
                 if llm is not None:
                     offline_out, offline_s = run_offline(llm, requests)
             entry["mesh"] = summarize(mesh_results, mesh_s, goodput)
