@@ -54,6 +54,7 @@ ORDER = [
     "latency-llama-cpp",
     "dense-linear-bf16",
     "dense-linear-f32",
+    "batch-invariance",
     "attention",
     "host-time",
     "spec-decode",
