@@ -158,17 +158,22 @@ class ZmqEventPublisher:
         encoder = msgspec.msgpack.Encoder()
         while self.running or not self.queue.empty():
             if self.replay is not None and self.replay.poll(0):
+                # What the engine published before the request came is sent first, so a replay holds it.
+                for _ in range(self.queue.qsize()):
+                    self._send(encoder, *self.queue.get_nowait())
                 self._serve_replay()
             try:
                 ts, events = self.queue.get(timeout=0.05)
             except queue.Empty:
                 continue
-            batch = KVEventBatch(ts=ts, events=to_vllm_events(events))
-            payload = encoder.encode(batch)
-            seq = self.seq
-            self.seq += 1
-            self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
-            self.buffer.append((seq, payload))
+            self._send(encoder, ts, events)
+
+    def _send(self, encoder: msgspec.msgpack.Encoder, ts: float, events: list) -> None:
+        payload = encoder.encode(KVEventBatch(ts=ts, events=to_vllm_events(events)))
+        seq = self.seq
+        self.seq += 1
+        self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+        self.buffer.append((seq, payload))
 
     def _serve_replay(self) -> None:
         frames = self.replay.recv_multipart()
