@@ -715,11 +715,12 @@ def main():
             "--served-model-name",
             engine_args.model,
         ]
-        mesh = Mesh(engine_args, gateway_args)
+        # As `llmmesh serve` runs it: the gateway reaches the services behind it over Unix sockets.
+        mesh = Mesh(engine_args, gateway_args, unix_sockets=True)
         address = mesh.start()
         print(f"mesh up, gateway at {address}")
         if args.tls_cost:
-            plain_mesh = Mesh(engine_args, gateway_args, insecure_plaintext=True)
+            plain_mesh = Mesh(engine_args, gateway_args, insecure_plaintext=True, unix_sockets=True)
             print(f"plaintext mesh up, gateway at {plain_mesh.start()}")
     model = engine_args.model if args.launch else ""
 

@@ -78,6 +78,7 @@ def serve(args: argparse.Namespace) -> None:
         kv_connector_options=migration_kv_options(args, num_engines),
         tls_dir=args.tls_dir,
         insecure_plaintext=args.insecure_plaintext,
+        unix_sockets=True,  # every service on this host: the gateway's hot links skip TLS (docs/security.md)
     )
     stop, started = threading.Event(), threading.Event()
 
