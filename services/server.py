@@ -246,9 +246,7 @@ class Server:
         else:
             self.port = self.server.add_secure_port(where, self.credentials.server_credentials())
         self.address = f"{args.host}:{self.port}"
-        if getattr(args, "unix_socket", None):
-            if public:
-                raise ValueError("--unix-socket is for the services behind the gateway: the gateway serves TLS only")
+        if getattr(args, "unix_socket", None):  # the services behind the gateway (UnixSocketConfig)
             tls.check_private_socket(args.unix_socket)
             self.server.add_insecure_port(f"unix:{args.unix_socket}")
         self.stop_requested = owner.stop_requested if owner is not None else asyncio.Event()

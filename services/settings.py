@@ -47,14 +47,20 @@ class ServerConfig:
         help="no TLS and no peer identities, for development on one machine: binds loopback only, and reaches the "
         "other services in plaintext",
     )
+    max_concurrent_rpcs: int = setting(
+        4096, help="calls the server runs at once (gRPC's maximum_concurrent_rpcs); past it RESOURCE_EXHAUSTED"
+    )
+
+
+@dataclass
+class UnixSocketConfig:
+    """The services behind the gateway (not the gateway, whose clients are not of its host)."""
+
     unix_socket: str | None = setting(
         None,
         help="also serve on this Unix socket, for the services of this host: plaintext, its directory must be this "
         "user's and private to it (mode 0700), whose permissions alone admit a caller (docs/security.md); "
         "`llmmesh serve` gives one to each service behind the gateway",
-    )
-    max_concurrent_rpcs: int = setting(
-        4096, help="calls the server runs at once (gRPC's maximum_concurrent_rpcs); past it RESOURCE_EXHAUSTED"
     )
 
 

@@ -378,7 +378,11 @@ def sampler_options(args: argparse.Namespace) -> dict:
 
 def add_subcommands(subparsers) -> None:
     p = config.service_parser(
-        subparsers, "serve", "run the whole mesh on loopback (one process per service)", port_of="gateway"
+        subparsers,
+        "serve",
+        "run the whole mesh on loopback (one process per service)",
+        port_of="gateway",
+        unix_socket=False,  # each service gets a socket of its own
     )
     p.description = (
         "Run the whole mesh on loopback, one process per service; each flag reaches every service that takes it. "
