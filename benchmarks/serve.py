@@ -24,8 +24,9 @@ TTFT): all at once after the mesh run, or, with --max-concurrency 1, paired: eac
 the mesh and then offline. It reports the mesh/offline throughput ratio and the median TTFT the
 mesh adds. --rounds N alternates the two N times, each
 round with new prompts (seed + round), and reports the median of the per-round figures. --launch
-starts the whole mesh (`llmmesh serve`'s processes) on loopback first. --launch --tls-cost starts a second mesh
-beside it, in plaintext (--insecure-plaintext), and runs each round's requests through both, the plaintext one
+starts the mesh `llmmesh serve` runs by default on loopback first (its KV store and sampler, the gateway reaching the
+services behind it over Unix sockets). --launch --tls-cost starts a second one beside it, `llmmesh serve
+--insecure-plaintext`'s, and runs each round's requests through both, the plaintext one
 first in every other round: it reports the TLS / plaintext output throughput ratio and the median TTFT TLS adds (run it at
 --max-concurrency 1, 32 and 64 for TLS's cost by streams).
 
@@ -707,19 +708,11 @@ def main():
     mesh = plain_mesh = None
     address = args.address
     if args.launch:
-        from services.local_mesh import Mesh
-
-        gateway_args = [
-            "--max-requests-in-flight",
-            str(max(1024, args.num_prompts)),
-            "--served-model-name",
-            engine_args.model,
-        ]
-        mesh = Mesh(engine_args, gateway_args)
+        mesh = serve_mesh(engine_args, args.num_prompts)
         address = mesh.start()
         print(f"mesh up, gateway at {address}")
         if args.tls_cost:
-            plain_mesh = Mesh(engine_args, gateway_args, insecure_plaintext=True)
+            plain_mesh = serve_mesh(engine_args, args.num_prompts, "--insecure-plaintext")
             print(f"plaintext mesh up, gateway at {plain_mesh.start()}")
     model = engine_args.model if args.launch else ""
 
@@ -793,6 +786,18 @@ def main():
     if plain_mesh is not None:
         print(f"\n{median_over_rounds(report, 'tls_over_plaintext', 'TLS / plaintext', 'TLS')}")
     write_report(args.output_json, report)
+
+
+def serve_mesh(engine_args: EngineArgs, num_prompts: int, *flags: str):
+    """The mesh `llmmesh serve` runs by default (its KV store and sampler, the gateway's links over Unix sockets),
+    with these engine arguments and FLAGS, not yet started."""
+    from services.cli import build_parser
+    from services.local_mesh import engine_flags
+    from services.supervisor import serve_mesh
+
+    argv = ["serve", "--port", "0", *engine_flags(engine_args), *flags]
+    argv += ["--max-requests-in-flight", str(max(1024, num_prompts)), "--served-model-name", engine_args.model]
+    return serve_mesh(build_parser().parse_args(argv), echo=False)
 
 
 def median_over_rounds(report: dict, key: str, ratio_name: str, adder: str) -> str:

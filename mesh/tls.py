@@ -6,6 +6,10 @@ service, a certificate the CA signed whose SAN is the service's identity (engine
 when the peer's identity may call that gRPC service (CALLERS); a channel presents its process's certificate and checks
 that the server's names the service it meant to reach.
 
+Services of one host may also reach each other over a Unix socket (--unix-socket) in a directory only the mesh's user
+can enter: that link is plaintext, its peer admitted by the directory's permissions, and the socket answers any caller
+that reaches it (docs/security.md says why this grants no more than the keys those processes can read anyway).
+
 The directory comes from --tls-dir (LLMMESH_TLS_DIR); without one, plaintext needs --insecure-plaintext
 (LLMMESH_INSECURE_PLAINTEXT) and binds loopback only. The engine's plug-ins (the KV connector, the remote sampler) read
 the same variables: they run inside an engine, whose identity they present.
@@ -58,6 +62,30 @@ def default_tls_dir() -> str:
 
 def plaintext_from_env() -> bool:
     return os.environ.get(PLAINTEXT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def unix_path(address: str) -> str | None:
+    """The path of a unix: address (unix:PATH or unix://ABSOLUTE_PATH), else None."""
+    if not address.startswith("unix:"):
+        return None
+    return address[len("unix://") :] if address.startswith("unix://") else address[len("unix:") :]
+
+
+def check_private_socket(path: str) -> None:
+    """A socket of the mesh must lie in a directory of this user's that no one else can enter: its permissions are
+    the only thing that admits a peer on it."""
+    directory = os.path.dirname(os.path.abspath(path))
+    st = os.stat(directory)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ValueError(
+            f"the Unix socket {path} must be in a directory owned by this user and private to it (mode 0700), "
+            f"not {directory} (owner uid {st.st_uid}, mode {st.st_mode & 0o777:04o})"
+        )
+
+
+def is_unix_peer(peer: str) -> bool:
+    """Whether a call's peer (context.peer()) came over a Unix socket."""
+    return peer.startswith("unix:")
 
 
 def is_loopback(host: str) -> bool:
@@ -121,16 +149,24 @@ def credentials_from_env(identity: str) -> MeshCredentials | None:
     return None if plaintext_from_env() else MeshCredentials(default_tls_dir(), identity)
 
 
+def _private_unix(address: str) -> bool:
+    if (path := unix_path(address)) is None:
+        return False
+    check_private_socket(path)
+    return True
+
+
 def channel(address: str, server: str, credentials: MeshCredentials | None) -> grpc.Channel:
-    """A blocking channel to `server` (an identity) at address: mutual TLS, or plaintext when credentials is None."""
-    if credentials is None:
+    """A blocking channel to `server` (an identity) at address: mutual TLS, or plaintext when credentials is None or
+    the address is a Unix socket of the mesh (unix:PATH, in a private directory)."""
+    if _private_unix(address) or credentials is None:
         return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     return grpc.secure_channel(address, credentials.channel_credentials(), options=channel_options(server))
 
 
 def aio_channel(address: str, server: str, credentials: MeshCredentials | None) -> grpc.aio.Channel:
     """channel() for asyncio."""
-    if credentials is None:
+    if _private_unix(address) or credentials is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     return grpc.aio.secure_channel(address, credentials.channel_credentials(), options=channel_options(server))
 

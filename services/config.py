@@ -16,7 +16,7 @@ from engine.config import DEFAULT_MODEL  # noqa: F401 (the one name of the defau
 from engine.config.utils import add_cli_args, config_from
 from engine.limits import RequestLimits
 from services import telemetry
-from services.settings import DEFAULT_PORTS, EngineObservabilityConfig, ServerConfig
+from services.settings import DEFAULT_PORTS, EngineObservabilityConfig, ServerConfig, UnixSocketConfig
 
 ENV_PREFIX = "LLMMESH_"
 
@@ -76,10 +76,15 @@ def help_suffix(action: argparse.Action) -> str:
     return f"(default: {default_text(action)}) [env {env_name(action.dest)}]"
 
 
-def service_parser(subparsers, name: str, help: str, port_of: str | None = None) -> argparse.ArgumentParser:
-    """A service's subcommand with the flags every service has; --port defaults to that of `port_of`."""
+def service_parser(
+    subparsers, name: str, help: str, port_of: str | None = None, unix_socket: bool = True
+) -> argparse.ArgumentParser:
+    """A service's subcommand with the flags every service has; --port defaults to that of `port_of`; unix_socket:
+    --unix-socket too (the services behind the gateway)."""
     parser = subparsers.add_parser(name, help=help)
     add_cli_args(parser, ServerConfig)
+    if unix_socket:
+        add_cli_args(parser, UnixSocketConfig)
     parser.set_defaults(port=DEFAULT_PORTS[port_of or name])
     telemetry.add_args(parser)  # --otlp-traces-endpoint, --trace-sample-ratio, --metrics-port
     return parser

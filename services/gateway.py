@@ -480,7 +480,7 @@ def add_gateway_args(parser) -> None:
 
 
 def add_subcommands(subparsers) -> None:
-    p = config.service_parser(subparsers, "gateway", "run the public llmmesh.v1.Gateway service")
+    p = config.service_parser(subparsers, "gateway", "run the public llmmesh.v1.Gateway service", unix_socket=False)
     add_cli_args(p, GatewayFlags, grouped=False)
     # The engines' --step-timeout (serve passes it on): how long an engine may fail its health checks before the
     # gateway moves its streams.

@@ -3,7 +3,10 @@
 Engine, tokenizer, detokenizer and gateway each run as a process of their own (services/service_process.py), each
 on a free port read from its "listening on" line, the services behind the gateway on loopback whatever LLMMESH_HOST
 says. Every link is mutual TLS with the certificates of a credentials directory (services/certs.py fills in what it
-lacks), and Redis admits only the user whose password is there. With the KV store, a `redis-server` (services/redis_server.py)
+lacks), and Redis admits only the user whose password is there. With unix_sockets (as `llmmesh serve` runs it), the
+gateway reaches the engines, tokenizer and detokenizer over Unix sockets in a directory private to this user instead,
+plaintext: each token crosses those links, and on one host the directory's permissions admit no one the keys would not
+(docs/security.md). With the KV store, a `redis-server` (services/redis_server.py)
 and the kvstore start first, and the engine is given a --kv-transfer-config that points its connector at the
 kvstore. `llmmesh serve` and `llmmesh demo` (services/supervisor.py), tests and benchmarks start the mesh this way.
 """
@@ -11,7 +14,9 @@ kvstore. `llmmesh serve` and `llmmesh demo` (services/supervisor.py), tests and 
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 
 from engine.config import EngineArgs
 from mesh import tls
@@ -82,6 +87,7 @@ class Mesh:
         kv_connector_options: dict | None = None,
         tls_dir: str | None = None,
         insecure_plaintext: bool | None = None,
+        unix_sockets: bool = False,
     ):
         self.engine_args = engine_args
         self.tls_dir = tls_dir or tls.default_tls_dir()
@@ -111,6 +117,8 @@ class Mesh:
         if num_engines > 1:  # the gateway routes by where their KV blocks are
             self.engine_args = dataclasses.replace(engine_args, enable_kv_cache_events=True)
         self.services: dict[str, ServiceProcess] = {}
+        # The directory of the services' Unix sockets (mkdtemp makes it mode 0700), or None: TCP only.
+        self.socket_dir = tempfile.mkdtemp(prefix="llmmesh-") if unix_sockets else None
 
     def start(self, timeout: float = 600.0) -> str:
         """Start everything and wait until the gateway is serving; returns the gateway's address."""
@@ -178,6 +186,8 @@ class Mesh:
             # Loopback, even where LLMMESH_HOST says otherwise (a container's every interface): only the gateway is
             # for others to reach.
             args = ["--host", "127.0.0.1", *args]
+        if self.socket_dir is not None and service in ("engine", "tokenizer", "detokenizer"):
+            args = [*args, "--unix-socket", self.socket_path(name)]
         self.services[name] = ServiceProcess(service, args, self.echo, env)
         return self.services[name]
 
@@ -190,15 +200,22 @@ class Mesh:
             return {}
         return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // num_engines))}
 
+    def socket_path(self, name: str) -> str:
+        return os.path.join(self.socket_dir, f"{name}.sock")
+
+    def backend_address(self, name: str) -> str:
+        """Where the gateway reaches a service: its Unix socket, else its TCP address."""
+        return f"unix:{self.socket_path(name)}" if self.socket_dir is not None else self.services[name].address
+
     def backend_flags(self) -> list[str]:
         """The gateway flags that point at this mesh's engines, tokenizer and detokenizer."""
         flags = [
             flag
             for name in (*self.engine_names, "tokenizer", "detokenizer")
-            for flag in (f"--{self.services[name].service}", self.services[name].address)
+            for flag in (f"--{self.services[name].service}", self.backend_address(name))
         ]
         return flags + [
-            flag for name in self.prefill_names for flag in ("--prefill-engine", self.services[name].address)
+            flag for name in self.prefill_names for flag in ("--prefill-engine", self.backend_address(name))
         ]
 
     def start_gateway(self, args: list[str], timeout: float = 60.0) -> ServiceProcess:
@@ -256,6 +273,8 @@ class Mesh:
                 process.wait(timeout)
         if self.redis is not None:
             self.redis.stop()
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     def __enter__(self) -> "Mesh":
         self.start()

@@ -103,6 +103,8 @@ def _guard(service: str):
     refused one without a certificate of the mesh's CA)."""
 
     async def check(context) -> None:
+        if tls.is_unix_peer(context.peer()):  # admitted by its socket directory's permissions (--unix-socket)
+            return
         if reason := tls.refusal(service, tls.peer_identity(context.auth_context())):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
 
@@ -244,6 +246,9 @@ class Server:
         else:
             self.port = self.server.add_secure_port(where, self.credentials.server_credentials())
         self.address = f"{args.host}:{self.port}"
+        if getattr(args, "unix_socket", None):  # the services behind the gateway (UnixSocketConfig)
+            tls.check_private_socket(args.unix_socket)
+            self.server.add_insecure_port(f"unix:{args.unix_socket}")
         self.stop_requested = owner.stop_requested if owner is not None else asyncio.Event()
         self.broken: str | None = None  # why the service can no longer serve (health stays NOT_SERVING)
         self.announced = False
@@ -254,7 +259,7 @@ class Server:
         """Another server of this process on `port`, for services that need a port of their own: it shares this
         one's telemetry and stop signal (SIGTERM stops both); start and stop it beside this one. args: flags of
         its own (host, insecure_plaintext)."""
-        namespace = argparse.Namespace(**{**vars(self.args), "port": port, **args})
+        namespace = argparse.Namespace(**{**vars(self.args), "port": port, "unix_socket": None, **args})
         return Server(self.name, service_names, namespace, owner=self)
 
     def add(self, add_servicer_to_server, servicer) -> None:

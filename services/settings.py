@@ -53,6 +53,18 @@ class ServerConfig:
 
 
 @dataclass
+class UnixSocketConfig:
+    """The services behind the gateway (not the gateway, whose clients are not of its host)."""
+
+    unix_socket: str | None = setting(
+        None,
+        help="also serve on this Unix socket, for the services of this host: plaintext, its directory must be this "
+        "user's and private to it (mode 0700), whose permissions alone admit a caller (docs/security.md); "
+        "`llmmesh serve` gives one to each service behind the gateway",
+    )
+
+
+@dataclass
 class ObservabilityConfig:
     """Every service's traces (OpenTelemetry, over OTLP) and Prometheus metrics."""
 

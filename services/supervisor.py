@@ -59,26 +59,10 @@ def serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--engines must be from 1 to {MAX_ENGINES}, got {args.engines}.")
     if args.insecure_plaintext:
         tls.check_plaintext_host(args.host)  # before anything starts
-    args.tls_dir = args.tls_dir or tls.default_tls_dir()
-    num_engines = disaggregated_engines(args)
     check_step_timeouts(args.step_timeout, args.step_timeout_exit)
-    engine_args = EngineArgs.from_cli_args(args)
-    flags = service_flags(args)
-    mesh = Mesh(
-        engine_args,
-        flags.pop("gateway"),
-        port=args.port,
-        echo=True,
-        num_engines=num_engines,
-        prefill_engines=args.prefill_engines,
-        **kv_store_options(args),
-        **sampler_options(args),
-        env=telemetry_env(args),
-        service_args=flags,
-        kv_connector_options=migration_kv_options(args, num_engines),
-        tls_dir=args.tls_dir,
-        insecure_plaintext=args.insecure_plaintext,
-    )
+    mesh = serve_mesh(args)
+    num_engines = len(mesh.engine_names)
+    engine_args = mesh.engine_args
     stop, started = threading.Event(), threading.Event()
 
     def on_signal(*_):
@@ -120,6 +104,29 @@ def serve(args: argparse.Namespace) -> None:
         say("stopping")
         mesh.stop(args.shutdown_timeout)
         say("stopped")
+
+
+def serve_mesh(args: argparse.Namespace, echo: bool = True) -> Mesh:
+    """The mesh, not yet started, that `llmmesh serve` runs for its flags (benchmarks/serve.py measures this one)."""
+    args.tls_dir = args.tls_dir or tls.default_tls_dir()
+    num_engines = disaggregated_engines(args)
+    flags = service_flags(args)
+    return Mesh(
+        EngineArgs.from_cli_args(args),
+        flags.pop("gateway"),
+        port=args.port,
+        echo=echo,
+        num_engines=num_engines,
+        prefill_engines=args.prefill_engines,
+        **kv_store_options(args),
+        **sampler_options(args),
+        env=telemetry_env(args),
+        service_args=flags,
+        kv_connector_options=migration_kv_options(args, num_engines),
+        tls_dir=args.tls_dir,
+        insecure_plaintext=args.insecure_plaintext,
+        unix_sockets=True,  # every service on this host: the gateway's hot links skip TLS (docs/security.md)
+    )
 
 
 def say(message: str, error: bool = False) -> None:
@@ -377,7 +384,11 @@ def sampler_options(args: argparse.Namespace) -> dict:
 
 def add_subcommands(subparsers) -> None:
     p = config.service_parser(
-        subparsers, "serve", "run the whole mesh on loopback (one process per service)", port_of="gateway"
+        subparsers,
+        "serve",
+        "run the whole mesh on loopback (one process per service)",
+        port_of="gateway",
+        unix_socket=False,  # each service gets a socket of its own
     )
     p.description = (
         "Run the whole mesh on loopback, one process per service; each flag reaches every service that takes it. "

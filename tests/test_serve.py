@@ -33,6 +33,7 @@ from llmmesh.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+from mesh import tls
 from services import supervisor
 from services.cli import build_parser
 from services.client import collect, gateway_stub, generate
@@ -269,6 +270,56 @@ def test_in_the_docker_images_environment_only_the_gateway_listens_beyond_loopba
         "gateway": "0.0.0.0",
         **{n: "127.0.0.1" for n in ("engine", "tokenizer", "detokenizer", "sampler")},
     }
+
+
+def socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed since listed
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def tcp_remote_ports(inodes: set[str]) -> set[int]:
+    """The remote ports of these sockets' TCP connections (/proc/net/tcp and tcp6: remote address, then inode)."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()
+                if fields[9] in inodes:
+                    ports.add(int(fields[2].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def connected_on(path: str) -> int:
+    """How many connections a listener at this Unix socket path accepted and holds (/proc/net/unix, state 03)."""
+    with open("/proc/net/unix") as rows:
+        return sum(1 for row in list(rows)[1:] if row.split()[-1] == path and row.split()[5] == "03")
+
+
+def test_the_gateway_reaches_the_services_behind_it_over_their_unix_sockets(serve):
+    """Every token crosses the gateway's links to the engine and the detokenizer: serve points the gateway at each
+    service's Unix socket in an owner-only directory, and its connections are there, none to their TCP ports."""
+    assert collect(generate(serve.address, PROMPT, **GREEDY)).choice().finish_reason == "length"
+    _, gateway_pid, _ = serve.services["gateway"]
+    with open(f"/proc/{gateway_pid}/cmdline") as f:
+        argv = f.read().split("\0")
+    sockets = {
+        flag[2:]: argv[i + 1] for i, flag in enumerate(argv) if flag in ("--engine", "--tokenizer", "--detokenizer")
+    }
+    assert set(sockets) == {"engine", "tokenizer", "detokenizer"}, argv
+    directory = os.path.dirname(tls.unix_path(sockets["engine"]))
+    assert os.stat(directory).st_mode & 0o777 == 0o700
+    for name, address in sockets.items():
+        assert address == f"unix:{directory}/{name}.sock"
+        assert connected_on(tls.unix_path(address)) >= 1, name
+    tcp_ports = {int(serve.services[name][0].rsplit(":", 1)[1]) for name in sockets}
+    assert not tcp_ports & tcp_remote_ports(socket_inodes(gateway_pid))
 
 
 def test_prometheus_config_names_every_service_and_log_level_reaches_them(serve, prometheus_config):
