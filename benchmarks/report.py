@@ -55,6 +55,7 @@ ORDER = [
     "dense-linear-bf16",
     "dense-linear-f32",
     "batch-invariance",
+    "batch-invariance-avx2",
     "attention",
     "host-time",
     "spec-decode",

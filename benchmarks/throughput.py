@@ -1,7 +1,8 @@
 """Offline throughput: our engine against Hugging Face static batching and continuous batching.
 
     .venv/bin/python benchmarks/throughput.py [--num-prompts 64] [--seed 0] [--peers hf-static,hf-cb]
-        [--output-json PATH] [--quick] [any engine flag: --max-num-seqs, --kv-cache-memory, ...]
+        [--batch-invariant on,off] [--rounds 1] [--output-json PATH] [--quick]
+        [any engine flag: --max-num-seqs, --kv-cache-memory, ...]
 
 On a GPU (the peers run on the engine's device, in its dtype):
 
@@ -27,7 +28,9 @@ ModelRunner.device_wait_s). What is left is host work: scheduling, building inpu
 the step and not counted. On CPU the model itself runs on the host, so there it is the whole step.
 
 Systems, each warmed up with one tiny request first and timed on the same inputs:
-  engine     LLM.generate of all requests at once (LLM built before the timer).
+  engine     LLM.generate of all requests at once (LLM built before the timer), --rounds times, a new LLM each
+             time; --batch-invariant on,off: in each setting (docs/determinism.md), alternating, the order reversed
+             every other round. Its figures are the medians of its rounds.
   hf-static  model.generate on padded batches of --hf-batch-size in request order (left padding,
              attention mask); max_new_tokens is the batch's largest max_tokens.
   hf-cb      model.generate_batch (transformers continuous batching), one max_new_tokens for all
@@ -55,6 +58,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from latency import add_batch_invariant_variants, variant_args
+
 from engine import LLM, EngineArgs, SamplingParams
 from engine.config import DEFAULT_MODEL
 from engine.config.utils import parse_memory_size
@@ -194,13 +199,17 @@ def run_hf_cb_req(model, args, kv_tokens, pad_id, prompts, max_tokens):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, conflict_handler="resolve"
+    )
     EngineArgs.add_cli_args(parser)
+    add_batch_invariant_variants(parser)
     parser.set_defaults(dtype="float32")  # the HF peers run float32
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=1, help="timed runs of the engine in each setting (medians)")
     parser.add_argument(
         "--peers", default=",".join(PEERS), help=f"comma-separated, from {','.join(PEERS)}; '' for none"
     )
@@ -235,7 +244,8 @@ def main():
         from lora import save_dense_model
 
         args.model = str(save_dense_model(Path(tempfile.mkdtemp(prefix="smollm2-dense-")) / "model"))
-    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    variants = variant_args(args)
+    llm = LLM(**vars(variants[0]))
     engine = llm.engine
     prompts, max_tokens = make_workload(
         args.seed, args.num_prompts, args.input_len, args.output_len, engine.model_config.vocab_size
@@ -259,18 +269,31 @@ def main():
         print(f"  {name}: {elapsed:.1f} s", flush=True)
 
     print(f"workload: {len(prompts)} requests, {prompt_tokens} prompt + {output_tokens} output tokens", flush=True)
-    run_engine(llm, *warm)
-    preempt_before = engine.get_stats().num_preemptions
-    steps = time_decode_steps(engine)
-    elapsed, reference, generated = run_engine(llm, prompts, max_tokens)
-    record(
-        "engine",
-        elapsed,
-        reference,
-        generated,
-        preemptions=engine.get_stats().num_preemptions - preempt_before,
-        **decode_step_stats(steps, engine.worker.model_runner),
-    )
+    runs = {variant.batch_invariant: [] for variant in variants}
+    order = [v for r in range(args.rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
+    for i, variant in enumerate(order):
+        if i:  # each run on an LLM of its own, one alive at a time
+            llm = engine = None
+            gc.collect()
+            llm = LLM(**vars(variant))
+            engine = llm.engine
+        run_engine(llm, *warm)
+        preempt_before = engine.get_stats().num_preemptions
+        steps = time_decode_steps(engine)
+        elapsed, tokens, generated = run_engine(llm, prompts, max_tokens)
+        stats = decode_step_stats(steps, engine.worker.model_runner)
+        preemptions = engine.get_stats().num_preemptions - preempt_before
+        runs[variant.batch_invariant].append((elapsed, tokens, generated, preemptions, stats))
+        print(
+            f"  round {i // len(variants) + 1} batch-invariant {variant.batch_invariant}: {elapsed:.1f} s", flush=True
+        )
+    for variant in variants:
+        mine = runs[variant.batch_invariant]
+        elapsed, tokens, generated, preemptions, stats = sorted(mine, key=lambda r: r[0])[len(mine) // 2]
+        name = "engine" if reference is None else f"engine {variant.batch_invariant}"
+        reference = reference or tokens
+        rounds = {"batch_invariant": variant.batch_invariant, "rounds_wall_s": [r[0] for r in mine]}
+        record(name, elapsed, tokens, generated, preemptions=preemptions, **rounds, **stats)
     model_dir, dtype, device = engine.model_dir, engine.dtype, engine.device
     kv_tokens, pad_id = engine.num_blocks * engine.args.block_size, llm.get_tokenizer().pad_token_id or 0
     # The peers get the device to themselves: on a GPU the engine's KV cache holds most of it.
@@ -359,7 +382,7 @@ def main():
         },
         "command": sys.argv,
         "seed": args.seed,
-        "engine_args": vars(EngineArgs.from_cli_args(args)),
+        "engine_args": {**vars(variants[0]), "batch_invariant": args.batch_invariant},
         "hf_batch_size": args.hf_batch_size,
         "hf_cb_attn": args.hf_cb_attn,
         "workload": {
