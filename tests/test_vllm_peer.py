@@ -61,3 +61,16 @@ def test_a_rounds_prompts_share_no_prefix():
     later = vllm_peer.round_inputs(a.seed + 1, a, [1, 16], VOCAB)
     assert not {tuple(p[:16]) for p in prompts} & {tuple(p[:16]) for p in later["batches"][16] + later["ttft"]}
     assert vllm_peer.round_inputs(a.seed, a, [1, 16], VOCAB) == inputs
+
+
+def test_the_table_puts_the_engine_ahead_above_one_for_speeds_and_times_alike():
+    higher = {"throughput (out tok/s)": True, "TTFT at 80 tokens (s)": False}
+    runs = {
+        ("throughput (out tok/s)", "llmmesh"): [90.0, 100.0, 300.0],
+        ("throughput (out tok/s)", "vllm"): [50.0, 40.0, 60.0],
+        ("TTFT at 80 tokens (s)", "llmmesh"): [1.0, 2.0, 3.0],
+        ("TTFT at 80 tokens (s)", "vllm"): [4.0, 5.0, 6.0],
+    }
+    speed, ttft = vllm_peer.median_table(["llmmesh", "vllm"], runs, higher)
+    assert (speed["llmmesh"], speed["vllm"], speed["llmmesh / vllm"]) == (100.0, 50.0, 2.0)
+    assert (ttft["llmmesh"], ttft["vllm"], ttft["llmmesh / vllm"]) == (2.0, 5.0, 2.5)
