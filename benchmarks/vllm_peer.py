@@ -10,7 +10,8 @@ The checkpoint: the embedded SmolLM2-135M-Instruct's weights dequantized and wri
 safetensors in --dtype (its config and tokenizer beside them), in a temporary directory; both systems load it.
 --save-checkpoint DIR writes it there and exits, for benchmarks/latency.py --model DIR --vllm default,tuned.
 
-Workloads, each round on new random token ids (seed + round, so no prefix cache carries over), the same for all:
+Workloads, each round on new random token ids (seed + round; each workload its own stream, so no prompt shares a
+prefix with another and no prefix cache shortens one), the same requests in the same order for all:
   throughput  `make bench`'s: --num-prompts requests, prompts uniform in --input-len, max_tokens uniform in
               --output-len, all at once (LLM.generate on both sides); output tokens/s.
   decode B    B requests at once of --batch-input-len tokens and exactly --batch-output-len greedy tokens, driven
@@ -18,8 +19,8 @@ Workloads, each round on new random token ids (seed + round, so no prefix cache 
   ttft N      one request of N prompt tokens; the time until its first token.
 Generation is greedy with EOS ignored, so both do the same work.
 
-Systems (each round runs every workload on every system in turn, so the machine's drifts hit all alike; the
-report is each figure's median, with the engine's speed over each vLLM's):
+Systems (each round runs every workload on every system in turn, their order rotated a place each round, so the
+machine's drifts hit all alike; the report is each figure's median, with the engine's speed over each vLLM's):
   llmmesh      the engine in --dtype, with its defaults.
   vllm         vLLM's LLM at its defaults. On CPU it binds its OpenMP threads itself (VLLM_CPU_OMP_THREADS_BIND=auto)
                and leaves a core to its front end.
@@ -36,6 +37,7 @@ skips its start-up compilation, minutes on a small machine, for a smoke run; not
 import argparse
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -256,6 +258,60 @@ def median_table(names: list[str], runs: dict, higher_is_better: dict[str, bool]
     return rows
 
 
+def random_prompts(rng, n: int, length: int, vocab: int) -> list[list[int]]:
+    from throughput import FIRST_REGULAR_ID
+
+    return [[rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def round_inputs(seed: int, args: argparse.Namespace, batch_sizes: list[int], vocab: int) -> dict:
+    """One round's inputs: `make bench`'s workload on seed, and each decode batch and the TTFT prompt on a random
+    stream of its own, so no prompt shares a prefix with another one's (a prefix cache would shorten it)."""
+    from throughput import make_workload
+
+    return {
+        "throughput": make_workload(seed, args.num_prompts, args.input_len, args.output_len, vocab),
+        "batches": {
+            b: random_prompts(random.Random(f"{seed} decode {b}"), b, args.batch_input_len, vocab) for b in batch_sizes
+        },
+        "ttft": random_prompts(random.Random(f"{seed} ttft"), 1, args.ttft_len, vocab),
+    }
+
+
+def measure(systems: list, args: argparse.Namespace, batch_sizes: list[int], vocab: int) -> tuple[dict, dict, dict]:
+    """Every round's workloads on every system, the systems' order rotated a place each round so none always goes
+    first: (each workload's higher-is-better, runs[workload, name], same_first[peer name])."""
+    higher = {"throughput (out tok/s)": True}
+    higher |= {f"decode {b}x{args.batch_input_len}+{args.batch_output_len} (tok/s)": True for b in batch_sizes}
+    if args.ttft_len:
+        higher[f"TTFT at {args.ttft_len} tokens (s)"] = False
+    names = [s.name for s in systems]
+    runs = {(w, n): [] for w in higher for n in names}
+    same_first = {n: [] for n in names[1:]}
+    for round_index in range(args.rounds):
+        inputs = round_inputs(args.seed + round_index, args, batch_sizes, vocab)
+        prompts, max_tokens = inputs["throughput"]
+        shift = round_index % len(systems)
+        tokens = {}
+        for system in systems[shift:] + systems[:shift]:
+            elapsed, tokens[system.name] = system.generate(prompts, max_tokens)
+            runs["throughput (out tok/s)", system.name].append(sum(max_tokens) / elapsed)
+            for batch, workload in zip(batch_sizes, list(higher)[1:]):
+                _, decode_s = system.batch(inputs["batches"][batch], args.batch_output_len)
+                runs[workload, system.name].append(batch * (args.batch_output_len - 1) / decode_s)
+            if args.ttft_len:
+                ttft, _ = system.batch(inputs["ttft"], 1)
+                runs[list(higher)[-1], system.name].append(ttft)
+            print(
+                f"round {round_index + 1} {system.name:11s} "
+                + "  ".join(f"{w.split(' (')[0]} {runs[w, system.name][-1]:.3g}" for w in higher),
+                flush=True,
+            )
+        for name in names[1:]:  # the same checkpoint read the same way: the first greedy tokens agree
+            same_first[name].append(sum(a[:1] == b[:1] for a, b in zip(tokens[name], tokens[names[0]])))
+    return higher, runs, same_first
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -289,11 +345,8 @@ def main() -> None:
 
 def compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     import platform
-    import random
     import shutil
     import tempfile
-
-    from throughput import FIRST_REGULAR_ID, make_workload
 
     # A SIGTERM (timeout, kill) unwinds like Ctrl-C, so the finally below ends vLLM's processes.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -317,46 +370,12 @@ def compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         systems += [VllmPeer(v, model_dir, args.dtype, args.seed, kv, args.vllm_args) for v in variants]
         vocab = systems[0].llm.engine.model_config.vocab_size
         names = [s.name for s in systems]
-
-        def random_prompts(rng, n, length):
-            return [[rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(length)] for _ in range(n)]
-
-        warm = random_prompts(random.Random(-1), 2, 16)
+        warm = random_prompts(random.Random(-1), 2, 16, vocab)
         for system in systems:  # untimed: first calls, and each batch size once
             system.generate(warm, [4, 4])
             for batch in batch_sizes:
-                system.batch(random_prompts(random.Random(-1), batch, 16), 4)
-
-        higher = {"throughput (out tok/s)": True}
-        higher |= {f"decode {b}x{args.batch_input_len}+{args.batch_output_len} (tok/s)": True for b in batch_sizes}
-        if args.ttft_len:
-            higher[f"TTFT at {args.ttft_len} tokens (s)"] = False
-        runs = {(w, n): [] for w in higher for n in names}
-        same_first = {n: [] for n in names[1:]}
-        for round_index in range(args.rounds):
-            seed = args.seed + round_index
-            prompts, max_tokens = make_workload(seed, args.num_prompts, args.input_len, args.output_len, vocab)
-            batches = {b: random_prompts(random.Random(seed), b, args.batch_input_len) for b in batch_sizes}
-            ttft_prompt = random_prompts(random.Random(seed), 1, args.ttft_len)
-            reference = None
-            for system in systems:
-                elapsed, tokens = system.generate(prompts, max_tokens)
-                runs["throughput (out tok/s)", system.name].append(sum(max_tokens) / elapsed)
-                if reference is None:
-                    reference = tokens
-                else:  # the same checkpoint read the same way: the first greedy tokens agree
-                    same_first[system.name].append(sum(a[:1] == b[:1] for a, b in zip(tokens, reference)))
-                for batch, workload in zip(batch_sizes, list(higher)[1:]):
-                    _, decode_s = system.batch(batches[batch], args.batch_output_len)
-                    runs[workload, system.name].append(batch * (args.batch_output_len - 1) / decode_s)
-                if args.ttft_len:
-                    ttft, _ = system.batch(ttft_prompt, 1)
-                    runs[list(higher)[-1], system.name].append(ttft)
-                print(
-                    f"round {round_index + 1} {system.name:11s} "
-                    + "  ".join(f"{w.split(' (')[0]} {runs[w, system.name][-1]:.3g}" for w in higher),
-                    flush=True,
-                )
+                system.batch(random_prompts(random.Random(-1), batch, 16, vocab), 4)
+        higher, runs, same_first = measure(systems, args, batch_sizes, vocab)
     finally:
         for system in systems[1:]:
             system.close()
