@@ -19,7 +19,8 @@ import torch
 import mesh.sampler.remote as remote
 from conftest import SERVING, InProcessService, freeze, mesh_channel, wait_for_health
 from engine import LLM, SamplingParams
-from engine.request import Request
+from engine.request import Request, StructuredOutputsParams
+from engine.sample.metadata import GrammarBitmask
 from engine.sample.sampler import LocalSampler, SamplerUnavailableError
 from llmmesh.v1 import sampler_pb2, sampler_pb2_grpc
 from mesh.sampler.channel import ChannelListener, connect
@@ -380,3 +381,54 @@ def test_a_sampled_step_the_service_refuses_is_invalid_argument_naming_the_field
     finally:
         remote_sampler.close()
     wait_for_health(sampler.address, SERVING)
+
+
+# Rows a sampled step cannot take: each changes a logit or asks for more than a token (min_tokens until reached).
+NOT_PLAIN = {
+    "logprobs": dict(logprobs=2),
+    "presence": dict(presence_penalty=0.5),
+    "frequency": dict(frequency_penalty=0.5),
+    "repetition": dict(repetition_penalty=1.3),
+    "logit-bias": dict(logit_bias={5: 4.0}),
+    "bad-words": dict(bad_words=["x"]),
+    "allowed": dict(allowed_token_ids=[3, 4, 5, 6]),
+    "min-tokens": dict(min_tokens=5),
+    "structured": dict(structured_outputs=StructuredOutputsParams(regex="a+")),
+}
+
+
+@pytest.mark.parametrize("kind", NOT_PLAIN)
+def test_a_row_a_sampled_step_cannot_take_sends_its_steps_the_long_way(sampler, kind):
+    """A plain seeded row beside one that is not: every step goes as a protobuf, no greedy or sampled step, and
+    the tokens (and logprobs) are in-process sampling's; the plain row alone then goes as a sampled step."""
+    params = SamplingParams(temperature=0.8, seed=2, **NOT_PLAIN[kind])
+    if kind == "bad-words":
+        params.bad_words_token_ids = [[9, 5]]  # 5 is banned after a 9
+    requests = [
+        Request("plain", [1, 2], SamplingParams(temperature=0.8, seed=1), (0,)),
+        Request("other", [1, 2, 9], params, (0,)),
+    ]
+    # The structured row's grammar allows tokens 4 to 7 alone.
+    grammar = None
+    if kind == "structured":
+        bitmask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
+        bitmask[0, 0] = 0b11110000
+        grammar = GrammarBitmask([1], bitmask)
+    local, remote_sampler = LocalSampler(torch.device("cpu")), client(sampler.address)
+    try:
+        for step in range(4):
+            logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(step))
+            want, _ = local.sample(requests, logits.clone(), [], grammar)
+            got, _ = remote_sampler.sample(requests, logits.clone(), [], grammar)
+            assert got.sampled_token_ids.tolist() == want.sampled_token_ids.tolist()
+            assert (got.logprobs is None) == (want.logprobs is None)
+            if want.logprobs is not None:
+                assert got.logprobs.token_ids.tolist() == want.logprobs.token_ids.tolist()
+                assert torch.allclose(got.logprobs.logprobs, want.logprobs.logprobs)
+            for request, token in zip(requests, want.sampled_token_ids.tolist()):
+                request.append_output_token_ids(token)
+        assert remote_sampler.num_sampled_steps == remote_sampler.num_greedy_steps == 0
+        remote_sampler.sample(requests[:1], torch.zeros(1, VOCAB), [])
+        assert remote_sampler.num_sampled_steps == 1
+    finally:
+        remote_sampler.close()
