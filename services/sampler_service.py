@@ -8,8 +8,8 @@ the same order as the engine would, so outputs are identical. A stream whose eng
 (mesh.sampler.slots) and can be mapped here gets its logits in place, in the engine's slots, instead of in the
 messages, and when the engine's offer names a step channel (mesh.sampler.channel) the service connects to it: that
 stream's steps then come and are answered over the Unix socket, sampled on a thread of the stream's own that waits
-on it, and the stream stays open, idle, until the engine goes; that thread answers the channel's greedy steps in
-the CPU kernels' loop (kernels/cpu/greedy_steps.cpp) and comes back to Python for any other step. Otherwise a step
+on it, and the stream stays open, idle, until the engine goes; that thread answers the channel's greedy and sampled steps
+in the CPU kernels' loop (kernels/cpu/greedy_steps.cpp) and comes back to Python for any other step. Otherwise a step
 of a few rows is sampled on the event loop (a hand-off to a thread and back would cost more than it); larger ones
 on one worker thread, so the loop goes on parsing and answering other streams. A message that cannot be used ends
 its stream with INVALID_ARGUMENT naming the field; other streams and the service go on.

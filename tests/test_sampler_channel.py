@@ -2,9 +2,9 @@
 go over a Unix socket the engine offers beside the slots. The same tokens and logprobs as over the stream and in
 process; a sampler killed mid-step ends the step with UNAVAILABLE at once and the engine goes on; a socket the
 sampler cannot use leaves the steps on the stream; a message the service refuses is INVALID_ARGUMENT naming the
-field; the socket's name lives in an owner-only directory only until the service has connected. Greedy steps (fixed
-frames the service answers in its C++ loop) give in-process sampling's tokens, leave every other step to the
-protobuf, and fail as the protobuf's steps fail."""
+field; the socket's name lives in an owner-only directory only until the service has connected. Greedy and sampled steps
+(fixed frames the service answers in its C++ loop) give in-process sampling's tokens (a seeded row's draws too), leave
+every other step to the protobuf, and fail as the protobuf's steps fail."""
 
 import os
 import random
@@ -19,7 +19,8 @@ import torch
 import mesh.sampler.remote as remote
 from conftest import SERVING, InProcessService, freeze, mesh_channel, wait_for_health
 from engine import LLM, SamplingParams
-from engine.request import Request
+from engine.request import Request, StructuredOutputsParams
+from engine.sample.metadata import GrammarBitmask
 from engine.sample.sampler import LocalSampler, SamplerUnavailableError
 from llmmesh.v1 import sampler_pb2, sampler_pb2_grpc
 from mesh.sampler.channel import ChannelListener, connect
@@ -216,7 +217,7 @@ def test_a_message_the_service_refuses_is_invalid_argument_naming_the_field(samp
         remote_sampler.reset()
         # A length over the limit is refused before anything is read for it.
         generate_steps(remote_sampler, steps=1)
-        remote_sampler.step_channel.sock.sendall(struct.pack("<I", 2**31 - 1))
+        remote_sampler.step_channel.sock.sendall(struct.pack("<I", 2**30 - 1))  # bits 30 and 31 name fixed frames
         with pytest.raises(SamplerUnavailableError, match="INVALID_ARGUMENT: step channel: .*message length"):
             remote_sampler._stream_reply(30)
         remote_sampler.reset()
@@ -293,3 +294,141 @@ def test_the_raw_stream_refuses_a_step_socket_it_cannot_reach(sampler):
         slots.close()
     assert replies[0].logits_form == sampler_pb2.LOGITS_FORM_SHARED_MEMORY and not replies[0].step_channel
     assert list(replies[1].sampled_token_ids) == [7]
+
+
+# Rows a sampled step takes: greedy beside them, temperature, top-k, top-k with top-p, top-p alone, min-p.
+PLAIN = [
+    dict(temperature=0),
+    dict(temperature=0.8),
+    dict(temperature=1.0),
+    dict(temperature=1.1, top_k=20),
+    dict(temperature=0.7, top_k=50, top_p=0.8),
+    dict(temperature=0.9, top_p=0.9),
+    dict(temperature=1.0, top_p=0.3),
+    dict(temperature=0.6, min_p=0.05, top_p=0.95),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [VOCAB, 4099])  # 4099: top-p's partial topk path, past 4 * 256 tokens
+def test_sampled_rows_are_the_samplers_seeded_draws(dtype, vocab):
+    """The C++ sampled step draws what the Sampler draws: seeded rows (and the greedy row) token for token, batch by
+    batch of every mix of the settings, with flat and peaked logits."""
+    kernels = pytest.importorskip("kernels.cpu_ops").try_load()
+    if kernels is None:
+        pytest.skip("no CPU kernels")
+    from engine.sample.metadata import SamplingMetadata
+    from engine.sample.ops import seeded_generators
+    from engine.sample.sampler import Sampler
+
+    rng = random.Random(1)
+    for trial in range(24):
+        kinds = rng.sample(PLAIN, rng.randint(1, len(PLAIN)))
+        requests = [
+            Request(f"r{i}", [1], SamplingParams(**k, seed=rng.randrange(2**40)), (0,)) for i, k in enumerate(kinds)
+        ]
+        for request in requests:
+            for _ in range(rng.randrange(4)):
+                request.append_output_token_ids(rng.randrange(vocab))
+        scale = 1.0 if trial % 2 else 8.0  # flat, then peaked: top-p's nucleus small and large
+        logits = (scale * torch.randn(len(requests), vocab, generator=torch.Generator().manual_seed(trial))).to(dtype)
+        generators = seeded_generators(requests, {}, torch.device("cpu"))
+        md = SamplingMetadata.from_requests(requests, generators, vocab, torch.device("cpu"))
+        want = Sampler()(logits.clone(), md).sampled_token_ids.tolist()
+        rows = b"".join(
+            remote._plain_row(r.sampling_params) + remote._INDEX.pack(len(r.output_token_ids)) for r in requests
+        )
+        assert kernels.sample_plain_rows(logits.clone(), rows).tolist() == want, kinds
+
+
+def test_sampled_steps_give_in_process_tokens_as_requests_come_and_go(llm, sampler):
+    """Twelve seeded requests of every plain kind and n=1 on eight rows: steps of plain rows go as sampled steps,
+    those with a penalized or logprob row on the protobuf, and the tokens are in-process sampling's."""
+    kinds = [dict(k, seed=i, max_tokens=8 + i) for i, k in enumerate(PLAIN)] + GREEDY[3:]
+    want = generate(llm, kinds=kinds, num_requests=12)
+    remote_sampler = client(sampler.address)
+    try:
+        assert generate(llm, remote_sampler, kinds=kinds, num_requests=12) == want
+        assert 0 < remote_sampler.num_sampled_steps < remote_sampler._step_id - 1  # both kinds of step ran
+    finally:
+        remote_sampler.close()
+
+
+NAN_ROW = remote.PLAIN_ROW.pack(float("nan"), 1.0, 0.0, -1, 0, 0) + remote._INDEX.pack(0)
+
+
+@pytest.mark.parametrize(
+    "row, named",
+    [
+        (NAN_ROW, "sampled step: row 0: temperature must be a positive number"),
+        (NAN_ROW[:-1], "sampled step: a frame of 71 bytes; the step has 32, then 40 for each row"),
+    ],
+    ids=["bad-temperature", "part-of-a-row"],
+)
+def test_a_sampled_step_the_service_refuses_is_invalid_argument_naming_the_field(sampler, row, named):
+    remote_sampler = client(sampler.address)
+    try:
+        requests = [Request("a", [1, 2], SamplingParams(temperature=0.5, seed=3), (0,))]
+        remote_sampler.sample(requests, torch.zeros(1, VOCAB), [])
+        assert remote_sampler.num_sampled_steps == 1
+        frame = GREEDY_STEP.pack(99, remote_sampler.slots.generation, 0, 0, 1, VOCAB) + row
+        remote_sampler.step_channel.sock.sendall(struct.pack("<I", 1 << 30 | len(frame)) + frame)
+        with pytest.raises(SamplerUnavailableError, match=f"INVALID_ARGUMENT: {re.escape(named)}"):
+            remote_sampler._stream_reply(30)
+        remote_sampler.reset()
+        out, _ = remote_sampler.sample(requests, torch.zeros(1, VOCAB), [])
+        assert remote_sampler.num_sampled_steps == 2
+    finally:
+        remote_sampler.close()
+    wait_for_health(sampler.address, SERVING)
+
+
+# Rows a sampled step cannot take: each changes a logit or asks for more than a token (min_tokens until reached).
+NOT_PLAIN = {
+    "logprobs": dict(logprobs=2),
+    "presence": dict(presence_penalty=0.5),
+    "frequency": dict(frequency_penalty=0.5),
+    "repetition": dict(repetition_penalty=1.3),
+    "logit-bias": dict(logit_bias={5: 4.0}),
+    "bad-words": dict(bad_words=["x"]),
+    "allowed": dict(allowed_token_ids=[3, 4, 5, 6]),
+    "min-tokens": dict(min_tokens=5),
+    "structured": dict(structured_outputs=StructuredOutputsParams(regex="a+")),
+}
+
+
+@pytest.mark.parametrize("kind", NOT_PLAIN)
+def test_a_row_a_sampled_step_cannot_take_sends_its_steps_the_long_way(sampler, kind):
+    """A plain seeded row beside one that is not: every step goes as a protobuf, no greedy or sampled step, and
+    the tokens (and logprobs) are in-process sampling's; the plain row alone then goes as a sampled step."""
+    params = SamplingParams(temperature=0.8, seed=2, **NOT_PLAIN[kind])
+    if kind == "bad-words":
+        params.bad_words_token_ids = [[9, 5]]  # 5 is banned after a 9
+    requests = [
+        Request("plain", [1, 2], SamplingParams(temperature=0.8, seed=1), (0,)),
+        Request("other", [1, 2, 9], params, (0,)),
+    ]
+    # The structured row's grammar allows tokens 4 to 7 alone.
+    grammar = None
+    if kind == "structured":
+        bitmask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
+        bitmask[0, 0] = 0b11110000
+        grammar = GrammarBitmask([1], bitmask)
+    local, remote_sampler = LocalSampler(torch.device("cpu")), client(sampler.address)
+    try:
+        for step in range(4):
+            logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(step))
+            want, _ = local.sample(requests, logits.clone(), [], grammar)
+            got, _ = remote_sampler.sample(requests, logits.clone(), [], grammar)
+            assert got.sampled_token_ids.tolist() == want.sampled_token_ids.tolist()
+            assert (got.logprobs is None) == (want.logprobs is None)
+            if want.logprobs is not None:
+                assert got.logprobs.token_ids.tolist() == want.logprobs.token_ids.tolist()
+                assert torch.allclose(got.logprobs.logprobs, want.logprobs.logprobs)
+            for request, token in zip(requests, want.sampled_token_ids.tolist()):
+                request.append_output_token_ids(token)
+        assert remote_sampler.num_sampled_steps == remote_sampler.num_greedy_steps == 0
+        remote_sampler.sample(requests[:1], torch.zeros(1, VOCAB), [])
+        assert remote_sampler.num_sampled_steps == 1
+    finally:
+        remote_sampler.close()

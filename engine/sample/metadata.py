@@ -181,12 +181,18 @@ class MetadataCache:
 
 
 def argmax_only(request: "Request") -> bool:
-    """Its token this step is the argmax of its raw logits: greedy, asking for no logprobs, and nothing (penalties,
-    bans, bias, allowed ids, a grammar) changes a logit first. Once true, true for the rest of the request."""
+    """Its token this step is the argmax of its raw logits: greedy and plain_sampling. Once true, true for the rest
+    of the request."""
+    return request.sampling_params.greedy and plain_sampling(request)
+
+
+def plain_sampling(request: "Request") -> bool:
+    """Its token this step depends on its raw logits and its temperature, min-p, top-k and top-p alone: it asks for
+    no logprobs, and nothing (penalties, bans, bias, allowed ids, a grammar) changes a logit first. Once true, true
+    for the rest of the request."""
     p = request.sampling_params
     return (
-        p.greedy
-        and p.logprobs is None
+        p.logprobs is None
         and not _has_penalty(p)
         and not p.bad_words_token_ids
         and not p.logit_bias

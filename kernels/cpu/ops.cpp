@@ -1,5 +1,5 @@
 // The Python module of the CPU kernels: one library for paged_attention.cpp, mla_decode.cpp, layers.cpp, moe.cpp
-// and greedy_steps.cpp.
+// greedy_steps.cpp and sampling.cpp's plain rows.
 
 #include <torch/extension.h>
 
@@ -25,6 +25,9 @@ std::tuple<int64_t, std::string> serve_greedy_steps(int64_t fd, at::Tensor heade
 bool send_greedy_step(int64_t fd, at::Tensor headers, at::Tensor data, int64_t slot, int64_t generation,
                       const at::Tensor& logits, int64_t step_id);
 std::tuple<at::Tensor, int64_t> recv_greedy_answer(int64_t fd, int64_t step_id, int64_t rows, double timeout);
+bool send_sampled_step(int64_t fd, at::Tensor headers, at::Tensor data, int64_t slot, int64_t generation,
+                       const at::Tensor& logits, int64_t step_id, const std::string& rows);
+at::Tensor sample_plain_rows_packed(const at::Tensor& logits, const std::string& packed);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Causal attention over the paged KV cache, read in place", py::arg("query"),
@@ -44,6 +47,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("send_greedy_step", &send_greedy_step, "Write a greedy step's logits into its slot and send the step",
         py::call_guard<py::gil_scoped_release>());
-  m.def("recv_greedy_answer", &recv_greedy_answer, "Wait for a greedy step's tokens",
+  m.def("recv_greedy_answer", &recv_greedy_answer, "Wait for a greedy or sampled step's tokens",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("send_sampled_step", &send_sampled_step,
+        "Write a sampled step's logits into its slot and send the step with its rows' settings",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("sample_plain_rows", &sample_plain_rows_packed, "Sample rows shaped by temperature, min-p, top-k, top-p alone",
         py::call_guard<py::gil_scoped_release>());
 }

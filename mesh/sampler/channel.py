@@ -15,7 +15,10 @@ A greedy step, whose rows all take the argmax of their raw logits (engine.sample
 frame instead: its length has bit 31 set, and it holds the step id, the slot and its generation, the logits' dtype
 (an index into GREEDY_DTYPES) and shape. Both ends send and answer it outside their interpreters
 (kernels/cpu/greedy_steps.cpp, which has the layout); the answer is the step id and each row's token, 8 bytes each.
-The service says in the offer's answer (SampleResult.greedy_steps) whether it takes them.
+A sampled step, whose rows are shaped by temperature, min-p, top-k and top-p alone
+(engine.sample.metadata.plain_sampling), is the same frame with bit 30 set instead and each row's settings after it,
+sampled there as the Sampler samples it and answered alike. The service says in the offer's answer
+(SampleResult.greedy_steps) whether it takes both.
 """
 
 import os

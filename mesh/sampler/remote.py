@@ -20,12 +20,16 @@ The offer also names a step channel (mesh.sampler.channel): a service that takes
 gets every later step and answers over that Unix socket, the engine thread writing and waiting itself, and the
 stream stays open, idle; a service that cannot keeps the stream for its steps. A new stream makes a new channel.
 Over the channel, a step whose rows all take their raw logits' argmax goes as a greedy step: the slot and the shape
-alone, answered outside the service's interpreter.
+alone, answered outside the service's interpreter. A step whose rows are shaped by temperature, min-p, top-k and
+top-p alone (engine.sample.metadata.plain_sampling) goes as a sampled step: the same, with each row's settings and
+its token's index (PLAIN_ROW), sampled there as the Sampler samples it (a seeded row's draw depends on its seed and
+that index alone, so it needs no state on the service either).
 """
 
 import logging
 import operator
 import queue
+import struct
 import threading
 import time
 
@@ -34,7 +38,8 @@ import torch
 from google.protobuf.message import DecodeError
 
 from engine.request import RequestFailure
-from engine.sample.metadata import argmax_only
+from engine.sample.metadata import argmax_only, plain_sampling
+from engine.sample.ops import MASK64
 from engine.sample.rejection_sampler import pad_token_rows
 from engine.sample.sampler import BatchSampler, LogprobsTensors, SamplerOutput, SamplerUnavailableError
 from kernels.cpu_ops import try_load
@@ -59,6 +64,12 @@ MESSAGE_TARGET_BYTES = 32 * 2**20
 # Shared-memory slots per stream: one step is in flight at a time, so one is read while the next can be written.
 NUM_SLOTS = 2
 _END = object()
+# A sampled step's row (kernels/cpu/plain_sampling.h's PlainRow): temperature, top_p, min_p, top_k, seed mod 2**64,
+# flags, then (_INDEX) the index of the token it samples in its request's output.
+PLAIN_ROW = struct.Struct("<fffiQI4x")
+_INDEX = struct.Struct("<Q")
+# PlainRow's flags: the decisions the Sampler takes on the settings' Python values.
+GREEDY, SEEDED, TEMPERATURE, TOP_P, MIN_P = 1, 2, 4, 8, 16
 
 
 class _Stream:
@@ -114,7 +125,9 @@ class RemoteSampler(BatchSampler):
         # (the CPU kernels, the slots' headers, their data), when the service answers greedy steps on the channel
         self._greedy_views = None
         self.num_greedy_steps = 0
-        self._argmax_rows: list = []  # the last greedy step's requests, in order
+        self.num_sampled_steps = 0
+        self._plain_rows: list = []  # the last greedy or sampled step's requests, in order
+        self._row_settings: list[bytes] | None = None  # their PLAIN_ROW settings; None: a greedy step's
         self._sent: dict[str, int] = {}  # request id -> output tokens the service has of it
         self._seeded: set[str] = set()  # those of them with a generator on the service
         self._finished: list[str] = []  # known requests to forget in the next message
@@ -142,8 +155,9 @@ class RemoteSampler(BatchSampler):
             if self._stream is None:
                 self._stream = _Stream(self.channel)
                 self.slots = self._offer_shared_memory()
-            if self._takes_greedy_step(requests, logits, prompt_chunks, grammar, drafts, trace_headers):
-                sampled = self._greedy_step(logits, while_waiting)
+            rows = self._fast_step_rows(requests, logits, prompt_chunks, grammar, drafts, trace_headers)
+            if rows is not None:
+                sampled = self._fast_step(logits, rows, while_waiting)
                 if sampled is not None:
                     return SamplerOutput(sampled, None, {}), []
             pieces = list(_split_prompt_chunks(prompt_chunks))
@@ -187,7 +201,7 @@ class RemoteSampler(BatchSampler):
             self.slots.close()  # a sampler still reading keeps its own mapping; this side never writes it again
             self.slots = None
         self._greedy_views = None
-        self._argmax_rows = []
+        self._plain_rows = []
         self._sent.clear()
         self._seeded.clear()
         self._finished.clear()
@@ -246,10 +260,11 @@ class RemoteSampler(BatchSampler):
         logger.info("the sampler at %s reads the logits in place (%s), %s", self.address, name, how)
         return slots
 
-    def _takes_greedy_step(self, requests, logits, prompt_chunks, grammar, drafts, trace_headers) -> bool:
-        """Every row takes its raw logits' argmax, and there is nothing else to tell the service: the step can go as
-        a greedy step. Such rows need nothing of their requests on the service, so a request it has not seen stays
-        unsent until a step of the long way (with a row that needs more) sends it whole."""
+    def _fast_step_rows(self, requests, logits, prompt_chunks, grammar, drafts, trace_headers) -> bytes | None:
+        """The step can go outside the interpreters: b"" when every row takes its raw logits' argmax (a greedy step),
+        the rows' packed settings when every row samples plainly (a sampled step), None when it goes the long way.
+        Such rows need nothing of their requests on the service, so a request it has not seen stays unsent until a
+        step of the long way (with a row that needs more) sends it whole."""
         if not (
             self._greedy_views is not None
             and requests
@@ -260,20 +275,25 @@ class RemoteSampler(BatchSampler):
             and not trace_headers
             and logits.dtype in GREEDY_DTYPES
         ):
-            return False
-        if len(requests) == len(self._argmax_rows) and all(map(operator.is_, requests, self._argmax_rows)):
-            return True  # the same requests as the last greedy step (argmax_only stays true once true)
-        if all(map(argmax_only, requests)):
-            self._argmax_rows = list(requests)
-            return True
-        return False
+            return None
+        # The same requests as the last such step: plain_sampling (and argmax_only) stay true once true.
+        if not (len(requests) == len(self._plain_rows) and all(map(operator.is_, requests, self._plain_rows))):
+            if not all(map(plain_sampling, requests)):
+                return None
+            self._plain_rows = list(requests)
+            greedy = all(map(argmax_only, requests))
+            self._row_settings = None if greedy else [_plain_row(r.sampling_params) for r in requests]
+        if self._row_settings is None:
+            return b""
+        return b"".join(s + _INDEX.pack(len(r.output_token_ids)) for s, r in zip(self._row_settings, requests))
 
     @property
     def greedy_steps(self) -> bool:
         return self._greedy_views is not None
 
-    def _greedy_step(self, logits: torch.Tensor, while_waiting) -> torch.Tensor | None:
-        """The rows' tokens from a greedy step; None (the step goes the long way) when no slot is free or fits."""
+    def _fast_step(self, logits: torch.Tensor, rows: bytes, while_waiting) -> torch.Tensor | None:
+        """The rows' tokens from a greedy step (rows empty) or a sampled one; None (the step goes the long way) when
+        no slot is free or fits."""
         claimed = self.slots.claim(logits.numel() * logits.element_size())
         if claimed is None:
             return None
@@ -281,7 +301,9 @@ class RemoteSampler(BatchSampler):
         self._step_id += 1
         kernels, headers, data = self._greedy_views
         fd, deadline = self.step_channel.sock.fileno(), time.monotonic() + self.timeout
-        if not kernels.send_greedy_step(fd, headers, data, slot, generation, logits.contiguous(), self._step_id):
+        args = (fd, headers, data, slot, generation, logits.contiguous(), self._step_id)
+        sent = kernels.send_sampled_step(*args, rows) if rows else kernels.send_greedy_step(*args)
+        if not sent:
             self._channel_closed(deadline)
         if while_waiting is not None:
             while_waiting()
@@ -292,12 +314,15 @@ class RemoteSampler(BatchSampler):
             raise SamplerUnavailableError(f"the sampler at {self.address} did not answer within {self.timeout:g} s")
         if status == 3:
             raise SamplerUnavailableError(
-                f"the sampler at {self.address} answered greedy step {self._step_id} with another step's answer, "
+                f"the sampler at {self.address} answered step {self._step_id} with another step's answer, "
                 f"or not with {len(logits)} tokens"
             )
         if not self.slots.released(slot, generation):
             raise SamplerUnavailableError(f"the sampler at {self.address} answered before releasing slot {slot}")
-        self.num_greedy_steps += 1
+        if rows:
+            self.num_sampled_steps += 1
+        else:
+            self.num_greedy_steps += 1
         return tokens
 
     def _write_slot(self, msg: sampler_pb2.SampleStep, logits: torch.Tensor) -> tuple[int, int] | None:
@@ -399,6 +424,19 @@ class RemoteSampler(BatchSampler):
         """The service went, or ended the stream (a message it refused): raise what the stream's status says."""
         self._stream_reply(max(0.0, deadline - time.monotonic()))
         raise SamplerUnavailableError(f"the sampler at {self.address} closed the step channel") from None
+
+
+def _plain_row(p) -> bytes:
+    """A request's PLAIN_ROW settings, without its token's index."""
+    flags = (
+        (GREEDY if p.greedy else 0)
+        | (SEEDED if p.seed is not None else 0)
+        | (TEMPERATURE if p.temperature != 1.0 else 0)
+        | (TOP_P if p.top_p < 1.0 else 0)
+        | (MIN_P if p.min_p > 0 else 0)
+    )
+    top_k = max(-1, min(p.top_k, 2**31 - 1))  # off either way past the vocabulary
+    return PLAIN_ROW.pack(p.temperature, p.top_p, p.min_p, top_k, (p.seed or 0) & MASK64, flags)
 
 
 def _serialize(item) -> bytes:
