@@ -7,6 +7,7 @@ adapters, and a seeded draw among any neighbours. Tokens are compared exactly: n
 import itertools
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -274,12 +275,23 @@ def attention_kernels():
     return [("cpu", cpu, "cpu"), ("triton", triton, "cuda" if torch.cuda.is_available() else "cpu")]
 
 
+def numpy_rows_are_invariant() -> bool:
+    """Whether numpy's matmul (tl.dot under the Triton interpreter) gives a row of a 16-row tile the same as at the
+    tile's first row: some BLAS builds compute a tile's later rows with another micro-kernel, in another order."""
+    gen = np.random.default_rng(0)
+    a, b = gen.standard_normal((16, 32), dtype=np.float32), gen.standard_normal((32, 32), dtype=np.float32)
+    full = a @ b
+    return all(np.array_equal((np.pad(a[i : i + 1], ((0, 15), (0, 0))) @ b)[0], full[i]) for i in range(16))
+
+
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("kernel", attention_kernels(), ids=lambda k: k[0])
 def test_attention_row_is_the_same_as_a_decode(kernel, window):
     """Each query of a prompt (whole, or a chunk over a cached prefix, beside another request) gives bit for bit
     what it gives as a decode alone, over the same cache: past several key tiles and chunks of the kernels."""
     _, attend, device = kernel
+    if kernel[0] == "triton" and device == "cpu" and not numpy_rows_are_invariant():
+        pytest.skip("under the interpreter tl.dot is numpy's matmul, whose rows here depend on their place in a tile")
     gen = torch.Generator().manual_seed(0)
     seq_len, block_size, kv_heads, group, head_dim = 300 if kernel[0] == "cpu" else 70, 16, 2, 2, 32
     num_blocks = -(-seq_len // block_size)
