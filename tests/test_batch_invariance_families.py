@@ -1,5 +1,5 @@
 """Batch invariance beyond the dense single-rank model, on tiny random models in bfloat16: mixture-of-experts
-(Mixtral, Qwen2-MoE), multi-head latent attention (DeepSeek-V2) and tensor parallelism 2. A request's tokens, and the
+(Mixtral, Qwen2-MoE), multi-head latent attention (DeepSeek-V2) and tensor parallelism 3. A request's tokens, and the
 logprob of each, are bit for bit those it gets alone, cold and one step per token, among neighbours, in chunks and on
 a prefix-cache hit. And the pieces: three ranks' all-reduce, and the latent-attention kernel's rows."""
 
@@ -91,12 +91,13 @@ def test_deepseek_v2_mla_is_batch_invariant(tmp_path):
     check_invariance(tmp_path, transformers.DeepseekV2Config(**{**DEEPSEEK_V2, **VARIANTS["q-lora-group-limited"]}))
 
 
-def test_tensor_parallel_2_is_batch_invariant(tmp_path):
-    """Two ranks' partial products are summed in one order (two addends commute exactly), the same for every step:
+def test_tensor_parallel_3_is_batch_invariant(tmp_path):
+    """Three ranks' partial products are summed in rank order (gathered, not gloo's ring), the same for every step:
     invariant within the size."""
     import transformers
 
-    check_invariance(tmp_path, transformers.LlamaConfig(**COMMON), tensor_parallel_size=2)
+    shape = dict(hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=3)
+    check_invariance(tmp_path, transformers.LlamaConfig(**{**COMMON, **shape}), tensor_parallel_size=3)
 
 
 # Rank argv[1] of 3 all-reduces the first 1, 5 and 64 of its 64 random rows (seeded by its rank), in float32 and
