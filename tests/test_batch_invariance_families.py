@@ -1,12 +1,9 @@
 """Batch invariance beyond the dense single-rank model, on tiny random models in bfloat16: mixture-of-experts
 (Mixtral, Qwen2-MoE), multi-head latent attention (DeepSeek-V2) and tensor parallelism 3. A request's tokens, and the
 logprob of each, are bit for bit those it gets alone, cold and one step per token, among neighbours, in chunks and on
-a prefix-cache hit. And the pieces: three ranks' all-reduce, and the latent-attention kernel's rows."""
+a prefix-cache hit; and the latent-attention kernel's rows alone and in a batch."""
 
 import itertools
-import subprocess
-import sys
-from pathlib import Path
 
 import families
 import torch
@@ -16,7 +13,6 @@ from test_qwen_moe import QWEN2_MOE
 
 from engine.core import EngineCore
 from engine.request import Request, SamplingParams
-from services.service_process import free_port
 from test_models import COMMON
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
@@ -98,45 +94,6 @@ def test_tensor_parallel_3_is_batch_invariant(tmp_path):
 
     shape = dict(hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=3)
     check_invariance(tmp_path, transformers.LlamaConfig(**{**COMMON, **shape}), tensor_parallel_size=3)
-
-
-# Rank argv[1] of 3 all-reduces the first 1, 5 and 64 of its 64 random rows (seeded by its rank), in float32 and
-# bfloat16, and saves the sums to argv[3]; argv[4] "1" asks for the fixed order.
-ALL_REDUCE = """
-import sys, torch
-from engine.distributed import parallel_state
-rank, port, out, fixed = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
-parallel_state.init_distributed(rank, 3, torch.device("cpu"), "127.0.0.1", port, fixed_order=fixed)
-gen = torch.Generator().manual_seed(rank)
-sums = {}
-for dtype in (torch.float32, torch.bfloat16):
-    x = torch.randn(64, 576, generator=gen).to(dtype)
-    sums[str(dtype)] = [parallel_state.all_reduce(x[:rows].clone()) for rows in (1, 5, 64)]
-torch.save(sums, out)
-parallel_state.destroy_distributed()
-"""
-
-
-def test_three_ranks_sum_a_row_in_rank_order_whatever_the_rows(tmp_path):
-    """With the fixed order (--batch-invariant on), three ranks' all-reduce adds their parts in rank order, in float32:
-    a row's sum is bit for bit the same whether the step holds 1, 5 or 64 rows, and on every rank. (Gloo's own ring
-    starts an element's sum at a rank that depends on the tensor's size.)"""
-    port, root = free_port(), Path(__file__).resolve().parent.parent
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", ALL_REDUCE, str(r), str(port), str(tmp_path / f"{r}.pt"), "1"], cwd=root
-        )
-        for r in range(3)
-    ]
-    assert [rank.wait(timeout=300) for rank in ranks] == [0, 0, 0]
-    sums = [torch.load(tmp_path / f"{r}.pt") for r in range(3)]
-    gens = [torch.Generator().manual_seed(r) for r in range(3)]
-    for dtype in (torch.float32, torch.bfloat16):
-        parts = [torch.randn(64, 576, generator=gen).to(dtype) for gen in gens]
-        expected = ((parts[0].float() + parts[1]) + parts[2]).to(dtype)
-        for rank in sums:
-            for got in rank[str(dtype)]:
-                assert torch.equal(got, expected[: got.shape[0]]), f"{dtype}, {got.shape[0]} rows"
 
 
 def test_mla_decode_row_is_the_same_alone_and_in_a_batch():
