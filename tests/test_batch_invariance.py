@@ -7,6 +7,7 @@ adapters, and a seeded draw among any neighbours. Tokens are compared exactly: n
 import itertools
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -23,13 +24,12 @@ pytestmark = pytest.mark.slow
 
 AUTO = str(check_dtype("auto", "cpu")).removeprefix("torch.")
 DTYPES = sorted({AUTO, "float32"})
+# Two prompts of 18 and 19 tokens: each spans a chunk of 16 tokens and a cached block of 16.
 TEXTS = [
-    "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-    "Water boils at a temperature of",
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
 ]
-MAX_TOKENS = 8
+MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True)
 # Neighbours of every kind: greedy, unseeded and seeded draws, with top-k and penalties.
@@ -110,16 +110,9 @@ def store_dir(dtype, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(dtype, store_dir):
-    """The engine most cases run on: prefix caching, the store as its KV connector, adapters, and a KV cache of 40
-    blocks (a few requests fit, a crowd is preempted)."""
-    args = EngineArgs(
-        dtype=dtype,
-        kv_cache_memory=str(40 * block_bytes(dtype)),
-        kv_transfer_config=storage(store_dir),
-        enable_lora=True,
-        max_loras=2,
-        max_lora_rank=8,
-    )
+    """The engine most cases run on: prefix caching, the store as its KV connector, and a KV cache of 40 blocks (a
+    few requests fit, a crowd is preempted)."""
+    args = EngineArgs(dtype=dtype, kv_cache_memory=str(40 * block_bytes(dtype)), kv_transfer_config=storage(store_dir))
     return EngineCore(args)
 
 
@@ -140,12 +133,10 @@ def one_token_engine(dtype):
 
 @pytest.fixture(scope="module")
 def reference(one_token_engine, prompts):
-    """Each prompt alone, cold and one step per token, greedy and seeded."""
-    return {
-        (i, params.seed): run(one_token_engine, [cold(p, params)])[0]
-        for i, p in enumerate(prompts)
-        for params in (GREEDY, SEEDED)
-    }
+    """Each prompt alone, cold and one step per token, greedy; and the first prompt seeded."""
+    reference = {(i, None): run(one_token_engine, [cold(p)])[0] for i, p in enumerate(prompts)}
+    reference[0, SEEDED.seed] = run(one_token_engine, [cold(prompts[0], SEEDED)])[0]
+    return reference
 
 
 def test_prefix_cache_hit(engine, prompts, reference):
@@ -154,29 +145,28 @@ def test_prefix_cache_hit(engine, prompts, reference):
         first = run(engine, [(prompt, GREEDY, salt, None)])[0]
         hits = engine.get_stats().prefix_cache_hits
         again = run(engine, [(prompt, GREEDY, salt, None)])[0]
-        assert engine.get_stats().prefix_cache_hits > hits or len(prompt) < 16
+        assert engine.get_stats().prefix_cache_hits > hits
         assert first == again == reference[i, None], f"prompt {i}"
 
 
 def test_batch_composition(engine, prompts, reference):
     for i, prompt in enumerate(prompts):
-        others = [cold(p, params) for p, params in zip(prompts * 2, NEIGHBOURS * 2) if p is not prompt]
+        others = [cold(p, params) for p, params in zip(prompts * 4, NEIGHBOURS * 2) if p is not prompt]
         tokens = run(engine, [*others[:3], cold(prompt), *others[3:]])[3]
         assert tokens == reference[i, None], f"prompt {i}"
 
 
 def test_seeded_sample_with_neighbours(engine, prompts, reference):
-    for i, prompt in enumerate(prompts):
-        others = [cold(p, params) for p, params in zip(prompts * 2, NEIGHBOURS * 2) if p is not prompt]
-        tokens = run(engine, [*others[:2], cold(prompt, SEEDED), *others[2:]])[2]
-        assert tokens == reference[i, SEEDED.seed], f"prompt {i}"
+    others = [cold(p, params) for p, params in zip(prompts * 4, NEIGHBOURS * 2) if p is not prompts[0]]
+    tokens = run(engine, [*others[:2], cold(prompts[0], SEEDED), *others[2:]])[2]
+    assert tokens == reference[0, SEEDED.seed]
 
 
 def test_preemption_with_recompute(engine, prompts, reference):
     """A crowd of long requests outgrows the 40 blocks: some are preempted and computed again."""
     preemptions = engine.get_stats().num_preemptions
     long = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)  # 8 of them need over 50 blocks
-    crowd = [cold(p, long) for p in prompts * 2]
+    crowd = [cold(p, long) for p in prompts * 4]
     tokens = run(engine, [*[cold(p) for p in prompts], *crowd])
     assert engine.get_stats().num_preemptions > preemptions
     assert tokens[: len(prompts)] == [reference[i, None] for i in range(len(prompts))]
@@ -195,7 +185,8 @@ def test_kv_store_reload(engine, prompts, reference):
 
 @pytest.fixture(scope="module")
 def chunked(dtype, store_dir):
-    """A prefill engine of 16 tokens a step, which stores what it computes in the main engine's store."""
+    """An engine of 16 tokens a step: the prefill engine of P/D, which stores what it computes in the main engine's
+    store."""
     args = EngineArgs(
         dtype=dtype,
         kv_cache_memory=str(40 * block_bytes(dtype)),
@@ -224,17 +215,20 @@ def test_prefill_decode_disaggregation(chunked, engine, prompts, reference):
     assert [t[:1] for t in decoded] == prefilled
 
 
-def test_lora_in_a_mixed_batch(engine, one_token_engine, prompts, reference, adapters):
+def test_lora_in_a_mixed_batch(dtype, one_token_engine, prompts, reference, adapters):
+    """A prompt with one adapter, beside requests of the other adapter, of the same and of none."""
+    kv_cache_memory = str(40 * block_bytes(dtype))
+    lora = EngineCore(
+        EngineArgs(dtype=dtype, kv_cache_memory=kv_cache_memory, enable_lora=True, max_loras=2, max_lora_rank=8)
+    )
     for adapter in adapters:
-        assert engine.add_lora(adapter) and one_token_engine.add_lora(adapter)
-    alone = [run(one_token_engine, [cold(p, lora=adapters[0])])[0] for p in prompts]
-    assert alone != [reference[i, None] for i in range(len(prompts))]  # the adapter changes the output
-    for i, prompt in enumerate(prompts):
-        others = [
-            cold(p, params, a) for p, params, a in zip(prompts, NEIGHBOURS, [None, adapters[1], None, adapters[0]])
-        ]
-        tokens = run(engine, [*others[:2], cold(prompt, lora=adapters[0]), *others[2:]])[2]
-        assert tokens == alone[i], f"prompt {i}"
+        assert lora.add_lora(adapter) and one_token_engine.add_lora(adapter)
+    alone = run(one_token_engine, [cold(prompts[0], lora=adapters[0])])[0]
+    assert alone != reference[0, None]  # the adapter changes the output
+    others = [
+        cold(p, params, a) for p, params, a in zip(prompts * 2, NEIGHBOURS, [None, adapters[1], None, adapters[0]])
+    ]
+    assert run(lora, [*others[:2], cold(prompts[0], lora=adapters[0]), *others[2:]])[2] == alone
 
 
 def spec_engine(dtype, spec) -> EngineCore:
@@ -281,12 +275,23 @@ def attention_kernels():
     return [("cpu", cpu, "cpu"), ("triton", triton, "cuda" if torch.cuda.is_available() else "cpu")]
 
 
+def numpy_rows_are_invariant() -> bool:
+    """Whether numpy's matmul (tl.dot under the Triton interpreter) gives a row of a 16-row tile the same as at the
+    tile's first row: some BLAS builds compute a tile's later rows with another micro-kernel, in another order."""
+    gen = np.random.default_rng(0)
+    a, b = gen.standard_normal((16, 32), dtype=np.float32), gen.standard_normal((32, 32), dtype=np.float32)
+    full = a @ b
+    return all(np.array_equal((np.pad(a[i : i + 1], ((0, 15), (0, 0))) @ b)[0], full[i]) for i in range(16))
+
+
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("kernel", attention_kernels(), ids=lambda k: k[0])
 def test_attention_row_is_the_same_as_a_decode(kernel, window):
     """Each query of a prompt (whole, or a chunk over a cached prefix, beside another request) gives bit for bit
     what it gives as a decode alone, over the same cache: past several key tiles and chunks of the kernels."""
     _, attend, device = kernel
+    if kernel[0] == "triton" and device == "cpu" and not numpy_rows_are_invariant():
+        pytest.skip("under the interpreter tl.dot is numpy's matmul, whose rows here depend on their place in a tile")
     gen = torch.Generator().manual_seed(0)
     seq_len, block_size, kv_heads, group, head_dim = 300 if kernel[0] == "cpu" else 70, 16, 2, 2, 32
     num_blocks = -(-seq_len // block_size)

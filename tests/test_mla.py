@@ -133,10 +133,10 @@ def test_paged_latent_cache_batch_equals_dense_mla():
     ],
 )
 def test_cpu_backend_mla_equals_the_torch_backend(dtype, cache_dtype, tolerance):
-    """The CPU backend's decodes (kernels/cpu/mla_decode.cpp: absorbed, over the latent cache in place) against the
-    torch backend's forward_mla in one step: decodes over contexts of 600 (several chunks, split into parts among
-    threads), 130, 5 and 1, beside a chunk of 5 tokens after 6 cached ones and a whole prompt of 7 (up-projected by
-    both); both write the same cache."""
+    """The CPU backend (kernels/cpu/mla_decode.cpp: every token absorbed, as a decode of its own, over the latent
+    cache in place) against the torch backend's forward_mla in one step: decodes over contexts of 600 (several chunks,
+    parts of 256 keys), 130, 5 and 1, beside a chunk of 5 tokens after 6 cached ones and a whole prompt of 7
+    (up-projected by the torch backend); both write the same cache."""
     gen = torch.Generator().manual_seed(2)
     _, w_uk, w_uv = random_layer(gen)
     block_size = 16

@@ -13,6 +13,10 @@ Pipeline parallelism (--pipeline-parallel-size P) runs P stages of TP ranks each
 vLLM lays them: tensor-parallel ranks innermost, so rank = pp_rank * TP + tp_rank, and a stage's TP ranks form its
 tensor-parallel group. Activations pass from each rank to the rank of the same tp_rank in the next stage
 (send_to_next_stage, recv_from_prev_stage).
+
+With fixed_order (--batch-invariant on, on a CPU), all_reduce adds the ranks' parts in rank order. Gloo's ring
+all-reduce starts each element's sum at a rank that depends on where the element falls among the tensor's chunks, so
+on more than two ranks a row's sum would depend on how many rows the step holds (two addends commute exactly).
 """
 
 import datetime
@@ -29,6 +33,7 @@ _tp_rank, _tp_size = 0, 1
 _pp_rank, _pp_size = 0, 1
 _tp_group = None  # this stage's ranks; None: every rank (no pipeline parallelism)
 _enable_expert_parallel = False
+_fixed_order = False  # all_reduce sums in rank order (batch invariance)
 # Sends to the next stage not yet known to be done, each with its tensor, which must live until then.
 _pending_sends: list = []
 
@@ -41,10 +46,12 @@ def init_distributed(
     master_port: int,
     enable_expert_parallel: bool = False,
     tensor_parallel_size: int | None = None,
+    fixed_order: bool = False,
 ) -> None:
     """Join the group of `world_size` ranks as `rank`, meeting rank 0 at master_addr:master_port; with
-    tensor_parallel_size below world_size, the ranks are world_size / tensor_parallel_size pipeline stages."""
-    global _tp_rank, _tp_size, _pp_rank, _pp_size, _tp_group, _enable_expert_parallel
+    tensor_parallel_size below world_size, the ranks are world_size / tensor_parallel_size pipeline stages;
+    fixed_order: on a CPU, all_reduce sums the ranks' parts in rank order."""
+    global _tp_rank, _tp_size, _pp_rank, _pp_size, _tp_group, _enable_expert_parallel, _fixed_order
     tp = tensor_parallel_size or world_size
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -57,6 +64,8 @@ def init_distributed(
     )
     _tp_rank, _tp_size, _pp_rank, _pp_size = rank % tp, tp, rank // tp, world_size // tp
     _enable_expert_parallel = enable_expert_parallel
+    # On a GPU the layers are not batch invariant anyway (docs/determinism.md): NCCL's all-reduce stays.
+    _fixed_order = fixed_order and device.type == "cpu"
     if _pp_size > 1:  # every rank creates every stage's group, in the same order
         groups = [dist.new_group(list(range(stage * tp, (stage + 1) * tp))) for stage in range(_pp_size)]
         _tp_group = groups[_pp_rank]
@@ -70,11 +79,12 @@ def set_cpu_threads(local_world_size: int) -> None:
 
 
 def destroy_distributed() -> None:
-    global _tp_rank, _tp_size, _pp_rank, _pp_size, _tp_group, _enable_expert_parallel
+    global _tp_rank, _tp_size, _pp_rank, _pp_size, _tp_group, _enable_expert_parallel, _fixed_order
     _pending_sends.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
     _tp_rank, _tp_size, _pp_rank, _pp_size, _tp_group, _enable_expert_parallel = 0, 1, 0, 1, None, False
+    _fixed_order = False
 
 
 def get_tp_rank() -> int:
@@ -121,9 +131,17 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of x over the ranks (in place), on every rank."""
-    dist.all_reduce(x, group=_tp_group)
-    return x
+    """The sum of x over the ranks (in place), on every rank; with fixed_order on more than two ranks, in rank order,
+    (x0 + x1) + x2 ... in float32, whatever x's shape."""
+    if not _fixed_order or _tp_size <= 2:
+        dist.all_reduce(x, group=_tp_group)
+        return x
+    parts = [torch.empty_like(x) for _ in range(_tp_size)]
+    dist.all_gather(parts, x.contiguous(), group=_tp_group)
+    total = parts[0].float()
+    for part in parts[1:]:
+        total += part
+    return x.copy_(total)
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

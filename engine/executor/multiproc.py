@@ -149,7 +149,10 @@ class MultiprocExecutor(UniProcExecutor):
             device = resolve_device(config.model_config.device, 0, size)
             if device.type == "cpu":
                 set_cpu_threads(1 + len(local_ranks))
-            init_distributed(0, size, device, self.master_addr, self.master_port, parallel.enable_expert_parallel, tp)
+            invariant = config.model_config.batch_invariant == "on"
+            init_distributed(
+                0, size, device, self.master_addr, self.master_port, parallel.enable_expert_parallel, tp, invariant
+            )
             super().__init__(config, model_config, model_dir, max_model_len)
         except BaseException:
             self.shutdown()
@@ -379,7 +382,8 @@ def run_worker(rank: int) -> None:
     device = resolve_device(config.model_config.device, rank, size)
     if device.type == "cpu":
         set_cpu_threads(int(os.environ.get(LOCAL_WORLD_SIZE_ENV) or 1))
-    init_distributed(rank, size, device, addr, port, parallel.enable_expert_parallel, tp)
+    invariant = config.model_config.batch_invariant == "on"
+    init_distributed(rank, size, device, addr, port, parallel.enable_expert_parallel, tp, invariant)
     # The last pipeline stage's first rank samples, and sends rank 0 each step's output.
     sends_output = parallel.pipeline_parallel_size > 1 and rank == size - tp
     worker = Worker(config, load_config(model_dir), model_dir, init["max_len"])

@@ -6,10 +6,11 @@
 // same row. Every head shares the one cached row (multi-query attention), so a row is read and converted to float32
 // once for all heads. The caller applies W_UV to the [rows, heads, v_dim] result.
 //
-// Keys are taken a chunk at a time, gathered from their pages into float32 rows; both products are matrix
-// multiplies over all heads (torch's, single-threaded inside our threads), the softmax online across chunks. A
-// batch of few rows splits each row's keys into parts (at least kMinPartKeys each) that threads share; each part
-// keeps its max, sum and unnormalized output, merged afterwards. The split depends on the batch alone.
+// A row's keys are split into parts at fixed positions, every kPartKeys keys, whatever the batch: threads share the
+// parts, each keeps its max, sum and unnormalized output, and a row's parts are merged in order. Within a part, keys
+// are taken a chunk at a time, gathered from their pages into float32 rows; both products are matrix multiplies over
+// all heads (torch's, single-threaded inside our threads), the softmax online across chunks. So a row's output is
+// the same bit for bit alone or in a batch (batch invariance); the engine runs prompt tokens here too.
 
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
@@ -25,9 +26,8 @@
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kChunkKeys = 128;    // keys gathered at a time
-constexpr int64_t kMinItems = 8;       // fewer rows than this split by key range
-constexpr int64_t kMinPartKeys = 256;  // a part's least keys
+constexpr int64_t kChunkKeys = 128;  // keys gathered at a time
+constexpr int64_t kPartKeys = 256;   // a row's keys are split at multiples of this
 
 struct Part {
   int64_t row, key0, key1;
@@ -94,11 +94,10 @@ at::Tensor mla_decode(const at::Tensor& query, const at::Tensor& kv_cache, const
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   std::vector<Part> parts;
   std::vector<int64_t> first_part{0};  // row r's parts: first_part[r]..first_part[r + 1]
-  const int64_t wanted = num_rows ? (kMinItems + num_rows - 1) / num_rows : 1;
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t keys = std::max<int64_t>(lens[r], 0);
-    const int64_t n = std::max<int64_t>(1, std::min(wanted, keys / kMinPartKeys));
-    for (int64_t p = 0; p < n; ++p) parts.push_back({r, keys * p / n, keys * (p + 1) / n});
+    parts.push_back({r, 0, std::min(keys, kPartKeys)});  // one part, empty for a row of no keys
+    for (int64_t k = kPartKeys; k < keys; k += kPartKeys) parts.push_back({r, k, std::min(keys, k + kPartKeys)});
     first_part.push_back(parts.size());
   }
   // Each part: its heads' max, sum, then unnormalized output.
