@@ -61,6 +61,7 @@ ORDER = [
     "spec-decode",
     "lora",
     "tensor-parallel",
+    "tp-determinism",
     "pipeline-parallel",
     "moe",
     "expert-parallel",
