@@ -23,8 +23,10 @@ while the other prompt's blocks are still being stored); a third prompt, which e
 kvstore has stored them all; reload (the prefix + a third suffix, the store otherwise idle); local hit. Then, in
 the same round, the prefix's blocks read straight from Redis with one synchronous MGET of redis-py (the bytes
 alone), the same MGET received in place as the kvstore receives it (services/block_reader.py), and through the
-kvstore's Get, carried as bytes and through shared memory as the engine's loads are. Reported: per-round times and
-medians, cold/reload, and reload over the bytes alone (and over the read in place).
+kvstore's Get, carried as bytes and through shared memory as the engine's loads are; then the engine's own work on
+those bytes, timed apart: their tags verified under the mesh's block key, and the blocks copied into a KV cache of
+the engine's shape. Reported: per-round times and medians, cold/reload, and reload over the bytes alone (and over
+the read in place).
 
 Mesh part: two copies of `llmmesh serve`'s processes (services.local_mesh.Mesh) up at once, one with the
 store and one without. Conversations advance turn by turn in lockstep (turn 1 of every conversation, then
@@ -47,6 +49,7 @@ from engine.core import EngineCore
 from engine.request import Request, SamplingParams
 from llmmesh.v1 import kvstore_pb2
 from mesh import tls
+from mesh.kvstore.block_tag import KEY_FILE, TAG_BYTES, BlockTagger
 from mesh.kvstore.client import KVStoreClient, Staging
 from services import client
 from services.block_reader import BlockReader
@@ -185,6 +188,17 @@ def wait_stored(kvstore, target: int, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def engine_cache(layout, num_blocks: int):
+    """A KVBlockIO over a KV cache of SmolLM2's shape with room for num_blocks + 2 blocks, as an engine's."""
+    import torch
+
+    from engine.kv.connector.block_io import KVBlockIO
+
+    dtype = getattr(torch, layout.dtype)
+    layers = [tuple(torch.zeros(3, num_blocks + 2, 16, 64, dtype=dtype) for _ in "kv") for _ in range(30)]
+    return KVBlockIO(layers, layout)
+
+
 def run_reload(args) -> dict:
     """Reload after eviction through the mesh, against recompute and the bytes alone (module docstring)."""
     import os
@@ -219,7 +233,9 @@ def run_reload(args) -> dict:
                 redis_client = redis.Redis.from_url(mesh.redis.url, password=redis_password(mesh.tls_dir))
                 redis_url = redis_url_with_password(mesh.redis.url, os.path.join(mesh.tls_dir, "redis.password"))
                 first_token_s(mesh.address, [FIRST_REGULAR_ID] * 64)  # first-call costs out of the way
-                rows, staging, into = [], None, None
+                rows, staging, into, cache = [], None, None, None
+                with open(os.path.join(mesh.tls_dir, KEY_FILE)) as f:
+                    tagger = BlockTagger(bytes.fromhex(f.read().strip()))  # the mesh's engine's
                 for r in range(args.rounds):
                     rng = random.Random(f"reload-{config}-{length}-{r}")
                     prefix, *others = ([rng.randrange(FIRST_REGULAR_ID, vocab) for _ in range(length)] for _ in "abc")
@@ -258,10 +274,19 @@ def run_reload(args) -> dict:
                     row["kvstore_get"] = time.perf_counter() - started
                     staging = staging or Staging(len(hashes), layout.block_bytes)  # one for the mesh, as an engine's
                     started = time.perf_counter()
-                    got_shared = sum(len(data) for data, _ in store.get(layout, hashes, 60, staging=staging))
+                    tags = b"".join(t for _, t in store.get(layout, hashes, 60, staging=staging))
                     row["kvstore_get_shared"] = time.perf_counter() - started
-                    assert got == len(hashes) and staging.taken and got_shared == got * layout.block_bytes
+                    assert got == len(hashes) and staging.taken and len(tags) == got * TAG_BYTES
                     store.close()
+                    data = staging.view[: got * layout.block_bytes]
+                    started = time.perf_counter()
+                    verified = tagger.verified(fingerprint, hashes, data, tags, layout.block_bytes)
+                    row["engine_verify"] = time.perf_counter() - started
+                    assert verified == got, "the blocks' tags do not verify under the mesh's block key"
+                    cache = cache or engine_cache(layout, got)
+                    started = time.perf_counter()
+                    cache.write(random.Random(r).sample(range(got + 2), got), data)
+                    row["engine_copy"] = time.perf_counter() - started
                     rows.append(row)
                     print(
                         f"reload {config} {length}: round {r}: "

@@ -12,8 +12,8 @@ from llmmesh.v1 import kvstore_pb2
 
 # name -> (code in the header, bytes): the KV cache dtypes (engine.kv.layout.DTYPE_SIZES)
 DTYPES = {"float32": (1, 4), "float16": (2, 2), "bfloat16": (3, 2), "float8_e4m3fn": (4, 1), "float8_e5m2": (5, 1)}
-MAGIC, VERSION = b"LMKV", 3  # version 2's blocks carry no tag, version 1's zlib's CRC-32
-TAG_BYTES = 32  # KVBlock.tag: an HMAC-SHA256
+MAGIC, VERSION = b"LMKV", 4  # version 3's tags are HMAC-SHA256s, 2's blocks carry none, 1's CRC is zlib's
+TAG_BYTES = 32  # KVBlock.tag: a nonce and a Poly1305 MAC (mesh/kvstore/block_tag.py)
 MAX_DIMS = 8
 FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 _CRC = struct.Struct("<I")
