@@ -7,8 +7,8 @@ when the peer's identity may call that gRPC service (CALLERS); a channel present
 that the server's names the service it meant to reach.
 
 Services of one host may also reach each other over a Unix socket (--unix-socket) in a directory only the mesh's user
-can enter: that link is plaintext, its peer admitted by the directory's permissions, and the socket answers any caller
-that reaches it (docs/security.md says why this grants no more than the keys those processes can read anyway).
+can enter: the same mutual TLS and the same identities as on their TCP port, the socket's directory keeping every other
+user from even connecting.
 
 The directory comes from --tls-dir (LLMMESH_TLS_DIR); without one, plaintext needs --insecure-plaintext
 (LLMMESH_INSECURE_PLAINTEXT) and binds loopback only. The engine's plug-ins (the KV connector, the remote sampler) read
@@ -83,11 +83,6 @@ def check_private_socket(path: str) -> None:
         )
 
 
-def is_unix_peer(peer: str) -> bool:
-    """Whether a call's peer (context.peer()) came over a Unix socket."""
-    return peer.startswith("unix:")
-
-
 def is_loopback(host: str) -> bool:
     if host in ("localhost", "unix") or host.startswith("unix:"):
         return True
@@ -149,24 +144,24 @@ def credentials_from_env(identity: str) -> MeshCredentials | None:
     return None if plaintext_from_env() else MeshCredentials(default_tls_dir(), identity)
 
 
-def _private_unix(address: str) -> bool:
-    if (path := unix_path(address)) is None:
-        return False
-    check_private_socket(path)
-    return True
+def _check_unix(address: str) -> None:
+    if (path := unix_path(address)) is not None:
+        check_private_socket(path)
 
 
 def channel(address: str, server: str, credentials: MeshCredentials | None) -> grpc.Channel:
-    """A blocking channel to `server` (an identity) at address: mutual TLS, or plaintext when credentials is None or
-    the address is a Unix socket of the mesh (unix:PATH, in a private directory)."""
-    if _private_unix(address) or credentials is None:
+    """A blocking channel to `server` (an identity) at address (HOST:PORT, or unix:PATH in a private directory):
+    mutual TLS, or plaintext when credentials is None."""
+    _check_unix(address)
+    if credentials is None:
         return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     return grpc.secure_channel(address, credentials.channel_credentials(), options=channel_options(server))
 
 
 def aio_channel(address: str, server: str, credentials: MeshCredentials | None) -> grpc.aio.Channel:
     """channel() for asyncio."""
-    if _private_unix(address) or credentials is None:
+    _check_unix(address)
+    if credentials is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     return grpc.aio.secure_channel(address, credentials.channel_credentials(), options=channel_options(server))
 

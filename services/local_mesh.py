@@ -5,10 +5,10 @@ on a free port read from its "listening on" line, the services behind the gatewa
 says. Every link is mutual TLS with the certificates of a credentials directory (services/certs.py fills in what it
 lacks), and Redis admits only the user whose password is there. With unix_sockets (as `llmmesh serve` runs it), the
 gateway reaches the engines, tokenizer and detokenizer over Unix sockets in a directory private to this user instead,
-plaintext: each token crosses those links, and on one host the directory's permissions admit no one the keys would not
-(docs/security.md). With the KV store, a `redis-server` (services/redis_server.py)
-and the kvstore start first, and the engine is given a --kv-transfer-config that points its connector at the
-kvstore. `llmmesh serve` and `llmmesh demo` (services/supervisor.py), tests and benchmarks start the mesh this way.
+with the same mutual TLS: each token crosses those links, and a Unix socket spares them the TCP stack. With the KV
+store, a `redis-server` (services/redis_server.py) and the kvstore start first, and the engine is given a
+--kv-transfer-config that points its connector at the kvstore. `llmmesh serve` and `llmmesh demo`
+(services/supervisor.py), tests and benchmarks start the mesh this way.
 """
 
 import dataclasses

@@ -103,8 +103,6 @@ def _guard(service: str):
     refused one without a certificate of the mesh's CA)."""
 
     async def check(context) -> None:
-        if tls.is_unix_peer(context.peer()):  # admitted by its socket directory's permissions (--unix-socket)
-            return
         if reason := tls.refusal(service, tls.peer_identity(context.auth_context())):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
 
@@ -248,7 +246,10 @@ class Server:
         self.address = f"{args.host}:{self.port}"
         if getattr(args, "unix_socket", None):  # the services behind the gateway (UnixSocketConfig)
             tls.check_private_socket(args.unix_socket)
-            self.server.add_insecure_port(f"unix:{args.unix_socket}")
+            if self.credentials is None:
+                self.server.add_insecure_port(f"unix:{args.unix_socket}")
+            else:  # the same mutual TLS as the TCP port: every link of the mesh is
+                self.server.add_secure_port(f"unix:{args.unix_socket}", self.credentials.server_credentials())
         self.stop_requested = owner.stop_requested if owner is not None else asyncio.Event()
         self.broken: str | None = None  # why the service can no longer serve (health stays NOT_SERVING)
         self.announced = False

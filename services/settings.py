@@ -58,9 +58,9 @@ class UnixSocketConfig:
 
     unix_socket: str | None = setting(
         None,
-        help="also serve on this Unix socket, for the services of this host: plaintext, its directory must be this "
-        "user's and private to it (mode 0700), whose permissions alone admit a caller (docs/security.md); "
-        "`llmmesh serve` gives one to each service behind the gateway",
+        help="also serve on this Unix socket, for the services of this host: the same mutual TLS as the port, in a "
+        "directory that must be this user's and private to it (mode 0700); `llmmesh serve` gives one to each "
+        "service behind the gateway",
     )
 
 

@@ -125,7 +125,7 @@ def serve_mesh(args: argparse.Namespace, echo: bool = True) -> Mesh:
         kv_connector_options=migration_kv_options(args, num_engines),
         tls_dir=args.tls_dir,
         insecure_plaintext=args.insecure_plaintext,
-        unix_sockets=True,  # every service on this host: the gateway's hot links skip TLS (docs/security.md)
+        unix_sockets=True,  # every service on this host: the gateway's hot links skip TCP (docs/security.md)
     )
 
 

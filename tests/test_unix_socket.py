@@ -1,6 +1,6 @@
-"""A service's Unix socket (--unix-socket), as `llmmesh serve` gives one to each service behind the gateway: plaintext
-for the processes of one host, admitted by the socket directory's permissions alone, while the service's TCP port
-stays mutual TLS with its callers' identities checked."""
+"""A service's Unix socket (--unix-socket), as `llmmesh serve` gives one to each service behind the gateway: the same
+mutual TLS as the service's TCP port, its callers' identities checked the same, in a directory private to the mesh's
+user that no other user may even connect through."""
 
 import os
 import shutil
@@ -38,7 +38,7 @@ def tokenize(channel) -> list[int]:
     )
 
 
-def test_the_socket_answers_and_so_does_mutual_tls(tokenizer):
+def test_the_socket_answers_the_gateway_over_mutual_tls(tokenizer):
     service, socket = tokenizer
     with tls.channel(f"unix:{socket}", "tokenizer", tls.credentials_from_env("gateway")) as channel:
         over_socket = tokenize(channel)
@@ -46,14 +46,16 @@ def test_the_socket_answers_and_so_does_mutual_tls(tokenizer):
         assert tokenize(channel) == over_socket != []
 
 
-def test_the_tcp_port_still_refuses_a_peer_without_the_mesh_certificate(tokenizer):
-    service, _ = tokenizer
-    with grpc.insecure_channel(service.address) as channel:
+@pytest.mark.parametrize("where", ["tcp", "unix"])
+def test_a_peer_without_the_mesh_certificate_or_of_another_identity_is_refused(tokenizer, where):
+    service, socket = tokenizer
+    address = service.address if where == "tcp" else f"unix:{socket}"
+    with grpc.insecure_channel(address) as channel:  # no certificate: the handshake fails
         with pytest.raises(grpc.RpcError) as e:
             tokenize(channel)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     # A certificate of the mesh, of an identity that may not call the tokenizer: refused by name.
-    with mesh_channel(service.address, "engine") as channel:
+    with tls.channel(address, "tokenizer", tls.credentials_from_env("engine")) as channel:
         with pytest.raises(grpc.RpcError) as e:
             tokenize(channel)
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "engine.llmmesh" in e.value.details()
