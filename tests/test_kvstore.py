@@ -439,7 +439,7 @@ def test_a_stuck_redis_is_unavailable_not_a_hang(redis_server):
 
 def test_eviction_under_maxmemory_costs_blocks_never_errors():
     """A 4 MB Redis and 200 blocks of 64 KiB in 20 chains: the oldest are evicted, every call succeeds, and what
-    Get returns is what Lookup promised, byte for byte."""
+    Get returns is a prefix of what Lookup promised, byte for byte."""
     block = layout(shape=(16384,), num_layers=1, block_size=16)
     chains = [chain(10, seed=s) for s in range(20)]
     data = {s: blocks_for(hashes, 65536, seed=s) for s, hashes in enumerate(chains)}
@@ -450,8 +450,12 @@ def test_eviction_under_maxmemory_costs_blocks_never_errors():
         # Redis's LRU is approximate (it evicts the oldest of a few sampled keys), so which blocks stay is not
         # exact: the first chain lost blocks and some block stays to be read back.
         assert present[0] < 10 and 0 < sum(present) < 200
-        for s, hashes in enumerate(chains):
-            assert store.get(hashes, block, 65536) == list(data[s].items())[: present[s]]
+        # Redis goes on evicting while it is over maxmemory, on reads too: a Get may return less than its Lookup
+        # promised, never other bytes.
+        got = [store.get(hashes, block, 65536) for hashes in chains]
+        for s, blocks in enumerate(got):
+            assert len(blocks) <= present[s] and blocks == list(data[s].items())[: len(blocks)]
+        assert any(got)
         stats = store.stats()
         assert stats.blocks_stored == 200 and stats.bytes_in == 200 * 65536
         assert 0 < stats.keys < 200
