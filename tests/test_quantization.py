@@ -285,7 +285,9 @@ MAX_LOGPROB_ERROR = 0.3
 def test_smollm2_gguf_native_bfloat16_agrees_with_hf(hf_smollm2, tokenizer):
     engine = EngineCore(EngineArgs(dtype="bfloat16", kv_cache_memory="64MiB"))
     assert engine.worker.quantization == "gguf"
-    assert engine.worker.model.layers[0].self_attn.qkv_proj.kernel is not None
+    # Batch invariance on a CPU without the int8-activation kernel (no AVX-512) multiplies by the dequantized weight.
+    has_kernel = engine.worker.model.layers[0].self_attn.qkv_proj.kernel is not None
+    assert has_kernel or engine.args.batch_invariant == "on"
     prompts = [tokenizer(p).input_ids for p in SMOLLM2_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     for i, prompt in enumerate(prompts):
