@@ -1,15 +1,17 @@
 """Tensor parallelism: per-step time with --tensor-parallel-size 2 against 1, same model, same steps.
 
-    .venv/bin/python benchmarks/tensor_parallel.py [--rounds 5] [--layers 30]
+    .venv/bin/python benchmarks/tensor_parallel.py [--rounds 5] [--layers 30] [--batch-invariant-at N]
 
 The model is random, SmolLM2-135M's shape but with 8 heads and 4 KV heads (head_dim 72), so that both divide
-by 2 (SmolLM2's own 9 and 3 divide by 3 only). float32, on CPU over gloo. Scenarios, each a step the engine
-really runs (EngineCore.step), timed after a warm-up:
+by 2 (SmolLM2's own 9 and 3 divide by 3 only). float32, on CPU over gloo. --batch-invariant-at N compares
+--batch-invariant on against off at TP=N instead, on SmolLM2's own 9 and 3 heads where N is 3: with more than two
+ranks, `on` sums each all-reduce's parts in rank order (engine/distributed/parallel_state.py), `off` keeps gloo's
+ring. Scenarios, each a step the engine really runs (EngineCore.step), timed after a warm-up:
   decode-1    one request decoding (context 128)
   decode-16   sixteen requests decoding (context 128 each)
   prefill-512 one 512-token prompt in one step
-The sizes alternate round after round (the machine is shared and noisy); medians are printed, with the
-ratio TP=2 / TP=1 (above 1: slower).
+The variants alternate round after round (the machine is shared and noisy); medians are printed, with the
+ratio of the second to the first (above 1: slower).
 """
 
 import argparse
@@ -67,24 +69,33 @@ SCENARIOS = {
 
 
 def alternate_rounds(engine_args: dict, scenarios: dict, rounds: int, steps: int) -> tuple[dict, dict]:
-    """Each (scenario, size) timed `rounds` times, the sizes alternating within each round after a warm-up:
-    ({(scenario, size): [seconds]}, {size: the threads it ran with})."""
+    """Each (scenario, variant) timed `rounds` times, the variants alternating within each round after a warm-up:
+    ({(scenario, variant): [seconds]}, {variant: the threads it ran with}). A process holds one group of ranks, so
+    where more than one variant has several, each runs in turn in each round, started and warmed up anew."""
+    together = sum(args.tensor_parallel_size > 1 for args in engine_args.values()) <= 1
     engines, threads = {}, {}
-    for size, args in engine_args.items():
-        engines[size] = EngineCore(args)
+    times = {(name, variant): [] for name in scenarios for variant in engine_args}
+
+    def start(variant: str) -> EngineCore:
+        engine = engines[variant] = EngineCore(engine_args[variant])
         # Threads are the process's: rank 0 of two ranks takes half the cores (the other rank the rest), one rank all.
-        threads[size] = torch.get_num_threads()
+        threads[variant] = torch.get_num_threads()
+        for run in scenarios.values():  # warm-up: oneDNN's first calls, the allocator
+            run(engine, 2)
+        return engine
+
     try:
-        for size, engine in engines.items():  # warm-up: oneDNN's first calls, the allocator
-            torch.set_num_threads(threads[size])
-            for run in scenarios.values():
-                run(engine, 2)
-        times = {(name, size): [] for name in scenarios for size in engines}
+        if together:
+            for variant in engine_args:
+                start(variant)
         for _ in range(rounds):
             for name, run in scenarios.items():
-                for size, engine in engines.items():
-                    torch.set_num_threads(threads[size])
-                    times[name, size].append(run(engine, steps))
+                for variant in engine_args:
+                    engine = engines[variant] if together else start(variant)
+                    torch.set_num_threads(threads[variant])
+                    times[name, variant].append(run(engine, steps))
+                    if not together:
+                        engines.pop(variant).shutdown()
     finally:
         for engine in engines.values():
             engine.shutdown()
@@ -96,30 +107,37 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per round")
     parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument(
+        "--batch-invariant-at", type=int, default=0, metavar="N",
+        help="compare --batch-invariant on against off at TP=N (the ratio on / off), instead of TP=1 against TP=2",
+    )  # fmt: skip
     args = parser.parse_args()
+    size = args.batch_invariant_at
+    if size:
+        variants = {f"TP={size} {s}": {"tensor_parallel_size": size, "batch_invariant": s} for s in ("off", "on")}
+        heads = (9, 3)
+    else:
+        variants = {f"TP={s}": {"tensor_parallel_size": s} for s in (1, 2)}
+        heads = (8, 4)
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp)
         save_random_smollm2_shaped(
-            model, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=args.layers,
+            model, num_attention_heads=heads[0], num_key_value_heads=heads[1], num_hidden_layers=args.layers,
             max_position_embeddings=2048,
         )  # fmt: skip
-        sizes = {
-            size: EngineArgs(
-                model=str(model), dtype="float32", kv_cache_memory="256MiB", tensor_parallel_size=size,
-                enable_prefix_caching=False,
+        engine_args = {
+            name: EngineArgs(
+                model=str(model), dtype="float32", kv_cache_memory="256MiB", enable_prefix_caching=False, **variant
             )
-            for size in (1, 2)
-        }  # fmt: skip
-        times, threads = alternate_rounds(sizes, SCENARIOS, args.rounds, args.steps)
-    result = {"load_average": os.getloadavg(), "cores": os.cpu_count(), "layers": args.layers, "threads": threads}
-    for name in SCENARIOS:
-        tp1, tp2 = (statistics.median(times[name, size]) for size in (1, 2))
-        result[name] = {
-            "tp1_ms": round(tp1 * 1e3, 2),
-            "tp2_ms": round(tp2 * 1e3, 2),
-            "tp2_over_tp1": round(tp2 / tp1, 2),
+            for name, variant in variants.items()
         }
-        print(f"{name:12s} TP=1 {tp1 * 1e3:8.2f} ms   TP=2 {tp2 * 1e3:8.2f} ms   TP=2/TP=1 {tp2 / tp1:5.2f}x")
+        times, threads = alternate_rounds(engine_args, SCENARIOS, args.rounds, args.steps)
+    result = {"load_average": os.getloadavg(), "cores": os.cpu_count(), "layers": args.layers, "threads": threads}
+    first, second = variants
+    for name in SCENARIOS:
+        a, b = (statistics.median(times[name, variant]) for variant in (first, second))
+        result[name] = {f"{first} ms": round(a * 1e3, 2), f"{second} ms": round(b * 1e3, 2), "ratio": round(b / a, 2)}
+        print(f"{name:12s} {first} {a * 1e3:8.2f} ms   {second} {b * 1e3:8.2f} ms   {second} / {first} {b / a:5.2f}x")
     print(json.dumps(result))
 
 
