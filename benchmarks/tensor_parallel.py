@@ -76,22 +76,22 @@ def alternate_rounds(engine_args: dict, scenarios: dict, rounds: int, steps: int
     engines, threads = {}, {}
     times = {(name, variant): [] for name in scenarios for variant in engine_args}
 
-    def start(variant: str) -> EngineCore:
+    def start(variant: str, warm_ups) -> EngineCore:
         engine = engines[variant] = EngineCore(engine_args[variant])
         # Threads are the process's: rank 0 of two ranks takes half the cores (the other rank the rest), one rank all.
         threads[variant] = torch.get_num_threads()
-        for run in scenarios.values():  # warm-up: oneDNN's first calls, the allocator
+        for run in warm_ups:  # oneDNN's first calls, the allocator
             run(engine, 2)
         return engine
 
     try:
         if together:
             for variant in engine_args:
-                start(variant)
+                start(variant, scenarios.values())
         for _ in range(rounds):
             for name, run in scenarios.items():
                 for variant in engine_args:
-                    engine = engines[variant] if together else start(variant)
+                    engine = engines[variant] if together else start(variant, [run])
                     torch.set_num_threads(threads[variant])
                     times[name, variant].append(run(engine, steps))
                     if not together:
