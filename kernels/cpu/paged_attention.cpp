@@ -53,6 +53,7 @@ constexpr int64_t kItemOverhead = 32;  // fixed cost of an item, in keys, for ba
 constexpr int64_t kMaxTileRows = 64;   // a prefill tile's query rows: enough to amortize its gather
 constexpr int64_t kMinItems = 8;       // fewer items than this run their chunks as parts
 constexpr int64_t kKeyChunk = 256;     // keys are split at multiples of this, whatever the batch
+constexpr int64_t kKeyBlock = 32;      // keys a block of the loops over queries (the results do not depend on it)
 
 inline float dot(const float* a, const float* b, int64_t n) {
   Vec acc(0.f);
@@ -70,6 +71,73 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
   for (; i + Vec::size() <= n; i += Vec::size())
     at::vec::fmadd(wv, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
   for (; i < n; ++i) y[i] += w * x[i];
+}
+
+// A query's scores and weighted values over n keys, where head_dim is NV whole vectors: each score is dot()'s
+// operations, and each output element axpy()'s, in the same order, so the results are the same bit for bit; only
+// the scheduling differs. Eight keys' dot products run side by side (one alone is a chain of dependent
+// multiply-adds), a last group of fewer keys repeating its last key in the spare chains; the weighted sum keeps its
+// accumulators in registers across the keys instead of loading and storing them for every key.
+template <int NV>
+void scores_of(const float* q, const float* const* keys, int64_t n, float* scores) {
+  constexpr int kKeys = 8;
+  auto add = [](Vec& x, Vec& y) { return x + y; };
+  for (int64_t j = 0; j < n; j += kKeys) {
+    const float* k[kKeys];
+    for (int r = 0; r < kKeys; ++r) k[r] = keys[std::min<int64_t>(j + r, n - 1)];
+    Vec acc[kKeys];
+    for (int r = 0; r < kKeys; ++r) acc[r] = Vec(0.f);
+    for (int v = 0; v < NV; ++v) {
+      const Vec qv = Vec::loadu(q + v * Vec::size());
+      for (int r = 0; r < kKeys; ++r) acc[r] = at::vec::fmadd(qv, Vec::loadu(k[r] + v * Vec::size()), acc[r]);
+    }
+    float dots[kKeys];
+    for (int r = 0; r < kKeys; ++r) dots[r] = at::vec::vec_reduce_all<float>(add, acc[r]);
+    std::copy_n(dots, std::min<int64_t>(kKeys, n - j), scores + j);
+  }
+}
+
+// out[offset..offset + W vectors) += sum over keys j of w[j] * values[j][same], accumulated in key order.
+template <int W>
+inline void weighted_strip(const float* w, const float* const* values, int64_t n, int64_t offset, float* out) {
+  Vec acc[W];
+  for (int i = 0; i < W; ++i) acc[i] = Vec::loadu(out + offset + i * Vec::size());
+  for (int64_t j = 0; j < n; ++j) {
+    const Vec wj(w[j]);
+    for (int i = 0; i < W; ++i) acc[i] = at::vec::fmadd(wj, Vec::loadu(values[j] + offset + i * Vec::size()), acc[i]);
+  }
+  for (int i = 0; i < W; ++i) acc[i].store(out + offset + i * Vec::size());
+}
+
+template <int NV>
+void weighted_sum(const float* w, const float* const* values, int64_t n, float* out) {
+  constexpr int kStrip = 8;  // accumulators a strip: with the weight and a load, within 16 vector registers
+  for (int s = 0; s + kStrip <= NV; s += kStrip) weighted_strip<kStrip>(w, values, n, s * Vec::size(), out);
+  if constexpr (NV % kStrip != 0) weighted_strip<NV % kStrip>(w, values, n, NV / kStrip * kStrip * Vec::size(), out);
+}
+
+// Any head_dim: dot() and axpy() key by key.
+void scores_of_any(const float* q, const float* const* keys, int64_t n, int64_t head_dim, float* scores) {
+  for (int64_t j = 0; j < n; ++j) scores[j] = dot(q, keys[j], head_dim);
+}
+void weighted_sum_any(const float* w, const float* const* values, int64_t n, int64_t head_dim, float* out) {
+  for (int64_t j = 0; j < n; ++j) axpy(w[j], values[j], out, head_dim);
+}
+
+// The head_dim's query-key and weighted-value loops: unrolled where it is 1..16 whole vectors (64 and 128 are).
+struct HeadLoops {
+  void (*scores)(const float*, const float* const*, int64_t, float*) = nullptr;
+  void (*weighted)(const float*, const float* const*, int64_t, float*) = nullptr;
+};
+template <int... NV>
+HeadLoops head_loops_for(int64_t nv, std::integer_sequence<int, NV...>) {
+  HeadLoops loops;
+  ((nv == NV + 1 ? (loops = {scores_of<NV + 1>, weighted_sum<NV + 1>}, 0) : 0), ...);
+  return loops;
+}
+HeadLoops head_loops(int64_t head_dim) {
+  if (head_dim % Vec::size() != 0) return {};
+  return head_loops_for(head_dim / Vec::size(), std::make_integer_sequence<int, 16>{});
 }
 
 // A row as float32: float rows are used in place, others converted into buf.
@@ -184,7 +252,8 @@ inline void merge_chunks(const float* chunks, int64_t num_chunks, int64_t stride
     axpy(w, part + 2, out, head_dim);
   }
   if (sink) sum += std::exp(*sink - mx);
-  for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(out[d] / sum);
+  at::vec::map([sum](Vec x) { return x / Vec(sum); }, out, out, head_dim);
+  for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(out[d]);
 }
 
 // T: the query's and output's dtype; C: the cache's. One item: its keys chunk by chunk, each chunk's K and V rows
@@ -198,6 +267,8 @@ void attend_item(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, cons
   // Buffers (megabytes at long contexts) live as long as the thread: allocated anew each call, they are fresh pages
   // to fault in on every layer.
   thread_local std::vector<float> keys, values, scores, q, sums_buf, out;
+  thread_local std::vector<const float*> key_rows, value_rows;
+  thread_local std::vector<std::pair<int64_t, int64_t>> ranges;
   const int64_t nq = it.rows * group, h0 = it.kv_head * group, ps = partial_size(head_dim);
   if (it.len <= 0) {  // a padding request (seq_len 0): sees nothing, outputs zero
     for (int64_t g = 0; g < group; ++g) std::fill_n(o_base + it.row * os0 + (h0 + g) * os1, head_dim, T(0));
@@ -206,7 +277,11 @@ void attend_item(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, cons
   const int64_t first_chunk = it.key0 / kKeyChunk, num_chunks = (it.key1 - 1) / kKeyChunk + 1 - first_chunk;
   keys.resize(kKeyChunk * head_dim);
   values.resize(kKeyChunk * head_dim);
-  scores.resize(kKeyChunk);
+  key_rows.resize(kKeyChunk);
+  value_rows.resize(kKeyChunk);
+  const HeadLoops loops = head_loops(head_dim);
+  scores.resize(nq * kKeyChunk);
+  ranges.resize(nq);
   q.resize(nq * head_dim);
   out.resize(head_dim);
   // A whole item's sums: query i's chunk c at (i * num_chunks + c) * ps; a part's: query i's at (part + i) * ps.
@@ -215,7 +290,9 @@ void attend_item(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, cons
     sums_buf.resize(nq * num_chunks * ps);
     chunk_sums = sums_buf.data();
   }
-  // Query i = (row j, head g) at row j * group + g.
+  // Query i = (row j, head g) at row j * group + g. Its rows are asked for first: rows of a wider tensor (the
+  // projection's q, k and v), they are scattered lines the hardware prefetcher does not follow.
+  for (int64_t j = 0; j < it.rows; ++j) prefetch(q_base + (it.row + j) * qs0 + h0 * qs1, group * qs1);
   for (int64_t j = 0; j < it.rows; ++j)
     for (int64_t g = 0; g < group; ++g) {
       const T* src = q_base + (it.row + j) * qs0 + (h0 + g) * qs1;
@@ -234,34 +311,55 @@ void attend_item(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, cons
         prefetch(k_base + next, block_size * cs2);
         prefetch(v_base + next, block_size * cs2);
       }
-      float* k = keys.data() + (pos - k0) * head_dim;
-      float* v = values.data() + (pos - k0) * head_dim;
-      const float* kf = as_float(k_base + offset, k, head_dim);
-      const float* vf = as_float(v_base + offset, v, head_dim);
-      if (kf != k) std::memcpy(k, kf, head_dim * sizeof(float));
-      if (vf != v) std::memcpy(v, vf, head_dim * sizeof(float));
+      // Float32 rows are read in place; others are converted once for all the item's queries.
+      key_rows[pos - k0] = as_float(k_base + offset, keys.data() + (pos - k0) * head_dim, head_dim);
+      value_rows[pos - k0] = as_float(v_base + offset, values.data() + (pos - k0) * head_dim, head_dim);
     }
+    // Each query's keys [a, b) of the chunk; its sums at dst. The keys are visited a block at a time for every
+    // query (a block's rows stay in L1 while all the queries use them), first for the scores, then for the
+    // weighted values: each query still sums its keys in key order.
     for (int64_t i = 0; i < nq; ++i) {
       // Row j, at position p = it.len - it.rows + j, sees keys p - window + 1..p (0..p without a window).
       const int64_t p = it.len - it.rows + i / group;
-      const int64_t a = std::max(k0, window > 0 ? p + 1 - window : 0), b = std::min(k1, p + 1);
+      ranges[i] = {std::max(k0, window > 0 ? p + 1 - window : 0), std::min(k1, p + 1)};
+    }
+    auto for_blocks = [&](auto&& f) {
+      for (int64_t kb = k0; kb < k1; kb += kKeyBlock)
+        for (int64_t i = 0; i < nq; ++i) {
+          const auto [a, b] = ranges[i];
+          const int64_t lo = std::max(a, kb), hi = std::min(b, kb + kKeyBlock);
+          if (lo < hi) f(i, lo, hi, scores.data() + i * kKeyChunk + (lo - a));
+        }
+    };
+    for_blocks([&](int64_t i, int64_t lo, int64_t hi, float* s) {
+      const float* qi = q.data() + i * head_dim;
+      if (loops.scores)
+        loops.scores(qi, key_rows.data() + (lo - k0), hi - lo, s);
+      else
+        scores_of_any(qi, key_rows.data() + (lo - k0), hi - lo, head_dim, s);
+    });
+    for (int64_t i = 0; i < nq; ++i) {
+      const auto [a, b] = ranges[i];
       float* dst = chunk_sums + (it.part < 0 ? i * num_chunks + c : it.part + i) * ps;
+      std::fill(dst + 2, dst + ps, 0.f);
       if (a >= b) {
         dst[0] = -std::numeric_limits<float>::infinity();
         dst[1] = 0.f;
-        std::fill(dst + 2, dst + ps, 0.f);
         continue;
       }
-      const float* qi = q.data() + i * head_dim;
-      for (int64_t pos = a; pos < b; ++pos) scores[pos - a] = dot(qi, keys.data() + (pos - k0) * head_dim, head_dim);
-      if (cap > 0) soft_cap(scores.data(), b - a, cap);
-      const SoftmaxSums sums = softmax_unnormalized(scores.data(), b - a);
-      float* acc = dst + 2;
-      std::fill(acc, acc + head_dim, 0.f);
-      for (int64_t pos = a; pos < b; ++pos) axpy(scores[pos - a], values.data() + (pos - k0) * head_dim, acc, head_dim);
+      float* s = scores.data() + i * kKeyChunk;
+      if (cap > 0) soft_cap(s, b - a, cap);
+      const SoftmaxSums sums = softmax_unnormalized(s, b - a);
       dst[0] = sums.max;
       dst[1] = sums.sum;
     }
+    for_blocks([&](int64_t i, int64_t lo, int64_t hi, float* w) {
+      float* acc = chunk_sums + (it.part < 0 ? i * num_chunks + c : it.part + i) * ps + 2;
+      if (loops.weighted)
+        loops.weighted(w, value_rows.data() + (lo - k0), hi - lo, acc);
+      else
+        weighted_sum_any(w, value_rows.data() + (lo - k0), hi - lo, head_dim, acc);
+    });
   }
   if (it.part >= 0) return;
   for (int64_t i = 0; i < nq; ++i) {
