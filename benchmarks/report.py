@@ -57,6 +57,7 @@ ORDER = [
     "batch-invariance",
     "batch-invariance-avx2",
     "attention",
+    "attention-avx2",
     "host-time",
     "spec-decode",
     "lora",
