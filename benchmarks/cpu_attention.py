@@ -9,6 +9,7 @@ blocks scattered at random over the cache. Scenarios (seeded):
   prefill  4 whole prompts of 256 tokens.
   chunk    4 prompt chunks of 128 tokens after 256 cached tokens (a chunked prefill or a prefix hit).
   mixed    the decode batch plus one 128-token chunk after 256 cached tokens.
+  hit      one request's 16 new tokens after 2,048 cached ones (a long prefix hit's first step).
 Backends run alternately, round after round (the machine is shared and noisy); medians are printed.
 """
 
@@ -34,6 +35,7 @@ def make_step(scenario: str, seed: int = 0):
         "prefill": [(256, 256)] * 4,
         "chunk": [(128, 384)] * 4,
         "mixed": decodes + [(128, 384)],
+        "hit": [(16, 2064)],
     }[scenario]
 
 
@@ -88,7 +90,7 @@ def time_step(backend, metadata, caches, q, k, v) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", default="torch,cpu")
-    parser.add_argument("--scenario", default="decode", choices=["decode", "prefill", "chunk", "mixed"])
+    parser.add_argument("--scenario", default="decode", choices=["decode", "prefill", "chunk", "mixed", "hit"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3, help="steps timed per backend per round (median kept)")
