@@ -9,9 +9,9 @@ Kernels: PyTorch's packed ones. 4-bit codes run on its int4 matmul (CPU: `_weigh
 a decode step's few rows in bfloat16 and slow in float32 or for many rows, where oneDNN's matmul on the
 dequantized weight wins (docs/benchmarks.md); engine/models/quantization.py chooses between them. Codes in groups
 that neither takes (GGUF's Q6_K) run on our CPU kernel for few rows, `group_gemv` (kernels/cpu/quant.cpp).
-Where the CPU has AVX512-VNNI, bfloat16 steps of up to 16 rows run codes in groups of 32 (GGUF's Q4_0, Q4_1,
-Q8_0; int4) on `int8_dot_linear` instead: the activations rounded to int8 per block of 32, as llama.cpp does,
-and integer dot products, faster than PyTorch's int4 kernel at a few rows (docs/benchmarks.md).
+Where the CPU has AVX512-VNNI or AVX2, bfloat16 steps run codes in groups of 32 (GGUF's Q4_0, Q4_1, Q8_0; int4) on
+`int8_dot_linear` instead: the activations rounded to int8 per block of 32, as llama.cpp does, and integer dot
+products, faster than PyTorch's int4 kernel at a few rows (docs/benchmarks.md).
 """
 
 import torch
@@ -115,8 +115,8 @@ def group_gemv_kernel():
 
 
 # int8_dot_linear (kernels/cpu/quant.cpp): codes in groups of 32 against activations quantized to int8 per block
-# of 32, integer dot products (AVX512-VNNI), the weight read once for all of a step's rows. Output columns go in
-# tiles of 16, one int32 lane a column.
+# of 32, integer dot products (AVX512-VNNI, or AVX2 with FMA and F16C), the weight read once for all of a step's
+# rows. Output columns go in tiles of 16, one int32 lane a column.
 INT8_DOT_GROUP, INT8_DOT_TILE = 32, 16
 
 
@@ -168,7 +168,7 @@ def pack_int8_dot(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) ->
 
 def int8_dot_kernel():
     """int8_dot_linear (x, packed, n) -> x @ w.T, or None where the CPU kernels cannot be built or
-    the CPU has no AVX512-VNNI."""
+    the CPU has neither AVX512-VNNI nor AVX2 with FMA and F16C."""
     gemv = group_gemv_kernel()
     if gemv is None or not torch.ops.llmmesh_quant.int8_dot_supported():
         return None

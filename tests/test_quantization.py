@@ -7,6 +7,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from conftest import assert_no_leaks, run_greedy
@@ -28,6 +29,7 @@ from kernels.quant import (
     pack_int8_dot,
     quantize_int4,
     quantize_int8,
+    quantize_rows_int8,
 )
 from test_models import save_random_model
 
@@ -114,7 +116,7 @@ def _layer(method: str, seed=0):
 
 
 # int8: _weight_int8pack_mm; int4, gguf-q4_*, gguf-q8_0: int8_dot_linear (kernels/cpu/quant.cpp) where the CPU
-# has AVX512-VNNI, else the int4 kernel and group_gemv.
+# has AVX512-VNNI or AVX2, else the int4 kernel and group_gemv.
 METHODS = ["int8", "int4", "gguf-q4_0", "gguf-q4_1", "gguf-q8_0"]
 
 
@@ -154,7 +156,7 @@ def test_int8_dot_linear_matches_its_reference(bits, rows, dtype):
     columns leave the last tile of 16 part empty."""
     kernel = int8_dot_kernel()
     if kernel is None:
-        pytest.skip("int8_dot_linear needs AVX512-VNNI")
+        pytest.skip("int8_dot_linear needs AVX512-VNNI or AVX2")
     w = torch.randn(100, 256, generator=torch.Generator().manual_seed(0))
     codes = quantize_int4(w, 32) if bits == 4 else gguf_blocks("Q8_0", shape=(100, 256))[0]
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -162,6 +164,61 @@ def test_int8_dot_linear_matches_its_reference(bits, rows, dtype):
     assert got.dtype == dtype and got.shape == (rows, 100)
     error = ((got.float() - want).abs().max() / want.abs().max()).item()
     assert error < (BF16_REL_TOL if dtype == torch.bfloat16 else 1e-5), f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_dot_linear_is_exact_at_the_extreme_codes(bits):
+    """Codes at both ends of their range against activations of magnitude 127 after rounding, in every pairing: the
+    integer dot products must not saturate (AVX2's 16-bit pair sums would, taken naively for 8-bit codes)."""
+    kernel = int8_dot_kernel()
+    if kernel is None:
+        pytest.skip("int8_dot_linear needs AVX512-VNNI or AVX2")
+    gen = torch.Generator().manual_seed(0)
+    low, high = (0, 15) if bits == 4 else (-128, 127)
+    q = torch.where(torch.rand(48, 256, generator=gen) < 0.5, low, high).to(torch.int8)
+    q[0], q[1] = high, low  # whole columns at one end: every pair of products at its largest
+    scales, zeros = torch.ones(48, 8), torch.zeros(48, 8)
+    x = torch.where(torch.rand(3, 256, generator=gen) < 0.5, -1.0, 1.0)
+    x[0] = 1.0
+    got = kernel(x, *pack_int8_dot(q, scales, zeros))
+    want = F.linear(quantize_rows_int8(x).double(), dequantize(q, scales, zeros).double())
+    error = ((got.double() - want).abs().max() / want.abs().max()).item()
+    assert error < 1e-6, f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_dot_linear_rounds_the_activations_as_quantize_rows_int8(dtype):
+    """Against the identity (codes 1 on the diagonal, scales 1), the output is each activation as the kernel rounded
+    it, bit for bit: ties to even (a block of absmax 127 scales by 1), saturation and all-zero blocks included."""
+    kernel = int8_dot_kernel()
+    if kernel is None:
+        pytest.skip("int8_dot_linear needs AVX512-VNNI or AVX2")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, generator=gen) * 3
+    x[0, :32] = torch.arange(-16, 16) + 0.5
+    x[0, 0] = 127.0
+    x[1, 32:] = 0.0
+    x[2] = torch.randint(-300, 300, (64,), generator=gen) / 2
+    x = x.to(dtype)
+    got = kernel(x, *pack_int8_dot(torch.eye(64, dtype=torch.int8), torch.ones(64, 2), torch.zeros(64, 2)))
+    assert torch.equal(got, quantize_rows_int8(x).to(dtype))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_dot_linear_row_is_the_same_in_any_batch(bits, dtype):
+    """Batch invariance of the kernel itself: each row of a call of 1 to 17 rows is bit for bit the row computed
+    alone, whichever run of rows it falls in."""
+    kernel = int8_dot_kernel()
+    if kernel is None:
+        pytest.skip("int8_dot_linear needs AVX512-VNNI or AVX2")
+    w = torch.randn(100, 256, generator=torch.Generator().manual_seed(0))
+    codes = quantize_int4(w, 32) if bits == 4 else gguf_blocks("Q8_0", shape=(100, 256))[0]
+    packed = pack_int8_dot(*codes)
+    x = torch.randn(17, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+    alone = torch.cat([kernel(x[i : i + 1], *packed) for i in range(len(x))])
+    for rows in range(1, len(x) + 1):
+        assert torch.equal(kernel(x[:rows], *packed), alone[:rows]), f"{rows} rows"
 
 
 def test_int8_dot_linear_takes_float16_scales_only():
@@ -214,7 +271,8 @@ def assert_agrees_with(
 
 
 # With --batch-invariant on (the default) a prefill's rows, too, have their activations rounded to int8 (every row on
-# the quantized kernel); docs/determinism.md gives the wider bound that costs.
+# the quantized kernel), and so with off where oneDNN takes no bfloat16 (a CPU without AVX-512: int8_dot_linear then
+# runs every step); docs/determinism.md gives the wider bound that costs.
 MAX_LOGIT_REGRET_INVARIANT = 0.07
 
 
@@ -230,10 +288,12 @@ def test_greedy_agrees_with_hf_on_the_dequantized_weights(tmp_path, method, batc
     )  # fmt: skip
     engine = EngineCore(args)
     # Off, decodes take the quantized kernel; on, int8's per-channel codes run dequantized on dense_linear.
-    assert engine.worker.model.layers[0].mlp.down_proj.kernel is not None or batch_invariant == "on"
+    layer = engine.worker.model.layers[0].mlp.down_proj
+    assert layer.kernel is not None or batch_invariant == "on"
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 17, 40)]
-    bound = MAX_LOGIT_REGRET if batch_invariant == "off" else MAX_LOGIT_REGRET_INVARIANT
+    every_row = batch_invariant == "on" or (layer.kernel is not None and layer.kernel_max_rows is None)
+    bound = MAX_LOGIT_REGRET_INVARIANT if every_row else MAX_LOGIT_REGRET
     assert_agrees_with(hf_model, prompts, run_greedy(engine, prompts, 16), method, bound)
     assert_no_leaks(engine)
 
@@ -285,7 +345,7 @@ MAX_LOGPROB_ERROR = 0.3
 def test_smollm2_gguf_native_bfloat16_agrees_with_hf(hf_smollm2, tokenizer):
     engine = EngineCore(EngineArgs(dtype="bfloat16", kv_cache_memory="64MiB"))
     assert engine.worker.quantization == "gguf"
-    # Batch invariance on a CPU without the int8-activation kernel (no AVX-512) multiplies by the dequantized weight.
+    # Batch invariance on a CPU without the int8-activation kernel (no AVX2) multiplies by the dequantized weight.
     has_kernel = engine.worker.model.layers[0].self_attn.qkv_proj.kernel is not None
     assert has_kernel or engine.args.batch_invariant == "on"
     prompts = [tokenizer(p).input_ids for p in SMOLLM2_PROMPTS]

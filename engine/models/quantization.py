@@ -12,8 +12,9 @@ Methods (--quantization):
 - gguf: a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K tensors as stored (group-wise codes, kernels/quant.py's format);
   its other tensor types arrive dequantized to float32. A GGUF model gets it by default.
 
-On CPU with AVX512-VNNI, bfloat16 codes in groups of 32 (int4, GGUF's Q4_0, Q4_1 and Q8_0) run on
-kernels.quant's int8_dot_linear, activations rounded to int8 per block of 32. Otherwise the int8 and int4
+On CPU with AVX512-VNNI or AVX2, bfloat16 codes in groups of 32 (int4, GGUF's Q4_0, Q4_1 and Q8_0) run on
+kernels.quant's int8_dot_linear, activations rounded to int8 per block of 32 (a step's few rows where oneDNN takes
+bfloat16, every step where it does not). Otherwise the int8 and int4
 kernels (and ours for GGUF's Q8_0 and Q6_K groups, kernels.quant.group_gemv) compute
 in bfloat16 or float16 and pay off for a decode step's few rows; oneDNN on the dequantized weight is faster for
 more rows (docs/benchmarks.md), so a quantized layer keeps that too. A GGUF model in float32 runs the dequantized
@@ -46,7 +47,9 @@ INT4_GROUP_SIZE = 32
 # Most rows a CPU step runs on the int4/int8 kernels; above it oneDNN on the dequantized weight is faster.
 CPU_KERNEL_MAX_ROWS = 4
 # The same for int8_dot_linear, by its packed group's bytes: 4-bit codes (320) or 8-bit (576), each where it stops
-# beating oneDNN (docs/benchmarks.md).
+# beating oneDNN (AVX512-VNNI, docs/benchmarks.md). Where oneDNN takes no bfloat16 (a CPU without AVX-512) the rest
+# run on F.linear, which it beats at every row count: on an EPYC Zen 3 (AVX2), 0.07-0.41 of its time from 1 to 512
+# rows on SmolLM2-135M's shapes, so there it runs every step.
 INT8_DOT_MAX_ROWS = {320: 16, 576: 6}
 _QUANTIZED_ACT_DTYPES = (torch.bfloat16, torch.float16)
 # Most rows a CPU step runs on kernels.dense's dense_linear, by dtype and the packed tile's columns (oneDNN's layout
@@ -141,7 +144,8 @@ class GroupQuantLinearMethod(LinearMethodBase):
         invariant = getattr(layer, "batch_invariant", False)
         if packed is not None:
             layer.kernel = lambda x: dot(x, *packed)
-            layer.kernel_max_rows = None if invariant else INT8_DOT_MAX_ROWS[packed[0].shape[2]]
+            bounded = not invariant and _onednn_supports(q.device, dtype)
+            layer.kernel_max_rows = INT8_DOT_MAX_ROWS[packed[0].shape[2]] if bounded else None
         elif invariant and q.device.type == "cpu":
             pass  # the dequantized weight alone, on one kernel for every M
         elif dtype in _QUANTIZED_ACT_DTYPES and is_int4(q, scales):
