@@ -71,12 +71,13 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 	else echo "node/npm missing: the Node.js interop test will be skipped"; fi
 
 # Lint, format and the layering contracts first (ruff and import-linter, configured in pyproject.toml): a noqa or
-# fmt: skip in the code means something.
+# fmt: skip in the code means something. The tests run a file at a time in two processes, each on one thread: on a
+# 2-core Zen 3 that took 24 minutes, against 34 one file after another and 46 with two threads a process.
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # Start the mesh, stream a few generations through the gateway, stop it.
 run: setup
