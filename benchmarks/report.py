@@ -54,6 +54,7 @@ ORDER = [
     "latency-llama-cpp",
     "dense-linear-bf16",
     "dense-linear-f32",
+    "dense-linear-f32-avx2",
     "batch-invariance",
     "batch-invariance-avx2",
     "attention",

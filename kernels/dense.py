@@ -57,8 +57,8 @@ def packed_view(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | No
 @functools.cache  # asked once a layer at load
 def dense_kernel(dtype: torch.dtype = torch.bfloat16):
     """dense_linear (x, packed, n, bias) -> x @ w.T + bias for x of dtype (bfloat16 or float32) and a packed_view
-    weight of n output columns, or None where the CPU kernels cannot be built or the CPU lacks AVX-512 (AVX512-BF16
-    for bfloat16)."""
+    weight of n output columns, or None where the CPU kernels cannot be built or the CPU lacks AVX-512 or AVX2 with
+    FMA (AVX512-BF16 for bfloat16)."""
     from kernels.cpu_ops import try_load
 
     supported = try_load() is not None and dtype in (torch.bfloat16, torch.float32)

@@ -10,7 +10,8 @@ from engine.models import quantization
 from engine.request import SamplingParams
 from kernels.dense import dense_kernel, pack_dense, packed_view
 
-pytestmark = pytest.mark.skipif(dense_kernel() is None, reason="dense_linear needs AVX512-BF16")
+bfloat16 = pytest.mark.skipif(dense_kernel() is None, reason="dense_linear's bfloat16 needs AVX512-BF16")
+float32 = pytest.mark.skipif(dense_kernel(torch.float32) is None, reason="dense_linear's float32 needs AVX-512 or AVX2")
 
 
 def _packed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,6 +19,7 @@ def _packed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, packed_view(packed, w)
 
 
+@bfloat16
 def test_packed_view_reads_onednns_packed_weight_in_place():
     """oneDNN packs in tiles of 32 columns on a CPU with AMX, of 64 on one without: the view is whichever it is."""
     w = torch.randn(100, 70).bfloat16()
@@ -33,6 +35,7 @@ def test_packed_view_reads_onednns_packed_weight_in_place():
 SHAPES = [(96, 64), (100, 70), (33, 31), (5, 3), (64, 1536)]
 
 
+@bfloat16
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tile", [32, 64])
@@ -55,6 +58,7 @@ def test_dense_linear_matches_float32_within_bfloat16_rounding(n, k, bias, tile)
         assert worst <= 1.0, f"{rows} rows of [{n}, {k}], bias {bias}: {worst:.2f} of the rounding allowed"
 
 
+@bfloat16
 def test_dense_linear_refuses_what_it_cannot_read():
     w = torch.randn(64, 64).bfloat16()
     view = pack_dense(w, 32)
@@ -68,9 +72,6 @@ def test_dense_linear_refuses_what_it_cannot_read():
         dense_kernel()(torch.randn(1, 128).bfloat16(), view, 64, None)
     with pytest.raises(RuntimeError, match="32 or 64"):  # tiles of another width
         dense_kernel()(torch.randn(1, 64).bfloat16(), pack_dense(w, 16), 64, None)
-
-
-float32 = pytest.mark.skipif(dense_kernel(torch.float32) is None, reason="dense_linear's float32 needs AVX-512")
 
 
 @float32
@@ -101,7 +102,7 @@ def test_dense_linear_float32_matches_float64(n, k, bias):
         assert worst <= 1.0, f"{rows} rows of [{n}, {k}], bias {bias}: {worst:.2f} of the error allowed"
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=float32)])
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=bfloat16), pytest.param("float32", marks=float32)])
 def test_engine_gives_onednns_greedy_tokens(tiny_llama_dir, monkeypatch, dtype):
     llm = LLM(str(tiny_llama_dir), dtype=dtype, kv_cache_memory="4MiB")
     layers = [m for m in llm.engine.worker.model.modules() if getattr(m, "packed_dense", None) is not None]
@@ -116,3 +117,27 @@ def test_engine_gives_onednns_greedy_tokens(tiny_llama_dir, monkeypatch, dtype):
     with_kernel = greedy()
     monkeypatch.setattr(quantization, "DENSE_MAX_ROWS", {})
     assert with_kernel == greedy()
+
+
+@float32
+@pytest.mark.parametrize("n, k", [(960, 576), (200, 1536), (128, 2100)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_invariant_float32_layer_gives_each_row_its_bits_alone(n, k, bias):
+    """With batch invariance on, a float32 layer hands steps past dense_linear's rows to oneDNN only where the load
+    check found oneDNN summing as dense_linear does (so on an AVX2 CPU: chains of 1,024 inputs, K > 1,024 included);
+    either way a row among hundreds is the row alone, bit for bit."""
+    from engine.models.linear import Linear, process_weights_after_loading
+
+    gen = torch.Generator().manual_seed(k)
+    layer = Linear(k, n, bias=bias)
+    layer.weight.data.copy_(torch.randn(n, k, generator=gen) / 24)
+    if bias:
+        layer.bias.data.normal_(generator=gen)
+    process_weights_after_loading(layer, torch.float32, batch_invariant=True)
+    assert layer.packed_dense is not None
+    if torch.backends.cpu.get_cpu_capability() == "AVX2":
+        assert not layer.dense_every_m  # oneDNN's AVX2 kernel sums as dense_linear's AVX2 form
+    x = torch.randn(300, k, generator=gen)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    for rows in (25, 101, 300):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"

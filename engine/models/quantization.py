@@ -54,13 +54,18 @@ INT8_DOT_MAX_ROWS = {320: 16, 576: 6}
 _QUANTIZED_ACT_DTYPES = (torch.bfloat16, torch.float16)
 # Most rows a CPU step runs on kernels.dense's dense_linear, by dtype and the packed tile's columns (oneDNN's layout
 # on this CPU, tiles of 32 where it uses AMX): past them oneDNN's own kernel on the same packed weight, or the
-# engine's whole decode step, gains no more (docs/benchmarks.md).
-DENSE_MAX_ROWS = {(torch.bfloat16, 32): 8, (torch.bfloat16, 64): 16, (torch.float32, 64): 64}
+# engine's whole decode step, gains no more (docs/benchmarks.md). On AVX2 (float32 only) oneDNN catches up sooner.
+if torch.backends.cpu.get_cpu_capability() == "AVX2":
+    DENSE_MAX_ROWS = {(torch.float32, 64): 24}
+else:
+    DENSE_MAX_ROWS = {(torch.bfloat16, 32): 8, (torch.bfloat16, 64): 16, (torch.float32, 64): 64}
 # Batch invariance (--batch-invariant on, docs/determinism.md): a layer computes every row by one kernel, whatever the
 # step's row count, so a row's output never depends on its neighbours. Codes int8_dot_linear takes run on it for every
 # M (one reduction order along K, and at prefill sizes about as fast as oneDNN on the dequantized weight: the
 # weight's bytes are a quarter, the products integer); other weights run dense_linear for every M, whose order along
-# K does not depend on M either. Off: each M on its fastest kernel, as the tables above say.
+# K does not depend on M either, unless oneDNN's float32 product gives dense_linear's bits on the layer's shape
+# (checked at load: oneDNN's AVX2 kernel sums K as dense_linear's AVX2 form does), when each M takes the faster of
+# the two as with invariance off. Off: each M on its fastest kernel, as the tables above say.
 
 
 class QuantizeMethodBase:
@@ -96,7 +101,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     """Float weights. On CPU the matmul goes through oneDNN with the weight packed once, after loading:
     faster than F.linear's MKL sgemm on this model's shapes (vLLM's CPU backend does the same,
     `dispatch_cpu_unquantized_gemm`). On a GPU, or where oneDNN cannot take the dtype, F.linear.
-    In bfloat16 on a CPU with AVX512-BF16, or float32 with AVX-512, a step of up to DENSE_MAX_ROWS rows runs
+    In bfloat16 on a CPU with AVX512-BF16, or float32 with AVX-512 or AVX2, a step of up to DENSE_MAX_ROWS rows runs
     kernels.dense's dense_linear on oneDNN's packed weight itself (no second copy): it reads the weight near the
     memory's rate, which a decode step's few rows are bound by (docs/benchmarks.md)."""
 
@@ -106,11 +111,14 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer, dtype):
         layer.packed = layer.packed_dense = None
+        layer.dense_every_m = False  # True: batch invariance needs dense_linear for every row count
         if _onednn_supports(layer.weight.device, dtype):
             weight = layer.weight.detach().to(dtype)
             layer.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
             if dense_kernel(dtype) is not None:
                 layer.packed_dense = packed_view(layer.packed, weight)
+            if layer.packed_dense is not None and getattr(layer, "batch_invariant", False):
+                layer.dense_every_m = not _onednn_sums_as_dense(layer, weight.shape)
             layer.weight = None  # a tied embedding keeps its own reference
         else:
             layer.weight.data = layer.weight.data.to(dtype)
@@ -122,13 +130,33 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if (
             dense is not None
             and x.dim() == 2
-            and (
-                getattr(layer, "batch_invariant", False)
-                or x.shape[0] <= DENSE_MAX_ROWS.get((x.dtype, dense.shape[2]), 0)
-            )
+            and (layer.dense_every_m or x.shape[0] <= DENSE_MAX_ROWS.get((x.dtype, dense.shape[2]), 0))
         ):
             return torch.ops.llmmesh_dense.dense_linear(x, dense, layer.output_size, layer.bias)
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+
+
+_SUMS_AS_DENSE: dict[tuple, bool] = {}
+
+
+def _onednn_sums_as_dense(layer: nn.Module, shape: torch.Size) -> bool:
+    """Whether oneDNN's product gives dense_linear's bits, row for row, on the layer's shape, at a step just past
+    dense_linear's rows and at four times that. Float32 only (bfloat16 with AMX sums in tiles of its own). Once a
+    shape and bias: the order of the sums is the kernels' choice for the shape and the threads, not the weight's."""
+    view, bias, (n, k) = layer.packed_dense, layer.bias, shape
+    dtype = view.dtype
+    key = (dtype, n, k, bias is not None, torch.get_num_threads())
+    if key not in _SUMS_AS_DENSE:
+        same = dtype == torch.float32
+        rows = DENSE_MAX_ROWS.get((dtype, view.shape[2]), 0) + 1
+        gen = torch.Generator().manual_seed(0)
+        b = None if bias is None else bias.detach().to(dtype)
+        for m in (rows, 4 * rows) if same else ():
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            dense = torch.ops.llmmesh_dense.dense_linear(x, view, n, b)
+            same = same and torch.equal(dense, torch.ops.mkldnn._linear_pointwise(x, layer.packed, b, "none", [], ""))
+        _SUMS_AS_DENSE[key] = same
+    return _SUMS_AS_DENSE[key]
 
 
 class GroupQuantLinearMethod(LinearMethodBase):

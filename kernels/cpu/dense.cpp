@@ -147,6 +147,91 @@ void dense_f32(const float* w, int64_t tiles, int64_t k_padded, const float* x, 
   });
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+
+// float32 on AVX2, the same packed tiles of 64 columns (eight registers an input). Each column is summed as oneDNN's
+// own AVX2 kernel sums it, so that a step's rows give the same bits on either kernel and the engine can hand many
+// rows to oneDNN without breaking batch invariance (kernels/dense.py checks it at load): a chain of FMAs over each
+// 1,024 inputs in order, the chains added in order, then the bias. A tile is read in slices of KC inputs (16 KB) that
+// stay in L1 while every row passes over them; accumulators wait in a buffer between slices.
+constexpr int64_t CHAIN_F32_AVX2 = 1024;  // inputs a chain, as oneDNN's AVX2 float32 kernel splits K
+constexpr int64_t KC = 64;                // inputs a slice of a tile
+constexpr int64_t ROWS_A_BLOCK = 64;      // rows a tile's buffers hold; more rows read the tile again
+
+// ROWS rows against REGS registers (8 REGS columns) of one slice: acc[r][j] continues the chain in buf (or starts
+// it), one FMA an input. Only the first pass over a slice prefetches the next one.
+template <int ROWS, int REGS, bool PREFETCH>
+inline void slice_rows_f32(const float* w, int64_t inputs, const float* x, int64_t x_stride, float* buf, bool start) {
+  __m256 acc[ROWS][REGS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < REGS; ++j) acc[r][j] = start ? _mm256_setzero_ps() : _mm256_loadu_ps(buf + r * 64 + 8 * j);
+  for (int64_t i = 0; i < inputs; ++i) {
+    const float* row = w + i * TILE_F32;
+    if constexpr (PREFETCH)
+      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(row) + PREFETCH_BYTES + 64 * j, _MM_HINT_T1);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * x_stride + i);
+      for (int j = 0; j < REGS; ++j) acc[r][j] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(row + 8 * j), acc[r][j]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < REGS; ++j) _mm256_storeu_ps(buf + r * 64 + 8 * j, acc[r][j]);
+}
+
+// rows (at most ROWS_A_BLOCK) against one tile: one row in all eight registers; more in passes of up to three rows
+// over half the tile (twelve accumulators, the weights read from L1 by the FMAs).
+void tile_block_f32(const float* tile, int64_t k, const float* x, int64_t rows, int64_t x_stride, const float* bias,
+                    float* out, int64_t n, int64_t col) {
+  alignas(32) float chain[ROWS_A_BLOCK * TILE_F32];
+  alignas(32) float total[ROWS_A_BLOCK * TILE_F32];
+  for (int64_t c0 = 0; c0 < k; c0 += CHAIN_F32_AVX2) {
+    const int64_t c1 = std::min(k, c0 + CHAIN_F32_AVX2);
+    for (int64_t s = c0; s < c1; s += KC) {
+      const float* w = tile + s * TILE_F32;
+      const int64_t inputs = std::min(KC, c1 - s);
+      const bool start = s == c0;
+      if (rows == 1) {
+        slice_rows_f32<1, 8, true>(w, inputs, x + s, x_stride, chain, start);
+        continue;
+      }
+      for (int64_t m = 0; m < rows; m += 3) {
+        for (int h = 0; h < 2; ++h) {
+          const float* xm = x + m * x_stride + s;
+          float* b = chain + m * TILE_F32 + 32 * h;
+          const bool first = m == 0 && h == 0;
+          switch (std::min<int64_t>(rows - m, 3)) {
+            case 1: first ? slice_rows_f32<1, 4, true>(w + 32 * h, inputs, xm, x_stride, b, start)
+                          : slice_rows_f32<1, 4, false>(w + 32 * h, inputs, xm, x_stride, b, start); break;
+            case 2: first ? slice_rows_f32<2, 4, true>(w + 32 * h, inputs, xm, x_stride, b, start)
+                          : slice_rows_f32<2, 4, false>(w + 32 * h, inputs, xm, x_stride, b, start); break;
+            case 3: first ? slice_rows_f32<3, 4, true>(w + 32 * h, inputs, xm, x_stride, b, start)
+                          : slice_rows_f32<3, 4, false>(w + 32 * h, inputs, xm, x_stride, b, start); break;
+          }
+        }
+      }
+    }
+    for (int64_t e = 0; e < rows * TILE_F32; e += 8) {
+      const __m256 v = _mm256_load_ps(chain + e);
+      _mm256_store_ps(total + e, c0 == 0 ? v : _mm256_add_ps(_mm256_load_ps(total + e), v));
+    }
+  }
+  const int64_t cols = std::min(TILE_F32, n - col);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j)
+      out[r * n + col + j] = bias == nullptr ? total[r * TILE_F32 + j] : total[r * TILE_F32 + j] + bias[col + j];
+}
+
+void dense_f32(const float* w, int64_t tiles, int64_t k_padded, const float* x, int64_t rows, int64_t x_stride,
+               int64_t k, const float* bias, float* out, int64_t n) {
+  const int64_t tile_elems = TILE_F32 * k_padded;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t m = 0; m < rows; m += ROWS_A_BLOCK)
+        tile_block_f32(w + t * tile_elems, k, x + m * x_stride, std::min(rows - m, ROWS_A_BLOCK), x_stride, bias,
+                       out + m * n, n, t * TILE_F32);
+  });
+}
+
 #endif
 
 }  // namespace
@@ -155,7 +240,7 @@ bool dense_supported(at::ScalarType dtype) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if (dtype == at::kBFloat16) return true;
 #endif
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if (dtype == at::kFloat) return true;
 #endif
   return false;
@@ -203,7 +288,7 @@ at::Tensor dense_linear_f32(const at::Tensor& x, const at::Tensor& packed, int64
   const at::Tensor xc = x.contiguous();
   const at::Tensor bias_f = bias_as_float(bias, n);
   at::Tensor out = at::empty({x.size(0), n}, x.options());
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   dense_f32(packed.data_ptr<float>(), tiles, k_padded, xc.data_ptr<float>(), x.size(0), xc.size(1), k,
             bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>(), n);
 #endif
@@ -219,7 +304,8 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
                         const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x must be bfloat16 or float32 [M, K]");
-  TORCH_CHECK(dense_supported(x.scalar_type()), "dense_linear needs AVX-512 (AVX512-BF16 for bfloat16)");
+  TORCH_CHECK(dense_supported(x.scalar_type()),
+              "dense_linear needs AVX-512 or AVX2 with FMA for float32, AVX512-BF16 for bfloat16");
   return x.scalar_type() == at::kFloat ? dense_linear_f32(x, packed, n, bias) : dense_linear_bf16(x, packed, n, bias);
 }
 
