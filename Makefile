@@ -71,8 +71,8 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 	else echo "node/npm missing: the Node.js interop test will be skipped"; fi
 
 # Lint, format and the layering contracts first (ruff and import-linter, configured in pyproject.toml): a noqa or
-# fmt: skip in the code means something. The tests run a file at a time in two processes, each on one thread: on a
-# 2-core Zen 3 that took 24 minutes, against 34 one file after another and 46 with two threads a process.
+# fmt: skip in the code means something. The tests run a file at a time in two processes, each on one thread: most
+# of the suite's time is start-up of meshes and engines, which two processes overlap (docs/benchmarks.md).
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -133,7 +133,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
             and (layer.dense_every_m or x.shape[0] <= DENSE_MAX_ROWS.get((x.dtype, dense.shape[2]), 0))
         ):
             return torch.ops.llmmesh_dense.dense_linear(x, dense, layer.output_size, layer.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+        return _onednn_linear(x, layer.packed, layer.bias)
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 _SUMS_AS_DENSE: dict[tuple, bool] = {}
@@ -143,19 +147,19 @@ def _onednn_sums_as_dense(layer: nn.Module, shape: torch.Size) -> bool:
     """Whether oneDNN's product gives dense_linear's bits, row for row, on the layer's shape, at a step just past
     dense_linear's rows and at four times that. Float32 only (bfloat16 with AMX sums in tiles of its own). Once a
     shape and bias: the order of the sums is the kernels' choice for the shape and the threads, not the weight's."""
-    view, bias, (n, k) = layer.packed_dense, layer.bias, shape
-    dtype = view.dtype
-    key = (dtype, n, k, bias is not None, torch.get_num_threads())
+    view, (n, k) = layer.packed_dense, shape
+    if view.dtype != torch.float32:
+        return False
+    bias = None if layer.bias is None else layer.bias.detach().float()
+    key = (n, k, bias is not None, torch.get_num_threads())
     if key not in _SUMS_AS_DENSE:
-        same = dtype == torch.float32
-        rows = DENSE_MAX_ROWS.get((dtype, view.shape[2]), 0) + 1
+        rows = DENSE_MAX_ROWS.get((torch.float32, view.shape[2]), 0) + 1
         gen = torch.Generator().manual_seed(0)
-        b = None if bias is None else bias.detach().to(dtype)
-        for m in (rows, 4 * rows) if same else ():
-            x = torch.randn(m, k, generator=gen).to(dtype)
-            dense = torch.ops.llmmesh_dense.dense_linear(x, view, n, b)
-            same = same and torch.equal(dense, torch.ops.mkldnn._linear_pointwise(x, layer.packed, b, "none", [], ""))
-        _SUMS_AS_DENSE[key] = same
+        xs = [torch.randn(m, k, generator=gen) for m in (rows, 4 * rows)]
+        _SUMS_AS_DENSE[key] = all(
+            torch.equal(torch.ops.llmmesh_dense.dense_linear(x, view, n, bias), _onednn_linear(x, layer.packed, bias))
+            for x in xs
+        )
     return _SUMS_AS_DENSE[key]
 
 

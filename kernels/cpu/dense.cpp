@@ -151,7 +151,7 @@ void dense_f32(const float* w, int64_t tiles, int64_t k_padded, const float* x, 
 
 // float32 on AVX2, the same packed tiles of 64 columns (eight registers an input). Each column is summed as oneDNN's
 // own AVX2 kernel sums it, so that a step's rows give the same bits on either kernel and the engine can hand many
-// rows to oneDNN without breaking batch invariance (kernels/dense.py checks it at load): a chain of FMAs over each
+// rows to oneDNN without breaking batch invariance (engine/models/quantization.py checks it at load): a chain of FMAs over each
 // 1,024 inputs in order, the chains added in order, then the bias. A tile is read in slices of KC inputs (16 KB) that
 // stay in L1 while every row passes over them; accumulators wait in a buffer between slices.
 constexpr int64_t CHAIN_F32_AVX2 = 1024;  // inputs a chain, as oneDNN's AVX2 float32 kernel splits K
@@ -200,12 +200,13 @@ void tile_block_f32(const float* tile, int64_t k, const float* x, int64_t rows, 
           float* b = chain + m * TILE_F32 + 32 * h;
           const bool first = m == 0 && h == 0;
           switch (std::min<int64_t>(rows - m, 3)) {
-            case 1: first ? slice_rows_f32<1, 4, true>(w + 32 * h, inputs, xm, x_stride, b, start)
-                          : slice_rows_f32<1, 4, false>(w + 32 * h, inputs, xm, x_stride, b, start); break;
-            case 2: first ? slice_rows_f32<2, 4, true>(w + 32 * h, inputs, xm, x_stride, b, start)
-                          : slice_rows_f32<2, 4, false>(w + 32 * h, inputs, xm, x_stride, b, start); break;
-            case 3: first ? slice_rows_f32<3, 4, true>(w + 32 * h, inputs, xm, x_stride, b, start)
-                          : slice_rows_f32<3, 4, false>(w + 32 * h, inputs, xm, x_stride, b, start); break;
+#define ROWS_CASE(R)                                                      \
+  case R:                                                                 \
+    (first ? slice_rows_f32<R, 4, true> : slice_rows_f32<R, 4, false>)(   \
+        w + 32 * h, inputs, xm, x_stride, b, start);                      \
+    break;
+            ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3)
+#undef ROWS_CASE
           }
         }
       }
