@@ -159,16 +159,19 @@ constexpr int64_t KC = 64;                // inputs a slice of a tile
 constexpr int64_t ROWS_A_BLOCK = 64;      // rows a tile's buffers hold; more rows read the tile again
 
 // ROWS rows against REGS registers (8 REGS columns) of one slice: acc[r][j] continues the chain in buf (or starts
-// it), one FMA an input. Only the first pass over a slice prefetches the next one.
-template <int ROWS, int REGS, bool PREFETCH>
-inline void slice_rows_f32(const float* w, int64_t inputs, const float* x, int64_t x_stride, float* buf, bool start) {
+// it), one FMA an input. Each pass prefetches its share of the next slice, pf_lines cache lines from pf, spread over
+// its inputs: the passes over a slice then keep the memory busy while they compute.
+template <int ROWS, int REGS>
+inline void slice_rows_f32(const float* w, int64_t inputs, const float* x, int64_t x_stride, float* buf, bool start,
+                           const char* pf, int64_t pf_lines) {
+  const int64_t lines_an_input = (pf_lines + inputs - 1) / inputs;
   __m256 acc[ROWS][REGS];
   for (int r = 0; r < ROWS; ++r)
     for (int j = 0; j < REGS; ++j) acc[r][j] = start ? _mm256_setzero_ps() : _mm256_loadu_ps(buf + r * 64 + 8 * j);
   for (int64_t i = 0; i < inputs; ++i) {
     const float* row = w + i * TILE_F32;
-    if constexpr (PREFETCH)
-      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(row) + PREFETCH_BYTES + 64 * j, _MM_HINT_T1);
+    for (int64_t l = i * lines_an_input; l < std::min(pf_lines, (i + 1) * lines_an_input); ++l)
+      _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
     for (int r = 0; r < ROWS; ++r) {
       const __m256 xb = _mm256_broadcast_ss(x + r * x_stride + i);
       for (int j = 0; j < REGS; ++j) acc[r][j] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(row + 8 * j), acc[r][j]);
@@ -190,20 +193,22 @@ void tile_block_f32(const float* tile, int64_t k, const float* x, int64_t rows, 
       const float* w = tile + s * TILE_F32;
       const int64_t inputs = std::min(KC, c1 - s);
       const bool start = s == c0;
+      const char* next = reinterpret_cast<const char*>(w) + PREFETCH_BYTES;
+      const int64_t lines = inputs * TILE_F32 * 4 / 64;  // the next slice's, as long as this one
       if (rows == 1) {
-        slice_rows_f32<1, 8, true>(w, inputs, x + s, x_stride, chain, start);
+        slice_rows_f32<1, 8>(w, inputs, x + s, x_stride, chain, start, next, lines);
         continue;
       }
-      for (int64_t m = 0; m < rows; m += 3) {
-        for (int h = 0; h < 2; ++h) {
+      const int64_t passes = 2 * ((rows + 2) / 3);
+      for (int64_t m = 0, p = 0; m < rows; m += 3) {
+        for (int h = 0; h < 2; ++h, ++p) {
           const float* xm = x + m * x_stride + s;
           float* b = chain + m * TILE_F32 + 32 * h;
-          const bool first = m == 0 && h == 0;
+          const int64_t l0 = lines * p / passes, l1 = lines * (p + 1) / passes;
           switch (std::min<int64_t>(rows - m, 3)) {
-#define ROWS_CASE(R)                                                      \
-  case R:                                                                 \
-    (first ? slice_rows_f32<R, 4, true> : slice_rows_f32<R, 4, false>)(   \
-        w + 32 * h, inputs, xm, x_stride, b, start);                      \
+#define ROWS_CASE(R)                                                                        \
+  case R:                                                                                   \
+    slice_rows_f32<R, 4>(w + 32 * h, inputs, xm, x_stride, b, start, next + 64 * l0, l1 - l0); \
     break;
             ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3)
 #undef ROWS_CASE
