@@ -7,7 +7,7 @@ import time
 
 # The sampler shares its host's cores with the engine: its OpenMP threads sleep between steps instead of spinning,
 # which would take a core from the engine's next forward pass. OpenMP reads the policy once, when torch loads, so
-# it is set before the imports below load torch.
+# it is set before anything loads torch.
 if sys.argv[1:2] == ["sampler"]:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The engine's threads spin 100,000 times after a parallel region, not libgomp's default 300,000, so that a sampler
@@ -23,12 +23,11 @@ from services import (
     detokenizer_service,
     gateway,
     kvstore_service,
-    sampler_service,
     server,
     supervisor,
     tokenizer_service,
 )
-from services.settings import DemoConfig, EngineFlags, LocalMediaConfig, OfflineFlags, WatchdogConfig
+from services.settings import DemoConfig, EngineFlags, LocalMediaConfig, OfflineFlags, SamplerFlags, WatchdogConfig
 from services.supervisor import DEMO_CHAT, DEMO_PROMPTS
 
 
@@ -61,6 +60,12 @@ def run_engine(args: argparse.Namespace) -> None:
     config.run(engine_service.serve(args), args)
 
 
+def run_sampler(args: argparse.Namespace) -> None:
+    from services import sampler_service  # torch loads here too: only the engine and the sampler compute
+
+    config.run(sampler_service.serve(args), args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engine.config import EngineArgs
 
@@ -81,17 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_limit_args(engine)
     config.add_detailed_traces_arg(engine)
     engine.set_defaults(func=run_engine)
-    for module in (
-        server,
-        tokenizer_service,
-        detokenizer_service,
-        kvstore_service,
-        sampler_service,
-        gateway,
-        supervisor,
-        client,
-        certs,
-    ):
+    for module in (server, tokenizer_service, detokenizer_service, kvstore_service):
+        module.add_subcommands(sub)
+    sampler = config.service_parser(sub, "sampler", "serve llmmesh.v1.Sampler (one step's logits -> sampled ids)")
+    add_cli_args(sampler, SamplerFlags, grouped=False)
+    # An engine's stream lasts as long as the engine: a drain would wait for it to its end.
+    sampler.set_defaults(func=run_sampler, shutdown_timeout=1.0)
+    for module in (gateway, supervisor, client, certs):
         module.add_subcommands(sub)
     config.apply_env(parser)
     return parser

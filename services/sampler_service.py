@@ -28,13 +28,10 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from engine.config.utils import add_cli_args
 from llmmesh.v1 import sampler_pb2, sampler_pb2_grpc
 from mesh.sampler.channel import ChannelClosedError
-from services import config
 from services.sampler_stream import StreamLimitError, StreamState
 from services.server import Server
-from services.settings import SamplerFlags
 from services.telemetry import Telemetry, set_error
 
 SERVICE_NAME = sampler_pb2.DESCRIPTOR.services_by_name["Sampler"].full_name
@@ -167,13 +164,6 @@ def refusal_code(e: ValueError) -> grpc.StatusCode:
 
 
 # ---- the process -------------------------------------------------------------------------------
-
-
-def add_subcommands(subparsers) -> None:
-    parser = config.service_parser(subparsers, "sampler", "serve llmmesh.v1.Sampler (one step's logits -> sampled ids)")
-    add_cli_args(parser, SamplerFlags, grouped=False)
-    # An engine's stream lasts as long as the engine: a drain would wait for it to its end.
-    parser.set_defaults(func=lambda args: config.run(serve(args), args), shutdown_timeout=1.0)
 
 
 async def serve(args) -> None:

@@ -127,14 +127,9 @@ def test_missing_shard_names_the_file(tmp_path):
 # ---------------------------------------------------------------------------------------------- real GGUF
 
 
-def test_smollm2_conversion_matches_transformers_gguf_loader(converted_smollm2, monkeypatch):
-    import transformers.modeling_utils
-    from transformers import AutoModelForCausalLM
-
-    # transformers refuses GGUF without `accelerate` installed, but its GGUF path does not use it on CPU.
-    monkeypatch.setattr(transformers.modeling_utils, "is_accelerate_available", lambda *a, **k: True)
-    gguf_path = resolve_model(DEFAULT_MODEL)
-    ref = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+def test_smollm2_conversion_matches_transformers_gguf_loader(converted_smollm2, hf_smollm2):
+    # The suite's reference: transformers' own load of the GGUF in float32, shared with the tests that generate on it.
+    ref = hf_smollm2.model
     expected = ref.state_dict()
 
     # Every linear layer's Q4_1 and the embedding's Q8_0 stay quantized; dequantized, they equal transformers'

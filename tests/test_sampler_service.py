@@ -639,6 +639,8 @@ def spy(name, *args, **kwargs):
     return real_import(name, *args, **kwargs)
 builtins.__import__ = spy
 import services.cli
+import importlib
+importlib.import_module(f"services.{sys.argv[1]}_service")  # what the command runs; torch loads here, not above
 print(*seen[0])
 """
 
