@@ -139,5 +139,5 @@ def test_invariant_float32_layer_gives_each_row_its_bits_alone(n, k, bias):
         assert not layer.dense_every_m  # oneDNN's AVX2 kernel sums as dense_linear's AVX2 form
     x = torch.randn(300, k, generator=gen)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
-    for rows in (25, 101, 300):
+    for rows in (7, 25, 47, 101, 300):
         assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"

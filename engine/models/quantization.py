@@ -56,7 +56,7 @@ _QUANTIZED_ACT_DTYPES = (torch.bfloat16, torch.float16)
 # on this CPU, tiles of 32 where it uses AMX): past them oneDNN's own kernel on the same packed weight, or the
 # engine's whole decode step, gains no more (docs/benchmarks.md). On AVX2 (float32 only) oneDNN catches up sooner.
 if torch.backends.cpu.get_cpu_capability() == "AVX2":
-    DENSE_MAX_ROWS = {(torch.float32, 64): 24}
+    DENSE_MAX_ROWS = {(torch.float32, 64): 48}
 else:
     DENSE_MAX_ROWS = {(torch.bfloat16, 32): 8, (torch.bfloat16, 64): 16, (torch.float32, 64): 64}
 # Batch invariance (--batch-invariant on, docs/determinism.md): a layer computes every row by one kernel, whatever the

@@ -172,17 +172,22 @@ inline void slice_rows_f32(const float* w, int64_t inputs, const float* x, int64
     const float* row = w + i * TILE_F32;
     for (int64_t l = i * lines_an_input; l < std::min(pf_lines, (i + 1) * lines_an_input); ++l)
       _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
+    __m256 held[REGS];  // a quarter tile's two registers, loaded once an input; a half tile's four leave no room
+    if constexpr (REGS <= 2)
+      for (int j = 0; j < REGS; ++j) held[j] = _mm256_loadu_ps(row + 8 * j);
     for (int r = 0; r < ROWS; ++r) {
       const __m256 xb = _mm256_broadcast_ss(x + r * x_stride + i);
-      for (int j = 0; j < REGS; ++j) acc[r][j] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(row + 8 * j), acc[r][j]);
+      for (int j = 0; j < REGS; ++j)
+        acc[r][j] = _mm256_fmadd_ps(xb, REGS <= 2 ? held[j] : _mm256_loadu_ps(row + 8 * j), acc[r][j]);
     }
   }
   for (int r = 0; r < ROWS; ++r)
     for (int j = 0; j < REGS; ++j) _mm256_storeu_ps(buf + r * 64 + 8 * j, acc[r][j]);
 }
 
-// rows (at most ROWS_A_BLOCK) against one tile: one row in all eight registers; more in passes of up to three rows
-// over half the tile (twelve accumulators, the weights read from L1 by the FMAs).
+// rows (at most ROWS_A_BLOCK) against one tile: one row in all eight registers; more in passes of six rows over a
+// quarter of the tile (twelve accumulators, its two registers held), those left three at a time over half of it
+// (twelve accumulators, the weights read from L1 by the FMAs).
 void tile_block_f32(const float* tile, int64_t k, const float* x, int64_t rows, int64_t x_stride, const float* bias,
                     float* out, int64_t n, int64_t col) {
   alignas(32) float chain[ROWS_A_BLOCK * TILE_F32];
@@ -199,8 +204,16 @@ void tile_block_f32(const float* tile, int64_t k, const float* x, int64_t rows, 
         slice_rows_f32<1, 8>(w, inputs, x + s, x_stride, chain, start, next, lines);
         continue;
       }
-      const int64_t passes = 2 * ((rows + 2) / 3);
-      for (int64_t m = 0, p = 0; m < rows; m += 3) {
+      const int64_t six = rows / 6 * 6;
+      const int64_t passes = six / 6 * 4 + 2 * ((rows - six + 2) / 3);
+      int64_t p = 0;
+      for (int64_t m = 0; m < six; m += 6)
+        for (int q = 0; q < 4; ++q, ++p) {
+          const int64_t l0 = lines * p / passes, l1 = lines * (p + 1) / passes;
+          slice_rows_f32<6, 2>(w + 16 * q, inputs, x + m * x_stride + s, x_stride, chain + m * TILE_F32 + 16 * q,
+                               start, next + 64 * l0, l1 - l0);
+        }
+      for (int64_t m = six; m < rows; m += 3) {
         for (int h = 0; h < 2; ++h, ++p) {
           const float* xm = x + m * x_stride + s;
           float* b = chain + m * TILE_F32 + 32 * h;
