@@ -206,23 +206,19 @@ void tile_block_f32(const float* tile, int64_t k, const float* x, int64_t rows, 
       }
       const int64_t six = rows / 6 * 6;
       const int64_t passes = six / 6 * 4 + 2 * ((rows - six + 2) / 3);
+      const auto line = [&](int64_t pass) { return lines * pass / passes; };  // where pass's share starts
       int64_t p = 0;
       for (int64_t m = 0; m < six; m += 6)
-        for (int q = 0; q < 4; ++q, ++p) {
-          const int64_t l0 = lines * p / passes, l1 = lines * (p + 1) / passes;
+        for (int q = 0; q < 4; ++q, ++p)
           slice_rows_f32<6, 2>(w + 16 * q, inputs, x + m * x_stride + s, x_stride, chain + m * TILE_F32 + 16 * q,
-                               start, next + 64 * l0, l1 - l0);
-        }
+                               start, next + 64 * line(p), line(p + 1) - line(p));
       for (int64_t m = six; m < rows; m += 3) {
         for (int h = 0; h < 2; ++h, ++p) {
           const float* xm = x + m * x_stride + s;
           float* b = chain + m * TILE_F32 + 32 * h;
-          const int64_t l0 = lines * p / passes, l1 = lines * (p + 1) / passes;
           switch (std::min<int64_t>(rows - m, 3)) {
-#define ROWS_CASE(R)                                                                        \
-  case R:                                                                                   \
-    slice_rows_f32<R, 4>(w + 32 * h, inputs, xm, x_stride, b, start, next + 64 * l0, l1 - l0); \
-    break;
+#define ROWS_CASE(R) \
+  case R: slice_rows_f32<R, 4>(w + 32 * h, inputs, xm, x_stride, b, start, next + 64 * line(p), line(p + 1) - line(p)); break;
             ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3)
 #undef ROWS_CASE
           }
