@@ -164,14 +164,23 @@ class HealthWatch:
             threading.Thread(target=self._watch, args=(name,), name=f"{name}-health", daemon=True).start()
 
     def _watch(self, name: str) -> None:
+        # One channel to each process, kept open: a new one per check would cost a TLS handshake on both sides every
+        # second, time the engine's forward pass shares its two cores with.
+        channel, for_process = None, None
         while not self.stop.wait(HEALTH_INTERVAL_S):
             process = self.mesh.services[name]
             if not process.listening.is_set() or not process.alive():
                 continue  # starting, or dead: supervise's to handle
-            if self.answered.get(name, (None,))[0] is not process:
+            if for_process is not process:
+                if channel is not None:
+                    channel.close()
+                channel = tls.channel(process.address, process.service, self.credentials(process.service))
+                for_process = process
                 self.answered[name] = (process, time.monotonic())  # the clock starts when it began to serve
-            if answers_health(process.address, HEALTH_TIMEOUT_S, self.credentials(process.service), process.service):
+            if answers_health(channel, HEALTH_TIMEOUT_S):
                 self.answered[name] = (process, time.monotonic())
+        if channel is not None:
+            channel.close()
 
     def credentials(self, service: str) -> tls.MeshCredentials | None:
         """A service's own certificate, which its health service answers (None under plaintext)."""
@@ -183,14 +192,12 @@ class HealthWatch:
         return now - when if process is self.mesh.services[name] else 0.0
 
 
-def answers_health(address: str, timeout: float, credentials: tls.MeshCredentials | None, server: str) -> bool:
-    """Whether the server at address (the identity `server`) answers a health check within timeout, SERVING or
-    not; credentials: what the check presents (None: plaintext)."""
-    with tls.channel(address, server, credentials) as channel:
-        try:
-            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-        except grpc.RpcError:
-            return False
+def answers_health(channel: grpc.Channel, timeout: float) -> bool:
+    """Whether the server behind channel answers a health check within timeout, SERVING or not."""
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+    except grpc.RpcError:
+        return False
     return True
 
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from test_migration import migrations, serving_two_engines, wait_restarted
 
-from conftest import NOT_SERVING, SERVING, mesh_channel, mesh_credentials_of, wait_for_health
+from conftest import NOT_SERVING, SERVING, mesh_channel, wait_for_health
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
 from random_model import save_random_smollm2_shaped
 from services.client import collect, generate, sampling_params
@@ -156,7 +156,8 @@ def test_a_stopped_engine_loses_no_stream_and_serve_restarts_it(mesh):
     address, pid, _ = mesh.services["engine"]
 
     def stop_engine():
-        assert answers_health(address, 5.0, mesh_credentials_of("engine"), "engine")  # as serve checks it
+        with mesh_channel(address, "engine") as channel:
+            assert answers_health(channel, 5.0)  # as serve checks it
         os.kill(pid, signal.SIGSTOP)
 
     try:
