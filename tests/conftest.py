@@ -201,18 +201,47 @@ class HFReference:
         return self._greedy(tuple(prompt), max_new_tokens)
 
 
-def hf_smollm2_in(dtype: torch.dtype) -> HFReference:
-    """transformers loading the GGUF with its own dequantizer, independent of our converter, computing in dtype."""
+@pytest.fixture(scope="session")
+def hf_smollm2_dir(tmp_path_factory):
+    """transformers' own float32 dequantization of the GGUF, independent of our converter, saved as a Hugging Face
+    directory. Reading the GGUF takes transformers half a minute on a 2-core machine: the first process of a run
+    (`make test` has two) saves what it read, and every load after that (the other process, other dtypes) reads
+    those same weights, bit for bit, in under a second."""
+    import fcntl
+
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
-    gguf = resolve_model(DEFAULT_MODEL)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
-    return HFReference(model.eval())
+    run_dir = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run_dir = run_dir.parent  # the run's directory, above each process's own
+    path = run_dir / "hf-smollm2-float32"
+    with open(run_dir / "hf-smollm2-float32.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            gguf = resolve_model(DEFAULT_MODEL)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            partial = run_dir / "hf-smollm2-float32.partial"
+            partial.mkdir(exist_ok=True)
+            # save_pretrained refuses a model read from a GGUF: what from_pretrained needs, written one by one
+            save_model(model, str(partial / "model.safetensors"))
+            model.config.save_pretrained(partial)
+            model.generation_config.save_pretrained(partial)
+            os.rename(partial, path)
+    return path
+
+
+def hf_smollm2_in(path, dtype: torch.dtype) -> HFReference:
+    """The reference of hf_smollm2_dir, computing in dtype (its float32 weights rounded to dtype on load, as
+    transformers rounds them when it loads the GGUF in dtype)."""
+    from transformers import AutoModelForCausalLM
+
+    return HFReference(AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval())
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2():
-    return hf_smollm2_in(torch.float32)
+def hf_smollm2(hf_smollm2_dir):
+    return hf_smollm2_in(hf_smollm2_dir, torch.float32)
 
 
 def assert_greedy_matches(

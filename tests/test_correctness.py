@@ -130,9 +130,9 @@ BF16_NEAR_TIE = 2**-5
 BF16_MAX_NEW = 16
 
 
-def test_bfloat16_matches_hf_in_bfloat16(prompt_ids):
+def test_bfloat16_matches_hf_in_bfloat16(prompt_ids, hf_smollm2_dir):
     """What --dtype auto runs on a CPU with native bfloat16 (AMX, AVX512-BF16), against the reference in bfloat16."""
-    reference = hf_smollm2_in(torch.bfloat16)
+    reference = hf_smollm2_in(hf_smollm2_dir, torch.bfloat16)
     llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB")
     assert llm.engine.dtype == torch.bfloat16
     params = SamplingParams(temperature=0.0, max_tokens=BF16_MAX_NEW, ignore_eos=True)
