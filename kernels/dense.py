@@ -5,13 +5,14 @@ oneDNN packs a bfloat16 weight [N, K] as AB16b32a2b on CPUs with AMX and AB16b64
 32 or 64 output columns, each tile's pairs of inputs in order, a pair the T columns' two weights; K padded with zeros
 to a multiple of 32, N to one of T. It packs a float32 weight in tiles of 64 output columns, each tile's inputs in
 order, an input the 64 columns' weights; K padded with zeros to a multiple of 16, N to one of 64. packed_view() sees
-that buffer as the tensor dense_linear reads, [N / T, K / 2, T, 2] or [N / 64, K, 64], after checking it holds
-exactly pack_dense()'s bytes for one of those tiles: a oneDNN that packs otherwise gets None, and the layer stays on
-oneDNN alone.
+that buffer as the tensor dense_linear reads, [N / T, K / 2, T, 2] or [N / 64, K, 64], after checking, once a shape
+and dtype, that oneDNN packs a weight of that shape as pack_dense() does with one of those tiles: a oneDNN that packs
+otherwise gets None, and the layer stays on oneDNN alone.
 """
 
 import ctypes
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -36,22 +37,43 @@ def pack_dense(w: torch.Tensor, tile: int = 32) -> torch.Tensor:
 
 def packed_view(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's packed bfloat16 or float32 weight (torch.ops.mkldnn._reorder_linear_weight of weight) as
-    pack_dense(weight) for one of the layouts dense_linear reads, sharing its memory, or None if its bytes are laid
-    out otherwise. The view keeps packed alive."""
-    nbytes = torch.ops.mkldnn._nbytes(packed)
-    for tile in [TILE_F32] if weight.dtype == torch.float32 else list(TILES):
-        expected = pack_dense(weight, tile)
-        if nbytes != expected.numel() * expected.element_size():
-            continue
-        buffer = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
-        buffer.owner = packed
-        view = torch.frombuffer(buffer, dtype=expected.dtype).view(expected.shape)
-        bits = torch.int32 if expected.dtype == torch.float32 else torch.int16  # compared bit for bit
-        if torch.equal(view.view(bits), expected.view(bits)):
+    pack_dense(weight) for one of the layouts dense_linear reads, sharing its memory, or None if oneDNN lays out
+    weights of its shape otherwise. The view keeps packed alive."""
+    tile = _onednn_tile(tuple(weight.shape), weight.dtype)
+    return None if tile is None else _view(packed, weight.shape, weight.dtype, tile)
+
+
+@functools.cache
+def _onednn_tile(shape: tuple[int, int], dtype: torch.dtype) -> int | None:
+    """The tile of pack_dense's layout that oneDNN packs weights of this shape and dtype in, found by packing a random
+    weight of the shape and comparing bit for bit (the layout is oneDNN's choice for the shape, not the values: one
+    check a shape, not a second copy of every weight); None when it is none of them."""
+    probe = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(probe, None)
+    for tile in [TILE_F32] if dtype == torch.float32 else list(TILES):
+        view, expected = _view(packed, shape, dtype, tile), pack_dense(probe, tile)
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        if view is not None and view.shape == expected.shape and torch.equal(view.view(bits), expected.view(bits)):
             if tile in TILES:
                 TILES.sort(key=lambda t: t != tile)
-            return view
+            return tile
     return None
+
+
+def _view(packed: torch.Tensor, shape, dtype: torch.dtype, tile: int) -> torch.Tensor | None:
+    """packed's buffer as pack_dense's tensor of a weight of shape in tiles of tile columns, or None when its size
+    is not that tensor's."""
+    n, k = shape
+    if dtype == torch.float32:
+        dims = (-(-n // TILE_F32), k + -k % K_BLOCK_F32, TILE_F32)
+    else:
+        dims = (-(-n // tile), (k + -k % K_BLOCK) // 2, tile, 2)
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    if nbytes != math.prod(dims) * dtype.itemsize:
+        return None
+    buffer = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+    buffer.owner = packed
+    return torch.frombuffer(buffer, dtype=dtype).view(dims)
 
 
 @functools.cache  # asked once a layer at load

@@ -28,7 +28,7 @@ def test_packed_view_reads_onednns_packed_weight_in_place():
     tile = view.shape[2]
     # 100 -> 128 columns, 70 -> 96 inputs
     assert torch.equal(view, pack_dense(w, tile)) and view.shape == (128 // tile, 48, tile, 2)
-    assert packed_view(packed, torch.randn(100, 70).bfloat16()) is None  # bytes of another weight: refused
+    assert packed_view(packed, torch.randn(100, 40).bfloat16()) is None  # the bytes of another shape: refused
 
 
 # K: a multiple of 32, one that is not, an odd one; N: whole tiles of 32 or 64 and a part-filled last tile.
@@ -80,7 +80,7 @@ def test_packed_view_reads_onednns_packed_float32_weight_in_place():
     packed, view = _packed(w)
     assert view is not None and view.data_ptr() == torch.ops.mkldnn.data_ptr(packed)
     assert torch.equal(view, pack_dense(w)) and view.shape == (2, 80, 64)  # 100 -> 128 columns, 70 -> 80 inputs
-    assert packed_view(packed, torch.randn(100, 70)) is None
+    assert packed_view(packed, torch.randn(100, 40)) is None
 
 
 @float32
