@@ -53,7 +53,7 @@ def _onednn_tile(shape: tuple[int, int], dtype: torch.dtype) -> int | None:
     for tile in [TILE_F32] if dtype == torch.float32 else list(TILES):
         view, expected = _view(packed, shape, dtype, tile), pack_dense(probe, tile)
         bits = torch.int32 if dtype == torch.float32 else torch.int16
-        if view is not None and view.shape == expected.shape and torch.equal(view.view(bits), expected.view(bits)):
+        if view is not None and torch.equal(view.view(bits), expected.view(bits)):
             if tile in TILES:
                 TILES.sort(key=lambda t: t != tile)
             return tile
