@@ -61,6 +61,7 @@ ORDER = [
     "attention",
     "attention-avx2",
     "host-time",
+    "step-split",
     "spec-decode",
     "lora",
     "tensor-parallel",
