@@ -24,15 +24,22 @@ K_BLOCK = 32
 TILE_F32, K_BLOCK_F32 = 64, 16  # output columns a float32 tile; its K is padded to a multiple of K_BLOCK_F32
 
 
+def packed_shape(shape, dtype: torch.dtype, tile: int = 32) -> tuple[int, ...]:
+    """pack_dense's shape for a weight of shape [N, K]: bfloat16 [N / tile, K / 2, tile, 2] with N padded to a multiple
+    of tile and K to one of 32, float32 [N / 64, K, 64] with N padded to a multiple of 64 and K to one of 16."""
+    n, k = shape
+    if dtype == torch.float32:
+        return -(-n // TILE_F32), k + -k % K_BLOCK_F32, TILE_F32
+    return -(-n // tile), (k + -k % K_BLOCK) // 2, tile, 2
+
+
 def pack_dense(w: torch.Tensor, tile: int = 32) -> torch.Tensor:
-    """w [N, K] in dense_linear's layout: bfloat16 [N / tile, K / 2, tile, 2] with N padded to a multiple of tile and K
-    to one of 32, float32 [N / 64, K, 64] with N padded to a multiple of 64 and K to one of 16."""
+    """w [N, K] in dense_linear's layout, of packed_shape."""
     n, k = w.shape
-    if w.dtype == torch.float32:
-        w = F.pad(w, (0, -k % K_BLOCK_F32, 0, -n % TILE_F32))
-        return w.reshape(w.shape[0] // TILE_F32, TILE_F32, w.shape[1]).transpose(1, 2).contiguous()
-    w = F.pad(w, (0, -k % K_BLOCK, 0, -n % tile))
-    return w.reshape(w.shape[0] // tile, tile, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
+    dims = packed_shape(w.shape, w.dtype, tile)
+    tiles, columns = dims[0], dims[2]
+    w = F.pad(w, (0, math.prod(dims[1:]) // columns - k, 0, tiles * columns - n))  # K and N padded
+    return w.reshape(tiles, columns, dims[1], -1).transpose(1, 2).contiguous().view(dims)
 
 
 def packed_view(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
@@ -63,11 +70,7 @@ def _onednn_tile(shape: tuple[int, int], dtype: torch.dtype) -> int | None:
 def _view(packed: torch.Tensor, shape, dtype: torch.dtype, tile: int) -> torch.Tensor | None:
     """packed's buffer as pack_dense's tensor of a weight of shape in tiles of tile columns, or None when its size
     is not that tensor's."""
-    n, k = shape
-    if dtype == torch.float32:
-        dims = (-(-n // TILE_F32), k + -k % K_BLOCK_F32, TILE_F32)
-    else:
-        dims = (-(-n // tile), (k + -k % K_BLOCK) // 2, tile, 2)
+    dims = packed_shape(shape, dtype, tile)
     nbytes = torch.ops.mkldnn._nbytes(packed)
     if nbytes != math.prod(dims) * dtype.itemsize:
         return None
