@@ -70,6 +70,18 @@ def test_cpu_paged_attention_reads_the_cache_dtype(query_dtype, cache_dtype):
     torch.testing.assert_close(out.float(), paged_attention_ref(*batch, 0.25).float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=dtype_id)
+def test_cpu_paged_attention_converts_the_cache_exactly(cache_dtype):
+    """Every cache dtype's values are exact in float32, so attention over a cache of that dtype gives the same bits as
+    over a float32 cache holding the same values, whichever conversion (vector or scalar) the kernel reads it with."""
+    from kernels.cpu_ops import load
+
+    query, k_cache, v_cache, *rest = cache_batch(torch.float32, cache_dtype, "cpu")
+    ops = load()
+    out = ops.paged_attention(query, k_cache, v_cache, *rest, 0.25)
+    assert torch.equal(out, ops.paged_attention(query, k_cache.float(), v_cache.float(), *rest, 0.25))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=dtype_id)
 def test_triton_unified_attention_reads_the_cache_dtype(device, cache_dtype):
