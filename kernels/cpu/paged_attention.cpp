@@ -42,7 +42,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -73,15 +73,32 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += w * x[i];
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// Eight sums at once, lane r holding a[r]'s, each summed as vec_reduce_all sums one vector on AVX2:
+// ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). One reduction of eight vectors where vec_reduce_all is one each.
+inline __m256 reduce8(const __m256* a) {
+  __m256 b[4];
+  for (int p = 0; p < 4; ++p) {  // [a[2p]'s m0..m3 | a[2p+1]'s], m_i = l_i + l_(i+4), reordered m0 m2 m1 m3
+    const __m256 lo = _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20);
+    const __m256 hi = _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31);
+    b[p] = _mm256_permute_ps(_mm256_add_ps(lo, hi), 0xD8);
+  }
+  // hadd per 128-bit half: [x0 + x1, x2 + x3, y0 + y1, y2 + y3]. Then halves [a0 a2 a4 a6 | a1 a3 a5 a7].
+  const __m256 d = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
+  return _mm256_permutevar8x32_ps(d, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+
 // A query's scores and weighted values over n keys, where head_dim is NV whole vectors: each score is dot()'s
 // operations, and each output element axpy()'s, in the same order, so the results are the same bit for bit; only
 // the scheduling differs. Eight keys' dot products run side by side (one alone is a chain of dependent
 // multiply-adds), a last group of fewer keys repeating its last key in the spare chains; the weighted sum keeps its
-// accumulators in registers across the keys instead of loading and storing them for every key.
+// accumulators in registers across the keys instead of loading and storing them for every key. On AVX2 the eight
+// dot products are reduced together (reduce8), and two queries that see the same keys share each key row's loads
+// (scores_of_two).
 template <int NV>
 void scores_of(const float* q, const float* const* keys, int64_t n, float* scores) {
   constexpr int kKeys = 8;
-  auto add = [](Vec& x, Vec& y) { return x + y; };
   for (int64_t j = 0; j < n; j += kKeys) {
     const float* k[kKeys];
     for (int r = 0; r < kKeys; ++r) k[r] = keys[std::min<int64_t>(j + r, n - 1)];
@@ -91,8 +108,16 @@ void scores_of(const float* q, const float* const* keys, int64_t n, float* score
       const Vec qv = Vec::loadu(q + v * Vec::size());
       for (int r = 0; r < kKeys; ++r) acc[r] = at::vec::fmadd(qv, Vec::loadu(k[r] + v * Vec::size()), acc[r]);
     }
+#if defined(CPU_CAPABILITY_AVX2)
+    __m256 a[kKeys];
+    for (int r = 0; r < kKeys; ++r) a[r] = acc[r];
+    alignas(32) float dots[kKeys];
+    _mm256_store_ps(dots, reduce8(a));
+#else
     float dots[kKeys];
+    auto add = [](Vec& x, Vec& y) { return x + y; };
     for (int r = 0; r < kKeys; ++r) dots[r] = at::vec::vec_reduce_all<float>(add, acc[r]);
+#endif
     std::copy_n(dots, std::min<int64_t>(kKeys, n - j), scores + j);
   }
 }
@@ -116,6 +141,38 @@ void weighted_sum(const float* w, const float* const* values, int64_t n, float* 
   if constexpr (NV % kStrip != 0) weighted_strip<NV % kStrip>(w, values, n, NV / kStrip * kStrip * Vec::size(), out);
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// Two queries' scores over the same n keys, four keys at a time: each key row is loaded once for both, and the
+// eight dot products are reduced together. Each score is dot()'s operations in dot()'s order.
+template <int NV>
+void scores_of_two(const float* q0, const float* q1, const float* const* keys, int64_t n, float* s0, float* s1) {
+  for (int64_t j = 0; j < n; j += 4) {
+    const float* k[4];
+    for (int r = 0; r < 4; ++r) k[r] = keys[std::min<int64_t>(j + r, n - 1)];
+    __m256 acc[8];  // query 0's four keys, then query 1's
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (int v = 0; v < NV; ++v) {
+      const __m256 x0 = _mm256_loadu_ps(q0 + 8 * v), x1 = _mm256_loadu_ps(q1 + 8 * v);
+      for (int r = 0; r < 4; ++r) {
+        const __m256 kv = _mm256_loadu_ps(k[r] + 8 * v);
+        acc[r] = _mm256_fmadd_ps(x0, kv, acc[r]);
+        acc[4 + r] = _mm256_fmadd_ps(x1, kv, acc[4 + r]);
+      }
+    }
+    const __m256 dots = reduce8(acc);
+    if (j + 4 <= n) {
+      _mm_storeu_ps(s0 + j, _mm256_castps256_ps128(dots));
+      _mm_storeu_ps(s1 + j, _mm256_extractf128_ps(dots, 1));
+    } else {
+      alignas(32) float t[8];
+      _mm256_store_ps(t, dots);
+      std::copy_n(t, n - j, s0 + j);
+      std::copy_n(t + 4, n - j, s1 + j);
+    }
+  }
+}
+#endif
+
 // Any head_dim: dot() and axpy() key by key.
 void scores_of_any(const float* q, const float* const* keys, int64_t n, int64_t head_dim, float* scores) {
   for (int64_t j = 0; j < n; ++j) scores[j] = dot(q, keys[j], head_dim);
@@ -128,11 +185,16 @@ void weighted_sum_any(const float* w, const float* const* values, int64_t n, int
 struct HeadLoops {
   void (*scores)(const float*, const float* const*, int64_t, float*) = nullptr;
   void (*weighted)(const float*, const float* const*, int64_t, float*) = nullptr;
+  void (*scores_two)(const float*, const float*, const float* const*, int64_t, float*, float*) = nullptr;
 };
 template <int... NV>
 HeadLoops head_loops_for(int64_t nv, std::integer_sequence<int, NV...>) {
   HeadLoops loops;
+#if defined(CPU_CAPABILITY_AVX2)
+  ((nv == NV + 1 ? (loops = {scores_of<NV + 1>, weighted_sum<NV + 1>, scores_of_two<NV + 1>}, 0) : 0), ...);
+#else
   ((nv == NV + 1 ? (loops = {scores_of<NV + 1>, weighted_sum<NV + 1>}, 0) : 0), ...);
+#endif
   return loops;
 }
 HeadLoops head_loops(int64_t head_dim) {
@@ -354,13 +416,28 @@ void attend_item(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, cons
           if (lo < hi) f(i, lo, hi, scores.data() + i * kKeyChunk + (lo - a));
         }
     };
-    for_blocks([&](int64_t i, int64_t lo, int64_t hi, float* s) {
-      const float* qi = q.data() + i * head_dim;
-      if (loops.scores)
-        loops.scores(qi, key_rows.data() + (lo - k0), hi - lo, s);
-      else
-        scores_of_any(qi, key_rows.data() + (lo - k0), hi - lo, head_dim, s);
-    });
+        for (int64_t kb = k0; kb < k1; kb += kKeyBlock)
+      for (int64_t i = 0; i < nq;) {
+        const auto [a, b] = ranges[i];
+        const int64_t lo = std::max(a, kb), hi = std::min(b, kb + kKeyBlock);
+        const float* qi = q.data() + i * head_dim;
+        float* s = scores.data() + i * kKeyChunk + (lo - a);
+        // Two queries that see the same keys of this block share them.
+        if (loops.scores_two && lo < hi && i + 1 < nq && std::max(ranges[i + 1].first, kb) == lo &&
+            std::min(ranges[i + 1].second, kb + kKeyBlock) == hi) {
+          loops.scores_two(qi, qi + head_dim, key_rows.data() + (lo - k0), hi - lo, s,
+                           scores.data() + (i + 1) * kKeyChunk + (lo - ranges[i + 1].first));
+          i += 2;
+          continue;
+        }
+        if (lo < hi) {
+          if (loops.scores)
+            loops.scores(qi, key_rows.data() + (lo - k0), hi - lo, s);
+          else
+            scores_of_any(qi, key_rows.data() + (lo - k0), hi - lo, head_dim, s);
+        }
+        ++i;
+      }
     for (int64_t i = 0; i < nq; ++i) {
       const auto [a, b] = ranges[i];
       float* dst = chunk_sums + (it.part < 0 ? i * num_chunks + c : it.part + i) * ps;
