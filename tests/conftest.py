@@ -490,3 +490,12 @@ def redis_server():
 
     with RedisServer(maxmemory="256mb") as server:
         yield server
+
+
+def loading_kv_config(kvstore_address: str, role: str = "kv_both") -> str:
+    """An engine's --kv-transfer-config to the kvstore at kvstore_address that loads every block it finds. A lookup
+    past its default half second is a miss by design; on a loaded 2-core machine it can be, and the tests that use
+    this ask whether blocks load, not how fast."""
+    from services.local_mesh import kv_transfer_config
+
+    return kv_transfer_config(kvstore_address, role, load_policy="always", lookup_timeout_s=10.0)

@@ -11,7 +11,14 @@ import json
 
 import torch
 
-from conftest import HFReference, assert_greedy_matches, assert_no_leaks, run_greedy, run_to_completion
+from conftest import (
+    HFReference,
+    assert_greedy_matches,
+    assert_no_leaks,
+    loading_kv_config,
+    run_greedy,
+    run_to_completion,
+)
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.request import Request, SamplingParams, StructuredOutputsParams
@@ -167,14 +174,11 @@ def check_kv_store(tmp_path, config, redis_url: str, **engine_kwargs):
     """An engine stores its prompts' blocks in the kvstore (on a real redis-server); a second engine, its prefix
     cache empty, loads them and gives Hugging Face's output."""
     from conftest import InProcessService
-    from services.local_mesh import kv_transfer_config
 
     path, hf_model = save_family_model(tmp_path, config)
     batch = prompts(config)
     with InProcessService("kvstore", ["--redis-url", redis_url]) as kvstore:
-        # A lookup past its default half second is a miss by design; on a loaded 2-core machine it can be, and the
-        # test asks whether the blocks load, not how fast.
-        kv_config = kv_transfer_config(kvstore.address, load_policy="always", lookup_timeout_s=10.0)
+        kv_config = loading_kv_config(kvstore.address)
         for role in ("stores", "loads"):
             engine = make_engine(path, kv_transfer_config=kv_config, **engine_kwargs)
             try:

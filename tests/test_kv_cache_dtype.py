@@ -10,7 +10,7 @@ import redis
 import torch
 from test_kernels_triton import DEVICES, MIXED, SHARED, make_batch
 
-from conftest import InProcessService, assert_no_leaks, run_greedy
+from conftest import InProcessService, assert_no_leaks, loading_kv_config, run_greedy
 from engine.attention.backend import AttentionMetadata
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
@@ -21,7 +21,6 @@ from engine.llm import LLM
 from engine.request import SamplingParams
 from kernels.reference import paged_attention_ref, reshape_and_cache_ref, to_cache_dtype
 from mesh.kvstore.block_tag import TAG_BYTES
-from services.local_mesh import kv_transfer_config
 from test_models import save_random_model
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -214,7 +213,7 @@ def test_kv_store_round_trip_in_fp8(tiny_model, redis_server):
     with InProcessService("kvstore", ["--redis-url", redis_server.url]) as kvstore:
 
         def engine(**args):
-            config = kv_transfer_config(kvstore.address, load_policy="always")
+            config = loading_kv_config(kvstore.address)
             return EngineCore(
                 EngineArgs(model=str(tiny_model), kv_cache_memory="4MiB", kv_transfer_config=config, **args)
             )

@@ -15,7 +15,15 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from conftest import InProcessService, assert_greedy_matches, assert_no_leaks, mesh_channel, run_greedy, wait_for_health
+from conftest import (
+    InProcessService,
+    assert_greedy_matches,
+    assert_no_leaks,
+    loading_kv_config,
+    mesh_channel,
+    run_greedy,
+    wait_for_health,
+)
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.kv.block_pool import BlockStored
@@ -85,7 +93,7 @@ def store(request, tmp_path) -> Store:
             return keys[0] if keys else None
 
         return Store(
-            kv_transfer_config(address, load_policy="always"),
+            loading_kv_config(address),
             lambda h: client.get(key(h)) if key(h) else None,
             lambda h, data: client.set(key(h), data),
         )

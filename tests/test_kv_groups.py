@@ -9,7 +9,14 @@ import pytest
 import torch
 from test_model_config import save_sliding_model
 
-from conftest import HFReference, InProcessService, assert_greedy_matches, assert_no_leaks, run_greedy
+from conftest import (
+    HFReference,
+    InProcessService,
+    assert_greedy_matches,
+    assert_no_leaks,
+    loading_kv_config,
+    run_greedy,
+)
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.kv.hashing import extend_block_hashes, get_hash_fn, root_hash
@@ -84,7 +91,7 @@ def kvstore(redis_server):
 @pytest.fixture(params=["KVStoreConnector", "SharedStorageConnector"])
 def config(request, tmp_path) -> str:
     if request.param == "KVStoreConnector":
-        return kv_transfer_config(request.getfixturevalue("kvstore").address, load_policy="always")
+        return loading_kv_config(request.getfixturevalue("kvstore").address)
     extra = {"shared_storage_path": str(tmp_path)}
     return json.dumps({"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": extra})
 

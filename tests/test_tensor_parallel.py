@@ -17,7 +17,7 @@ import pytest
 import redis
 import torch
 
-from conftest import InProcessService, assert_no_leaks, mesh_channel, run_greedy
+from conftest import InProcessService, assert_no_leaks, loading_kv_config, mesh_channel, run_greedy
 from engine.attention.selector import get_attn_backend
 from engine.config import EngineArgs
 from engine.core import EngineCore
@@ -36,7 +36,6 @@ from engine.sched.output import SchedulerOutput
 from llmmesh.v1 import engine_pb2, engine_pb2_grpc
 from random_model import save_random_smollm2_shaped
 from services import client
-from services.local_mesh import kv_transfer_config
 from test_models import COMMON
 
 BLOCK = 16
@@ -415,7 +414,7 @@ def shard_store(request, tmp_path):
     store = redis.Redis.from_url(redis_url)
     with InProcessService("kvstore", ["--redis-url", redis_url]) as kvstore:
         yield ShardStore(
-            kv_transfer_config(kvstore.address, load_policy="always"),
+            loading_kv_config(kvstore.address),
             lambda: [tuple(k.decode().split(":")[1:]) for k in store.keys("kv:*")],
             lambda fingerprint: store.delete(*store.keys(f"kv:{fingerprint}:*")),
         )

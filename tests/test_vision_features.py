@@ -10,12 +10,11 @@ import torch
 from test_kv_connector import kvstore, settle  # noqa: F401 (the kvstore fixture, on conftest's real redis)
 from test_vision import IMAGE_TOKEN, hf_greedy, image, mm_request, run, save_tiny_llava
 
-from conftest import assert_greedy_matches, assert_no_leaks
+from conftest import assert_greedy_matches, assert_no_leaks, loading_kv_config
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.request import Request
-from services.local_mesh import kv_transfer_config
 
 BLOCK = 8
 # One block of the tiny LLaVA's language model in float32: K and V of 2 layers, 2 KV heads of 16.
@@ -87,7 +86,7 @@ def test_preempted_vision_requests_recompute_the_same_tokens(llava, prefix_cachi
 
 
 def store_engine(path, address: str, role: str = "kv_both", **args) -> EngineCore:
-    config = kv_transfer_config(address, role, load_policy="always")
+    config = loading_kv_config(address, role)
     return engine(path, kv_transfer_config=config, **args)
 
 
