@@ -290,9 +290,55 @@ inline __m256i broadcast4(const int8_t* p) { return _mm256_set1_epi32(four_bytes
 // are exact: 4-bit codes (0..15) times |xq| <= 127 add up in int16 lanes (16 products a lane: at most 30480)
 // before widening; 8-bit codes would saturate vpmaddubsw as unsigned bytes (255 * 127 * 2), so they go signed,
 // w = u - 128, as |w| * (xq with w's sign), and u . xq = w . xq + 128 * sum(xq) puts the 128 back.
+// One row of 4-bit codes (a batch-1 decode) against a tile in one pass: both halves' sums side by side, each the
+// same operations in the same order as tile_rows's, so the second half's arithmetic overlaps the tile's stream
+// from memory instead of following it (one row needs few registers).
+template <typename T>
+inline void tile_row_4bit(const uint8_t* tile, int64_t groups, const int8_t* xq, const float* xd, const float* xs,
+                          T* out, int64_t n, int64_t col) {
+  constexpr int64_t GROUP_BYTES = 4 * 64 + 2 * TILE * 2;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = tile + g * GROUP_BYTES;
+    for (int64_t line = 0; line < GROUP_BYTES; line += 64) _mm_prefetch(group + PREFETCH_BYTES + line, _MM_HINT_T0);
+    __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    const int8_t* xg = xq + g * BLOCK;
+#pragma GCC unroll 1
+    for (int c = 0; c < 4; ++c) {
+      const __m256i xl = broadcast4(xg + 8 * c), xh = broadcast4(xg + 8 * c + 4);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(group + c * 64 + 32 * h));
+        const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(raw, nibble), xl);
+        const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble), xh);
+        dot[h] = _mm256_add_epi16(dot[h], _mm256_add_epi16(lo, hi));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* scales = group + 4 * 64 + 16 * h;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)scales));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(scales + 2 * TILE)));
+      const __m256i total = _mm256_madd_epi16(dot[h], ones);
+      acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(xd[g])), acc[h]);
+      acc[h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[g]), acc[h]);
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t first = col + 8 * h, count = std::min<int64_t>(8, n - first);
+    if (count == 8) {
+      store_floats(out + first, acc[h]);
+    } else if (count > 0) {
+      T buffer[8];
+      store_floats(buffer, acc[h]);
+      std::copy(buffer, buffer + count, out + first);
+    }
+  }
+}
+
 template <int BITS, int ROWS, typename T>
 inline void tile_rows(const uint8_t* tile, int64_t groups, const int8_t* xq, const float* xd, const float* xs,
                       const int32_t* xsum, int64_t k, T* out, int64_t n, int64_t col) {
+  if constexpr (BITS == 4 && ROWS == 1) return tile_row_4bit(tile, groups, xq, xd, xs, out, n, col);
   constexpr int CHUNKS = BITS == 4 ? 4 : 8;
   constexpr int64_t GROUP_BYTES = CHUNKS * 64 + 2 * TILE * 2;
   const __m256i nibble = _mm256_set1_epi8(0x0F), bias = _mm256_set1_epi8(-128), ones = _mm256_set1_epi16(1);
