@@ -408,35 +408,33 @@ void attend_item(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, cons
       const int64_t p = it.len - it.rows + i / group;
       ranges[i] = {std::max(k0, window > 0 ? p + 1 - window : 0), std::min(k1, p + 1)};
     }
+    // Query i's keys within the block from kb, and where its scores for them go.
+    auto in_block = [&](int64_t i, int64_t kb) {
+      return std::pair{std::max(ranges[i].first, kb), std::min(ranges[i].second, kb + kKeyBlock)};
+    };
+    auto scores_from = [&](int64_t i, int64_t lo) { return scores.data() + i * kKeyChunk + (lo - ranges[i].first); };
     auto for_blocks = [&](auto&& f) {
       for (int64_t kb = k0; kb < k1; kb += kKeyBlock)
         for (int64_t i = 0; i < nq; ++i) {
-          const auto [a, b] = ranges[i];
-          const int64_t lo = std::max(a, kb), hi = std::min(b, kb + kKeyBlock);
-          if (lo < hi) f(i, lo, hi, scores.data() + i * kKeyChunk + (lo - a));
+          const auto [lo, hi] = in_block(i, kb);
+          if (lo < hi) f(i, lo, hi, scores_from(i, lo));
         }
     };
-        for (int64_t kb = k0; kb < k1; kb += kKeyBlock)
-      for (int64_t i = 0; i < nq;) {
-        const auto [a, b] = ranges[i];
-        const int64_t lo = std::max(a, kb), hi = std::min(b, kb + kKeyBlock);
+    for (int64_t kb = k0; kb < k1; kb += kKeyBlock)
+      for (int64_t i = 0; i < nq; ++i) {
+        const auto [lo, hi] = in_block(i, kb);
+        if (lo >= hi) continue;
         const float* qi = q.data() + i * head_dim;
-        float* s = scores.data() + i * kKeyChunk + (lo - a);
-        // Two queries that see the same keys of this block share them.
-        if (loops.scores_two && lo < hi && i + 1 < nq && std::max(ranges[i + 1].first, kb) == lo &&
-            std::min(ranges[i + 1].second, kb + kKeyBlock) == hi) {
-          loops.scores_two(qi, qi + head_dim, key_rows.data() + (lo - k0), hi - lo, s,
-                           scores.data() + (i + 1) * kKeyChunk + (lo - ranges[i + 1].first));
-          i += 2;
-          continue;
+        const float* const* rows = key_rows.data() + (lo - k0);
+        if (loops.scores_two && i + 1 < nq && in_block(i + 1, kb) == std::pair{lo, hi}) {
+          // The next query sees the same keys of this block: the two share them.
+          loops.scores_two(qi, qi + head_dim, rows, hi - lo, scores_from(i, lo), scores_from(i + 1, lo));
+          ++i;
+        } else if (loops.scores) {
+          loops.scores(qi, rows, hi - lo, scores_from(i, lo));
+        } else {
+          scores_of_any(qi, rows, hi - lo, head_dim, scores_from(i, lo));
         }
-        if (lo < hi) {
-          if (loops.scores)
-            loops.scores(qi, key_rows.data() + (lo - k0), hi - lo, s);
-          else
-            scores_of_any(qi, key_rows.data() + (lo - k0), hi - lo, head_dim, s);
-        }
-        ++i;
       }
     for (int64_t i = 0; i < nq; ++i) {
       const auto [a, b] = ranges[i];

@@ -284,14 +284,20 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xd, f
 
 inline __m256i broadcast4(const int8_t* p) { return _mm256_set1_epi32(four_bytes(p)); }
 
-// ROWS input rows against one tile of 16 columns, the same sums as the AVX-512 tile_rows above, one half of the
-// tile (8 columns) at a time: a half's accumulators fit the 16 registers, and the second half reads the tile from
-// L1. The float sum over groups is one chain, in group order, for every ROWS (batch invariance). The integer sums
-// are exact: 4-bit codes (0..15) times |xq| <= 127 add up in int16 lanes (16 products a lane: at most 30480)
-// before widening; 8-bit codes would saturate vpmaddubsw as unsigned bytes (255 * 127 * 2), so they go signed,
-// w = u - 128, as |w| * (xq with w's sign), and u . xq = w . xq + 128 * sum(xq) puts the 128 back.
+// count (at most 8) columns of v to p: the last tile's may be part empty, and those go through a buffer.
+template <typename T>
+inline void store_columns(T* p, __m256 v, int64_t count) {
+  if (count == 8) {
+    store_floats(p, v);
+  } else if (count > 0) {
+    T buffer[8];
+    store_floats(buffer, v);
+    std::copy(buffer, buffer + count, p);
+  }
+}
+
 // One row of 4-bit codes (a batch-1 decode) against a tile in one pass: both halves' sums side by side, each the
-// same operations in the same order as tile_rows's, so the second half's arithmetic overlaps the tile's stream
+// same operations in the same order as tile_rows's (below), so the second half's arithmetic overlaps the tile's stream
 // from memory instead of following it (one row needs few registers).
 template <typename T>
 inline void tile_row_4bit(const uint8_t* tile, int64_t groups, const int8_t* xq, const float* xd, const float* xs,
@@ -323,18 +329,15 @@ inline void tile_row_4bit(const uint8_t* tile, int64_t groups, const int8_t* xq,
       acc[h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[g]), acc[h]);
     }
   }
-  for (int h = 0; h < 2; ++h) {
-    const int64_t first = col + 8 * h, count = std::min<int64_t>(8, n - first);
-    if (count == 8) {
-      store_floats(out + first, acc[h]);
-    } else if (count > 0) {
-      T buffer[8];
-      store_floats(buffer, acc[h]);
-      std::copy(buffer, buffer + count, out + first);
-    }
-  }
+  for (int h = 0; h < 2; ++h) store_columns(out + col + 8 * h, acc[h], std::min<int64_t>(8, n - col - 8 * h));
 }
 
+// ROWS input rows against one tile of 16 columns, the same sums as the AVX-512 tile_rows above, one half of the
+// tile (8 columns) at a time: a half's accumulators fit the 16 registers, and the second half reads the tile from
+// L1. The float sum over groups is one chain, in group order, for every ROWS (batch invariance). The integer sums
+// are exact: 4-bit codes (0..15) times |xq| <= 127 add up in int16 lanes (16 products a lane: at most 30480)
+// before widening; 8-bit codes would saturate vpmaddubsw as unsigned bytes (255 * 127 * 2), so they go signed,
+// w = u - 128, as |w| * (xq with w's sign), and u . xq = w . xq + 128 * sum(xq) puts the 128 back.
 template <int BITS, int ROWS, typename T>
 inline void tile_rows(const uint8_t* tile, int64_t groups, const int8_t* xq, const float* xd, const float* xs,
                       const int32_t* xsum, int64_t k, T* out, int64_t n, int64_t col) {
@@ -385,15 +388,7 @@ inline void tile_rows(const uint8_t* tile, int64_t groups, const int8_t* xq, con
       }
     }
     const int64_t first = col + 8 * h, count = std::min<int64_t>(8, n - first);
-    for (int r = 0; r < ROWS && count > 0; ++r) {
-      if (count == 8) {
-        store_floats(out + r * n + first, acc[r]);
-      } else {  // the last tile, part empty: through a buffer
-        T buffer[8];
-        store_floats(buffer, acc[r]);
-        std::copy(buffer, buffer + count, out + r * n + first);
-      }
-    }
+    for (int r = 0; r < ROWS; ++r) store_columns(out + r * n + first, acc[r], count);
   }
 }
 
