@@ -81,6 +81,22 @@ def test_cpu_paged_attention_converts_the_cache_exactly(cache_dtype):
     assert torch.equal(out, ops.paged_attention(query, k_cache.float(), v_cache.float(), *rest, 0.25))
 
 
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=dtype_id)
+def test_cpu_mla_decode_converts_the_cache_exactly(cache_dtype):
+    """The same for the latent-attention kernel: over a latent cache of each dtype it gives the same bits as over a
+    float32 cache holding the same values (rows of 40: eight at a time, then a scalar tail)."""
+    from kernels.cpu_ops import load
+
+    gen = torch.Generator().manual_seed(0)
+    cache = to_cache_dtype(torch.randn(24, 16, 40, generator=gen), cache_dtype)
+    query = torch.randn(3, 4, 40, generator=gen)
+    seq_lens = torch.tensor([300, 17, 1])
+    tables = torch.stack([torch.randperm(24, generator=gen)[:19] for _ in range(3)])
+    mla_decode = load().mla_decode
+    out = mla_decode(query, cache, seq_lens, tables, 32, 0.2)
+    assert torch.equal(out, mla_decode(query, cache.float(), seq_lens, tables, 32, 0.2))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=dtype_id)
 def test_triton_unified_attention_reads_the_cache_dtype(device, cache_dtype):

@@ -18,6 +18,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/extension.h>
 
+#include "convert.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -57,9 +59,8 @@ void attend_part(const Part& part, const T* q_row, int64_t qs1, const C* cache, 
     const int64_t n = std::min(kChunkKeys, part.key1 - c0);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t pos = c0 + j;
-      const C* src = cache + blocks[pos / block_size] * cs0 + (pos % block_size) * cs1;
-      float* dst = rows.data() + j * head_size;
-      for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<float>(src[d]);
+      llmmesh_convert::convert_row(cache + blocks[pos / block_size] * cs0 + (pos % block_size) * cs1,
+                                   rows.data() + j * head_size, head_size);
     }
     at::Tensor s_mat = matrix(scores.data(), num_heads, n, n);
     at::mm_out(s_mat, q_mat, matrix(rows.data(), n, head_size, head_size).t());

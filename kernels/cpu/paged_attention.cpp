@@ -30,11 +30,9 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/extension.h>
 
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
+#include "convert.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -202,92 +200,15 @@ HeadLoops head_loops(int64_t head_dim) {
   return head_loops_for(head_dim / Vec::size(), std::make_integer_sequence<int, 16>{});
 }
 
-// A row as float32: float rows are used in place, others converted into buf.
+// A row as float32: float rows are used in place, others converted into buf (convert.h).
 template <typename T>
 inline const float* as_float(const T* src, float* buf, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  llmmesh_convert::convert_row(src, buf, n);
   return buf;
 }
 template <>
 inline const float* as_float<float>(const float* src, float*, int64_t) {
   return src;
-}
-
-// fp8 to float32 by table, one load a value, where there is no vector conversion: converting bit by bit in the
-// inner loop costs more than the attention.
-template <typename F8>
-std::array<float, 256> fp8_table() {
-  std::array<float, 256> table;
-  for (int i = 0; i < 256; ++i) table[i] = static_cast<float>(F8(uint8_t(i), F8::from_bits()));
-  return table;
-}
-const std::array<float, 256> kE4m3Table = fp8_table<c10::Float8_e4m3fn>();
-const std::array<float, 256> kE5m2Table = fp8_table<c10::Float8_e5m2>();
-
-// 16 at a time with AVX-512, 8 with F16C: each value's bits moved into float16's, then the hardware's float16
-// conversion. e5m2 is float16's top byte; e4m3's exponent and mantissa sit 7 bits up, 2^8 too small (exponent bias
-// 7, not 15).
-template <bool E4M3>
-inline const float* fp8_as_float(const void* src, const std::array<float, 256>& table, float* buf, int64_t n) {
-  const auto* bytes = static_cast<const uint8_t*>(src);
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + i)));
-    if constexpr (E4M3) {
-      const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
-      const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-      _mm512_storeu_ps(buf + i, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(magnitude, sign)), _mm512_set1_ps(256.f)));
-    } else {
-      _mm512_storeu_ps(buf + i, _mm512_cvtph_ps(_mm256_slli_epi16(b, 8)));
-    }
-  }
-#elif defined(__F16C__)
-  for (; i + 8 <= n; i += 8) {
-    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + i)));
-    if constexpr (E4M3) {
-      const __m128i magnitude = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7);
-      const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
-      _mm256_storeu_ps(buf + i, _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(magnitude, sign)), _mm256_set1_ps(256.f)));
-    } else {
-      _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_slli_epi16(b, 8)));
-    }
-  }
-#endif
-  for (; i < n; ++i) buf[i] = table[bytes[i]];
-  return buf;
-}
-template <>
-inline const float* as_float<c10::BFloat16>(const c10::BFloat16* src, float* buf, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  // bfloat16 is float32's top half.
-  for (; i + 16 <= n; i += 16) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
-    _mm512_storeu_ps(buf + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-  }
-#endif
-  for (; i < n; ++i) buf[i] = static_cast<float>(src[i]);
-  return buf;
-}
-// float16 by the hardware's conversion (F16C), exact as the scalar one.
-template <>
-inline const float* as_float<c10::Half>(const c10::Half* src, float* buf, int64_t n) {
-  int64_t i = 0;
-#if defined(__F16C__)
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-#endif
-  for (; i < n; ++i) buf[i] = static_cast<float>(src[i]);
-  return buf;
-}
-template <>
-inline const float* as_float<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* src, float* buf, int64_t n) {
-  return fp8_as_float<true>(src, kE4m3Table, buf, n);
-}
-template <>
-inline const float* as_float<c10::Float8_e5m2>(const c10::Float8_e5m2* src, float* buf, int64_t n) {
-  return fp8_as_float<false>(src, kE5m2Table, buf, n);
 }
 
 // Asks for a row of n elements to be brought into cache, one 64-byte line at a time.
