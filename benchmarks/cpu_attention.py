@@ -10,6 +10,7 @@ blocks scattered at random over the cache. Scenarios (seeded):
   chunk    4 prompt chunks of 128 tokens after 256 cached tokens (a chunked prefill or a prefix hit).
   mixed    the decode batch plus one 128-token chunk after 256 cached tokens.
   hit      one request's 16 new tokens after 2,048 cached ones (a long prefix hit's first step).
+  long     one whole prompt of 2,048 tokens (a long prompt's first token).
 Backends run alternately, round after round (the machine is shared and noisy); medians are printed.
 """
 
@@ -36,6 +37,7 @@ def make_step(scenario: str, seed: int = 0):
         "chunk": [(128, 384)] * 4,
         "mixed": decodes + [(128, 384)],
         "hit": [(16, 2064)],
+        "long": [(2048, 2048)],
     }[scenario]
 
 
@@ -90,7 +92,7 @@ def time_step(backend, metadata, caches, q, k, v) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", default="torch,cpu")
-    parser.add_argument("--scenario", default="decode", choices=["decode", "prefill", "chunk", "mixed", "hit"])
+    parser.add_argument("--scenario", default="decode", choices=["decode", "prefill", "chunk", "mixed", "hit", "long"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3, help="steps timed per backend per round (median kept)")
