@@ -45,8 +45,9 @@ inline const std::array<float, 256> kE5m2Table = fp8_table<c10::Float8_e5m2>();
 // conversion. e5m2 is float16's top byte; e4m3's exponent and mantissa sit 7 bits up, 2^8 too small (exponent bias
 // 7, not 15).
 template <bool E4M3>
-inline void fp8_to_float(const void* src, const std::array<float, 256>& table, float* buf, int64_t n) {
+inline void fp8_to_float(const void* src, float* buf, int64_t n) {
   const auto* bytes = static_cast<const uint8_t*>(src);
+  const std::array<float, 256>& table = E4M3 ? kE4m3Table : kE5m2Table;
   int64_t i = 0;
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16) {
@@ -97,11 +98,11 @@ inline void convert_row<c10::Half>(const c10::Half* src, float* buf, int64_t n) 
 }
 template <>
 inline void convert_row<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* src, float* buf, int64_t n) {
-  fp8_to_float<true>(src, kE4m3Table, buf, n);
+  fp8_to_float<true>(src, buf, n);
 }
 template <>
 inline void convert_row<c10::Float8_e5m2>(const c10::Float8_e5m2* src, float* buf, int64_t n) {
-  fp8_to_float<false>(src, kE5m2Table, buf, n);
+  fp8_to_float<false>(src, buf, n);
 }
 
 }  // namespace llmmesh_convert
