@@ -54,9 +54,10 @@ INT8_DOT_MAX_ROWS = {320: 16, 576: 6}
 _QUANTIZED_ACT_DTYPES = (torch.bfloat16, torch.float16)
 # Most rows a CPU step runs on kernels.dense's dense_linear, by dtype and the packed tile's columns (oneDNN's layout
 # on this CPU, tiles of 32 where it uses AMX): past them oneDNN's own kernel on the same packed weight, or the
-# engine's whole decode step, gains no more (docs/benchmarks.md). On AVX2 (float32 only) oneDNN catches up sooner.
+# engine's whole decode step, gains no more (docs/benchmarks.md). On AVX2 (float32 only) oneDNN's kernel is slower
+# for longer: it reaches dense_linear's rate at about 128 rows.
 if torch.backends.cpu.get_cpu_capability() == "AVX2":
-    DENSE_MAX_ROWS = {(torch.float32, 64): 48}
+    DENSE_MAX_ROWS = {(torch.float32, 64): 128}
 else:
     DENSE_MAX_ROWS = {(torch.bfloat16, 32): 8, (torch.bfloat16, 64): 16, (torch.float32, 64): 64}
 # Batch invariance (--batch-invariant on, docs/determinism.md): a layer computes every row by one kernel, whatever the

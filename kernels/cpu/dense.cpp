@@ -158,23 +158,30 @@ constexpr int64_t CHAIN_F32_AVX2 = 1024;  // inputs a chain, as oneDNN's AVX2 fl
 constexpr int64_t KC = 64;                // inputs a slice of a tile
 constexpr int64_t ROWS_A_BLOCK = 64;      // rows a tile's buffers hold; more rows read the tile again
 constexpr int64_t PREFETCH_L1_ROWS = 8;
+constexpr int64_t PREFETCH_UPFRONT_ROWS = 12;
 
 // ROWS rows against REGS registers (8 REGS columns) of one slice: acc[r][j] continues the chain in buf (or starts
-// it), one FMA an input. Each pass prefetches its share of the next slice, pf_lines cache lines from pf, spread over
-// its inputs: the passes over a slice then keep the memory busy while they compute. into_l1: prefetch into L1, not
-// L2, in calls of PREFETCH_L1_ROWS rows or more, whose passes over a slice last long enough for it to arrive (1.04
-// to 1.11x at 8 to 48 rows on an EPYC Zen 3); fewer rows gain nothing or lose a little.
-template <int ROWS, int REGS>
+// it), one FMA an input. Each pass prefetches its share of the next slice, pf_lines cache lines from pf: the passes
+// over a slice then keep the memory busy while they compute. With few rows a pass's share is large and is spread
+// over its inputs. From PREFETCH_UPFRONT_ROWS rows a share is a few lines, issued into L2 before the loop, which
+// then holds nothing but loads and FMAs: 1.2 to 1.45x at 16 to 128 rows on an EPYC Zen 3, where the prefetch's
+// bookkeeping an input took the core's issue slots from the FMAs. into_l1: spread prefetches go into L1, not L2, in
+// calls of PREFETCH_L1_ROWS rows or more, whose passes over a slice last long enough for them to arrive (1.04x at 8
+// rows on an EPYC Zen 3); fewer rows gain nothing or lose a little.
+template <int ROWS, int REGS, bool UPFRONT>
 inline void slice_rows_f32(const float* w, int64_t inputs, const float* x, int64_t x_stride, float* buf, bool start,
                            const char* pf, int64_t pf_lines, bool into_l1) {
-  const int64_t lines_an_input = (pf_lines + inputs - 1) / inputs;
   __m256 acc[ROWS][REGS];
   for (int r = 0; r < ROWS; ++r)
     for (int j = 0; j < REGS; ++j) acc[r][j] = start ? _mm256_setzero_ps() : _mm256_loadu_ps(buf + r * 64 + 8 * j);
+  if constexpr (UPFRONT)
+    for (int64_t l = 0; l < pf_lines; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
+  const int64_t lines_an_input = UPFRONT ? 0 : (pf_lines + inputs - 1) / inputs;
   for (int64_t i = 0; i < inputs; ++i) {
     const float* row = w + i * TILE_F32;
-    for (int64_t l = i * lines_an_input; l < std::min(pf_lines, (i + 1) * lines_an_input); ++l)
-      into_l1 ? _mm_prefetch(pf + 64 * l, _MM_HINT_T0) : _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
+    if constexpr (!UPFRONT)
+      for (int64_t l = i * lines_an_input; l < std::min(pf_lines, (i + 1) * lines_an_input); ++l)
+        into_l1 ? _mm_prefetch(pf + 64 * l, _MM_HINT_T0) : _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
     __m256 held[REGS];  // a quarter tile's two registers, loaded once an input; a half tile's four leave no room
     if constexpr (REGS <= 2)
       for (int j = 0; j < REGS; ++j) held[j] = _mm256_loadu_ps(row + 8 * j);
@@ -191,6 +198,7 @@ inline void slice_rows_f32(const float* w, int64_t inputs, const float* x, int64
 // rows (at most ROWS_A_BLOCK) against one tile: one row in all eight registers; more in passes of six rows over a
 // quarter of the tile (twelve accumulators, its two registers held), those left three at a time over half of it
 // (twelve accumulators, the weights read from L1 by the FMAs).
+template <bool UPFRONT>
 void tile_block_f32(const float* tile, int64_t k, const float* x, int64_t rows, int64_t x_stride, const float* bias,
                     float* out, int64_t n, int64_t col) {
   alignas(32) float chain[ROWS_A_BLOCK * TILE_F32];
@@ -204,7 +212,7 @@ void tile_block_f32(const float* tile, int64_t k, const float* x, int64_t rows, 
       const char* next = reinterpret_cast<const char*>(w) + PREFETCH_BYTES;
       const int64_t lines = inputs * TILE_F32 * 4 / 64;  // the next slice's, as long as this one
       if (rows == 1) {
-        slice_rows_f32<1, 8>(w, inputs, x + s, x_stride, chain, start, next, lines, false);
+        slice_rows_f32<1, 8, false>(w, inputs, x + s, x_stride, chain, start, next, lines, false);
         continue;
       }
       const bool into_l1 = rows >= PREFETCH_L1_ROWS;
@@ -214,7 +222,7 @@ void tile_block_f32(const float* tile, int64_t k, const float* x, int64_t rows, 
       int64_t p = 0;
       for (int64_t m = 0; m < six; m += 6)
         for (int q = 0; q < 4; ++q, ++p)
-          slice_rows_f32<6, 2>(w + 16 * q, inputs, x + m * x_stride + s, x_stride, chain + m * TILE_F32 + 16 * q,
+          slice_rows_f32<6, 2, UPFRONT>(w + 16 * q, inputs, x + m * x_stride + s, x_stride, chain + m * TILE_F32 + 16 * q,
                                start, next + 64 * line(p), line(p + 1) - line(p), into_l1);
       for (int64_t m = six; m < rows; m += 3) {
         for (int h = 0; h < 2; ++h, ++p) {
@@ -222,7 +230,7 @@ void tile_block_f32(const float* tile, int64_t k, const float* x, int64_t rows, 
           float* b = chain + m * TILE_F32 + 32 * h;
           switch (std::min<int64_t>(rows - m, 3)) {
 #define ROWS_CASE(R) \
-  case R: slice_rows_f32<R, 4>(w + 32 * h, inputs, xm, x_stride, b, start, next + 64 * line(p), line(p + 1) - line(p), into_l1); break;
+  case R: slice_rows_f32<R, 4, UPFRONT>(w + 32 * h, inputs, xm, x_stride, b, start, next + 64 * line(p), line(p + 1) - line(p), into_l1); break;
             ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3)
 #undef ROWS_CASE
           }
@@ -245,9 +253,11 @@ void dense_f32(const float* w, int64_t tiles, int64_t k_padded, const float* x, 
   const int64_t tile_elems = TILE_F32 * k_padded;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      for (int64_t m = 0; m < rows; m += ROWS_A_BLOCK)
-        tile_block_f32(w + t * tile_elems, k, x + m * x_stride, std::min(rows - m, ROWS_A_BLOCK), x_stride, bias,
-                       out + m * n, n, t * TILE_F32);
+      for (int64_t m = 0; m < rows; m += ROWS_A_BLOCK) {
+        const int64_t block = std::min(rows - m, ROWS_A_BLOCK);
+        (block >= PREFETCH_UPFRONT_ROWS ? tile_block_f32<true> : tile_block_f32<false>)(
+            w + t * tile_elems, k, x + m * x_stride, block, x_stride, bias, out + m * n, n, t * TILE_F32);
+      }
   });
 }
 
