@@ -222,8 +222,9 @@ void tile_block_f32(const float* tile, int64_t k, const float* x, int64_t rows, 
       int64_t p = 0;
       for (int64_t m = 0; m < six; m += 6)
         for (int q = 0; q < 4; ++q, ++p)
-          slice_rows_f32<6, 2, UPFRONT>(w + 16 * q, inputs, x + m * x_stride + s, x_stride, chain + m * TILE_F32 + 16 * q,
-                               start, next + 64 * line(p), line(p + 1) - line(p), into_l1);
+          slice_rows_f32<6, 2, UPFRONT>(w + 16 * q, inputs, x + m * x_stride + s, x_stride,
+                                        chain + m * TILE_F32 + 16 * q, start, next + 64 * line(p),
+                                        line(p + 1) - line(p), into_l1);
       for (int64_t m = six; m < rows; m += 3) {
         for (int h = 0; h < 2; ++h, ++p) {
           const float* xm = x + m * x_stride + s;
