@@ -52,6 +52,15 @@ constexpr int64_t kMaxTileRows = 64;   // a prefill tile's query rows: enough to
 constexpr int64_t kMinItems = 8;       // fewer items than this run their chunks as parts
 constexpr int64_t kKeyChunk = 256;     // keys are split at multiples of this, whatever the batch
 constexpr int64_t kKeyBlock = 32;      // keys a block of the loops over queries (the results do not depend on it)
+constexpr int64_t kScoreStride = kKeyChunk + 16;  // floats between queries' scores: rows 1 KiB apart share L1 sets
+constexpr int64_t kMinBlockQueries = 16;  // queries sharing a block's keys that pay for the block ways (below)
+
+// Keeps a loaded vector in a register. Without this the compiler folds a load that several multiply-adds use into
+// each of them as a memory operand, and the loads, not the multiply-adds, bound the loop.
+template <typename V>
+inline void in_register(V& v) {
+  __asm__("" : "+x"(v));
+}
 
 inline float dot(const float* a, const float* b, int64_t n) {
   Vec acc(0.f);
@@ -103,7 +112,8 @@ void scores_of(const float* q, const float* const* keys, int64_t n, float* score
     Vec acc[kKeys];
     for (int r = 0; r < kKeys; ++r) acc[r] = Vec(0.f);
     for (int v = 0; v < NV; ++v) {
-      const Vec qv = Vec::loadu(q + v * Vec::size());
+      Vec qv = Vec::loadu(q + v * Vec::size());
+      in_register(qv);
       for (int r = 0; r < kKeys; ++r) acc[r] = at::vec::fmadd(qv, Vec::loadu(k[r] + v * Vec::size()), acc[r]);
     }
 #if defined(CPU_CAPABILITY_AVX2)
@@ -150,9 +160,12 @@ void scores_of_two(const float* q0, const float* q1, const float* const* keys, i
     __m256 acc[8];  // query 0's four keys, then query 1's
     for (auto& a : acc) a = _mm256_setzero_ps();
     for (int v = 0; v < NV; ++v) {
-      const __m256 x0 = _mm256_loadu_ps(q0 + 8 * v), x1 = _mm256_loadu_ps(q1 + 8 * v);
+      __m256 x0 = _mm256_loadu_ps(q0 + 8 * v), x1 = _mm256_loadu_ps(q1 + 8 * v);
+      in_register(x0);
+      in_register(x1);
       for (int r = 0; r < 4; ++r) {
-        const __m256 kv = _mm256_loadu_ps(k[r] + 8 * v);
+        __m256 kv = _mm256_loadu_ps(k[r] + 8 * v);
+        in_register(kv);
         acc[r] = _mm256_fmadd_ps(x0, kv, acc[r]);
         acc[4 + r] = _mm256_fmadd_ps(x1, kv, acc[4 + r]);
       }
@@ -169,6 +182,110 @@ void scores_of_two(const float* q0, const float* q1, const float* const* keys, i
     }
   }
 }
+
+// The 8 x 8 block r[0..8) transposed in place.
+inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h)  // rows 4h..4h+3: columns c and c + 4 of each, c = 0..3
+    for (int i = 0; i < 2; ++i) {
+      u[4 * h + 2 * i] = _mm256_shuffle_ps(t[4 * h + i], t[4 * h + i + 2], 0x44);
+      u[4 * h + 2 * i + 1] = _mm256_shuffle_ps(t[4 * h + i], t[4 * h + i + 2], 0xEE);
+    }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[c + 4] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
+
+// kKeyBlock key rows of head_dim floats transposed: kt[d * kKeyBlock + j] = rows[j][d].
+void transpose_block(const float* const* rows, int64_t head_dim, float* kt) {
+  for (int64_t j0 = 0; j0 < kKeyBlock; j0 += 8)
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 8) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(rows[j0 + j] + d0);
+      transpose8(r);
+      for (int d = 0; d < 8; ++d) _mm256_storeu_ps(kt + (d0 + d) * kKeyBlock + j0, r[d]);
+    }
+}
+
+// Four queries' scores over a whole block of keys, from its transposed copy kt: the keys in the lanes, as an outer
+// product. Lane l of dot()'s sum is the chain q[l] k[l] + q[8 + l] k[8 + l] + ...; here each such chain is an
+// accumulator of its own, and the eight are added as dot()'s lanes are reduced, so each score is dot()'s bit for
+// bit. Each key vector loaded serves four queries, and no score needs a horizontal reduction.
+constexpr int kBlockQueries = 4;
+template <int NV>
+void scores_of_block(const float* const* qs, const float* kt, float* const* ss) {
+  constexpr int Q = kBlockQueries;
+  for (int j0 = 0; j0 < kKeyBlock; j0 += 16) {
+    alignas(32) float lanes[8][Q][2][8];
+    for (int l = 0; l < 8; ++l) {
+      __m256 acc[Q][2];
+      for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
+      for (int v = 0; v < NV; ++v) {
+        const float* row = kt + (8 * v + l) * kKeyBlock + j0;
+        __m256 k0 = _mm256_loadu_ps(row), k1 = _mm256_loadu_ps(row + 8);
+        in_register(k0);
+        in_register(k1);
+        for (int i = 0; i < Q; ++i) {
+          const __m256 x = _mm256_broadcast_ss(qs[i] + 8 * v + l);
+          acc[i][0] = _mm256_fmadd_ps(x, k0, acc[i][0]);
+          acc[i][1] = _mm256_fmadd_ps(x, k1, acc[i][1]);
+        }
+      }
+      for (int i = 0; i < Q; ++i)
+        for (int g = 0; g < 2; ++g) _mm256_store_ps(lanes[l][i][g], acc[i][g]);
+    }
+    for (int i = 0; i < Q; ++i)
+      for (int g = 0; g < 2; ++g) {
+        auto lane = [&](int l) { return _mm256_load_ps(lanes[l][i][g]); };
+        const __m256 even = _mm256_add_ps(_mm256_add_ps(lane(0), lane(4)), _mm256_add_ps(lane(2), lane(6)));
+        const __m256 odd = _mm256_add_ps(_mm256_add_ps(lane(1), lane(5)), _mm256_add_ps(lane(3), lane(7)));
+        _mm256_storeu_ps(ss[i] + j0 + 8 * g, _mm256_add_ps(even, odd));
+      }
+  }
+}
+
+// Three queries' weighted values over the same n keys, a strip of four vectors from offset: each value vector is
+// loaded once for the three. Each output element is weighted_strip's chain, in key order.
+inline void weighted_three_strip(const float* const* ws, const float* const* values, int64_t n, int64_t offset,
+                                 float* const* outs) {
+  // Twelve named accumulators: GCC keeps an array of them in memory as well, storing it at every key.
+  __m256 a0 = _mm256_loadu_ps(outs[0] + offset), a1 = _mm256_loadu_ps(outs[0] + offset + 8);
+  __m256 a2 = _mm256_loadu_ps(outs[0] + offset + 16), a3 = _mm256_loadu_ps(outs[0] + offset + 24);
+  __m256 b0 = _mm256_loadu_ps(outs[1] + offset), b1 = _mm256_loadu_ps(outs[1] + offset + 8);
+  __m256 b2 = _mm256_loadu_ps(outs[1] + offset + 16), b3 = _mm256_loadu_ps(outs[1] + offset + 24);
+  __m256 c0 = _mm256_loadu_ps(outs[2] + offset), c1 = _mm256_loadu_ps(outs[2] + offset + 8);
+  __m256 c2 = _mm256_loadu_ps(outs[2] + offset + 16), c3 = _mm256_loadu_ps(outs[2] + offset + 24);
+  const float *w0 = ws[0], *w1 = ws[1], *w2 = ws[2];
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 x = _mm256_broadcast_ss(w0 + j), y = _mm256_broadcast_ss(w1 + j), z = _mm256_broadcast_ss(w2 + j);
+    const float* row = values[j] + offset;
+    auto step = [&](int i, __m256& a, __m256& b, __m256& c) {
+      __m256 v = _mm256_loadu_ps(row + 8 * i);
+      in_register(v);
+      a = _mm256_fmadd_ps(x, v, a);
+      b = _mm256_fmadd_ps(y, v, b);
+      c = _mm256_fmadd_ps(z, v, c);
+    };
+    step(0, a0, b0, c0);
+    step(1, a1, b1, c1);
+    step(2, a2, b2, c2);
+    step(3, a3, b3, c3);
+  }
+  const __m256 acc[3][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}, {c0, c1, c2, c3}};
+  for (int q = 0; q < 3; ++q)
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(outs[q] + offset + 8 * i, acc[q][i]);
+}
+
+// Whole strips of four vectors: head_dim a multiple of 32.
+template <int NV>
+void weighted_three(const float* const* ws, const float* const* values, int64_t n, float* const* outs) {
+  for (int s = 0; s < NV; s += 4) weighted_three_strip(ws, values, n, 8 * s, outs);
+}
 #endif
 
 // Any head_dim: dot() and axpy() key by key.
@@ -184,12 +301,18 @@ struct HeadLoops {
   void (*scores)(const float*, const float* const*, int64_t, float*) = nullptr;
   void (*weighted)(const float*, const float* const*, int64_t, float*) = nullptr;
   void (*scores_two)(const float*, const float*, const float* const*, int64_t, float*, float*) = nullptr;
+  void (*scores_block)(const float* const*, const float*, float* const*) = nullptr;
+  void (*weighted_three)(const float* const*, const float* const*, int64_t, float* const*) = nullptr;
 };
 template <int... NV>
 HeadLoops head_loops_for(int64_t nv, std::integer_sequence<int, NV...>) {
   HeadLoops loops;
 #if defined(CPU_CAPABILITY_AVX2)
-  ((nv == NV + 1 ? (loops = {scores_of<NV + 1>, weighted_sum<NV + 1>, scores_of_two<NV + 1>}, 0) : 0), ...);
+  ((nv == NV + 1 ? (loops = {scores_of<NV + 1>, weighted_sum<NV + 1>, scores_of_two<NV + 1>, scores_of_block<NV + 1>,
+                             (NV + 1) % 4 == 0 ? weighted_three<NV + 1> : nullptr},
+                    0)
+                 : 0),
+   ...);
 #else
   ((nv == NV + 1 ? (loops = {scores_of<NV + 1>, weighted_sum<NV + 1>}, 0) : 0), ...);
 #endif
@@ -232,8 +355,28 @@ struct SoftmaxSums {
 };
 inline SoftmaxSums softmax_unnormalized(float* s, int64_t n) {
   const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, n);
-  at::vec::map([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, s, s, n);
-  return {mx, at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n)};
+  const Vec m(mx);
+  auto add = [](Vec& x, Vec& y) { return x + y; };
+  if (n < Vec::size()) {
+    at::vec::map([m](Vec x) { return (x - m).exp_u20(); }, s, s, n);
+    return {mx, at::vec::reduce_all<float>(add, s, n)};
+  }
+  // The exponentials summed as they are stored, in reduce_all's order: one running vector, a last partial vector's
+  // lanes added alone, then the lanes reduced as vec_reduce_all does.
+  Vec acc = (Vec::loadu(s) - m).exp_u20();
+  acc.store(s);
+  int64_t d = Vec::size();
+  for (; d + Vec::size() <= n; d += Vec::size()) {
+    const Vec e = (Vec::loadu(s + d) - m).exp_u20();
+    e.store(s + d);
+    acc = acc + e;
+  }
+  if (d < n) {
+    const Vec e = (Vec::loadu(s + d, n - d) - m).exp_u20();
+    e.store(s + d, n - d);
+    acc = Vec::set(acc, acc + e, n - d);
+  }
+  return {mx, at::vec::vec_reduce_all<float>(add, acc)};
 }
 
 // cap * tanh(s) of s[0..n): Gemma 2's soft-capping, on scores already divided by the cap (the query was scaled by
@@ -272,7 +415,7 @@ void attend_item(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, cons
                  int64_t os0, int64_t os1, float* partials) {
   // Buffers (megabytes at long contexts) live as long as the thread: allocated anew each call, they are fresh pages
   // to fault in on every layer.
-  thread_local std::vector<float> keys, values, scores, q, sums_buf, out;
+  thread_local std::vector<float> keys, values, key_block, scores, q, sums_buf, out;
   thread_local std::vector<const float*> key_rows, value_rows;
   thread_local std::vector<std::pair<int64_t, int64_t>> ranges;
   const int64_t nq = it.rows * group, h0 = it.kv_head * group, ps = partial_size(head_dim);
@@ -283,10 +426,11 @@ void attend_item(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, cons
   const int64_t first_chunk = it.key0 / kKeyChunk, num_chunks = (it.key1 - 1) / kKeyChunk + 1 - first_chunk;
   keys.resize(kKeyChunk * head_dim);
   values.resize(kKeyChunk * head_dim);
+  key_block.resize(kKeyBlock * head_dim);
   key_rows.resize(kKeyChunk);
   value_rows.resize(kKeyChunk);
   const HeadLoops loops = head_loops(head_dim);
-  scores.resize(nq * kKeyChunk);
+  scores.resize(nq * kScoreStride);
   ranges.resize(nq);
   q.resize(nq * head_dim);
   out.resize(head_dim);
@@ -333,21 +477,41 @@ void attend_item(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, cons
     auto in_block = [&](int64_t i, int64_t kb) {
       return std::pair{std::max(ranges[i].first, kb), std::min(ranges[i].second, kb + kKeyBlock)};
     };
-    auto scores_from = [&](int64_t i, int64_t lo) { return scores.data() + i * kKeyChunk + (lo - ranges[i].first); };
-    auto for_blocks = [&](auto&& f) {
-      for (int64_t kb = k0; kb < k1; kb += kKeyBlock)
-        for (int64_t i = 0; i < nq; ++i) {
-          const auto [lo, hi] = in_block(i, kb);
-          if (lo < hi) f(i, lo, hi, scores_from(i, lo));
+    auto scores_from = [&](int64_t i, int64_t lo) { return scores.data() + i * kScoreStride + (lo - ranges[i].first); };
+    auto sums_of = [&](int64_t i) { return chunk_sums + (it.part < 0 ? i * num_chunks + c : it.part + i) * ps; };
+    // Many queries over a block (a prompt's tile: its rows times the group) take the block ways: those that see all
+    // of a block's keys, consecutive, run kBlockQueries at a time from its transposed copy, and three that see the
+    // same keys share each value row's loads. A few (a decode's group) read the rows as they lie, which on a decode
+    // are still in flight from memory.
+    const bool block_ways = nq >= kMinBlockQueries && loops.scores_block;
+    for (int64_t kb = k0; kb < k1; kb += kKeyBlock) {
+      int64_t w0 = 0, w1 = 0;  // queries [w0, w1) run from the transposed block
+      if (block_ways && kb + kKeyBlock <= k1) {
+        const std::pair whole{kb, kb + kKeyBlock};
+        while (w0 < nq && in_block(w0, kb) != whole) ++w0;
+        for (w1 = w0; w1 < nq && in_block(w1, kb) == whole;) ++w1;
+        w1 = w0 + (w1 - w0) / kBlockQueries * kBlockQueries;
+      }
+      if (w1 > w0) {
+        transpose_block(key_rows.data() + (kb - k0), head_dim, key_block.data());
+        for (int64_t i = w0; i < w1; i += kBlockQueries) {
+          const float* qs[kBlockQueries];
+          float* ss[kBlockQueries];
+          for (int r = 0; r < kBlockQueries; ++r) {
+            qs[r] = q.data() + (i + r) * head_dim;
+            ss[r] = scores_from(i + r, kb);
+          }
+          loops.scores_block(qs, key_block.data(), ss);
         }
-    };
-    for (int64_t kb = k0; kb < k1; kb += kKeyBlock)
+      }
       for (int64_t i = 0; i < nq; ++i) {
+        if (i == w0 && w1 > w0) i = w1;
+        if (i >= nq) break;
         const auto [lo, hi] = in_block(i, kb);
         if (lo >= hi) continue;
         const float* qi = q.data() + i * head_dim;
         const float* const* rows = key_rows.data() + (lo - k0);
-        if (loops.scores_two && i + 1 < nq && in_block(i + 1, kb) == std::pair{lo, hi}) {
+        if (loops.scores_two && i + 1 < nq && !(i + 1 == w0 && w1 > w0) && in_block(i + 1, kb) == std::pair{lo, hi}) {
           // The next query sees the same keys of this block: the two share them.
           loops.scores_two(qi, qi + head_dim, rows, hi - lo, scores_from(i, lo), scores_from(i + 1, lo));
           ++i;
@@ -357,28 +521,39 @@ void attend_item(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, cons
           scores_of_any(qi, rows, hi - lo, head_dim, scores_from(i, lo));
         }
       }
+    }
     for (int64_t i = 0; i < nq; ++i) {
       const auto [a, b] = ranges[i];
-      float* dst = chunk_sums + (it.part < 0 ? i * num_chunks + c : it.part + i) * ps;
+      float* dst = sums_of(i);
       std::fill(dst + 2, dst + ps, 0.f);
       if (a >= b) {
         dst[0] = -std::numeric_limits<float>::infinity();
         dst[1] = 0.f;
         continue;
       }
-      float* s = scores.data() + i * kKeyChunk;
+      float* s = scores.data() + i * kScoreStride;
       if (cap > 0) soft_cap(s, b - a, cap);
       const SoftmaxSums sums = softmax_unnormalized(s, b - a);
       dst[0] = sums.max;
       dst[1] = sums.sum;
     }
-    for_blocks([&](int64_t i, int64_t lo, int64_t hi, float* w) {
-      float* acc = chunk_sums + (it.part < 0 ? i * num_chunks + c : it.part + i) * ps + 2;
-      if (loops.weighted)
-        loops.weighted(w, value_rows.data() + (lo - k0), hi - lo, acc);
-      else
-        weighted_sum_any(w, value_rows.data() + (lo - k0), hi - lo, head_dim, acc);
-    });
+    for (int64_t kb = k0; kb < k1; kb += kKeyBlock)
+      for (int64_t i = 0; i < nq; ++i) {
+        const auto [lo, hi] = in_block(i, kb);
+        if (lo >= hi) continue;
+        const float* const* rows = value_rows.data() + (lo - k0);
+        if (block_ways && loops.weighted_three && i + 2 < nq && in_block(i + 1, kb) == std::pair{lo, hi} &&
+            in_block(i + 2, kb) == std::pair{lo, hi}) {
+          const float* ws[3] = {scores_from(i, lo), scores_from(i + 1, lo), scores_from(i + 2, lo)};
+          float* outs[3] = {sums_of(i) + 2, sums_of(i + 1) + 2, sums_of(i + 2) + 2};
+          loops.weighted_three(ws, rows, hi - lo, outs);
+          i += 2;
+        } else if (loops.weighted) {
+          loops.weighted(scores_from(i, lo), rows, hi - lo, sums_of(i) + 2);
+        } else {
+          weighted_sum_any(scores_from(i, lo), rows, hi - lo, head_dim, sums_of(i) + 2);
+        }
+      }
   }
   if (it.part >= 0) return;
   for (int64_t i = 0; i < nq; ++i) {
