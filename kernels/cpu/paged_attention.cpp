@@ -54,12 +54,15 @@ constexpr int64_t kKeyChunk = 256;     // keys are split at multiples of this, w
 constexpr int64_t kKeyBlock = 32;      // keys a block of the loops over queries (the results do not depend on it)
 constexpr int64_t kScoreStride = kKeyChunk + 16;  // floats between queries' scores: rows 1 KiB apart share L1 sets
 constexpr int64_t kMinBlockQueries = 16;  // queries sharing a block's keys that pay for the block ways (below)
+constexpr int kBlockQueries = 4;          // queries a pass of scores_of_block
 
-// Keeps a loaded vector in a register. Without this the compiler folds a load that several multiply-adds use into
-// each of them as a memory operand, and the loads, not the multiply-adds, bound the loop.
+// Keeps a loaded vector in a register. Without this GCC folds a load that several multiply-adds use into each of
+// them as a memory operand, and on AVX2 the loads, not the multiply-adds, bound the loop (measured there only).
 template <typename V>
 inline void in_register(V& v) {
+#if defined(CPU_CAPABILITY_AVX2)
   __asm__("" : "+x"(v));
+#endif
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -216,7 +219,6 @@ void transpose_block(const float* const* rows, int64_t head_dim, float* kt) {
 // product. Lane l of dot()'s sum is the chain q[l] k[l] + q[8 + l] k[8 + l] + ...; here each such chain is an
 // accumulator of its own, and the eight are added as dot()'s lanes are reduced, so each score is dot()'s bit for
 // bit. Each key vector loaded serves four queries, and no score needs a horizontal reduction.
-constexpr int kBlockQueries = 4;
 template <int NV>
 void scores_of_block(const float* const* qs, const float* kt, float* const* ss) {
   constexpr int Q = kBlockQueries;
@@ -492,6 +494,7 @@ void attend_item(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, cons
         for (w1 = w0; w1 < nq && in_block(w1, kb) == whole;) ++w1;
         w1 = w0 + (w1 - w0) / kBlockQueries * kBlockQueries;
       }
+#if defined(CPU_CAPABILITY_AVX2)  // the block ways' kernels; elsewhere block_ways is false
       if (w1 > w0) {
         transpose_block(key_rows.data() + (kb - k0), head_dim, key_block.data());
         for (int64_t i = w0; i < w1; i += kBlockQueries) {
@@ -504,6 +507,7 @@ void attend_item(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, cons
           loops.scores_block(qs, key_block.data(), ss);
         }
       }
+#endif
       for (int64_t i = 0; i < nq; ++i) {
         if (i == w0 && w1 > w0) i = w1;
         if (i >= nq) break;
