@@ -487,12 +487,14 @@ void attend_item(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, cons
     // are still in flight from memory.
     const bool block_ways = nq >= kMinBlockQueries && loops.scores_block;
     for (int64_t kb = k0; kb < k1; kb += kKeyBlock) {
-      int64_t w0 = 0, w1 = 0;  // queries [w0, w1) run from the transposed block
+      int64_t w0 = nq, w1 = nq;  // queries [w0, w1) run from the transposed block; none: both nq
       if (block_ways && kb + kKeyBlock <= k1) {
         const std::pair whole{kb, kb + kKeyBlock};
-        while (w0 < nq && in_block(w0, kb) != whole) ++w0;
-        for (w1 = w0; w1 < nq && in_block(w1, kb) == whole;) ++w1;
-        w1 = w0 + (w1 - w0) / kBlockQueries * kBlockQueries;
+        int64_t a = 0, b;
+        while (a < nq && in_block(a, kb) != whole) ++a;
+        for (b = a; b < nq && in_block(b, kb) == whole; ++b) {
+        }
+        if (b - a >= kBlockQueries) w0 = a, w1 = a + (b - a) / kBlockQueries * kBlockQueries;
       }
 #if defined(CPU_CAPABILITY_AVX2)  // the block ways' kernels; elsewhere block_ways is false
       if (w1 > w0) {
@@ -509,13 +511,13 @@ void attend_item(const Item& it, const T* q_base, int64_t qs0, int64_t qs1, cons
       }
 #endif
       for (int64_t i = 0; i < nq; ++i) {
-        if (i == w0 && w1 > w0) i = w1;
+        if (i == w0) i = w1;
         if (i >= nq) break;
         const auto [lo, hi] = in_block(i, kb);
         if (lo >= hi) continue;
         const float* qi = q.data() + i * head_dim;
         const float* const* rows = key_rows.data() + (lo - k0);
-        if (loops.scores_two && i + 1 < nq && !(i + 1 == w0 && w1 > w0) && in_block(i + 1, kb) == std::pair{lo, hi}) {
+        if (loops.scores_two && i + 1 < nq && i + 1 != w0 && in_block(i + 1, kb) == std::pair{lo, hi}) {
           // The next query sees the same keys of this block: the two share them.
           loops.scores_two(qi, qi + head_dim, rows, hi - lo, scores_from(i, lo), scores_from(i + 1, lo));
           ++i;
