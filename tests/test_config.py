@@ -23,9 +23,26 @@ def test_memory_sizes():
         parse_memory_size("lots")
 
 
+def test_the_step_budget_follows_the_device():
+    """Unset, a step holds 512 tokens on a CPU and 2048 on a GPU; the image encoder's budget stays 2048 unless set."""
+    for device, budget in (("cpu", 512), ("cuda", 2048)):
+        sched = EngineArgs().create_engine_config().scheduler_config
+        sched.resolve(device)
+        assert (sched.max_num_batched_tokens, sched.max_num_encoder_input_tokens, sched.encoder_cache_size) == (
+            budget,
+            2048,
+            2048,
+        )
+    given = EngineArgs(max_num_batched_tokens=4096).create_engine_config().scheduler_config
+    given.resolve("cpu")
+    assert (given.max_num_batched_tokens, given.max_num_encoder_input_tokens, given.encoder_cache_size) == (4096,) * 3
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be at least 1, got 0"):
+        EngineArgs(max_num_batched_tokens=0)
+
+
 def test_flags_use_vllm_names_and_defaults():
     args = parse([])
-    assert (args.block_size, args.max_num_batched_tokens, args.max_num_seqs) == (16, 2048, 256)
+    assert (args.block_size, args.max_num_batched_tokens, args.max_num_seqs) == (16, None, 256)
     assert args.enable_prefix_caching is True and args.scheduling_policy == "fcfs"
     args = parse(
         [

@@ -164,6 +164,7 @@ def test_model_server_info_and_idle_load(stub, llm):
     server = stub.GetServerInfo(engine_pb2.GetServerInfoRequest())
     assert server.num_gpu_blocks == llm.engine.num_blocks and server.block_size == 16
     assert server.max_logprobs == 20
+    assert server.max_num_batched_tokens == 512  # unset, on a CPU
     load = stub.GetLoad(engine_pb2.GetLoadRequest())
     assert (load.num_running, load.num_waiting, load.kv_cache_usage) == (0, 0, 0.0)
 

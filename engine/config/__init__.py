@@ -13,7 +13,7 @@ from engine.config.lora import LoRAConfig
 from engine.config.model import DEFAULT_MODEL, MAX_CUDAGRAPH_CAPTURE_SIZE, ModelConfig
 from engine.config.parallel import ParallelConfig
 from engine.config.sampler import SamplerConfig
-from engine.config.scheduler import SchedulerConfig
+from engine.config.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
 from engine.config.utils import (
     add_argument,
     add_cli_args,
@@ -116,7 +116,7 @@ class EngineConfig:
     def get_cudagraph_capture_sizes(self) -> list[int]:
         """The decode batch sizes that get a CUDA graph, ascending; none above max_num_seqs or the token budget."""
         sched = self.scheduler_config
-        limit = min(sched.max_num_seqs, sched.max_num_batched_tokens)
+        limit = min(sched.max_num_seqs, sched.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"])
         sizes = self.model_config.cudagraph_capture_sizes
         if sizes is None:
             sizes = [1, 2, 4, *range(8, MAX_CUDAGRAPH_CAPTURE_SIZE + 1, 8)]

@@ -4,13 +4,23 @@ from dataclasses import dataclass
 
 from engine.config.utils import check_choices, setting
 
+# The step's token budget when unset, by device. A CPU's step time grows in proportion to its prompt tokens from a
+# few hundred on (its products are compute-bound), so a burst of prompts taken a few at a time gets its first tokens
+# one after another instead of all at the end of one long step, at the same throughput. A GPU's step time stays
+# flat far longer, and larger steps use it better.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
+# An image is encoded whole in one step, so the encoder's budget does not follow the step budget's device default.
+DEFAULT_ENCODER_BUDGET = 2048
+
 
 @dataclass
 class SchedulerConfig:
     """The scheduler: each step's token and request budget, the queue's policy, chunked prefill and async
     scheduling."""
 
-    max_num_batched_tokens: int = setting(2048, help="tokens scheduled in one step at most")
+    max_num_batched_tokens: int | None = setting(
+        None, help="tokens scheduled in one step at most; unset: 512 on CPU, 2048 on a GPU"
+    )
     max_num_seqs: int = setting(256, help="requests running at once at most")
     scheduling_policy: str = setting(
         "fcfs",
@@ -35,12 +45,13 @@ class SchedulerConfig:
     # vLLM's encoder budgets, for vision-language models, in embedding tokens (an image's placeholder length).
     max_num_encoder_input_tokens: int | None = setting(
         None,
-        help="image embedding tokens the vision encoder computes in one step at most; unset: max_num_batched_tokens",
+        help="image embedding tokens the vision encoder computes in one step at most; unset: max_num_batched_tokens "
+        "when that is set, else 2048",
     )
     encoder_cache_size: int | None = setting(
         None,
         help="image embedding tokens the encoder cache holds (shared by requests with the same image); unset: "
-        "max_num_batched_tokens",
+        "max_num_batched_tokens when that is set, else 2048",
     )
     encoder_cache_keep_unused: bool = setting(
         True,
@@ -50,21 +61,10 @@ class SchedulerConfig:
     )
 
     def __post_init__(self):
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
-        if self.max_num_encoder_input_tokens is None:
-            self.max_num_encoder_input_tokens = self.max_num_batched_tokens
-        if self.encoder_cache_size is None:
-            self.encoder_cache_size = self.max_num_batched_tokens
-        if self.max_num_encoder_input_tokens < 1:
-            raise ValueError(
-                f"max_num_encoder_input_tokens must be at least 1, got {self.max_num_encoder_input_tokens}."
-            )
-        if self.encoder_cache_size < self.max_num_encoder_input_tokens:
-            raise ValueError(
-                f"encoder_cache_size ({self.encoder_cache_size}) must be at least max_num_encoder_input_tokens "
-                f"({self.max_num_encoder_input_tokens}): a step's images must fit the cache."
-            )
+        for name in ("max_num_batched_tokens", "max_num_encoder_input_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_waiting_requests < 0:
@@ -74,3 +74,18 @@ class SchedulerConfig:
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}.")
         check_choices(self)
+
+    def resolve(self, device: str) -> None:
+        """The defaults that depend on the device (cpu or cuda); the engine calls it once it knows the device."""
+        encoder_default = self.max_num_batched_tokens or DEFAULT_ENCODER_BUDGET
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS[device]
+        if self.max_num_encoder_input_tokens is None:
+            self.max_num_encoder_input_tokens = encoder_default
+        if self.encoder_cache_size is None:
+            self.encoder_cache_size = encoder_default
+        if self.encoder_cache_size < self.max_num_encoder_input_tokens:
+            raise ValueError(
+                f"encoder_cache_size ({self.encoder_cache_size}) must be at least max_num_encoder_input_tokens "
+                f"({self.max_num_encoder_input_tokens}): a step's images must fit the cache."
+            )
