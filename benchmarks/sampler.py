@@ -5,7 +5,7 @@
 
 Scenarios (logits [batch, vocab] in --dtype; bfloat16 is what a bfloat16 model hands the sampler):
   greedy  default SamplingParams with temperature=0: the argmax path.
-  random  default SamplingParams (temperature 1): softmax and a Gumbel-max draw, nothing else.
+  random  default SamplingParams (temperature 1): softmax and one draw a row, nothing else.
   mixed   rows cycle through four kinds: penalties (repetition 1.1, frequency 0.5, presence 0.3,
           temperature 0.8) over a 100-token prompt and 100-token output; top_k=50 with top_p=0.9;
           logprobs=5, greedy; seed with top_p=0.95 (its own torch.Generator).

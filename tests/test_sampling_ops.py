@@ -1,12 +1,12 @@
-"""The sampler's C++ kernel (kernels/cpu/sampling.cpp) against torch, the greedy path that uses it, and top-p's
-partial search against a sort of the whole vocabulary."""
+"""The sampler's C++ kernel (kernels/cpu/sampling.cpp) against torch, the greedy path that uses it, top-p's partial
+search against a sort of the whole vocabulary, and the random draw's inverse transform."""
 
 import pytest
 import torch
 
 from engine.request import Request, SamplingParams
 from engine.sample.metadata import SamplingMetadata
-from engine.sample.ops import apply_top_p, argmax
+from engine.sample.ops import apply_top_p, argmax, inverse_transform, random_sample
 from engine.sample.sampler import Sampler
 from kernels.cpu_ops import load
 
@@ -87,3 +87,29 @@ def test_top_p_keeps_the_nucleus_a_sort_finds():
             sizes.append(len(nucleus))
     # The rows cover every path: within 64 candidates, within 64 x 16, and past a quarter of the vocabulary.
     assert min(sizes) <= 64 and any(64 < n <= 1024 for n in sizes) and min(sizes[-8:]) > vocab // 4
+
+
+WEIGHTS = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 3.0], [5.0, 0.0, 0.0, 0.0, 0.0]])
+
+
+def test_the_inverse_transform_takes_only_tokens_of_weight_above_zero_at_either_end_of_u():
+    """u = 0 takes the first token of weight > 0; the largest u below 1 the last one, also where zeros follow it. A
+    row of no weight, or NaN, still takes a token of the vocabulary."""
+    below_one = torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
+    for u, expected in ((0.0, [1, 4, 0]), (below_one.item(), [3, 4, 0])):
+        assert inverse_transform(WEIGHTS, torch.full((3, 1), u, dtype=torch.float64)).tolist() == expected
+    nothing = torch.tensor([[0.0, 0.0, 0.0], [float("nan")] * 3])
+    assert inverse_transform(nothing, torch.full((2, 1), 0.5, dtype=torch.float64)).tolist() == [2, 2]
+
+
+def test_random_draws_follow_the_weights_and_seeded_rows_repeat():
+    """Weights that do not sum to 1, zeros among them: 20,000 draws a row only ever take tokens of weight > 0, in
+    their proportion (within five standard deviations); a seeded row draws the same token for the same seed."""
+    n = 20_000
+    draws = random_sample(WEIGHTS.repeat(n, 1), {}).view(n, 3)
+    assert set(draws[:, 0].tolist()) == {1, 3} and set(draws[:, 1].tolist()) == {4} and set(draws[:, 2].tolist()) == {0}
+    ones = (draws[:, 0] == 1).sum().item()  # p = 2/3
+    assert abs(ones - n * 2 / 3) < 5 * (n * 2 / 3 * 1 / 3) ** 0.5, ones
+    probs = torch.softmax(torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)), dim=-1)
+    seeded = [random_sample(probs.clone(), {1: torch.Generator().manual_seed(7)})[1].item() for _ in range(3)]
+    assert len(set(seeded)) == 1

@@ -154,17 +154,27 @@ def seeded_generators(rows, kept: dict, device: torch.device) -> dict[int, torch
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """One draw per row from probs, without torch.multinomial (it makes the host wait).
+    """One draw per row from probs (weights >= 0, not necessarily summing to 1), without torch.multinomial (it
+    makes the host wait).
 
-    Gumbel-max in its exponential form: argmax(p / E) with E ~ Exp(1) is a draw from p.
-    E is made as -log(U), U ~ Uniform[0, 1): on CPU that is several times faster than
-    exponential_. U = 0 gives E = inf, which only makes that token lose (p / inf = 0), never nan.
-    Seeded rows take their U from their own generator, so their draws do not depend on what
-    else is in the batch.
-    """
-    noise = torch.empty_like(probs)
+    Inverse transform: one U ~ Uniform[0, 1) a row, and the first token whose running total of the row's weights
+    (float64, summed in order) exceeds U times the row's total. A row takes one random number, not one per token
+    of the vocabulary as a Gumbel-max draw does, whose random numbers were most of a sampled step's sampling on a
+    CPU. A token of weight 0 adds nothing to the total, so it is never drawn. Seeded rows take their U from their
+    own generator, so their draws do not depend on what else is in the batch."""
+    u = torch.empty(probs.size(0), 1, dtype=torch.float64, device=probs.device)
     if len(generators) < probs.size(0):
-        noise.uniform_()
+        u.uniform_()
     for row, generator in generators.items():
-        noise[row].uniform_(generator=generator)
-    return probs.div_(noise.log_().neg_()).argmax(dim=-1)
+        u[row].uniform_(generator=generator)
+    return inverse_transform(probs, u)
+
+
+def inverse_transform(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token each row of weights [rows, vocab] draws for its u [rows, 1] (float64, in [0, 1)): the first whose
+    running total exceeds u times the row's total."""
+    totals = weights.to(torch.float64).cumsum_(dim=-1)
+    # u < 1 keeps u * total below a total > 0 (float64: a float32 total is never subnormal there), so some token of
+    # weight > 0 exceeds it. A row with no weight (or NaN) finds none: it takes the last token rather than one past it.
+    drawn = torch.searchsorted(totals, u * totals[:, -1:], right=True).squeeze(1)
+    return drawn.clamp_(max=weights.size(-1) - 1)

@@ -1,7 +1,7 @@
 """Sampler: vLLM v1's order over one batch of logits, each row with its own settings.
 
     float32 -> grammar bitmask -> logprobs -> allowed / bad words -> min_tokens, logit_bias -> penalties
-    -> greedy argmax | temperature -> min_p -> top-k, then top-p -> softmax -> Gumbel-max draw
+    -> greedy argmax | temperature -> min_p -> top-k, then top-p -> softmax -> one inverse-transform draw a row
 
 A step whose rows are all plain argmaxes (greedy, nothing that changes a logit) skips the float32 copy: the argmax
 reads the logits in their own dtype.

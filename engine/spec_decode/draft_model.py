@@ -21,6 +21,7 @@ from engine.models.files import load_config
 from engine.models.linear import process_weights_after_loading
 from engine.models.loader import load_weights, prepare_model_dir
 from engine.models.registry import ModelRegistry
+from engine.sample.ops import random_sample
 from engine.sample.rejection_sampler import DraftTokens
 from engine.spec_decode.config import SpeculativeConfig
 
@@ -157,17 +158,16 @@ class DraftModelProposer:
 
     def _draw(self, q: torch.Tensor, requests: list, greedy: list[bool]) -> torch.Tensor:
         """Each row's draft from q (the argmax for a greedy request), seeded requests from their own generator."""
-        noise = torch.empty_like(q).uniform_()
+        generators = {}
         for i, request in enumerate(requests):
             seed = request.sampling_params.seed
             if seed is not None and not greedy[i]:
                 # Not the seed itself: the sampler's generator for this request has it, and the drafts must be
                 # independent of the draws that accept them.
-                generator = self.generators.setdefault(
+                generators[i] = self.generators.setdefault(
                     request.request_id, torch.Generator(self.device).manual_seed(seed + DRAFT_SEED_OFFSET)
                 )
-                noise[i].uniform_(generator=generator)
-        drawn = (q / -noise.log()).argmax(dim=-1)
+        drawn = random_sample(q, generators)
         greedy_rows = torch.tensor(greedy, device=q.device)
         return torch.where(greedy_rows, q.argmax(dim=-1), drawn)
 

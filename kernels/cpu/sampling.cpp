@@ -203,19 +203,23 @@ at::Tensor sample_plain_rows(const at::Tensor& raw, const PlainRow* params, std:
     const at::Tensor p = floats(top_p);
     x = on_rows([&](at::Tensor t) { return apply_top_p(t, p); }, x, subset(top_p_rows, r));
   }
-  // ops.py's random_sample: argmax(p / E), E = -log(U); a seeded row's U from its own generator.
-  at::Tensor probs = x.softmax(-1);
-  at::Tensor noise = at::empty_like(probs);
+  // ops.py's random_sample: one U a row (a seeded row's from its own generator), then the first token whose running
+  // total of the row's probabilities (float64) exceeds U times the row's total (at most the last token).
+  const at::Tensor probs = x.softmax(-1);
+  at::Tensor u = at::empty({static_cast<int64_t>(r), 1}, probs.options().dtype(at::kDouble));
   std::vector<size_t> seeded;
   for (size_t j = 0; j < r; ++j)
     if (params[random[j]].flags & SEEDED) seeded.push_back(j);
-  if (seeded.size() < r) noise.uniform_(0, 1);
+  if (seeded.size() < r) u.uniform_(0, 1);
   for (size_t j : seeded) {
     const PlainRow& row = params[random[j]];
     at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(draw_seed(row.seed, row.index));
-    noise.select(0, j).uniform_(0, 1, generator);
+    u.select(0, j).uniform_(0, 1, generator);
   }
-  const at::Tensor drawn = probs.div_(noise.log_().neg_()).argmax(-1);
+  const at::Tensor totals = probs.to(at::kDouble).cumsum_(-1);
+  const at::Tensor target = u * totals.narrow(1, totals.size(1) - 1, 1);
+  const at::Tensor drawn =
+      at::searchsorted(totals, target, /*out_int32=*/false, /*right=*/true).squeeze(1).clamp_max_(totals.size(1) - 1);
   if (!random_rows) return drawn;
   return greedy.index_copy_(0, *random_rows, drawn);
 }
