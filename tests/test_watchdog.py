@@ -110,7 +110,9 @@ def test_a_stopped_tensor_parallel_rank_is_seen_from_inside(tiny_model):
 # Every service of a loaded machine answers well within these; the streams move after the first, serve kills the
 # stopped engine after the second.
 SERVE_STEP_TIMEOUT, SERVE_STEP_TIMEOUT_EXIT = 3, 30
-LONG = 400  # tokens: still running when the engine stops
+# Tokens: every stream still runs when the engine stops, even where one stream's first token comes late (400 can run
+# out in under a second on an idle machine, before the last first token arrives).
+LONG = 3000
 REQUESTS = {
     "greedy/0": ([5, 6, 7], dict(temperature=0.0, max_tokens=LONG, ignore_eos=True)),
     "greedy/1": ([8, 9, 10, 11], dict(temperature=0.0, max_tokens=LONG, ignore_eos=True)),
