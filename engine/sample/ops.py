@@ -159,9 +159,9 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
 
     Inverse transform: one U ~ Uniform[0, 1) a row, and the first token whose running total of the row's weights
     (float64, summed in order) exceeds U times the row's total. A row takes one random number, not one per token
-    of the vocabulary as a Gumbel-max draw does, whose random numbers were most of a sampled step's sampling on a
-    CPU. A token of weight 0 adds nothing to the total, so it is never drawn. Seeded rows take their U from their
-    own generator, so their draws do not depend on what else is in the batch."""
+    of the vocabulary as a Gumbel-max draw does (on a CPU those are most of a sampled step's sampling). A token of
+    weight 0 adds nothing to the total, so it is never drawn. Seeded rows take their U from their own generator, so
+    their draws do not depend on what else is in the batch."""
     u = torch.empty(probs.size(0), 1, dtype=torch.float64, device=probs.device)
     if len(generators) < probs.size(0):
         u.uniform_()
