@@ -15,11 +15,14 @@ import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from engine.request import Request, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # xgrammar's errors start with a timestamp and its source file: "[06:22:41] /project/cpp/x.cc:83: ".
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -41,15 +44,18 @@ class StructuredOutputManager:
         self.eos_token_ids = list(eos_token_ids)
         # Compiling is CPU work: half the cores, as vLLM sizes this pool.
         self.executor = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() + 1) // 2), thread_name_prefix="grammar")
+        # xgrammar (a second's import, transformers with it) is imported by the first constraint, not by every engine.
         self._compiler: xgr.GrammarCompiler | None = None  # made by the first compile (it needs the tokenizer)
         self._compiler_lock = threading.Lock()
-        self._batch_matcher = xgr.BatchGrammarMatcher()
+        self._batch_matcher: xgr.BatchGrammarMatcher | None = None  # made by the first bitmask
 
     # ---- admission ---------------------------------------------------------------------------------
 
     @staticmethod
     def validate(params: StructuredOutputsParams) -> None:
         """Parse the constraint as xgrammar will compile it; ValueError naming the field if it cannot."""
+        import xgrammar as xgr
+
         kind = params.kind
         try:
             if kind == "json":
@@ -73,10 +79,12 @@ class StructuredOutputManager:
             self._compile, request.structured_output_request.params, list(request.output_token_ids)
         )
 
-    def get_compiler(self) -> xgr.GrammarCompiler:
+    def get_compiler(self) -> "xgr.GrammarCompiler":
         """The engine's one compiler, made on first use from the model's tokenizer (its cache is shared)."""
         with self._compiler_lock:
             if self._compiler is None:
+                import xgrammar as xgr
+
                 from engine.models.files import load_tokenizer
 
                 info = xgr.TokenizerInfo.from_huggingface(
@@ -85,7 +93,7 @@ class StructuredOutputManager:
                 self._compiler = xgr.GrammarCompiler(info)
             return self._compiler
 
-    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    def compile(self, params: StructuredOutputsParams) -> "xgr.CompiledGrammar":
         """The compiled grammar, from the compiler's cache when this constraint was compiled before."""
         compiler, kind = self.get_compiler(), params.kind
         any_whitespace = not params.disable_any_whitespace
@@ -101,8 +109,10 @@ class StructuredOutputManager:
             return compiler.compile_grammar(params.grammar)
         return compiler.compile_structural_tag(params.structural_tag)
 
-    def _compile(self, params: StructuredOutputsParams, output_token_ids: list[int]) -> xgr.GrammarMatcher:
+    def _compile(self, params: StructuredOutputsParams, output_token_ids: list[int]) -> "xgr.GrammarMatcher":
         """The matcher, advanced over a resumed request's output so far (the state it had on its first engine)."""
+        import xgrammar as xgr
+
         try:
             matcher = xgr.GrammarMatcher(self.compile(params))
         except RuntimeError as e:
@@ -120,11 +130,15 @@ class StructuredOutputManager:
         """[rows, ceil(vocab / 32)] int32 on the host: the tokens each request's grammar allows next (bit set =
         allowed), one row per request, or with drafts (spec_tokens: request_id -> its drafts) one per verified
         position, consecutive: the matcher advances through the drafts to fill them, then rolls back."""
+        import xgrammar as xgr
+
         spec_tokens = spec_tokens or {}
         counts = [1 + len(spec_tokens.get(r.request_id, ())) for r in requests]
         bitmask = xgr.allocate_token_bitmask(sum(counts), self.vocab_size)
         if sum(counts) == len(requests):
             matchers = [r.structured_output_request.matcher for r in requests]
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher()
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
             return bitmask
         row = 0
