@@ -42,6 +42,19 @@ def pack_dense(w: torch.Tensor, tile: int = 32) -> torch.Tensor:
     return w.reshape(tiles, columns, dims[1], -1).transpose(1, 2).contiguous().view(dims)
 
 
+def pack_codes(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Group-quantized codes q [N, K] (int8) with float32 scales and zeros [N, K / group_size] (kernels/quant.py) in
+    dense_codes_linear's tiles of 64 output columns: codes [N / 64, K, 64], scales and zeros [N / 64, groups, 64], N
+    padded with zero codes, scales and zeros."""
+    tiles = -(-q.shape[0] // TILE_F32)
+
+    def tiled(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        t = F.pad(t.to(dtype), (0, 0, 0, tiles * TILE_F32 - t.shape[0]))
+        return t.reshape(tiles, TILE_F32, -1).transpose(1, 2).contiguous()
+
+    return tiled(q, torch.int8), tiled(scales, torch.float32), tiled(zeros, torch.float32)
+
+
 def packed_view(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's packed bfloat16 or float32 weight (torch.ops.mkldnn._reorder_linear_weight of weight) as
     pack_dense(weight) for one of the layouts dense_linear reads, sharing its memory, or None if oneDNN lays out
@@ -89,4 +102,18 @@ def dense_kernel(dtype: torch.dtype = torch.bfloat16):
     supported = try_load() is not None and dtype in (torch.bfloat16, torch.float32)
     return (
         torch.ops.llmmesh_dense.dense_linear if supported and torch.ops.llmmesh_dense.dense_supported(dtype) else None
+    )
+
+
+@functools.cache
+def dense_codes_kernel():
+    """dense_codes_linear (x, codes, scales, zeros, group_size, n) -> x @ w.T in float32 for pack_codes' tiles, or
+    None where the CPU kernels cannot be built or the CPU lacks AVX2 with FMA or has AVX-512 (whose dense_linear sums
+    otherwise)."""
+    from kernels.cpu_ops import try_load
+
+    return (
+        torch.ops.llmmesh_dense.dense_codes_linear
+        if try_load() is not None and torch.ops.llmmesh_dense.dense_codes_supported()
+        else None
     )

@@ -8,10 +8,12 @@ import torch
 from engine.llm import LLM
 from engine.models import quantization
 from engine.request import SamplingParams
-from kernels.dense import dense_kernel, pack_dense, packed_view
+from kernels.dense import dense_codes_kernel, dense_kernel, pack_codes, pack_dense, packed_view
+from kernels.quant import dequantize, quantize_int4, quantize_int8
 
 bfloat16 = pytest.mark.skipif(dense_kernel() is None, reason="dense_linear's bfloat16 needs AVX512-BF16")
 float32 = pytest.mark.skipif(dense_kernel(torch.float32) is None, reason="dense_linear's float32 needs AVX-512 or AVX2")
+codes = pytest.mark.skipif(dense_codes_kernel() is None, reason="dense_codes_linear needs AVX2 with FMA, no AVX-512")
 
 
 def _packed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,4 +142,60 @@ def test_invariant_float32_layer_gives_each_row_its_bits_alone(n, k, bias):
     x = torch.randn(300, k, generator=gen)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
     for rows in (7, 25, 47, 101, 300):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
+# 4-bit codes in groups of 32 (GGUF's Q4_1), 8-bit in groups of 16, 48 (straddling a chain of 1,024 inputs) and one
+# a row; K under and over 1,024; N whole tiles and a part-filled last one.
+CODE_CASES = [
+    ("int4/32", 960, 576),
+    ("int4/32", 100, 2080),
+    ("int8/16", 576, 1536),
+    ("int8/48", 64, 1536),
+    ("int8/row", 200, 1536),
+]
+
+
+def _codes(kind: str, n: int, k: int, gen: torch.Generator):
+    w = torch.randn(n, k, generator=gen)
+    bits, group = kind.split("/")
+    group_size = k if group == "row" else int(group)
+    return (quantize_int4 if bits == "int4" else quantize_int8)(w, group_size)
+
+
+@codes
+@pytest.mark.parametrize("kind, n, k", CODE_CASES)
+def test_dense_codes_linear_gives_the_dequantized_weights_bits(kind, n, k):
+    """Each weight formed in registers as dequantize() forms it, each column summed as dense_linear sums it: the same
+    bits as dense_linear on the dequantized weight, at every row count."""
+    gen = torch.Generator().manual_seed(n + k)
+    q, scales, zeros = _codes(kind, n, k, gen)
+    _, view = _packed(dequantize(q, scales, zeros))
+    packed = pack_codes(q, scales, zeros)
+    for rows in (1, 2, 3, 4, 7):
+        x = torch.randn(rows, k, generator=gen)
+        got = torch.ops.llmmesh_dense.dense_codes_linear(x, *packed, k // scales.shape[1], n)
+        assert torch.equal(got, torch.ops.llmmesh_dense.dense_linear(x, view, n, None)), f"{rows} rows"
+
+
+@codes
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_codes_run_few_rows_on_their_kernel_and_each_row_keeps_its_bits(bias):
+    """A float32 layer of 4-bit codes runs steps of up to CODES_MAX_ROWS rows on the codes (a quarter of the bytes)
+    and more on the dequantized weight, with batch invariance on: a row among hundreds is the row alone, bit for bit."""
+    from torch import nn
+
+    from engine.models.linear import Linear, process_weights_after_loading
+
+    gen = torch.Generator().manual_seed(7)
+    layer = Linear(576, 960, bias=bias, quant_method=quantization.Int4LinearMethod())
+    for name, value in zip(("qweight", "scales", "zeros"), _codes("int4/32", 960, 576, gen)):
+        setattr(layer, name, nn.Parameter(value, requires_grad=False))
+    if bias:
+        layer.bias.data.normal_(generator=gen)
+    process_weights_after_loading(layer, torch.float32, batch_invariant=True)
+    assert layer.kernel is not None and layer.kernel_max_rows == quantization.CODES_MAX_ROWS
+    x = torch.randn(300, 576, generator=gen)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    for rows in (2, quantization.CODES_MAX_ROWS, quantization.CODES_MAX_ROWS + 1, 47, 300):
         assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"

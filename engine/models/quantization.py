@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
-from kernels.dense import dense_kernel, packed_view
+from kernels.dense import dense_codes_kernel, dense_kernel, pack_codes, packed_view
 from kernels.quant import (
     dequantize,
     group_gemv_kernel,
@@ -46,6 +46,10 @@ from kernels.quant import (
 INT4_GROUP_SIZE = 32
 # Most rows a CPU step runs on the int4/int8 kernels; above it oneDNN on the dequantized weight is faster.
 CPU_KERNEL_MAX_ROWS = 4
+# Most rows a float32 CPU step runs codes on dense_codes_linear (kernels/dense.py): a quarter of the float32 weight's
+# bytes, formed in registers, so the rows' work grows faster than dense_linear's. On an EPYC Zen 3 (AVX2) SmolLM2's
+# 120 products took 0.37 / 0.53 / 0.89 / 1.27 of dense_linear's time at 1 / 2 / 4 / 8 rows.
+CODES_MAX_ROWS = 4
 # The same for int8_dot_linear, by its packed group's bytes: 4-bit codes (320) or 8-bit (576), each where it stops
 # beating oneDNN (AVX512-VNNI, docs/benchmarks.md). Where oneDNN takes no bfloat16 (a CPU without AVX-512) the rest
 # run on F.linear, which it beats at every row count: on an EPYC Zen 3 (AVX2), 0.07-0.41 of its time from 1 to 512
@@ -179,6 +183,10 @@ class GroupQuantLinearMethod(LinearMethodBase):
             layer.kernel = lambda x: dot(x, *packed)
             bounded = not invariant and _onednn_supports(q.device, dtype)
             layer.kernel_max_rows = INT8_DOT_MAX_ROWS[packed[0].shape[2]] if bounded else None
+        elif dtype == torch.float32 and q.device.type == "cpu" and (codes_kernel := dense_codes_kernel()) is not None:
+            group_size, codes = q.shape[1] // scales.shape[1], pack_codes(q, scales, zeros)
+            layer.kernel = lambda x: codes_kernel(x, *codes, group_size, layer.output_size)
+            layer.kernel_max_rows = CODES_MAX_ROWS
         elif invariant and q.device.type == "cpu":
             pass  # the dequantized weight alone, on one kernel for every M
         elif dtype in _QUANTIZED_ACT_DTYPES and is_int4(q, scales):
@@ -197,6 +205,15 @@ class GroupQuantLinearMethod(LinearMethodBase):
         if layer.kernel is None or layer.kernel_max_rows is not None:
             _register(layer, "weight", dequantize(q, scales, zeros))
             self.dense.process_weights_after_loading(layer, dtype)
+        if layer.kernel_max_rows == CODES_MAX_ROWS and dtype == torch.float32 and not self._codes_sum_as_dense(layer):
+            layer.kernel = None  # the codes' kernel must give the dequantized weight's bits, row for row
+
+    def _codes_sum_as_dense(self, layer) -> bool:
+        """Whether the codes' float32 kernel gives the bits of the dequantized weight's own product (dense_linear, or
+        oneDNN where that is not the kernel at these rows: then it does not) at one row and at CODES_MAX_ROWS."""
+        gen = torch.Generator().manual_seed(0)
+        xs = [torch.randn(m, layer.input_size, generator=gen) for m in (1, CODES_MAX_ROWS)]
+        return all(torch.equal(self.apply(layer, x), self.dense.apply(layer, x)) for x in xs)
 
     def apply(self, layer, x):
         if layer.kernel is not None and (layer.kernel_max_rows is None or x.shape[0] <= layer.kernel_max_rows):

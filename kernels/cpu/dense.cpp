@@ -262,6 +262,54 @@ void dense_f32(const float* w, int64_t tiles, int64_t k_padded, const float* x, 
   });
 }
 
+// Group-quantized codes in float32 (kernels/quant.py's format: w[n, k] = q[n, k] * scale + zero, a float32 multiply
+// then an add, per group of inputs), for a decode step's few rows: the codes are a quarter of the float32 weight's
+// bytes, and the rows are bound by reading the weight. The codes come in dense_f32's tiles of 64 columns (each
+// input's 64 int8 codes in order), the scales and zeros as [tiles, groups, 64]; each weight is formed in registers
+// as dequantize() forms it, and each column summed as dense_f32 sums it (chains of CHAIN_F32_AVX2 inputs in order,
+// added in order), so a row's output has dense_linear's bits on the dequantized weight.
+void codes_tile_row(const int8_t* codes, const float* scales, const float* zeros, int64_t k, int64_t group_size,
+                    const float* x, float* out, int64_t n, int64_t col) {
+  __m256 total[8];
+  for (int64_t c0 = 0; c0 < k; c0 += CHAIN_F32_AVX2) {
+    const int64_t c1 = std::min(k, c0 + CHAIN_F32_AVX2);
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = c0; i < c1;) {  // a group at a time (or the part of one in this chain)
+      const int64_t g = i / group_size, end = std::min(c1, (g + 1) * group_size);
+      const float* s = scales + g * TILE_F32;
+      const float* z = zeros + g * TILE_F32;
+      for (; i < end; ++i) {
+        const int8_t* q = codes + i * TILE_F32;
+        _mm_prefetch(reinterpret_cast<const char*>(q) + PREFETCH_BYTES, _MM_HINT_T1);  // 64 bytes an input
+        const __m256 xb = _mm256_broadcast_ss(x + i);
+        for (int j = 0; j < 8; ++j) {
+          const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j));
+          __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), _mm256_loadu_ps(s + 8 * j));
+          __asm__("" : "+x"(w));  // the product rounded before the add, as dequantize() rounds it: no FMA here
+          w = _mm256_add_ps(w, _mm256_loadu_ps(z + 8 * j));
+          acc[j] = _mm256_fmadd_ps(xb, w, acc[j]);
+        }
+      }
+    }
+    for (int j = 0; j < 8; ++j) total[j] = c0 == 0 ? acc[j] : _mm256_add_ps(total[j], acc[j]);
+  }
+  alignas(32) float sums[TILE_F32];
+  for (int j = 0; j < 8; ++j) _mm256_store_ps(sums + 8 * j, total[j]);
+  std::copy_n(sums, std::min(TILE_F32, n - col), out + col);
+}
+
+void codes_f32(const int8_t* codes, const float* scales, const float* zeros, int64_t tiles, int64_t k,
+               int64_t group_size, const float* x, int64_t rows, int64_t x_stride, float* out, int64_t n) {
+  const int64_t groups = k / group_size;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t r = 0; r < rows; ++r)
+        codes_tile_row(codes + t * k * TILE_F32, scales + t * groups * TILE_F32, zeros + t * groups * TILE_F32, k,
+                       group_size, x + r * x_stride, out + r * n, n, t * TILE_F32);
+  });
+}
+
 #endif
 
 }  // namespace
@@ -339,7 +387,41 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   return x.scalar_type() == at::kFloat ? dense_linear_f32(x, packed, n, bias) : dense_linear_bf16(x, packed, n, bias);
 }
 
+bool dense_codes_supported() {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] float32; codes int8 [tiles, K, 64], scales and zeros float32 [tiles, K / group_size, 64] (kernels/dense.py's
+// pack_codes), of which n columns are real. Returns x @ w.T [M, n] for w the codes' dequantized weight, without bias.
+at::Tensor dense_codes_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                              const at::Tensor& zeros, int64_t group_size, int64_t n) {
+  TORCH_CHECK(dense_codes_supported(), "dense_codes_linear needs AVX2 with FMA (and runs only where AVX-512 is absent)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kChar && codes.is_contiguous() &&
+                  codes.size(2) == TILE_F32 && codes.size(1) == x.size(1),
+              "codes must be int8 [tiles, K, 64] (kernels/dense.py's pack_codes)");
+  TORCH_CHECK(group_size > 0 && x.size(1) % group_size == 0, "K must be a multiple of group_size");
+  for (const auto* t : {&scales, &zeros})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == codes.size(0) &&
+                    t->size(1) == x.size(1) / group_size && t->size(2) == TILE_F32,
+                "scales and zeros must be float32 [tiles, K / group_size, 64]");
+  TORCH_CHECK(n > (codes.size(0) - 1) * TILE_F32 && n <= codes.size(0) * TILE_F32, "n must fall in the last tile");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  codes_f32(codes.data_ptr<int8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), codes.size(0), x.size(1),
+            group_size, xc.data_ptr<float>(), x.size(0), xc.size(1), out.data_ptr<float>(), n);
+#endif
+  return out;
+}
+
 TORCH_LIBRARY(llmmesh_dense, m) {
   m.def("dense_supported", &dense_supported);
   m.def("dense_linear", &dense_linear);
+  m.def("dense_codes_supported", &dense_codes_supported);
+  m.def("dense_codes_linear", &dense_codes_linear);
 }
