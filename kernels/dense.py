@@ -8,6 +8,11 @@ order, an input the 64 columns' weights; K padded with zeros to a multiple of 16
 that buffer as the tensor dense_linear reads, [N / T, K / 2, T, 2] or [N / 64, K, 64], after checking, once a shape
 and dtype, that oneDNN packs a weight of that shape as pack_dense() does with one of those tiles: a oneDNN that packs
 otherwise gets None, and the layer stays on oneDNN alone.
+
+dense_codes_linear: float32 x @ w.T for a quantized layer's few rows, read from its group-quantized codes (a quarter
+of the float32 weight's bytes) in pack_codes' tiles, each weight formed as kernels/quant.py's dequantize() forms it
+and each column summed as dense_linear's AVX2 form sums it: the dequantized weight's bits, checked at load
+(engine/models/quantization.py).
 """
 
 import ctypes

@@ -169,8 +169,9 @@ def _onednn_sums_as_dense(layer: nn.Module, shape: torch.Size) -> bool:
 
 
 class GroupQuantLinearMethod(LinearMethodBase):
-    """Group-wise codes, scales and zeros (kernels/quant.py): PyTorch's int4 or int8 kernel, else our group
-    kernel on CPU, for a step's few rows; the dequantized weight through UnquantizedLinearMethod for the rest."""
+    """Group-wise codes, scales and zeros (kernels/quant.py): int8_dot_linear in bfloat16, dense_codes_linear in
+    float32 (AVX2), PyTorch's int4 or int8 kernel, else our group kernel on CPU, for a step's few rows; the
+    dequantized weight through UnquantizedLinearMethod for the rest."""
 
     dense = UnquantizedLinearMethod()
 
