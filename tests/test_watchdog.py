@@ -174,9 +174,12 @@ def test_a_stopped_engine_loses_no_stream_and_serve_restarts_it(mesh):
             assert again.token_ids[0] == undisturbed["greedy/0"][0][0][:8]
         assert process_state(pid) == "T"
         mesh.expect(rf"the engine \(pid {pid}\) has answered no health check for \d+ s, past --step-timeout-exit")
-    finally:
+    except BaseException:
+        # A failure above: it must not stay stopped. Not otherwise: serve is killing it, and a stopped engine
+        # resumed first would see its step past --step-timeout-exit and exit on its own before the kill lands.
         if os.path.exists(f"/proc/{pid}"):
-            os.kill(pid, signal.SIGCONT)  # a failure above: it must not stay stopped
+            os.kill(pid, signal.SIGCONT)
+        raise
     wait_restarted(mesh, "engine")
     again = collect(generate(mesh.address, REQUESTS["greedy/0"][0], temperature=0.0, max_tokens=8, ignore_eos=True))
     assert again.token_ids[0] == undisturbed["greedy/0"][0][0][:8]
