@@ -180,14 +180,13 @@ class GroupQuantLinearMethod(LinearMethodBase):
         dot = int8_dot_kernel() if dtype == torch.bfloat16 and q.device.type == "cpu" else None
         packed = pack_int8_dot(q, scales, zeros) if dot is not None and int8_dot_takes(q, scales) else None
         invariant = getattr(layer, "batch_invariant", False)
+        codes = None  # float32 codes for dense_codes_linear, which runs once the dequantized weight is there to check
         if packed is not None:
             layer.kernel = lambda x: dot(x, *packed)
             bounded = not invariant and _onednn_supports(q.device, dtype)
             layer.kernel_max_rows = INT8_DOT_MAX_ROWS[packed[0].shape[2]] if bounded else None
         elif dtype == torch.float32 and q.device.type == "cpu" and (codes_kernel := dense_codes_kernel()) is not None:
-            group_size, codes = q.shape[1] // scales.shape[1], pack_codes(q, scales, zeros)
-            layer.kernel = lambda x: codes_kernel(x, *codes, group_size, layer.output_size)
-            layer.kernel_max_rows = CODES_MAX_ROWS
+            codes = pack_codes(q, scales, zeros)
         elif invariant and q.device.type == "cpu":
             pass  # the dequantized weight alone, on one kernel for every M
         elif dtype in _QUANTIZED_ACT_DTYPES and is_int4(q, scales):
@@ -206,8 +205,12 @@ class GroupQuantLinearMethod(LinearMethodBase):
         if layer.kernel is None or layer.kernel_max_rows is not None:
             _register(layer, "weight", dequantize(q, scales, zeros))
             self.dense.process_weights_after_loading(layer, dtype)
-        if layer.kernel_max_rows == CODES_MAX_ROWS and dtype == torch.float32 and not self._codes_sum_as_dense(layer):
-            layer.kernel = None  # the codes' kernel must give the dequantized weight's bits, row for row
+        if codes is not None:
+            group_size = q.shape[1] // scales.shape[1]
+            layer.kernel = lambda x: codes_kernel(x, *codes, group_size, layer.output_size)
+            layer.kernel_max_rows = CODES_MAX_ROWS
+            if not self._codes_sum_as_dense(layer):
+                layer.kernel = None  # it must give the dequantized weight's bits, row for row
 
     def _codes_sum_as_dense(self, layer) -> bool:
         """Whether the codes' float32 kernel gives the bits of the dequantized weight's own product (dense_linear, or
