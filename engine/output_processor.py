@@ -7,6 +7,7 @@ completions (the engine requests the Processor built), ends a completion at a st
 its engine request, and outputs still in flight for it are dropped), and keeps the request's timings.
 """
 
+import copy
 import enum
 import time
 
@@ -214,7 +215,7 @@ class RequestState:
             self.prompt_token_ids,
             outputs,
             self.finished,
-            self.metrics,
+            copy.copy(self.metrics),  # as of this output: the live one moves on while a consumer holds it
             self.num_cached_tokens,
             prompt_logprobs,
             self.error,

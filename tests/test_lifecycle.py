@@ -116,3 +116,25 @@ def test_non_finite_logit_bias_is_refused_not_clamped():
     with pytest.raises(ValueError, match="^logit_bias"):
         SamplingParams(logit_bias={5: math.nan})
     assert SamplingParams(logit_bias={5: 1e9}).logit_bias == {5: 100.0}
+
+
+def test_each_delta_output_keeps_its_own_token_times():
+    """A consumer that reads an output after the next step's has been made (the engine thread runs ahead of the
+    event loop) still sees that output's own last token time: inter-token latencies are counted from them."""
+    processor = OutputProcessor(tokenizer=None)
+    state = processor.add_request(
+        "r",
+        None,
+        [1],
+        SamplingParams(max_tokens=3, detokenize=False),
+        arrival_time=10.0,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    rid = state.engine_requests[0].request_id
+    (first,), _ = processor.process_outputs([out(rid, [4])], now=11.0)
+    (second,), _ = processor.process_outputs([out(rid, [5])], now=11.25)
+    (last,), _ = processor.process_outputs([out(rid, [6], FinishReason.LENGTH)], now=11.75)
+    times = [o.metrics.last_token_time for o in (first, second, last)]
+    assert times == [11.0, 11.25, 11.75]
+    assert [o.metrics.num_generation_tokens for o in (first, second, last)] == [1, 2, 3]
+    assert first.metrics.finished_time is None and last.metrics.e2e_latency == 1.75
