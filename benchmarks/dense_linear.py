@@ -1,12 +1,14 @@
 """The products of a decode step's few rows: kernels/cpu/dense.cpp's dense_linear against oneDNN's own kernel, both
-on oneDNN's packed weight, in bfloat16 or float32.
+on oneDNN's packed weight, in bfloat16 or float32; in float32 where the CPU has the codes kernel (AVX2, no AVX-512),
+also dense_codes_linear on 4-bit codes of the same weights (GGUF Q4_1's form: groups of 32, float16 scales).
 
     .venv/bin/python benchmarks/dense_linear.py [--dtype bfloat16] [--rows 1,2,4,8,16] [--batch-size 1,4,8]
         [--rounds 7] [--model DIR]
 
 Isolated: SmolLM2-135M's 120 products of a decode step (a layer: qkv 576->960, o 576->576, gate_up 576->3072, down
 1536->576), every layer with its own random weights, so that each comes from memory as in the engine; each row
-count is timed in rounds alternating the two kernels, after a warm-up round of every count; medians.
+count is timed in rounds alternating the kernels, after a warm-up round of every count; medians. With codes, each
+weight is the dequantized 4-bit codes of a random one, so all three kernels compute the same products.
 Engine: greedy decode of --batch-size requests at once (64-token prompts, 128 output tokens, EOS ignored) on
 SmolLM2 in --dtype, unquantized; a step's time is the decode time over its 127 steps. Rounds alternate the engine
 as it runs and the same engine with quantization.DENSE_MAX_ROWS empty (oneDNN alone); medians.
@@ -33,7 +35,8 @@ from engine.core import EngineCore
 from engine.models import quantization
 from engine.models.files import DEFAULT_MODEL, resolve_model
 from engine.models.loader import prepare_model_dir
-from kernels.dense import dense_kernel, packed_view
+from kernels.dense import dense_codes_kernel, dense_kernel, pack_codes, packed_view
+from kernels.quant import dequantize, quantize_int4
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M's [N, K] a layer
 LAYERS = 30
@@ -42,39 +45,56 @@ BF16_DIR = Path(__file__).resolve().parent.parent / "build" / "smollm2-bf16"
 
 def isolated(rows: list[int], rounds: int, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    packed, views = [], []
+    codes_kernel = dense_codes_kernel() if dtype == torch.float32 else None
+    packed, views, codes = [], [], []
     for _ in range(LAYERS):
         for n, k in SHAPES:
-            w = torch.randn(n, k).to(dtype)
+            w = torch.randn(n, k)
+            if codes_kernel is not None:
+                q, scales, zeros = quantize_int4(w, 32)
+                codes.append(pack_codes(q, scales, zeros))
+                w = dequantize(q, scales, zeros)
+            w = w.to(dtype)
             packed.append(torch.ops.mkldnn._reorder_linear_weight(w, None))
             views.append(packed_view(packed[-1], w))
     shapes = SHAPES * LAYERS
     dense = dense_kernel(dtype)
+    kernels = ["oneDNN", "dense_linear"] + (["codes"] if codes_kernel is not None else [])
 
     def step(x: dict[int, torch.Tensor], kernel: str) -> float:
         started = time.perf_counter()
-        for (n, k), p, v in zip(shapes, packed, views):
+        for i, ((n, k), p, v) in enumerate(zip(shapes, packed, views)):
             if kernel == "oneDNN":
                 torch.ops.mkldnn._linear_pointwise(x[k], p, None, "none", [], "")
+            elif kernel == "codes":
+                codes_kernel(x[k], *codes[i], 32, n)
             else:
                 dense(x[k], v, n, None)
         return (time.perf_counter() - started) * 1000
 
     inputs = {m: {k: torch.randn(m, k).to(dtype) for k in (576, 1536)} for m in rows}
     for m in rows:
-        step(inputs[m], "oneDNN"), step(inputs[m], "dense_linear")
+        for kernel in kernels:
+            step(inputs[m], kernel)
     nbytes = sum(dtype.itemsize * n * k for n, k in shapes)
+    codes_bytes = sum(t.nbytes for layer in codes for t in layer[:3])
     for m in rows:
-        times = {"oneDNN": [], "dense_linear": []}
+        times = {kernel: [] for kernel in kernels}
         for _ in range(rounds):
-            for kernel in times:
+            for kernel in kernels:
                 times[kernel].append(step(inputs[m], kernel))
         ours, theirs = statistics.median(times["dense_linear"]), statistics.median(times["oneDNN"])
-        print(
+        line = (
             f"isolated {m:2d} rows: oneDNN {theirs:6.2f} ms ({nbytes / theirs / 1e6:4.1f} GB/s), dense_linear "
-            f"{ours:6.2f} ms ({nbytes / ours / 1e6:4.1f} GB/s), {theirs / ours:.2f}x",
-            flush=True,
+            f"{ours:6.2f} ms ({nbytes / ours / 1e6:4.1f} GB/s), {theirs / ours:.2f}x"
         )
+        if codes:
+            on_codes = statistics.median(times["codes"])
+            line += (
+                f"; codes {on_codes:6.2f} ms ({codes_bytes / on_codes / 1e6:4.1f} GB/s of {codes_bytes / 1e6:.0f} MB), "
+                f"{on_codes / ours:.2f} of dense_linear's time"
+            )
+        print(line, flush=True)
 
 
 def bfloat16_smollm2() -> Path:

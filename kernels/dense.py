@@ -9,9 +9,10 @@ that buffer as the tensor dense_linear reads, [N / T, K / 2, T, 2] or [N / 64, K
 and dtype, that oneDNN packs a weight of that shape as pack_dense() does with one of those tiles: a oneDNN that packs
 otherwise gets None, and the layer stays on oneDNN alone.
 
-dense_codes_linear: float32 x @ w.T for a quantized layer's few rows, read from its group-quantized codes (a quarter
-of the float32 weight's bytes) in pack_codes' tiles, each weight formed as kernels/quant.py's dequantize() forms it
-and each column summed as dense_linear's AVX2 form sums it: the dequantized weight's bits, checked at load
+dense_codes_linear: float32 x @ w.T for a quantized layer's few rows, read from its group-quantized codes in
+pack_codes' layout (4-bit codes two a byte, so with their float16 scales about a sixth of the float32 weight's bytes;
+8-bit ones a quarter or more), each weight formed with the bits of kernels/quant.py's dequantize() and each column
+summed as dense_linear's AVX2 form sums it: the dequantized weight's bits, checked at load
 (engine/models/quantization.py).
 """
 
@@ -47,17 +48,39 @@ def pack_dense(w: torch.Tensor, tile: int = 32) -> torch.Tensor:
     return w.reshape(tiles, columns, dims[1], -1).transpose(1, 2).contiguous().view(dims)
 
 
-def pack_codes(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Group-quantized codes q [N, K] (int8) with float32 scales and zeros [N, K / group_size] (kernels/quant.py) in
-    dense_codes_linear's tiles of 64 output columns: codes [N / 64, K, 64], scales and zeros [N / 64, groups, 64], N
-    padded with zero codes, scales and zeros."""
+def pack_codes(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple:
+    """Group-quantized codes q [N, K] (int8) with float32 scales and zeros [N, K / group_size] (kernels/quant.py) as
+    dense_codes_linear takes them: (codes, scales, zeros, products_exact), in tiles of 64 output columns, N padded
+    with zero codes, scales and zeros. Codes all in [0, 15] go two a byte, uint8 [N / 64, K, 32] (columns j and
+    j + 32 in a byte's low and high nibbles), others as int8 [N / 64, K, 64]; scales and zeros [N / 64, groups, 64]
+    go as float16 where every one of them is a float16 value (GGUF's 4-bit blocks, int4), else as float32."""
     tiles = -(-q.shape[0] // TILE_F32)
 
     def tiled(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         t = F.pad(t.to(dtype), (0, 0, 0, tiles * TILE_F32 - t.shape[0]))
         return t.reshape(tiles, TILE_F32, -1).transpose(1, 2).contiguous()
 
-    return tiled(q, torch.int8), tiled(scales, torch.float32), tiled(zeros, torch.float32)
+    codes = tiled(q, torch.int8)
+    if bool(q.min() >= 0) and bool(q.max() <= 15):
+        codes = (codes[..., : TILE_F32 // 2] | (codes[..., TILE_F32 // 2 :] << 4)).view(torch.uint8)
+    dtype = torch.float16 if all(torch.equal(t.half().float(), t) for t in (scales, zeros)) else torch.float32
+    return codes, tiled(scales, dtype), tiled(zeros, dtype), products_exact(q, scales)
+
+
+def products_exact(q: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether every code times its scale is exact in float32: the codes' bits and the scales' significant bits
+    add up to at most 24 (a 4-bit code times a float16 scale takes 15), all far from float32's limits. Then one fused
+    multiply-add forms a weight with the bits of dequantize()'s product rounded, then added."""
+    s = scales.abs()
+    s = s[s != 0]
+    if s.numel() == 0:
+        return True
+    if bool(s.min() < 2.0**-100) or bool(s.max() > 2.0**100):
+        return False
+    significand = (torch.frexp(s).mantissa.double() * 2.0**24).to(torch.int64)  # 24 bits, exactly
+    scale_bits = 24 - int(torch.log2((significand & -significand).double()).min())  # less the trailing zeros
+    code_bits = max(int(q.max()), -int(q.min())).bit_length()
+    return scale_bits + code_bits <= 24
 
 
 def packed_view(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
@@ -112,9 +135,9 @@ def dense_kernel(dtype: torch.dtype = torch.bfloat16):
 
 @functools.cache
 def dense_codes_kernel():
-    """dense_codes_linear (x, codes, scales, zeros, group_size, n) -> x @ w.T in float32 for pack_codes' tiles, or
-    None where the CPU kernels cannot be built or the CPU lacks AVX2 with FMA or has AVX-512 (whose dense_linear sums
-    otherwise)."""
+    """dense_codes_linear (x, codes, scales, zeros, products_exact, group_size, n) -> x @ w.T in float32 for
+    pack_codes' layout, or None where the CPU kernels cannot be built or the CPU lacks AVX2 with FMA and F16C or has
+    AVX-512 (whose dense_linear sums otherwise)."""
     from kernels.cpu_ops import try_load
 
     return (

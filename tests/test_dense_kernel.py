@@ -145,37 +145,69 @@ def test_invariant_float32_layer_gives_each_row_its_bits_alone(n, k, bias):
         assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
 
 
-# 4-bit codes in groups of 32 (GGUF's Q4_1), 8-bit in groups of 16, 48 (straddling a chain of 1,024 inputs) and one
-# a row; K under and over 1,024; N whole tiles and a part-filled last one.
-CODE_CASES = [
-    ("int4/32", 960, 576),
-    ("int4/32", 100, 2080),
-    ("int8/16", 576, 1536),
-    ("int8/48", 64, 1536),
-    ("int8/row", 200, 1536),
-]
+# 4-bit codes in groups of 32 with float16 scales (GGUF's Q4_1) and with float32 ones (Q4_K's, a float16 times a 6-bit
+# integer), 8-bit in groups of 32 with float16 scales (Q8_0), 16, 48 (straddling a chain of 1,024 inputs) and one a
+# row; K under and over 1,024; N whole tiles and a part-filled last one. Each case's layout: the codes' and scales'
+# dtypes, and whether every code times its scale is exact in float32 (one FMA forms a weight).
+CODE_CASES = {
+    ("int4/32", 960, 576): (torch.uint8, torch.float16, True),
+    ("int4/32", 100, 2080): (torch.uint8, torch.float16, True),
+    ("q4k/32", 200, 1088): (torch.uint8, torch.float32, True),
+    ("q8_0/32", 200, 1536): (torch.int8, torch.float16, True),
+    ("int8/16", 576, 1536): (torch.int8, torch.float32, False),
+    ("int8/48", 64, 1536): (torch.int8, torch.float32, False),
+    ("int8/row", 200, 1536): (torch.int8, torch.float32, False),
+}
 
 
 def _codes(kind: str, n: int, k: int, gen: torch.Generator):
     w = torch.randn(n, k, generator=gen)
     bits, group = kind.split("/")
     group_size = k if group == "row" else int(group)
-    return (quantize_int4 if bits == "int4" else quantize_int8)(w, group_size)
+    q, scales, zeros = (quantize_int4 if bits in ("int4", "q4k") else quantize_int8)(w, group_size)
+    if bits == "q4k":  # a float16 times a 6-bit sub-block scale: exact in float32, mostly not a float16
+        scales = scales * torch.randint(1, 64, scales.shape, generator=gen).float()
+    elif bits == "q8_0":
+        scales = scales.half().float()
+    return q, scales, zeros
 
 
 @codes
 @pytest.mark.parametrize("kind, n, k", CODE_CASES)
 def test_dense_codes_linear_gives_the_dequantized_weights_bits(kind, n, k):
     """Each weight formed in registers as dequantize() forms it, each column summed as dense_linear sums it: the same
-    bits as dense_linear on the dequantized weight, at every row count."""
+    bits as dense_linear on the dequantized weight, at every row count, in each layout of the codes."""
     gen = torch.Generator().manual_seed(n + k)
     q, scales, zeros = _codes(kind, n, k, gen)
     _, view = _packed(dequantize(q, scales, zeros))
     packed = pack_codes(q, scales, zeros)
+    codes_dtype, scales_dtype, exact = CODE_CASES[kind, n, k]
+    assert (packed[0].dtype, packed[1].dtype, packed[2].dtype, packed[3]) == (
+        codes_dtype,
+        scales_dtype,
+        scales_dtype,
+        exact,
+    )
+    assert packed[0].shape == (-(-n // 64), k, 32 if codes_dtype == torch.uint8 else 64)
     for rows in (1, 2, 3, 4, 7):
         x = torch.randn(rows, k, generator=gen)
         got = torch.ops.llmmesh_dense.dense_codes_linear(x, *packed, k // scales.shape[1], n)
         assert torch.equal(got, torch.ops.llmmesh_dense.dense_linear(x, view, n, None)), f"{rows} rows"
+
+
+@codes
+def test_dense_codes_linear_refuses_a_layout_it_does_not_read():
+    gen = torch.Generator().manual_seed(3)
+    q, scales, zeros = _codes("int4/32", 64, 64, gen)
+    codes, halves, zero_halves, exact = pack_codes(q, scales, zeros)
+    x = torch.randn(1, 64, generator=gen)
+    op = torch.ops.llmmesh_dense.dense_codes_linear
+    with pytest.raises(RuntimeError, match="both float32 or both float16"):
+        op(x, codes, halves, zero_halves.float(), exact, 32, 64)
+    with pytest.raises(RuntimeError, match=r"uint8 \[tiles, K, 32\]"):
+        op(x, codes.view(torch.int8), halves, zero_halves, exact, 32, 64)  # 32 int8 codes an input
+    with pytest.raises(RuntimeError, match="K > 0"):
+        op(x[:, :0], codes[:, :0], halves[:, :0], zero_halves[:, :0], exact, 32, 64)
 
 
 @codes

@@ -46,10 +46,11 @@ from kernels.quant import (
 INT4_GROUP_SIZE = 32
 # Most rows a CPU step runs on the int4/int8 kernels; above it oneDNN on the dequantized weight is faster.
 CPU_KERNEL_MAX_ROWS = 4
-# Most rows a float32 CPU step runs codes on dense_codes_linear (kernels/dense.py): a quarter of the float32 weight's
-# bytes, formed in registers, so the rows' work grows faster than dense_linear's. On an EPYC Zen 3 (AVX2) SmolLM2's
-# 120 products took 0.37 / 0.53 / 0.89 / 1.27 of dense_linear's time at 1 / 2 / 4 / 8 rows.
-CODES_MAX_ROWS = 4
+# Most rows a float32 CPU step runs codes on dense_codes_linear (kernels/dense.py): 4-bit codes and their float16
+# scales are about a sixth of the float32 weight's bytes, and each weight formed serves up to 4 rows. On an EPYC Zen 3
+# (AVX2) SmolLM2's 120 products as 4-bit codes took 0.32-0.34 / 0.34-0.40 / 0.51-0.57 / 0.68-0.95 / 1.1-1.2 of
+# dense_linear's time at 1 / 2 / 4 / 8 / 16 rows.
+CODES_MAX_ROWS = 8
 # The same for int8_dot_linear, by its packed group's bytes: 4-bit codes (320) or 8-bit (576), each where it stops
 # beating oneDNN (AVX512-VNNI, docs/benchmarks.md). Where oneDNN takes no bfloat16 (a CPU without AVX-512) the rest
 # run on F.linear, which it beats at every row count: on an EPYC Zen 3 (AVX2), 0.07-0.41 of its time from 1 to 512
@@ -214,9 +215,10 @@ class GroupQuantLinearMethod(LinearMethodBase):
 
     def _codes_sum_as_dense(self, layer) -> bool:
         """Whether the codes' float32 kernel gives the bits of the dequantized weight's own product (dense_linear, or
-        oneDNN where that is not the kernel at these rows: then it does not) at one row and at CODES_MAX_ROWS."""
+        oneDNN where that is not the kernel at these rows: then it does not) at 1, 2 and 3 rows and at CODES_MAX_ROWS
+        (the kernel's passes take 1, 2, 3 or 4 rows)."""
         gen = torch.Generator().manual_seed(0)
-        xs = [torch.randn(m, layer.input_size, generator=gen) for m in (1, CODES_MAX_ROWS)]
+        xs = [torch.randn(m, layer.input_size, generator=gen) for m in (1, 2, 3, CODES_MAX_ROWS)]
         return all(torch.equal(self.apply(layer, x), self.dense.apply(layer, x)) for x in xs)
 
     def apply(self, layer, x):

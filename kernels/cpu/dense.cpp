@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -263,50 +264,147 @@ void dense_f32(const float* w, int64_t tiles, int64_t k_padded, const float* x, 
 }
 
 // Group-quantized codes in float32 (kernels/quant.py's format: w[n, k] = q[n, k] * scale + zero, a float32 multiply
-// then an add, per group of inputs), for a decode step's few rows: the codes are a quarter of the float32 weight's
-// bytes, and the rows are bound by reading the weight. The codes come in dense_f32's tiles of 64 columns (each
-// input's 64 int8 codes in order), the scales and zeros as [tiles, groups, 64]; each weight is formed in registers
-// as dequantize() forms it, and each column summed as dense_f32 sums it (chains of CHAIN_F32_AVX2 inputs in order,
-// added in order), so a row's output has dense_linear's bits on the dequantized weight.
-void codes_tile_row(const int8_t* codes, const float* scales, const float* zeros, int64_t k, int64_t group_size,
-                    const float* x, float* out, int64_t n, int64_t col) {
-  __m256 total[8];
-  for (int64_t c0 = 0; c0 < k; c0 += CHAIN_F32_AVX2) {
-    const int64_t c1 = std::min(k, c0 + CHAIN_F32_AVX2);
-    __m256 acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = c0; i < c1;) {  // a group at a time (or the part of one in this chain)
-      const int64_t g = i / group_size, end = std::min(c1, (g + 1) * group_size);
-      const float* s = scales + g * TILE_F32;
-      const float* z = zeros + g * TILE_F32;
-      for (; i < end; ++i) {
-        const int8_t* q = codes + i * TILE_F32;
-        _mm_prefetch(reinterpret_cast<const char*>(q) + PREFETCH_BYTES, _MM_HINT_T1);  // 64 bytes an input
-        const __m256 xb = _mm256_broadcast_ss(x + i);
-        for (int j = 0; j < 8; ++j) {
-          const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j));
-          __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), _mm256_loadu_ps(s + 8 * j));
-          __asm__("" : "+x"(w));  // the product rounded before the add, as dequantize() rounds it: no FMA here
-          w = _mm256_add_ps(w, _mm256_loadu_ps(z + 8 * j));
-          acc[j] = _mm256_fmadd_ps(xb, w, acc[j]);
-        }
-      }
-    }
-    for (int j = 0; j < 8; ++j) total[j] = c0 == 0 ? acc[j] : _mm256_add_ps(total[j], acc[j]);
+// then an add, per group of inputs), for a decode step's few rows: the rows are bound by reading the weight, and the
+// codes are an eighth (4-bit) or a quarter (8-bit) of the float32 weight's bytes. The codes come in dense_f32's tiles
+// of 64 columns: each input's 64 int8 codes in order, or, for codes in [0, 15], 32 bytes whose low nibbles are columns
+// 0-31 and high nibbles columns 32-63. The scales and zeros are [tiles, groups, 64], float32 or (where every one is a
+// float16 value, as GGUF's 4-bit blocks hold them) float16, converted exactly. Each weight is formed in registers as
+// dequantize() forms it, and each column summed as dense_f32 sums it (chains of CHAIN_F32_AVX2 inputs in order, added
+// in order), so a row's output has dense_linear's bits on the dequantized weight.
+
+// Columns 8 p .. 8 p + 7 and 32 + 8 p .. 32 + 8 p + 7 (p < 4) of one input's codes as int32. 4-bit codes: bytes
+// 8 p .. 8 p + 7 widened, whose low nibbles are the first eight columns and high nibbles the second.
+template <bool NIBBLES>
+inline void codes_of(const uint8_t* q, int p, __m256i& lo, __m256i& hi) {
+  if constexpr (NIBBLES) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * p)));
+    lo = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F));
+    hi = _mm256_srli_epi32(bytes, 4);
+  } else {
+    lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * p)));
+    hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 32 + 8 * p)));
   }
-  alignas(32) float sums[TILE_F32];
-  for (int j = 0; j < 8; ++j) _mm256_store_ps(sums + 8 * j, total[j]);
-  std::copy_n(sums, std::min(TILE_F32, n - col), out + col);
 }
 
-void codes_f32(const int8_t* codes, const float* scales, const float* zeros, int64_t tiles, int64_t k,
-               int64_t group_size, const float* x, int64_t rows, int64_t x_stride, float* out, int64_t n) {
-  const int64_t groups = k / group_size;
+// A group's 64 scales or zeros as float32: where they are (float32), or converted into buf (float16).
+template <typename S>
+inline const float* group_floats(const S* src, float* buf) {
+  if constexpr (std::is_same_v<S, float>) {
+    return src;
+  } else {
+    for (int j = 0; j < 8; ++j)
+      _mm256_store_ps(buf + 8 * j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8 * j))));
+    return buf;
+  }
+}
+
+// A weight from its code: EXACT, every code times its scale is exact in float32 (kernels/dense.py's products_exact),
+// so one FMA gives the bits of dequantize()'s rounded sum; otherwise the product is rounded before the add, as there.
+template <bool EXACT>
+inline __m256 weight_of(__m256i code, __m256 scale, __m256 zero) {
+  const __m256 c = _mm256_cvtepi32_ps(code);
+  if constexpr (EXACT) {
+    return _mm256_fmadd_ps(c, scale, zero);
+  } else {
+    __m256 w = _mm256_mul_ps(c, scale);
+    __asm__("" : "+x"(w));  // rounded before the add: no FMA contraction here
+    return _mm256_add_ps(w, zero);
+  }
+}
+
+constexpr int64_t CODES_BLOCK = 128;  // inputs whose codes (4 or 8 KB) stay in L1 while the passes read them
+constexpr int CODES_ROWS = 4;         // rows a pass at most
+
+// ROWS rows against one tile of codes. Over a block of inputs, passes each take PAIRS of the tile's pairs of registers
+// of columns (p and p + 4, which one load of 4-bit codes holds), so that each weight formed serves every row and a
+// pass has at least eight independent chains of FMAs (one row: the whole tile in one pass). A column's chain runs
+// over the inputs in order, waiting in chains[] between blocks.
+template <bool NIBBLES, bool EXACT, int ROWS, typename S>
+void codes_tile_rows(const uint8_t* codes, const S* scales, const S* zeros, int64_t k, int64_t group_size,
+                     const float* x, int64_t x_stride, float* out, int64_t n, int64_t col) {
+  constexpr int64_t BYTES = NIBBLES ? TILE_F32 / 2 : TILE_F32;  // an input's codes
+  constexpr int PAIRS = ROWS == 1 ? 4 : ROWS == 2 ? 2 : 1;
+  alignas(32) float s_buf[TILE_F32], z_buf[TILE_F32];
+  alignas(32) float chains[ROWS][TILE_F32], totals[ROWS][TILE_F32];
+  for (int64_t c0 = 0; c0 < k; c0 += CHAIN_F32_AVX2) {
+    const int64_t c1 = std::min(k, c0 + CHAIN_F32_AVX2);
+    for (int64_t b0 = c0; b0 < c1;) {  // a block: within one group and one chain
+      const int64_t g = b0 / group_size, b1 = std::min({c1, (g + 1) * group_size, b0 + CODES_BLOCK});
+      const float* s = group_floats(scales + g * TILE_F32, s_buf);
+      const float* z = group_floats(zeros + g * TILE_F32, z_buf);
+      const char* next = reinterpret_cast<const char*>(codes + b1 * BYTES);  // the next block's codes, into L2
+      for (int64_t line = 0; line < (b1 - b0) * BYTES; line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
+      for (int p0 = 0; p0 < 4; p0 += PAIRS) {
+        __m256 acc[ROWS][PAIRS][2];
+        #pragma GCC unroll 8
+        for (int r = 0; r < ROWS; ++r)
+          #pragma GCC unroll 8
+          for (int p = 0; p < PAIRS; ++p)
+            #pragma GCC unroll 8
+            for (int h = 0; h < 2; ++h)
+              acc[r][p][h] = b0 == c0 ? _mm256_setzero_ps() : _mm256_load_ps(&chains[r][32 * h + 8 * (p0 + p)]);
+        __m256 sv[PAIRS][2], zv[PAIRS][2];  // in registers for one pair; read from L1 for more
+        #pragma GCC unroll 8
+        for (int p = 0; p < PAIRS; ++p)
+          #pragma GCC unroll 8
+          for (int h = 0; h < 2; ++h) {
+            sv[p][h] = _mm256_loadu_ps(s + 32 * h + 8 * (p0 + p));
+            zv[p][h] = _mm256_loadu_ps(z + 32 * h + 8 * (p0 + p));
+          }
+        for (int64_t i = b0; i < b1; ++i) {
+          const uint8_t* q = codes + i * BYTES;
+          #pragma GCC unroll 8
+          for (int p = 0; p < PAIRS; ++p) {
+            __m256i c_lo, c_hi;
+            codes_of<NIBBLES>(q, p0 + p, c_lo, c_hi);
+            const __m256 w_lo = weight_of<EXACT>(c_lo, sv[p][0], zv[p][0]);
+            const __m256 w_hi = weight_of<EXACT>(c_hi, sv[p][1], zv[p][1]);
+            #pragma GCC unroll 8
+            for (int r = 0; r < ROWS; ++r) {
+              const __m256 xb = _mm256_broadcast_ss(x + r * x_stride + i);
+              acc[r][p][0] = _mm256_fmadd_ps(xb, w_lo, acc[r][p][0]);
+              acc[r][p][1] = _mm256_fmadd_ps(xb, w_hi, acc[r][p][1]);
+            }
+          }
+        }
+        #pragma GCC unroll 8
+        for (int r = 0; r < ROWS; ++r)
+          #pragma GCC unroll 8
+          for (int p = 0; p < PAIRS; ++p)
+            #pragma GCC unroll 8
+            for (int h = 0; h < 2; ++h) _mm256_store_ps(&chains[r][32 * h + 8 * (p0 + p)], acc[r][p][h]);
+      }
+      b0 = b1;
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r)
+      for (int j = 0; j < TILE_F32; j += 8) {
+        const __m256 chain = _mm256_load_ps(&chains[r][j]);
+        _mm256_store_ps(&totals[r][j], c0 == 0 ? chain : _mm256_add_ps(_mm256_load_ps(&totals[r][j]), chain));
+      }
+  }
+  #pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) std::copy_n(totals[r], std::min(TILE_F32, n - col), out + r * n + col);
+}
+
+template <bool NIBBLES, bool EXACT, typename S>
+void codes_f32(const uint8_t* codes, const S* scales, const S* zeros, int64_t tiles, int64_t k, int64_t group_size,
+               const float* x, int64_t rows, int64_t x_stride, float* out, int64_t n) {
+  const int64_t groups = k / group_size, tile_bytes = k * (NIBBLES ? TILE_F32 / 2 : TILE_F32);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      for (int64_t r = 0; r < rows; ++r)
-        codes_tile_row(codes + t * k * TILE_F32, scales + t * groups * TILE_F32, zeros + t * groups * TILE_F32, k,
-                       group_size, x + r * x_stride, out + r * n, n, t * TILE_F32);
+      for (int64_t m = 0; m < rows; m += CODES_ROWS) {
+        const uint8_t* c = codes + t * tile_bytes;
+        const S *s = scales + t * groups * TILE_F32, *z = zeros + t * groups * TILE_F32;
+        const float* xm = x + m * x_stride;
+        float* o = out + m * n;
+        switch (std::min<int64_t>(rows - m, CODES_ROWS)) {
+#define ROWS_CASE(R) \
+  case R: codes_tile_rows<NIBBLES, EXACT, R>(c, s, z, k, group_size, xm, x_stride, o, n, t * TILE_F32); break;
+          ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+#undef ROWS_CASE
+        }
+      }
   });
 }
 
@@ -388,33 +486,55 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
 }
 
 bool dense_codes_supported() {
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   return true;
 #else
   return false;
 #endif
 }
 
-// x [M, K] float32; codes int8 [tiles, K, 64], scales and zeros float32 [tiles, K / group_size, 64] (kernels/dense.py's
-// pack_codes), of which n columns are real. Returns x @ w.T [M, n] for w the codes' dequantized weight, without bias.
+// x [M, K] float32; codes [tiles, K, 64] int8 or, for 4-bit codes, [tiles, K, 32] uint8 (two a byte); scales and zeros
+// [tiles, K / group_size, 64], both float32 or both float16 (kernels/dense.py's pack_codes), of which n columns are
+// real; products_exact: every code times its scale is exact in float32 (pack_codes says). Returns x @ w.T [M, n] for
+// w the codes' dequantized weight, without bias.
 at::Tensor dense_codes_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                              const at::Tensor& zeros, int64_t group_size, int64_t n) {
-  TORCH_CHECK(dense_codes_supported(), "dense_codes_linear needs AVX2 with FMA (and runs only where AVX-512 is absent)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [M, K]");
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kChar && codes.is_contiguous() &&
-                  codes.size(2) == TILE_F32 && codes.size(1) == x.size(1),
-              "codes must be int8 [tiles, K, 64] (kernels/dense.py's pack_codes)");
+                              const at::Tensor& zeros, bool products_exact, int64_t group_size, int64_t n) {
+  TORCH_CHECK(dense_codes_supported(),
+              "dense_codes_linear needs AVX2 with FMA and F16C (and runs only where AVX-512 is absent)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0, "x must be float32 [M, K], K > 0");
+  const bool nibbles = codes.scalar_type() == at::kByte;
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(1) == x.size(1) &&
+                  ((codes.scalar_type() == at::kChar && codes.size(2) == TILE_F32) ||
+                   (nibbles && codes.size(2) == TILE_F32 / 2)),
+              "codes must be int8 [tiles, K, 64] or uint8 [tiles, K, 32] (kernels/dense.py's pack_codes)");
   TORCH_CHECK(group_size > 0 && x.size(1) % group_size == 0, "K must be a multiple of group_size");
+  const bool halves = scales.scalar_type() == at::kHalf;
   for (const auto* t : {&scales, &zeros})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == codes.size(0) &&
-                    t->size(1) == x.size(1) / group_size && t->size(2) == TILE_F32,
-                "scales and zeros must be float32 [tiles, K / group_size, 64]");
+    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
+                    t->scalar_type() == scales.scalar_type() && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == codes.size(0) && t->size(1) == x.size(1) / group_size && t->size(2) == TILE_F32,
+                "scales and zeros must be both float32 or both float16 [tiles, K / group_size, 64]");
   TORCH_CHECK(n > (codes.size(0) - 1) * TILE_F32 && n <= codes.size(0) * TILE_F32, "n must fall in the last tile");
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({x.size(0), n}, x.options());
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-  codes_f32(codes.data_ptr<int8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), codes.size(0), x.size(1),
-            group_size, xc.data_ptr<float>(), x.size(0), xc.size(1), out.data_ptr<float>(), n);
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  const auto* q = static_cast<const uint8_t*>(codes.data_ptr());
+  // The layout's three choices as template arguments: 4-bit codes, exact products, float16 scales.
+  const auto run = [&](auto nib, auto exact, const auto* s, const auto* z) {
+    codes_f32<decltype(nib)::value, decltype(exact)::value>(q, s, z, codes.size(0), x.size(1), group_size,
+                                                            xc.data_ptr<float>(), x.size(0), xc.size(1),
+                                                            out.data_ptr<float>(), n);
+  };
+  const auto with_scales = [&](auto nib, auto exact) {
+    if (halves)
+      run(nib, exact, static_cast<const uint16_t*>(scales.data_ptr()), static_cast<const uint16_t*>(zeros.data_ptr()));
+    else
+      run(nib, exact, scales.data_ptr<float>(), zeros.data_ptr<float>());
+  };
+  const auto with_exact = [&](auto nib) {
+    products_exact ? with_scales(nib, std::true_type{}) : with_scales(nib, std::false_type{});
+  };
+  nibbles ? with_exact(std::true_type{}) : with_exact(std::false_type{});
 #endif
   return out;
 }
