@@ -23,7 +23,7 @@ from engine.models.linear import (
 )
 from engine.models.llama import LlamaAttention, LlamaForCausalLM
 from engine.models.quantization import get_embedding_method, get_linear_method
-from engine.models.utils import first_stage_only, last_stage_only, make_layers
+from engine.models.utils import first_stage_only, last_stage_only, make_layers, stage_layers
 
 
 class Gemma2Attention(LlamaAttention):
@@ -105,7 +105,9 @@ class Gemma2ForCausalLM(nn.Module):
         else:
             x = intermediate_tensors["hidden_states"]
         cos_sin = {kind: rope(positions, x.dtype) for kind, rope in self.rotary.items()}
-        for layer, kv_cache, metadata in zip(self.layers[self.start_layer : self.end_layer], kv_caches, attn_metadata):
+        for layer, kv_cache, metadata in zip(
+            stage_layers(self.layers, self.start_layer, self.end_layer), kv_caches, attn_metadata
+        ):
             x = layer(x, kv_cache, metadata, cos_sin[layer.layer_type])
         return self.norm(x) if is_last_stage() else x
 

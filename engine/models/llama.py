@@ -24,7 +24,7 @@ from engine.models.linear import (
     tie_weights,
 )
 from engine.models.quantization import get_embedding_method, get_linear_method
-from engine.models.utils import first_stage_only, last_stage_only, load_fused_weights, make_layers
+from engine.models.utils import first_stage_only, last_stage_only, load_fused_weights, make_layers, stage_layers
 
 
 class LlamaAttention(nn.Module):
@@ -141,7 +141,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos_sin = self.rotary(positions, x.dtype)
-        for layer, kv_cache, metadata in zip(self.layers[self.start_layer : self.end_layer], kv_caches, attn_metadata):
+        for layer, kv_cache, metadata in zip(
+            stage_layers(self.layers, self.start_layer, self.end_layer), kv_caches, attn_metadata
+        ):
             x = layer(x, kv_cache, metadata, cos_sin)
         return self.norm(x) if is_last_stage() else x
 
